@@ -1,0 +1,1 @@
+"""deepinfer-sg front door (placeholder)."""
