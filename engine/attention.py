@@ -1,0 +1,102 @@
+"""Attention of one DeepSeek-V4 / V4.1 layer.
+
+Per token: low-rank query (`wq_a` -> `q_norm` -> `wq_b`, V4 also normalizes every head), one shared 512-dim
+KV vector (`wkv` -> `kv_norm`, K = V), RoPE on the last rope dims, keys = own sliding window (W keys incl.
+self) plus, on compressed layers, the kv source's compressed entries (all visible ones, or the index source's
+top-k). Softmax with a per-head sink logit (extra logit, no value), inverse RoPE on the output, then the grouped
+low-rank output projection (`wo_a` block-diagonal per head group, `wo_b` dense).
+
+The parameter names are DeepSeek's: `attn.{wq_a,q_norm,wq_b,wkv,kv_norm,wo_a,wo_b}.weight`, `attn.attn_sink`,
+`attn.compressor.*`, `attn.indexer.*`.
+
+Building blocks are public for the DSpark drafter: `project_q`, `project_kv`, `attend`, `output`.
+Cost per token: the projections (H*Lq + Lq*nh*D + H*D + nh*D*Lo + G*Lo*H multiply-adds) plus nh*D*(W + k)
+for attention over W window keys and k selected compressed entries.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .compressor import Compressor
+from .config import LayerSpec, ModelConfig
+from .indexer import Indexer
+from .norm import RMSNorm, rms_normalize
+from .rope import apply_rope
+
+
+def attend_with_sink(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, sinks: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q [n, nh, D], keys [S, D] (also the values), bias [n, S] additive (0 or -inf), sinks [nh] -> [n, nh, D].
+
+    softmax over [q.k * scale + bias, sink]; the sink's probability mass is dropped (it has no value)."""
+    s = torch.einsum("nhd,sd->nhs", q, keys).float() * scale + bias.unsqueeze(1).float()
+    sink = sinks.float().view(1, -1, 1).expand(s.shape[0], -1, 1)
+    logits = torch.cat([s, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    p = torch.softmax(logits, dim=-1)[..., :-1]
+    return torch.einsum("nhs,sd->nhd", p.to(keys.dtype), keys).to(q.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, spec: LayerSpec, layer_id: int | None):
+        super().__init__()
+        c = config
+        self.config, self.spec, self.layer_id = c, spec, layer_id
+        self.nh, self.D = c.num_heads, c.head_dim
+        eps = c.rms_norm_eps
+        self.wq_a = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(c.q_lora_rank, eps)
+        self.wq_b = nn.Linear(c.q_lora_rank, c.num_heads * c.head_dim, bias=False)
+        self.wkv = nn.Linear(c.hidden_size, c.head_dim, bias=False)
+        self.kv_norm = RMSNorm(c.head_dim, eps)
+        self.wo_a = nn.Linear(c.num_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(c.num_heads, dtype=torch.float32))
+        self.scale = c.head_dim ** -0.5
+        self.act_qdq = None   # set by Model.quant_sim: FP8 QDQ of the wo_a input (the attention context)
+        r = spec.ratio
+        v4 = c.compressor_style == "v4"
+        if layer_id is not None and spec.kv_source == layer_id:
+            overlap = v4 and spec.index_source == layer_id
+            self.compressor = Compressor(c.hidden_size, c.head_dim, r, overlap=overlap, gated=v4 or r > 1,
+                                         ape=v4, eps=eps)
+        if layer_id is not None and (spec.index_source == layer_id or spec.index_k_source == layer_id):
+            self.indexer = Indexer(hidden=c.hidden_size, q_lora_rank=c.q_lora_rank, head_dim=c.head_dim,
+                                   n_heads=c.index_n_heads, idx_dim=c.index_head_dim, ratio=r, eps=eps,
+                                   own_compressor=v4 and spec.index_source == layer_id,
+                                   owns_keys=(not v4) and spec.index_k_source == layer_id)
+            if not v4 and spec.index_source != layer_id:
+                # an index-K-only layer owns wk/k_norm but no query side
+                del self.indexer.wq_b, self.indexer.weights_proj
+
+    # ---- building blocks ----
+    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [T, H] (attn-norm output) -> (q [T, nh, D] rotated, qr [T, Lq] for the indexer)."""
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).view(x.shape[0], self.nh, self.D)
+        if self.config.q_norm:
+            q = rms_normalize(q, self.config.rms_norm_eps)
+        return apply_rope(q, cos, sin), qr
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> window key/value [T, D], normalized and rotated."""
+        return apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, block: int = 256) -> torch.Tensor:
+        """q [n, nh, D] against keys [S, D] with additive bias [n, S] -> [n, nh, D]; queries in blocks of `block`."""
+        outs = [attend_with_sink(q[i:i + block], keys, bias[i:i + block], self.attn_sink, self.scale)
+                for i in range(0, q.shape[0], block)]
+        return torch.cat(outs) if outs else q.new_zeros(q.shape)
+
+    def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """o [T, nh, D] -> [T, H]: inverse RoPE at the query positions, then the grouped low-rank projection."""
+        T = o.shape[0]
+        o = apply_rope(o, cos, sin, inverse=True)
+        G = self.config.o_groups
+        g = o.reshape(T, G, -1)                                            # heads 0..nh/G-1 -> group 0, ...
+        if self.act_qdq is not None:
+            g = self.act_qdq(g)
+        w = self.wo_a.weight.view(G, -1, g.shape[-1])                      # [G, Lo, nh/G*D]
+        u = torch.einsum("tgi,goi->tgo", g, w).reshape(T, -1)
+        return self.wo_b(u)

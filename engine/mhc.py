@@ -1,0 +1,53 @@
+"""Manifold-constrained hyper-connections (mHC): M residual streams mixed around every sub-layer.
+
+For a sub-layer with parameters (fn [(2+M)M, M*H], base [(2+M)M], scale [3]) the residual R [T, M, H] gives
+  pre  [T, M]    (how to read the sub-layer input out of the streams),
+  post [T, M]    (how to write the sub-layer output into the streams),
+  comb [T, M, M] (doubly-stochastic stream mixing, Sinkhorn-projected; comb[j, k]: source j -> destination k).
+All in fp32. Cost per token: one (M*H x (2+M)M) matvec plus O(iters * M^2).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .norm import rms_normalize
+
+
+def hc_mixes(R: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, eps: float,
+             hc_eps: float, iters: int, post_mult: float = 2.0):
+    T, M, H = R.shape
+    flat = rms_normalize(R.reshape(T, M * H).float(), eps)
+    mix = F.linear(flat, fn.float())
+    pre_w, post_w, comb_w = mix.split([M, M, M * M], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([M, M, M * M])
+    s = scale.float()
+    pre = torch.sigmoid(pre_w * s[0] + pre_b) + hc_eps
+    post = post_mult * torch.sigmoid(post_w * s[1] + post_b)
+    comb = torch.softmax(comb_w.view(T, M, M) * s[2] + comb_b.view(M, M), dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    return pre, post, comb
+
+
+def hc_pre(R: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Read one hidden [T, H] out of the streams: sum_j pre[:, j] * R[:, j] (fp32 math, R's dtype out)."""
+    return (pre.unsqueeze(-1) * R).sum(dim=1).to(R.dtype)
+
+
+def hc_post(R: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """R'[:, k] = post[:, k] * y + sum_j comb[:, j, k] * R[:, j]  (fp32 math, stored in R's dtype)."""
+    out = post.unsqueeze(-1) * y.float().unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), R.float())
+    return out.to(R.dtype)
+
+
+def hc_head_collapse(R: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, eps: float,
+                     hc_eps: float) -> torch.Tensor:
+    """V4's final collapse (non-shifted schedule): its own pre-mix from `hc_head_{fn,base,scale}`."""
+    T, M, H = R.shape
+    flat = rms_normalize(R.reshape(T, M * H).float(), eps)
+    mix = F.linear(flat, fn.float())
+    pre = torch.sigmoid(mix * scale.float() + base.float()) + hc_eps
+    return (pre.unsqueeze(-1) * R).sum(dim=1).to(R.dtype)

@@ -1,0 +1,564 @@
+"""The DeepSeek-V4 / V4.1 network: embeddings, mHC blocks (attention + MoE), final collapse, norm and head.
+
+One code path serves both entry points:
+  * `forward_step(chunks)`: each chunk = (SequenceCache, new token ids, how many logit rows to return). Dense parts
+    (projections, MoE, mHC) run batched over all chunks' tokens. Caches advance in place. Two paths, same results
+    to round-off:
+      - reference (prefill, any chunk longer than batched.MAX_FAST_ROWS, YOCO compaction, `fast_decode=False`):
+        attention, compressors and indexers per sequence with a dense mask, MoE as a loop over experts;
+      - batched (decode / verify steps, engine/batched.py): attention of all rows in one
+        `kernels.sparse_attention` call over gathered window + selected compressed keys, batched compressors
+        and index scores, `kernels.hc_mixes` for the mHC mixes, `kernels.moe_experts` for the routed experts
+        (Triton on CUDA, the torch twins on CPU), one window append per sequence per step.
+  * `forward_logits(ids [B, S])`: fresh caches, one chunk per row (the full-sequence reference).
+
+V4 vs V4.1 is decided by config switches (see config.py): `hc_shifted`, `q_norm`, `compressor_style`, the
+kv/index/index-K source maps and candidate blocks. Engram (engine/engram.py) and the DSpark draft layers
+(engine/dspark.py) plug in where the spec puts them. Runtime switches on the model: `quant_sim` (QDQ simulation
+of DeepInfer's FP8/FP4 activations and caches, off by default) and `set_yoco(mode, keep)` (spec §3.3 prefill
+truncation of the decoder layers: "off" (default), "mask", "compact").
+
+Cost of a step: dense work O(T * active params); attention over <= W + index_topk keys per query (the reference
+path builds a dense [n, window + entries] bias per sequence, queries in blocks of 256). Host syncs per step: one
+(the token-id range check), plus whatever Engram's host-side table lookup needs.
+
+state_dict keys are DeepSeek's tensor names without the `model.` prefix.
+"""
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from deepinfer_sg import kernels
+
+from . import batched
+from .attention import Attention
+from .cache import LayerCache, SequenceCache
+from .config import LayerSpec, ModelConfig
+from .indexer import candidate_block_mask, topk_mask
+from .mhc import hc_head_collapse, hc_mixes, hc_post, hc_pre
+from .moe import MoE
+from .norm import RMSNorm
+from .rope import apply_rope, inv_freq, rope_cos_sin
+
+# parameters kept in fp32 whatever the model dtype (DeepSeek ships them in F32)
+_FP32_SUFFIXES = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
+                  "hc_head_fn", "hc_head_base", "hc_head_scale", "attn_sink", "gate.bias", "ape")
+
+
+def _quant():
+    """B2's runtime-quantization simulation functions (imported lazily: only needed when the switch is on)."""
+    return importlib.import_module("deepinfer_sg.engine.quant")
+
+
+# linears whose weights are FP8 / FP4 in the real checkpoint: their inputs are quantized to FP8 per 32 at run time
+_ACT_QUANT_LINEARS = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]"
+                                r"|ffn\.experts\.\d+\.w[123]|main_proj)$")
+
+
+def _act_qdq(x: torch.Tensor) -> torch.Tensor:
+    return _quant().qdq_fp8_ue8m0(x, 32).to(x.dtype)
+
+
+@dataclass
+class StepChunk:
+    cache: SequenceCache
+    token_ids: torch.Tensor          # LongTensor [n]
+    logit_rows: int = 1              # return logits for the last `logit_rows` tokens of this chunk
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor                          # fp32 [sum(logit_rows), V]
+    draft_features: torch.Tensor | None = None    # [T, n_targets * H]: mean of streams at the target layers
+    hidden: torch.Tensor | None = None            # [T, H] collapsed final hidden (before the final norm)
+
+
+@dataclass
+class _Seq:
+    cache: SequenceCache
+    start: int                  # position of the first row processed for this sequence
+    n: int                      # rows processed
+    off: int                    # offset of those rows in the flat token batch
+    rect_lo: int | None = None  # YOCO: decoder-layer windows start no earlier than this position
+    fresh_window: bool = False  # YOCO compact: older window keys are never visible, start the ring anew
+
+
+@dataclass
+class StepContext:
+    """What one forward step knows: the chunks, flat positions/ids, per-layer top-k and candidate masks."""
+    seqs: list[_Seq]
+    positions: torch.Tensor                    # [T]
+    token_ids: torch.Tensor                    # [T]
+    rope: dict = field(default_factory=dict)   # kind -> (cos, sin) at `positions`
+    topk: dict = field(default_factory=dict)   # index-source layer -> list of bool [n, G] per seq
+    cand: dict = field(default_factory=dict)   # candidate-source layer -> list of bool [n, G] per seq
+    captures: dict = field(default_factory=dict)  # layer -> [T, H] mean of streams (DSpark target features)
+    windows: torch.Tensor | None = None        # engram token windows [T, N] (computed on first use)
+    rows: torch.Tensor | None = None           # after YOCO compaction: kept rows' indices in the full batch
+    plan: "batched.BatchPlan | None" = None    # set when the step takes the batched decode/verify path
+
+
+class Block(nn.Module):
+    """One layer: [engram] -> mHC(attention) -> mHC(MoE). Parameter names are DeepSeek's (`attn_norm.weight`,
+    `hc_attn_fn`, `attn.*`, `ffn.*`, ...). `layer_id=None` builds a sliding-window-only block (DSpark drafter)."""
+
+    def __init__(self, config: ModelConfig, layer_id: int | None, spec: LayerSpec | None = None,
+                 n_experts: int | None = None, top_k: int | None = None, hashed: bool = False):
+        super().__init__()
+        c = config
+        self.config, self.layer_id = c, layer_id
+        self.spec = spec if spec is not None else c.layers[layer_id]
+        M, H = c.hc_mult, c.hidden_size
+        mix = (2 + M) * M
+        for name in ("attn", "ffn"):
+            self.register_parameter(f"hc_{name}_fn", nn.Parameter(torch.randn(mix, M * H) * 0.02))
+            self.register_parameter(f"hc_{name}_base", nn.Parameter(torch.zeros(mix)))
+            self.register_parameter(f"hc_{name}_scale", nn.Parameter(torch.ones(3)))
+        self.attn_norm = RMSNorm(H, c.rms_norm_eps)
+        self.ffn_norm = RMSNorm(H, c.rms_norm_eps)
+        self.attn = Attention(c, self.spec, layer_id)
+        self.ffn = MoE(H, c.moe_intermediate_size, n_experts or c.n_routed_experts, top_k or c.num_experts_per_tok,
+                       c.n_shared_experts, c.swiglu_limit, c.vocab_size, hashed, c.routed_scaling_factor)
+        if layer_id is not None and layer_id in c.engram_layer_ids:
+            try:
+                from .engram import Engram
+            except ImportError as e:
+                raise NotImplementedError(
+                    f"layer {layer_id} has an Engram block but engine/engram.py is not available ({e})") from None
+            self.engram = Engram(c, layer_id)
+
+    def mixes(self, R: torch.Tensor, which: str, fast: bool = False):
+        """(pre, post, comb) of sub-layer `which`; fast=True: the fused kernel (Triton on CUDA, twin on CPU)."""
+        c = self.config
+        if fast:
+            m = kernels.hc_mixes(R, getattr(self, f"hc_{which}_fn"), getattr(self, f"hc_{which}_base"),
+                                 getattr(self, f"hc_{which}_scale"), norm_eps=c.rms_norm_eps, hc_eps=c.hc_eps,
+                                 iters=c.hc_sinkhorn_iters, post_mult=c.hc_post_mult)
+            return m.pre, m.post, m.comb
+        return hc_mixes(R, getattr(self, f"hc_{which}_fn"), getattr(self, f"hc_{which}_base"),
+                        getattr(self, f"hc_{which}_scale"), eps=c.rms_norm_eps, hc_eps=c.hc_eps,
+                        iters=c.hc_sinkhorn_iters, post_mult=c.hc_post_mult)
+
+    def ffn_sublayer(self, R: torch.Tensor, a: torch.Tensor | None, token_ids: torch.Tensor | None,
+                     fast: bool = False, fast_moe: bool = False):
+        """mHC-wrapped MoE. a = previous sub-layer's pre-mix (shifted schedule) or None -> (R', this pre-mix).
+        fast / fast_moe: the fused mix kernel / the grouped routed-expert kernel (same results to round-off)."""
+        pre, post, comb = self.mixes(R, "ffn", fast)
+        x = hc_pre(R, a if self.config.hc_shifted else pre)
+        xn = self.ffn_norm(x)
+        y = self.ffn.forward_grouped(xn, token_ids) if fast_moe else self.ffn(xn, token_ids)
+        return hc_post(R, y, post, comb), pre
+
+
+class Model(nn.Module):
+    """DeepSeek-V4 / V4.1 causal LM. Build with the target dtype/device: `Model(config, dtype=torch.bfloat16)`
+    keeps the F32 tensors of the checkpoint (mHC, sinks, routing bias, ape) in fp32. `device="meta"` builds
+    shapes only (for loaders that fill `state_dict()` afterwards via `load_state_dict(..., assign=True)`)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 max_rollback: int = 16):
+        super().__init__()
+        self.config = config
+        self.max_rollback = max_rollback
+        self._quant_hooks: list = []
+        self.yoco_mode = "off"   # prefill truncation of the decoder layers: "off" | "mask" | "compact" (set_yoco)
+        self.yoco_keep = 0
+        # decode / verify steps (every chunk <= batched.MAX_FAST_ROWS rows) take the batched path with the
+        # kernels; False forces the per-sequence reference path everywhere (same results to round-off)
+        self.fast_decode = True
+        c = config
+        with torch.device(device):
+            self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
+            self.layers = nn.ModuleList(
+                Block(c, i, hashed=c.mlp_layer_types[i] == "hash_moe") for i in range(c.num_layers))
+            self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+            if not c.hc_shifted:
+                M = c.hc_mult
+                self.hc_head_fn = nn.Parameter(torch.randn(M, M * c.hidden_size) * 0.02)
+                self.hc_head_base = nn.Parameter(torch.zeros(M))
+                self.hc_head_scale = nn.Parameter(torch.ones(1))
+            if c.num_nextn_predict_layers and c.variant == "v41":
+                try:
+                    from .dspark import build_mtp
+                except ImportError:
+                    build_mtp = None   # drafter not available yet: the backbone still works
+                if build_mtp is not None:
+                    self.mtp = build_mtp(c, self)
+        # RoPE frequencies: plain attributes computed on the CPU (not buffers), so meta-device construction
+        # followed by `to_empty()` cannot leave them uninitialized; copied per device on first use.
+        self._inv_freq = {name: inv_freq(c, name) for name in ("main", "compress")}
+        self._inv_freq_on: dict = {}
+        self.set_dtype(dtype)
+
+    # ------------------------------------------------------------------ runtime-quantization simulation
+    @property
+    def quant_sim(self) -> bool:
+        """Simulate DeepInfer's runtime quantization (spec §2.9, §5.4): FP8 (UE8M0, per 32) window KV and
+        activations entering every FP8/FP4-weight linear, FP4 (E4M3 scale, per 16) compressed KV, FP4 (UE8M0,
+        per 32) index queries and keys. Off by default; the QDQ functions are B2's engine/quant.py."""
+        return bool(self._quant_hooks)
+
+    @quant_sim.setter
+    def quant_sim(self, on: bool) -> None:
+        for h in self._quant_hooks:
+            h.remove()
+        self._quant_hooks = []
+        for mod in self.modules():
+            if isinstance(mod, Attention):
+                mod.act_qdq = _act_qdq if on else None
+        if not on:
+            return
+        for name, mod in self.named_modules():
+            if isinstance(mod, nn.Linear) and _ACT_QUANT_LINEARS.search(name):
+                self._quant_hooks.append(mod.register_forward_pre_hook(lambda m, args: (_act_qdq(args[0]),)))
+
+    def set_yoco(self, mode: str, keep: int = 0) -> "Model":
+        """YOCO prefill truncation (spec §3.3). In `mask` and `compact` mode the decoder layers (from the first
+        ratio-1 layer on) see window keys no older than `L - keep`, L = sequence length after the chunk;
+        `compact` also skips computing decoder rows older than that. keep >= sliding_window + max_rollback."""
+        if mode not in ("off", "mask", "compact"):
+            raise ValueError(f"YOCO mode {mode!r} is not 'off', 'mask' or 'compact'")
+        if mode != "off":
+            if self.config.n_prefill_layer is None:
+                raise ValueError("YOCO truncation needs a config with ratio-1 (decoder) layers")
+            if keep < self.config.sliding_window + self.max_rollback:
+                raise ValueError(f"YOCO keep {keep} < sliding_window {self.config.sliding_window} + max_rollback "
+                                 f"{self.max_rollback}")
+        self.yoco_mode, self.yoco_keep = mode, keep
+        return self
+
+    def set_dtype(self, dtype: torch.dtype) -> "Model":
+        """Cast floating parameters to `dtype`, keeping the checkpoint's F32 tensors in fp32."""
+        for name, p in self.named_parameters():
+            want = torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype
+            if p.dtype != want:
+                p.data = p.data.to(want)
+        self.dtype = dtype
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def _freqs(self, kind: str) -> torch.Tensor:
+        dev = self.device
+        key = (kind, dev)
+        if key not in self._inv_freq_on:
+            self._inv_freq_on[key] = self._inv_freq[kind].to(dev)
+        return self._inv_freq_on[key]
+
+    @property
+    def inv_freq_main(self) -> torch.Tensor:
+        """fp32 [rope_dim/2] RoPE frequencies of sliding-window layers (and the DSpark drafter), on the device."""
+        return self._freqs("main")
+
+    @property
+    def inv_freq_compress(self) -> torch.Tensor:
+        """fp32 [rope_dim/2] RoPE frequencies (YaRN) of compressed layers, on the model's device."""
+        return self._freqs("compress")
+
+    # ------------------------------------------------------------------ caches
+    def new_cache(self) -> SequenceCache:
+        layers = []
+        for i, spec in enumerate(self.config.layers):
+            lc = LayerCache(ratio=spec.ratio)
+            attn = self.layers[i].attn
+            if hasattr(attn, "compressor"):
+                lc.comp = attn.compressor.new_state()
+            if hasattr(attn, "indexer") and hasattr(attn.indexer, "compressor"):
+                lc.icomp = attn.indexer.compressor.new_state()
+            layers.append(lc)
+        return SequenceCache(layers=layers, max_rollback=self.max_rollback,
+                             keep_tokens=self.max_rollback + 16)
+
+    # ------------------------------------------------------------------ entry points
+    @torch.no_grad()
+    def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, S] -> fp32 logits [B, S, V], every row its own sequence from position 0."""
+        B, S = input_ids.shape
+        out = self.forward_step([StepChunk(self.new_cache(), input_ids[b], S) for b in range(B)])
+        return out.logits.view(B, S, -1)
+
+    @torch.no_grad()
+    def forward_step(self, chunks: list[StepChunk]) -> StepOutput:
+        """Run each chunk's tokens right after its cache's current length; advance the caches.
+
+        Returns fp32 logits for the last `logit_rows` rows of each chunk (in chunk order) and, when the config
+        names DSpark target layers, their captured features for every processed token."""
+        c = self.config
+        dev = self.device
+        seqs, pos, ids, off = [], [], [], 0
+        if len({id(ch.cache) for ch in chunks}) != len(chunks):
+            raise ValueError("the same SequenceCache appears in two chunks of one step")
+        if not chunks:
+            raise ValueError("forward_step needs at least one StepChunk")
+        for ch in chunks:
+            t = ch.token_ids.long().reshape(-1)
+            n = t.shape[0]
+            if n == 0:
+                raise ValueError("StepChunk with no tokens")
+            if not 0 <= ch.logit_rows <= n:
+                raise ValueError(f"logit_rows {ch.logit_rows} not in 0..{n}")
+            if self.yoco_mode == "compact" and c.n_prefill_layer is not None and ch.logit_rows > self.yoco_keep:
+                raise ValueError(f"logit_rows {ch.logit_rows} > {self.yoco_keep} rows kept by YOCO compaction")
+            rect_lo = ch.cache.length + n - self.yoco_keep if self.yoco_mode != "off" else None
+            seqs.append(_Seq(ch.cache, ch.cache.length, n, off, rect_lo))
+            pos.append(torch.arange(ch.cache.length, ch.cache.length + n))   # host-side: one copy below
+            ids.append(t.to(dev))
+            off += n
+        all_ids = torch.cat(ids)
+        if bool((all_ids < 0).any() | (all_ids >= c.vocab_size).any()):   # one check (one sync) per step
+            bad = next(k for k, t in enumerate(ids) if bool(((t < 0) | (t >= c.vocab_size)).any()))
+            raise ValueError(f"token id outside 0..{c.vocab_size - 1} in chunk {bad}")
+        ctx = full_ctx = StepContext(seqs, torch.cat(pos).to(dev, non_blocking=True), all_ids)
+        if batched.usable(self, [s.n for s in seqs]):
+            ctx.plan = batched.make_plan(seqs, ctx.positions, rect=self.yoco_mode != "off")
+        for kind in ("main", "compress"):
+            ctx.rope[kind] = rope_cos_sin(self._freqs(kind), ctx.positions)
+        if c.engram_layer_ids:
+            ctx.windows = self._token_windows(ctx)
+
+        h = self.embed(ctx.token_ids)
+        R = h.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()         # [T, M, H]
+        a = None
+        if c.hc_shifted:   # the first sub-layer reads stream 0
+            a = torch.zeros(h.shape[0], c.hc_mult, device=dev)
+            a[:, 0] = 1.0
+        for i, block in enumerate(self.layers):
+            if self.yoco_mode == "compact" and i == c.n_prefill_layer:
+                R, a, ctx = self._compact_layer(block, R, a, ctx)
+            else:
+                R, a = self._layer(block, R, a, ctx)
+        if ctx.plan is not None:
+            batched.commit_windows(self, ctx, ctx.plan)
+        if c.hc_shifted:
+            hfin = hc_pre(R, a)
+        else:
+            hfin = hc_head_collapse(R, self.hc_head_fn, self.hc_head_base, self.hc_head_scale,
+                                    eps=c.rms_norm_eps, hc_eps=c.hc_eps)
+        rows = torch.cat([torch.arange(s.off + s.n - ch.logit_rows, s.off + s.n)
+                          for s, ch in zip(ctx.seqs, chunks)]).to(dev, non_blocking=True)
+        logits = self.head(self.norm(hfin[rows])).float()
+        # advance the sequences
+        for s in full_ctx.seqs:
+            cache = s.cache
+            new = full_ctx.token_ids[s.off:s.off + s.n]
+            toks = new if cache.tokens is None else torch.cat([cache.tokens, new])
+            cache.tokens = toks[-cache.keep_tokens:]
+            cache.length += s.n
+            cache.floor = max(cache.floor, cache.length - cache.max_rollback)
+        feats = None
+        if ctx.captures:   # (after compaction: kept rows only, spec §3.3)
+            feats = torch.cat([ctx.captures[i] if ctx.rows is None or ctx.captures[i].shape[0] == ctx.rows.shape[0]
+                               else ctx.captures[i][ctx.rows] for i in c.dspark_target_layer_ids], dim=-1)
+        return StepOutput(logits=logits, draft_features=feats, hidden=hfin)
+
+    # ------------------------------------------------------------------ one layer
+    def _layer_input(self, block: Block, R: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """Engram (before anything else in the layer), then the DSpark target-feature capture: the mean of the
+        streams at the layer's attention input (spec §2.2, §4)."""
+        if hasattr(block, "engram"):
+            R = block.engram(R, ctx.windows)
+        if block.layer_id in self.config.dspark_target_layer_ids:
+            ctx.captures[block.layer_id] = R.float().mean(dim=1).to(R.dtype)
+        return R
+
+    def _layer(self, block: Block, R: torch.Tensor, a, ctx: StepContext):
+        c = self.config
+        R = self._layer_input(block, R, ctx)
+        fast = ctx.plan is not None
+        pre, post, comb = block.mixes(R, "attn", fast)
+        x = hc_pre(R, a if c.hc_shifted else pre)
+        y = self._attention(block.attn, block.attn_norm(x), ctx)
+        R = hc_post(R, y, post, comb)
+        # the grouped expert kernel bypasses the experts' Linear modules, so not with quant_sim's input hooks
+        R, a = block.ffn_sublayer(R, pre, ctx.token_ids, fast=fast, fast_moe=fast and not self.quant_sim)
+        return R, a
+
+    def _compact_layer(self, block: Block, R: torch.Tensor, a, ctx: StepContext):
+        """The first decoder layer in YOCO `compact` mode: its compressed KV and index keys are built from every
+        row, then rows older than each sequence's `rect_lo` are dropped for the rest of the network."""
+        c = self.config
+        R = self._layer_input(block, R, ctx)
+        pre, post, comb = block.mixes(R, "attn")
+        xn = block.attn_norm(hc_pre(R, a if c.hc_shifted else pre))
+        self._update_compressed(block.attn, xn, ctx)
+        keep_rows, seqs, off = [], [], 0
+        for s in ctx.seqs:
+            first = max(s.start, s.rect_lo)
+            n = s.start + s.n - first
+            keep_rows.append(torch.arange(s.off + first - s.start, s.off + s.n, device=R.device))
+            seqs.append(_Seq(s.cache, first, n, off, s.rect_lo, fresh_window=first > s.start))
+            off += n
+        rows = torch.cat(keep_rows)
+        kept = StepContext(seqs, ctx.positions[rows], ctx.token_ids[rows],
+                           rope={k: (cs[rows], sn[rows]) for k, (cs, sn) in ctx.rope.items()},
+                           captures=dict(ctx.captures), rows=rows)
+        if ctx.windows is not None:
+            kept.windows = ctx.windows[rows]
+        R, xn, pre, post, comb = R[rows], xn[rows], pre[rows], post[rows], comb[rows]
+        a = a[rows] if a is not None else None
+        y = self._attention(block.attn, xn, kept, compressed_done=True)
+        R = hc_post(R, y, post, comb)
+        R, a = block.ffn_sublayer(R, pre, kept.token_ids)
+        return R, a, kept
+
+    def _token_windows(self, ctx: StepContext) -> torch.Tensor:
+        """[T, N] raw token ids at t, t-1, ..., t-N+1 (-1 before the sequence start), N = engram max n-gram.
+
+        One gather for the whole step: source = [this step's ids, every sequence's last N-1 cached ids, -1], and
+        the [T, N] index into it is built on the host from lengths (no per-sequence device ops)."""
+        N = int(self.config.engram.get("max_ngram_size", 3))
+        ids = ctx.token_ids
+        T = ids.shape[0]
+        prevs = [s.cache.recent_tokens()[-(N - 1):] if N > 1 else ids[:0] for s in ctx.seqs]
+        base, parts = T, []
+        back = torch.arange(N)[None, :]
+        for s, prev in zip(ctx.seqs, prevs):
+            np_ = prev.shape[0]
+            r = torch.arange(s.n)[:, None] - back      # [n, N] relative position of the token k steps back
+            # a new token of this step / a cached token / before the sequence start (or beyond the kept ids)
+            parts.append(torch.where(r >= 0, s.off + r, torch.where(np_ + r >= 0, base + np_ + r, -1)))
+            base += np_
+        src = torch.cat([ids] + [p.to(ids.device) for p in prevs if p.shape[0]] + [ids.new_full((1,), -1)])
+        idx = torch.cat(parts)
+        idx = torch.where(idx >= 0, idx, torch.full_like(idx, src.shape[0] - 1)).to(ids.device, non_blocking=True)
+        return src[idx]
+
+    def _qdq(self, x: torch.Tensor, kind: str) -> torch.Tensor:
+        if not self.quant_sim:
+            return x
+        q = _quant()
+        if kind == "window":
+            return q.qdq_fp8_ue8m0(x, 32).to(x.dtype)
+        if kind == "compressed":
+            if not self.config.fp4_sparse_kv:
+                return q.qdq_fp8_ue8m0(x, 32).to(x.dtype)
+            return q.qdq_fp4_e4m3(x, 16).to(x.dtype)
+        return q.qdq_fp4_ue8m0(x, 32).to(x.dtype)    # index q / k
+
+    def _update_compressed(self, attn: Attention, x: torch.Tensor, ctx: StepContext) -> None:
+        """Feed this step's rows to the layer's compressors (kv source, V4 indexer) and V4.1 index keys."""
+        c = self.config
+        i = attn.layer_id
+        spec = attn.spec
+        ccos_fn = self._rotator(spec.rope)
+        R = self.max_rollback
+        # 1. compressed KV (kv sources) and V4 indexer keys
+        if hasattr(attn, "compressor"):
+            v41 = c.compressor_style == "v41"
+            for s in ctx.seqs:
+                st = s.cache.layers[i].comp
+                attn.compressor.step(st, x[s.off:s.off + s.n], s.start,
+                                     lambda lat, p: self._qdq(ccos_fn(lat, p), "compressed"), v41, R)
+        idx_mod = getattr(attn, "indexer", None)
+        if idx_mod is not None and hasattr(idx_mod, "compressor"):
+            for s in ctx.seqs:
+                idx_mod.compressor.step(s.cache.layers[i].icomp, x[s.off:s.off + s.n], s.start,
+                                        lambda lat, p: self._qdq(ccos_fn(lat, p), "index"), False, R)
+        # 2. V4.1 index keys from the kv source's latents
+        if idx_mod is not None and hasattr(idx_mod, "wk"):
+            for s in ctx.seqs:
+                lc = s.cache.layers[i]
+                src = s.cache.layers[c.layers[i].kv_source].comp
+                have = 0 if lc.ikeys is None else lc.ikeys.shape[0]
+                if src.n_entries > have:
+                    lat = src.latents[have:]
+                    p = torch.arange(have, src.n_entries, device=lat.device) * spec.ratio
+                    ik = self._qdq(ccos_fn(idx_mod.k_norm(idx_mod.wk(lat)), p), "index")
+                    lc.ikeys = ik if lc.ikeys is None else torch.cat([lc.ikeys, ik])
+
+    def _attention(self, attn: Attention, x: torch.Tensor, ctx: StepContext,
+                   compressed_done: bool = False) -> torch.Tensor:
+        if ctx.plan is not None and not compressed_done:
+            return batched.attention(self, attn, x, ctx, ctx.plan)
+        c = self.config
+        i = attn.layer_id
+        spec = attn.spec
+        cos, sin = ctx.rope[spec.rope]
+        q, qr = attn.project_q(x, cos, sin)
+        kv = self._qdq(attn.project_kv(x, cos, sin), "window")
+        R = self.max_rollback
+        if not compressed_done:
+            self._update_compressed(attn, x, ctx)
+        idx_mod = getattr(attn, "indexer", None)
+        # 3. top-k selection (index sources), candidate blocks
+        if spec.index_source == i:
+            iq, w = idx_mod.queries(qr, x)
+            iq = self._qdq(apply_rope(iq, cos, sin), "index")
+            masks, cands = [], []
+            for s in ctx.seqs:
+                if c.compressor_style == "v4":
+                    ik = s.cache.layers[i].icomp.entries
+                else:
+                    ik = s.cache.layers[spec.index_k_source].ikeys
+                G = 0 if ik is None else ik.shape[0]
+                qpos = ctx.positions[s.off:s.off + s.n]
+                visible = torch.arange(G, device=qpos.device)[None, :] < ((qpos + 1) // spec.ratio)[:, None]
+                if G == 0:
+                    masks.append(visible)
+                    cands.append(visible)
+                    continue
+                allowed = visible
+                if spec.candidate_source is not None:
+                    allowed = visible & ctx.cand[spec.candidate_source][len(masks)]
+                sel, cand = [], []
+                for b in range(0, s.n, 256):   # query blocks bound the [n, Hi, G] score tensor
+                    rows = slice(s.off + b, s.off + min(b + 256, s.n))
+                    scores = idx_mod.scores(iq[rows], w[rows], ik)
+                    sel.append(topk_mask(scores, allowed[b:b + 256], c.index_topk))
+                    if i == c.candidate_source_layer_id:
+                        cand.append(candidate_block_mask(scores, visible[b:b + 256], c.candidate_block_size,
+                                                         c.candidate_topk_blocks))
+                masks.append(torch.cat(sel))
+                if cand:
+                    cands.append(torch.cat(cand))
+            ctx.topk[i] = masks
+            if i == c.candidate_source_layer_id:
+                ctx.cand[i] = cands
+        # 4. attention per sequence
+        W = c.sliding_window
+        keep = W - 1 + R
+        decoder = self.yoco_mode != "off" and i >= c.n_prefill_layer
+        outs = []
+        for si, s in enumerate(ctx.seqs):
+            lc = s.cache.layers[i]
+            new_kv = kv[s.off:s.off + s.n]
+            past = lc.win if lc.win is not None and not s.fresh_window else new_kv[:0]
+            keys = torch.cat([past, new_kv])
+            kpos = torch.arange(s.start - past.shape[0], s.start + s.n, device=kv.device)
+            qpos = ctx.positions[s.off:s.off + s.n]
+            d = qpos[:, None] - kpos[None, :]
+            bias = torch.zeros(s.n, keys.shape[0], device=kv.device)
+            bias.masked_fill_((d < 0) | (d >= W), float("-inf"))
+            if decoder:   # YOCO: decoder windows never reach before rect_lo (a row before it sees no window)
+                bias.masked_fill_((kpos < s.rect_lo)[None, :], float("-inf"))
+            if spec.ratio > 0:
+                entries = s.cache.layers[spec.kv_source].comp.entries
+                if entries is not None and entries.shape[0] > 0:
+                    G = entries.shape[0]
+                    if spec.index_source is None:
+                        sel = torch.arange(G, device=kv.device)[None, :] < ((qpos + 1) // spec.ratio)[:, None]
+                    else:
+                        sel = ctx.topk[spec.index_source][si]
+                    cbias = torch.zeros(s.n, G, device=kv.device).masked_fill_(~sel, float("-inf"))
+                    keys = torch.cat([keys, entries.to(keys.dtype)])
+                    bias = torch.cat([bias, cbias], dim=1)
+            outs.append(attn.attend(q[s.off:s.off + s.n], keys, bias))
+            lc.win = torch.cat([past, new_kv])[-keep:]
+        o = torch.cat(outs)
+        return attn.output(o, cos, sin)
+
+    def _rotator(self, kind: str):
+        freqs = self._freqs(kind)
+
+        def rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            cs, sn = rope_cos_sin(freqs, positions)
+            return apply_rope(x, cs, sn)
+        return rotate

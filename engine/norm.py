@@ -1,0 +1,24 @@
+"""RMSNorm as DeepSeek-V4 uses it: statistics and the weight product in fp32, one cast back at the end."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Unweighted RMSNorm in the input dtype (V4's per-head q norm and the mHC input norm)."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """`weight * x * rsqrt(mean(x^2) + eps)`, computed in fp32, returned in x's dtype. Cost: O(numel)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)

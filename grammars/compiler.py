@@ -1,0 +1,180 @@
+"""ConstraintCompiler: specs -> compiled constraints, on worker threads, with a byte-bounded cache.
+
+compile(spec) blocks up to `timeout_s` (default 10 s) and raises ConstraintError on any failure,
+including a timeout; compile_async(spec) returns a Future. A compile that times out keeps running on its
+worker thread (native code cannot be interrupted) but is bounded by llguidance's parser limits, and
+identical specs share one in-flight compile, so a hostile schema costs one thread for a while and never
+the process. The cache is keyed by (spec, tokenizer fingerprint, backend) and bounded in bytes
+(LRU eviction), unlike xgrammar's default unbounded cache (CVE-2025-32381).
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from . import backend_llguidance, schema_support
+from .specs import ConstraintError, Grammar, JsonSchema, Regex, Triggered
+from .trigger import TriggeredCompiled
+from .vocab import TokenizerVocab
+
+BACKENDS = ("auto", "llguidance", "xgrammar", "outlines")
+
+
+class ConstraintCompiler:
+    """Compiles constraint specs for one tokenizer.
+
+    tokenizer: a `tokenizers.Tokenizer` (or an HF fast tokenizer); vocab_size: the model's logit width
+    (default: the tokenizer's; 129,280 for DeepSeek-V4); eos_token_ids: default the tokenizer's EOS.
+    backend: "auto" (llguidance, or xgrammar when llguidance cannot and xgrammar is exact), or one
+    backend by name. Building the compiler decodes the vocabulary once (~1 s for 129k tokens).
+    """
+
+    def __init__(self, tokenizer, vocab_size=None, eos_token_ids=None, backend="auto", timeout_s=10.0,
+                 cache_bytes=512 << 20, max_workers=2):
+        if backend not in BACKENDS:
+            raise ConstraintError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.vocab = TokenizerVocab.from_tokenizer(tokenizer, vocab_size, eos_token_ids)
+        self.vocab_size = self.vocab.vocab_size
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.cache_bytes = int(cache_bytes)
+        self._cache: OrderedDict = OrderedDict()
+        self._cached_bytes = 0
+        self._inflight: dict = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
+        backend_llguidance.lltokenizer(self.vocab)  # build once, up front
+
+    # -- public API -------------------------------------------------------------------------------
+    def compile(self, spec):
+        """Compiled constraint for `spec` (cached). Raises ConstraintError (invalid, unsupported, timeout)."""
+        future = self.compile_async(spec)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise ConstraintError(f"compiling the constraint took longer than {self.timeout_s} s; refused "
+                                  f"({_describe(spec)})") from None
+
+    def compile_async(self, spec) -> Future:
+        """Future[compiled constraint]; the compile runs on a worker thread (GIL released in the backends)."""
+        key = self._key(spec)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                done = Future()
+                done.set_result(hit)
+                return done
+            running = self._inflight.get(key)
+            if running is not None:
+                return running
+            future = self._pool.submit(self._compile_and_store, key, spec)
+            self._inflight[key] = future
+            return future
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._cached_bytes
+
+    def close(self):
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- internals --------------------------------------------------------------------------------
+    def _key(self, spec):
+        if not hasattr(spec, "cache_key"):
+            raise ConstraintError(f"not a constraint spec: {type(spec).__name__} (use Regex, JsonSchema, Grammar, Triggered)")
+        return (spec.cache_key(), self.vocab.fingerprint, self.backend)
+
+    def _compile_and_store(self, key, spec):
+        try:
+            compiled = self._compile_now(spec)
+        except ConstraintError:
+            raise
+        except Exception as e:  # a backend bug must fail this constraint only, never the caller's thread
+            raise ConstraintError(f"internal error compiling {_describe(spec)}: {type(e).__name__}: {e}") from None
+        finally:
+            with self._lock:
+                self._inflight.pop(key, None)
+        with self._lock:
+            if compiled.nbytes <= self.cache_bytes:
+                self._cache[key] = compiled
+                self._cached_bytes += compiled.nbytes
+                while self._cached_bytes > self.cache_bytes:
+                    _, old = self._cache.popitem(last=False)
+                    self._cached_bytes -= old.nbytes
+        return compiled
+
+    def _compile_now(self, spec):
+        if isinstance(spec, Triggered):
+            for t in spec.trigger_token_ids + ((spec.bound_token_id,) if spec.bound_token_id is not None else ()):
+                if not 0 <= t < self.vocab.n_tokens:
+                    raise ConstraintError(f"trigger token id {t} is outside the tokenizer's {self.vocab.n_tokens} ids")
+            return TriggeredCompiled(spec, self._compile_now(spec.inner), self.vocab)
+        if isinstance(spec, JsonSchema):
+            return self._compile_json(spec)
+        if isinstance(spec, (Regex, Grammar)):
+            return self._compile_text(spec)
+        raise ConstraintError(f"not a constraint spec: {type(spec).__name__}")
+
+    def _compile_text(self, spec):
+        if self.backend in ("auto", "llguidance"):
+            return backend_llguidance.compile_spec(spec, self.vocab)
+        return _backend_module(self.backend).compile_spec(spec, self.vocab)
+
+    def _compile_json(self, spec: JsonSchema):
+        schema_support.check_schema(spec.schema)
+        prepared = JsonSchema(schema_support.prepare(spec.schema, spec.approximations), spec.whitespace,
+                              spec.indent, spec.approximations)
+        if self.backend in ("xgrammar", "outlines"):
+            bad = schema_support.unsupported(prepared.schema, self.backend)
+            if bad:
+                raise schema_support.refuse(*bad[0], why=f"{self.backend} does not implement it exactly")
+            return _backend_module(self.backend).compile_spec(prepared, self.vocab)
+        try:
+            bad = schema_support.unsupported(prepared.schema, "llguidance")
+            if bad:
+                raise schema_support.refuse(*bad[0])
+            return backend_llguidance.compile_spec(prepared, self.vocab)
+        except ConstraintError as llg_error:
+            if self.backend == "llguidance":
+                raise _with_pointer(llg_error, prepared.schema) from None
+            if not schema_support.unsupported(prepared.schema, "xgrammar"):
+                from . import backend_xgrammar
+
+                try:
+                    return backend_xgrammar.compile_spec(prepared, self.vocab)
+                except ConstraintError:
+                    pass  # report llguidance's error: it names the schema location
+            raise _with_pointer(llg_error, prepared.schema) from None
+
+
+def _backend_module(name):
+    if name == "xgrammar":
+        from . import backend_xgrammar
+
+        return backend_xgrammar
+    if name == "outlines":
+        from . import backend_outlines
+
+        return backend_outlines
+    return backend_llguidance
+
+
+def _with_pointer(error: ConstraintError, schema) -> ConstraintError:
+    """Add the JSON pointer of the keyword llguidance names ("Unimplemented keys: [...]")."""
+    msg = str(error)
+    marker = "Unimplemented keys: ["
+    if marker in msg:
+        names = [n.strip().strip('"') for n in msg.split(marker, 1)[1].split("]", 1)[0].split(",")]
+        for name in names:
+            pointer = schema_support.find_keyword(schema, name)
+            if pointer is not None:
+                return schema_support.refuse(name, pointer)
+    return error
+
+
+def _describe(spec) -> str:
+    text = spec.cache_key()
+    return text if len(text) < 120 else text[:117] + "..."

@@ -1,0 +1,512 @@
+"""Which JSON Schema keywords each backend implements exactly, and exact rewrites that widen support.
+
+`walk(schema)` yields every (keyword, JSON pointer, value) of every subschema. `prepare(schema, ...)`
+returns an equivalent schema that llguidance accepts more often (rewrites that keep the set of valid
+instances identical: annotation-only keywords dropped, no-op assertions dropped, `dependentRequired`
+expanded, `unevaluated*` without applicators turned into `additional*`/`items`). `unsupported(schema,
+backend)` lists the keywords a backend would ignore or get wrong, with pointers, so `backend="auto"`
+can pick one that is exact or refuse with a ConstraintError naming the keyword.
+Cost: linear in the schema size (a walk per call).
+"""
+from __future__ import annotations
+
+import copy
+
+from .specs import ConstraintError
+
+# Subschema-holding keywords: value is a schema, a list of schemas, or a map name -> schema.
+SCHEMA_KEYS = ("additionalProperties", "items", "contains", "not", "if", "then", "else", "propertyNames",
+               "unevaluatedItems", "unevaluatedProperties", "contentSchema", "additionalItems")
+SCHEMA_LIST_KEYS = ("allOf", "anyOf", "oneOf", "prefixItems")
+SCHEMA_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+# Keywords with no effect on validity (draft 2020-12 annotations, and `format` values nobody asserts).
+ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+               "writeOnly", "$schema", "contentMediaType", "contentEncoding", "contentSchema", "$vocabulary"}
+
+# Formats the backends assert. Under draft 2020-12's default vocabulary `format` is an annotation; we
+# assert the ones a backend implements and drop others (exactly what the spec says a validator may do).
+LLG_FORMATS = {"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"}
+
+# xgrammar (strict_mode=False) keywords we trust to be exact. Deliberately excluded, from its known bugs:
+# pattern (full-match instead of search, xgrammar#838), min/maxLength (rejects escapes, xgrammar#800),
+# format (drops pattern), allOf (partial), oneOf (becomes anyOf), multipleOf on numbers, and all
+# keywords it ignores (not, if/then/else, uniqueItems, contains, dependent*, unevaluated*).
+XGR_EXACT = {"type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems",
+             "maxItems", "enum", "const", "anyOf", "$ref", "$defs", "definitions", "minimum", "maximum",
+             "exclusiveMinimum", "exclusiveMaximum"} | ANNOTATIONS | {"$id"}
+
+# outlines-core: a schema is one regex; numeric ranges and most assertions are dropped silently.
+OUTLINES_EXACT = {"type", "properties", "required", "enum", "const", "items", "$defs", "definitions"} | ANNOTATIONS
+
+
+def walk(schema, pointer: str = ""):
+    """Yield (keyword, pointer_of_keyword, value) for every keyword in every subschema."""
+    if not isinstance(schema, dict):
+        return
+    for key, value in schema.items():
+        here = f"{pointer}/{_escape(key)}"
+        yield key, here, value
+        if key in SCHEMA_KEYS:
+            yield from walk(value, here)
+        elif key in SCHEMA_LIST_KEYS and isinstance(value, list):
+            for i, sub in enumerate(value):
+                yield from walk(sub, f"{here}/{i}")
+        elif key in SCHEMA_MAP_KEYS and isinstance(value, dict):
+            for name, sub in value.items():
+                yield from walk(sub, f"{here}/{_escape(name)}")
+        elif key == "items" and isinstance(value, list):
+            for i, sub in enumerate(value):
+                yield from walk(sub, f"{here}/{i}")
+        elif key == "dependencies" and isinstance(value, dict):
+            for name, sub in value.items():
+                yield from walk(sub, f"{here}/{_escape(name)}")
+
+
+def _escape(name: str) -> str:
+    return str(name).replace("~", "~0").replace("/", "~1")
+
+
+def find_keyword(schema, keyword: str):
+    """JSON pointer of the first occurrence of `keyword`, or None."""
+    for key, pointer, _ in walk(schema):
+        if key == keyword:
+            return pointer
+    return None
+
+
+# Assertion keywords llguidance does not implement. llguidance refuses most of them, but silently
+# ignores some when the schema declares an older draft (e.g. `dependentSchemas` under draft-07), so we
+# refuse them ourselves, before llguidance sees the schema.
+LLG_UNSUPPORTED = {"not", "if", "then", "else", "contains", "minContains", "maxContains", "uniqueItems",
+                   "unevaluatedItems", "unevaluatedProperties", "dependentSchemas", "dependentRequired",
+                   "dependencies", "propertyNames", "$dynamicRef", "$dynamicAnchor", "$recursiveRef",
+                   "$recursiveAnchor", "additionalItems"}
+
+
+def unsupported(schema, backend: str) -> list:
+    """[(keyword, pointer)] the backend would not implement exactly (empty list = exact)."""
+    if backend == "llguidance":
+        return [(key, pointer) for key, pointer, _ in walk(schema) if key in LLG_UNSUPPORTED]
+    allowed = {"xgrammar": XGR_EXACT, "outlines": OUTLINES_EXACT}[backend]
+    out = []
+    for key, pointer, value in walk(schema):
+        if key.startswith("x-"):
+            continue
+        if key not in allowed:
+            out.append((key, pointer))
+        elif key == "$ref" and not (isinstance(value, str) and value.startswith("#")):
+            out.append((key, pointer))
+        elif key == "$id" and pointer != "/$id":
+            out.append((key, pointer))
+        elif key == "type" and backend == "outlines" and value in ("number", "integer"):
+            pass
+    return out
+
+
+def prepare(schema, approximations=frozenset()):
+    """An equivalent schema (same valid instances) that backends support more often; never loosens."""
+    if isinstance(schema, bool):
+        return schema
+    schema = copy.deepcopy(schema)
+    declared = str(schema.get("$schema", ""))
+    if any(d in declared for d in ("draft-04", "draft-06", "draft-07")):
+        _drop_ref_siblings(schema)
+    _rewrite(schema, "ignore-format" in approximations, schema)
+    return schema
+
+
+def _drop_ref_siblings(s) -> None:
+    """Drafts 4-7: keywords beside `$ref` are ignored. Keep only the ref (and definitions, which other
+    refs may point into), so the 2020-12 reading the backends use means the same."""
+    if isinstance(s, list):
+        for sub in s:
+            _drop_ref_siblings(sub)
+        return
+    if not isinstance(s, dict):
+        return
+    for key, value in list(s.items()):
+        if key in SCHEMA_KEYS or key in SCHEMA_LIST_KEYS:
+            _drop_ref_siblings(value)
+        elif (key in SCHEMA_MAP_KEYS or key == "dependencies") and isinstance(value, dict):
+            for sub in value.values():
+                _drop_ref_siblings(sub)
+    if "$ref" in s:
+        for key in [k for k in s if k not in ("$ref", "definitions", "$defs", "$schema", "$id", "id")]:
+            del s[key]
+
+
+def _rewrite(s, ignore_format: bool, root) -> None:
+    if isinstance(s, list):
+        for sub in s:
+            _rewrite(sub, ignore_format, root)
+        return
+    if not isinstance(s, dict):
+        return
+    for key, value in list(s.items()):
+        if key in SCHEMA_KEYS or key in SCHEMA_LIST_KEYS:
+            _rewrite(value, ignore_format, root)
+        elif key in SCHEMA_MAP_KEYS and isinstance(value, dict):
+            for sub in value.values():
+                _rewrite(sub, ignore_format, root)
+        elif key == "dependencies" and isinstance(value, dict):
+            for sub in value.values():
+                _rewrite(sub, ignore_format, root)
+    for key in _NONNEG_INT_KEYS & s.keys():
+        if isinstance(s[key], float) and s[key] == int(s[key]):
+            s[key] = int(s[key])  # `maxItems: 2.0` means 2; llguidance would not apply a float bound
+    for key in [k for k in s if k in ANNOTATIONS and k != "$schema"]:
+        del s[key]
+    if s.get("uniqueItems") is False:
+        del s["uniqueItems"]
+    fmt = s.get("format")
+    if fmt in FORMAT_PATTERNS:
+        # our exact regex instead of the backend's looser one (leap years, hostname label rules)
+        del s["format"]
+        if "pattern" in s:
+            s.setdefault("allOf", []).append({"pattern": FORMAT_PATTERNS[fmt]})
+        else:
+            s["pattern"] = FORMAT_PATTERNS[fmt]
+        if fmt == "hostname":
+            s["maxLength"] = min(253, s.get("maxLength", 253))
+    elif isinstance(fmt, str) and fmt not in LLG_FORMATS and (ignore_format or fmt not in _KNOWN_FORMATS):
+        # unknown formats are annotations in 2020-12; known-but-unasserted ones only with "ignore-format"
+        del s["format"]
+    if s.get("minContains") == 0 and "contains" in s and "maxContains" not in s:
+        del s["minContains"], s["contains"]
+    if isinstance(s.get("dependencies"), dict):
+        # draft 7: array values are dependentRequired, schema values dependentSchemas
+        deps = s.pop("dependencies")
+        required = {k: v for k, v in deps.items() if isinstance(v, list)}
+        schemas = {k: v for k, v in deps.items() if not isinstance(v, list)}
+        if required:
+            s.setdefault("dependentRequired", {}).update(required)
+        if schemas:
+            s.setdefault("dependentSchemas", {}).update(schemas)
+    n_deps = len(s.get("dependentSchemas") or {}) + len(s.get("dependentRequired") or {})
+    if n_deps > MAX_DEPENDENT_CLAUSES:
+        return  # left in place: refused below (llguidance mis-handles many intersected anyOf clauses)
+    if isinstance(s.get("dependentSchemas"), dict):
+        # "if `name` is present, the object must also match S" == (name absent) or S; non-objects pass both
+        deps = s.pop("dependentSchemas")
+        clauses = [{"anyOf": [{"properties": {name: False}}, sub]} for name, sub in deps.items() if sub is not True and sub != {}]
+        if clauses:
+            s.setdefault("allOf", []).extend(clauses)
+    if isinstance(s.get("items"), list):
+        # draft 4-7 tuple form -> 2020-12: items[] is prefixItems, additionalItems is items
+        s["prefixItems"] = s.pop("items")
+        if "additionalItems" in s:
+            s["items"] = s.pop("additionalItems")
+    else:
+        s.pop("additionalItems", None)  # without a tuple `items` it asserts nothing
+    if "dependentRequired" in s:
+        deps = s.pop("dependentRequired")
+        clauses = [{"anyOf": [{"properties": {name: False}}, {"required": [name] + list(req)}]}
+                   for name, req in deps.items() if req]
+        if clauses:
+            s.setdefault("allOf", []).extend(clauses)
+    applicators = {"allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas", "$dynamicRef", "not"}
+    if "unevaluatedProperties" in s and not applicators & s.keys() and "additionalProperties" not in s:
+        s["additionalProperties"] = s.pop("unevaluatedProperties")
+    if "unevaluatedItems" in s and not applicators & s.keys() and "items" not in s and "contains" not in s:
+        s["items"] = s.pop("unevaluatedItems")
+    if "if" in s and "then" not in s and "else" not in s:
+        del s["if"]  # `if` alone asserts nothing
+    if "if" not in s:
+        s.pop("then", None), s.pop("else", None)  # `then`/`else` without `if` assert nothing
+    if "not" in s:
+        negated = _negate(s["not"], root)
+        if negated is not None:
+            del s["not"]
+            s.setdefault("allOf", []).append(negated)
+    if isinstance(s.get("oneOf"), list) and _pairwise_disjoint(s["oneOf"], root):
+        # no instance can match two branches, so "exactly one" == "at least one"
+        branches = s.pop("oneOf")
+        if "anyOf" in s:
+            s.setdefault("allOf", []).append({"anyOf": branches})
+        else:
+            s["anyOf"] = branches
+
+
+# Exact regexes (RFC 3339 dates with leap years; RFC 1123 host names) for formats where a backend's own
+# check is looser than the RFC. Leap seconds are accepted only at 23:59:60 UTC (Z or +/-00:00): a leap
+# second written with another offset is refused (a false negative, never a false positive).
+_DATE = (r"([0-9]{4}-((0[1-9]|1[0-2])-(0[1-9]|1[0-9]|2[0-8])|(0[13-9]|1[0-2])-(29|30)|(0[13578]|1[02])-31)"
+         r"|([0-9]{2}(0[48]|[2468][048]|[13579][26])|([02468][048]|[13579][26])00)-02-29)")
+_TIME = (r"(([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]+)?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+         r"|23:59:60(\.[0-9]+)?([Zz]|[+-]00:00))")
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9]|[A-Za-z0-9-][A-Za-z0-9]([A-Za-z0-9-]{0,59}[A-Za-z0-9])?|[A-Za-z0-9-]-[A-Za-z0-9]([A-Za-z0-9-]{0,58}[A-Za-z0-9])?)?"
+FORMAT_PATTERNS = {
+    "date": f"^{_DATE}$",
+    "time": f"^{_TIME}$",
+    "date-time": f"^{_DATE}[Tt]{_TIME}$",
+    "hostname": f"^{_LABEL}(\\.{_LABEL})*$",
+}
+
+# Formats defined by draft 2020-12 that no backend asserts: kept, so a backend refuses them loudly.
+_KNOWN_FORMATS = LLG_FORMATS | {"idn-email", "idn-hostname", "iri", "iri-reference", "uri-reference",
+                                "uri-template", "json-pointer", "relative-json-pointer", "regex"}
+
+_ALL_TYPES = ("null", "boolean", "object", "array", "number", "string")
+# Keywords that constrain an instance independently of their siblings (so a schema made of them is the
+# plain conjunction of one-keyword schemas). Excluded: properties/patternProperties/additionalProperties,
+# items/prefixItems, contains/min/maxContains, if/then/else, unevaluated*: they interact.
+_INDEPENDENT_KEYS = {"type", "enum", "const", "required", "minLength", "maxLength", "minItems", "maxItems",
+                     "minProperties", "maxProperties", "minimum", "maximum", "exclusiveMinimum",
+                     "exclusiveMaximum", "anyOf", "allOf", "not"}  # not $ref: draft-7 ignores its siblings
+
+
+_NEGATE_BOUND = {  # keyword -> (instance type it applies to, negated keyword, offset)
+    "maxItems": ("array", "minItems", 1), "minItems": ("array", "maxItems", -1),
+    "maxLength": ("string", "minLength", 1), "minLength": ("string", "maxLength", -1),
+    "maxProperties": ("object", "minProperties", 1), "minProperties": ("object", "maxProperties", -1),
+    "maximum": ("number", "exclusiveMinimum", 0), "minimum": ("number", "exclusiveMaximum", 0),
+    "exclusiveMaximum": ("number", "minimum", 0), "exclusiveMinimum": ("number", "maximum", 0),
+}
+
+
+def _others(types) -> list:
+    """All JSON types outside `types` (integer counts as inside number)."""
+    return [t for t in _ALL_TYPES if t not in types and not (t == "number" and "integer" in types and "number" in types)]
+
+
+def _negate(sub, root, depth=0):
+    """An exact schema for `not sub` when sub is simple enough, else None (then a backend refuses)."""
+    if depth > 8:
+        return None
+    if sub is True or sub == {}:
+        return False
+    if sub is False:
+        return True
+    if not isinstance(sub, dict):
+        return None
+    sub = {k: v for k, v in sub.items() if k not in ANNOTATIONS}
+    if set(sub) == {"$ref"}:
+        target = resolve_ref(sub["$ref"], root)
+        return None if target is None or target is sub else _negate(target, root, depth + 1)
+    if set(sub) == {"type"}:
+        types = sub["type"] if isinstance(sub["type"], list) else [sub["type"]]
+        if "integer" in types and "number" not in types:
+            return None  # "not integer" includes non-integral numbers: not a type union
+        rest = _others(types)
+        return {"type": rest} if rest else False
+    if len(sub) == 1 and next(iter(sub)) in _NEGATE_BOUND:
+        key, value = next(iter(sub.items()))
+        applies, neg_key, offset = _NEGATE_BOUND[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None
+        bound = value + offset
+        if offset < 0 and bound < 0:
+            return False  # e.g. not minItems 0: every instance satisfies minItems 0
+        return {"type": applies, neg_key: bound}
+    if len(sub) > 1 and set(sub) <= _INDEPENDENT_KEYS:
+        # a schema is the conjunction of its (independent) keywords: not(A and B) = not A or not B
+        parts = [_negate({k: v}, root, depth + 1) for k, v in sub.items()]
+        return None if any(p is None for p in parts) else {"anyOf": parts}
+    if set(sub) == {"not"}:
+        return sub["not"]
+    if set(sub) == {"anyOf"} and isinstance(sub["anyOf"], list):
+        parts = [_negate(x, root, depth + 1) for x in sub["anyOf"]]
+        return None if any(p is None for p in parts) else {"allOf": parts}
+    if set(sub) == {"allOf"} and isinstance(sub["allOf"], list):
+        parts = [_negate(x, root, depth + 1) for x in sub["allOf"]]
+        return None if any(p is None for p in parts) else {"anyOf": parts}
+    if set(sub) in ({"const"}, {"enum"}):
+        values = [sub["const"]] if "const" in sub else sub["enum"]
+        if not isinstance(values, list) or not all(v is None or isinstance(v, (bool, int, float)) for v in values):
+            return None  # excluding particular strings/arrays/objects needs a complement we cannot write
+        clauses = []
+        for v in values:
+            if v is None:
+                clauses.append({"not_null": True})
+            elif isinstance(v, bool):
+                clauses.append({"anyOf": [{"type": _others(["boolean"])}, {"const": not v}]})
+            else:
+                clauses.append({"anyOf": [{"type": _others(["number"])}, {"type": "number", "exclusiveMinimum": v},
+                                          {"type": "number", "exclusiveMaximum": v}]})
+        clauses = [{"type": _others(["null"])} if c == {"not_null": True} else c for c in clauses]
+        return clauses[0] if len(clauses) == 1 else {"allOf": clauses}
+    if set(sub) == {"required"} and sub["required"]:
+        return {"type": "object", "anyOf": [{"properties": {name: False}} for name in sub["required"]]}
+    if set(sub) <= {"properties", "type"} and len(sub.get("properties", {})) == 1 and sub.get("type", "object") == "object":
+        (name, prop), = sub["properties"].items()
+        negated = _negate(prop, root, depth + 1)
+        if negated is None:
+            return None
+        # valid for `not sub`: non-objects are valid for sub (vacuous) so invalid here, unless `type` was
+        # in sub, in which case every non-object satisfies `not sub`.
+        obj = {"type": "object", "required": [name], "properties": {name: negated}}
+        if "type" in sub:
+            return {"anyOf": [{"type": _others(["object"])}, obj]}
+        return obj
+    return None
+
+
+def resolve_ref(ref, root):
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return None
+    target = root
+    for part in ref[1:].split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(target, dict) and part in target:
+            target = target[part]
+        elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+            target = target[int(part)]
+        else:
+            return None
+    return target
+
+
+def _deref(s, root, depth=0):
+    while isinstance(s, dict) and "$ref" in s and depth < 16:
+        target = resolve_ref(s["$ref"], root)
+        if target is None:
+            return s
+        others = {k: v for k, v in s.items() if k != "$ref" and k not in ANNOTATIONS}
+        if others:
+            return {"allOf": [target, others]}
+        s, depth = target, depth + 1
+    return s
+
+
+def _types(s, root, depth=0) -> set:
+    """A superset of the JSON types of instances valid under s ("integer" folded into "number")."""
+    s = _deref(s, root)
+    if s is False:
+        return set()
+    if not isinstance(s, dict) or depth > 16:
+        return set(_ALL_TYPES)
+    out = set(_ALL_TYPES)
+    if "type" in s:
+        names = s["type"] if isinstance(s["type"], list) else [s["type"]]
+        out &= {"number" if n == "integer" else n for n in names}
+    values = _values(s)
+    if values is not None:
+        out &= {_json_type(v) for v in values}
+    for sub in s.get("allOf", []) or []:
+        out &= _types(sub, root, depth + 1)
+    for key in ("anyOf", "oneOf"):
+        if isinstance(s.get(key), list):
+            union = set()
+            for sub in s[key]:
+                union |= _types(sub, root, depth + 1)
+            out &= union
+    return out
+
+
+def _json_type(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, (int, float)):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    return "array" if isinstance(v, list) else "object"
+
+
+def _values(s):
+    """The finite set of allowed values (as canonical JSON texts -> values) or None."""
+    if not isinstance(s, dict):
+        return None
+    if "const" in s:
+        return [s["const"]]
+    if isinstance(s.get("enum"), list):
+        return list(s["enum"])
+    return None
+
+
+def _canon(v) -> str:
+    import json
+
+    if isinstance(v, bool) or v is None or isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (int, float)):
+        return repr(float(v))  # 1 and 1.0 are the same JSON number
+    return json.dumps(v, sort_keys=True)
+
+
+def disjoint(a, b, root, depth=0) -> bool:
+    """True only if provably no instance is valid under both a and b."""
+    if depth > 8:
+        return False
+    a, b = _deref(a, root), _deref(b, root)
+    if a is False or b is False:
+        return True
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return False
+    ta, tb = _types(a, root), _types(b, root)
+    if not ta & tb:
+        return True
+    va, vb = _values(a), _values(b)
+    if va is not None and vb is not None and not {_canon(v) for v in va} & {_canon(v) for v in vb}:
+        return True
+    if ta | tb <= {"object"}:
+        ra, rb = set(a.get("required", []) or []), set(b.get("required", []) or [])
+        pa, pb = a.get("properties", {}) or {}, b.get("properties", {}) or {}
+        for name in ra & rb:
+            if name in pa and name in pb and disjoint(pa[name], pb[name], root, depth + 1):
+                return True
+        if any(_forbids(b, name) for name in ra) or any(_forbids(a, name) for name in rb):
+            return True
+    return False
+
+
+def _forbids(s, name) -> bool:
+    """True if an object valid under s can never have property `name`."""
+    props = s.get("properties", {}) or {}
+    if name in props:
+        return props[name] is False
+    return s.get("additionalProperties") is False and not s.get("patternProperties")
+
+
+def _pairwise_disjoint(branches, root) -> bool:
+    if len(branches) > 64:
+        return False  # quadratic check; large oneOfs are left to the backend
+    return all(disjoint(branches[i], branches[j], root) for i in range(len(branches)) for j in range(i + 1, len(branches)))
+
+
+def refuse(keyword: str, pointer: str, why: str = "no backend implements it exactly") -> ConstraintError:
+    return ConstraintError(f"JSON Schema keyword '{keyword}' at pointer '{pointer}' is not supported: {why}")
+
+
+# Each dependent* entry becomes an `allOf` clause with a two-way `anyOf`; llguidance intersects them as a
+# product, and with many of them it was seen to reject valid instances (JsonSchemaStore tmlanguage, 8
+# clauses). Up to this many are exact in our tests; more are refused.
+MAX_DEPENDENT_CLAUSES = 3
+
+_TYPE_NAMES = {"null", "boolean", "object", "array", "number", "string", "integer"}
+_NONNEG_INT_KEYS = {"minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
+                    "minContains", "maxContains"}
+_NUMBER_KEYS = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}
+
+
+def check_schema(schema) -> None:
+    """Structural checks of keyword values (the metaschema's basics), with the offending pointer."""
+    if isinstance(schema, bool):
+        return
+    for key, pointer, value in walk(schema):
+        if key == "type":
+            names = value if isinstance(value, list) else [value]
+            bad = [n for n in names if n not in _TYPE_NAMES]
+            if bad or not names:
+                raise ConstraintError(f"invalid JSON Schema: 'type' at pointer '{pointer}' has unknown type {bad[0] if bad else value!r}")
+        elif key in _NONNEG_INT_KEYS:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != int(value):
+                raise ConstraintError(f"invalid JSON Schema: '{key}' at pointer '{pointer}' must be a non-negative integer, got {value!r}")
+        elif key in _NUMBER_KEYS:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConstraintError(f"invalid JSON Schema: '{key}' at pointer '{pointer}' must be a number, got {value!r}")
+            if key == "multipleOf" and value <= 0:
+                raise ConstraintError(f"invalid JSON Schema: 'multipleOf' at pointer '{pointer}' must be > 0")
+        elif key == "required" and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise ConstraintError(f"invalid JSON Schema: 'required' at pointer '{pointer}' must be a list of strings")
+        elif key in ("pattern", "$ref", "format") and not isinstance(value, str):
+            raise ConstraintError(f"invalid JSON Schema: '{key}' at pointer '{pointer}' must be a string")
+        elif key in SCHEMA_MAP_KEYS and not isinstance(value, dict):
+            raise ConstraintError(f"invalid JSON Schema: '{key}' at pointer '{pointer}' must be an object")
+        elif key in ("allOf", "anyOf", "oneOf") and not (isinstance(value, list) and value):
+            raise ConstraintError(f"invalid JSON Schema: '{key}' at pointer '{pointer}' must be a non-empty array")
+        elif key in SCHEMA_KEYS and not isinstance(value, (dict, bool)) and not (key == "items" and isinstance(value, list)):
+            raise ConstraintError(f"invalid JSON Schema: '{key}' at pointer '{pointer}' must be a schema (object or boolean)")

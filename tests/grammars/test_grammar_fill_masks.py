@@ -1,0 +1,92 @@
+"""Batched fill_masks: rows equal one-matcher-at-a-time masks along each draft; invalid tails are zero."""
+import torch
+
+from deepinfer_sg.grammars import JsonSchema, Regex, Triggered, allocate_bitmask, fill_masks
+from grammar_testutil import DEEPSEEK_VOCAB, EOS, encode
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}, "required": ["n", "s"]}
+
+
+def sequential_rows(m, draft):
+    """Oracle: step a fork token by token, one fill_mask per position, stop at the first rejection."""
+    rows = allocate_bitmask(len(draft) + 1, DEEPSEEK_VOCAB)
+    walker = m.fork()
+    walker.fill_mask(rows, 0)
+    ok = 0
+    for j, t in enumerate(draft):
+        if not walker.accept(t):
+            break
+        ok += 1
+        walker.fill_mask(rows, j + 1)
+    return rows, ok
+
+
+def test_fill_masks_matches_sequential(compiler, xgr_compiler, ds_tokenizer):
+    text = '{"n": 12, "s": "hello"}'
+    ids = encode(ds_tokenizer, text)
+    llg = compiler.compile(JsonSchema(SCHEMA))
+    xgr = xgr_compiler.compile(JsonSchema(SCHEMA))
+    matchers, drafts = [], []
+    for i in range(6):
+        comp = llg if i % 2 == 0 else xgr
+        m = comp.matcher()
+        for t in ids[: i + 1]:
+            assert m.accept(t)
+        d = ids[i + 1: i + 6]  # K=5 drafts, all grammatical
+        if i == 2:
+            d = d[:2] + encode(ds_tokenizer, "]]") + d[2:]  # ungrammatical from the third draft on
+        if i == 4:
+            d = []
+        matchers.append(m)
+        drafts.append(d)
+    full = m.fork()
+    for t in ids[6:]:
+        assert full.accept(t)
+    matchers.append(full)
+    drafts.append([EOS, EOS])  # EOS inside a draft: terminated after the first, the second is invalid
+    counts = []
+    out = fill_masks(matchers, drafts, valid_counts=counts)
+    assert out.shape == (sum(len(d) + 1 for d in drafts), (DEEPSEEK_VOCAB + 31) // 32)
+    row = 0
+    for m, d, n in zip(matchers, drafts, counts):
+        expected, ok = sequential_rows(m, d)
+        assert n == ok
+        assert torch.equal(out[row: row + ok + 1], expected[: ok + 1])
+        assert not out[row + ok + 1: row + len(d) + 1].any(), "rows after the first bad draft are zero"
+        row += len(d) + 1
+    assert counts[2] == 2 and counts[-1] == 1
+    # matchers are unchanged: a fresh fill equals the first row again
+    again = fill_masks(matchers[:1])
+    assert torch.equal(again[0], out[0])
+
+
+def test_fill_masks_batch_256_with_drafts(compiler, ds_tokenizer):
+    ids = encode(ds_tokenizer, '{"n": 3, "s": "abc def"}')
+    comp = compiler.compile(JsonSchema(SCHEMA))
+    matchers, drafts = [], []
+    for i in range(256):
+        m = comp.matcher()
+        k = i % (len(ids) - 5)
+        for t in ids[:k]:
+            m.accept(t)
+        matchers.append(m)
+        drafts.append(ids[k: k + 5])
+    out = allocate_bitmask(256 * 6, DEEPSEEK_VOCAB)
+    counts = []
+    fill_masks(matchers, drafts, out=out, valid_counts=counts)
+    assert counts == [5] * 256
+    for i in (0, 7, 255):  # spot-check against the sequential oracle
+        expected, _ = sequential_rows(matchers[i], drafts[i])
+        assert torch.equal(out[i * 6: i * 6 + 6], expected)
+
+
+def test_fill_masks_triggered_and_regex(compiler, ds_tokenizer):
+    trig = encode(ds_tokenizer, "<call>")
+    comp = compiler.compile(Triggered(Regex("[0-9]+"), trig))
+    m = comp.matcher()
+    draft = encode(ds_tokenizer, "hi ") + trig + encode(ds_tokenizer, "42")
+    counts = []
+    out = fill_masks([m], [draft], valid_counts=counts)
+    expected, ok = sequential_rows(m, draft)
+    assert counts == [ok] and ok == len(draft)
+    assert torch.equal(out, expected)

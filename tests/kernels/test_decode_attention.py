@@ -1,0 +1,91 @@
+"""Sparse decode attention with sink: twin vs the formula written out per row and head; Triton vs twin."""
+import math
+
+import pytest
+import torch
+
+from deepinfer_sg.kernels.decode_attention import sparse_attention, sparse_attention_torch, sparse_attention_triton
+from helpers import on_dev
+
+
+def _inputs(gen, N=5, H=6, D=32, Pw=40, Pc=30, Kw=9, Kc=7, dtype=torch.float32):
+    q = torch.randn(N, H, D, generator=gen).to(dtype)
+    win_kv = torch.randn(Pw, D, generator=gen).to(dtype)
+    cmp_kv = torch.randn(Pc, D, generator=gen).to(dtype)
+    win_idx = torch.randint(0, Pw, (N, Kw), generator=gen)
+    cmp_idx = torch.randint(0, Pc, (N, Kc), generator=gen)
+    # different lengths per row: pad with -1 (row 1: window only partly full; row 3: no compressed entries;
+    # row 4: no keys at all -> output 0)
+    win_idx[1, 4:] = -1
+    cmp_idx[3, :] = -1
+    win_idx[4, :] = -1
+    cmp_idx[4, :] = -1
+    cmp_idx[0, 2] = cmp_idx[0, 1]              # a duplicate counts twice
+    sink = torch.randn(H, generator=gen) * 2
+    return q, win_kv, win_idx, cmp_kv, cmp_idx, sink
+
+
+def _naive(q, win_kv, win_idx, cmp_kv, cmp_idx, sink):
+    """The formula of the architecture doc, one row and head at a time, in float64."""
+    N, H, D = q.shape
+    out = torch.zeros(N, H, D, dtype=torch.float64)
+    for n in range(N):
+        keys = [win_kv[i].double() for i in win_idx[n].tolist() if i >= 0]
+        keys += [cmp_kv[i].double() for i in cmp_idx[n].tolist() if i >= 0]
+        for h in range(H):
+            s = [float(q[n, h].double() @ k) / math.sqrt(D) for k in keys]
+            m = max(s + [float(sink[h])])
+            num = sum((math.exp(sj - m) * k for sj, k in zip(s, keys)), torch.zeros(D, dtype=torch.float64))
+            den = sum(math.exp(sj - m) for sj in s) + math.exp(float(sink[h]) - m)
+            out[n, h] = num / den
+    return out
+
+
+def test_twin_matches_formula():
+    gen = torch.Generator().manual_seed(0)
+    x = _inputs(gen)
+    ref = _naive(*x)
+    out = sparse_attention_torch(x[0], x[1], x[2], x[5], x[3], x[4])
+    assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert out[4].abs().max() == 0
+
+
+@pytest.mark.parametrize("H,D,Kw,Kc,dtype,tol", [(6, 32, 9, 7, torch.float32, 1e-5), (20, 64, 40, 33, torch.float32,
+                                                                                        1e-5),
+                                                 (16, 64, 17, 0, torch.bfloat16, 2e-2)])
+def test_triton_matches_twin(H, D, Kw, Kc, dtype, tol):
+    gen = torch.Generator().manual_seed(H * D)
+    q, win_kv, win_idx, cmp_kv, cmp_idx, sink = _inputs(gen, H=H, D=D, Kw=Kw, Kc=max(Kc, 3), dtype=dtype)
+    if Kc == 0:
+        cmp_kv = cmp_idx = None
+    ref = sparse_attention_torch(q.float(), win_kv.float(), win_idx, sink,
+                                 None if cmp_kv is None else cmp_kv.float(), cmp_idx)
+    out = sparse_attention_triton(*on_dev((q, win_kv, win_idx, sink, cmp_kv, cmp_idx)), block_h=16,
+                                  block_k=16).cpu()
+    assert out.dtype == dtype
+    err = (out.float() - ref).norm() / ref.norm()
+    assert err < tol, err
+    assert torch.isfinite(out).all()
+
+
+def test_bad_shapes_raise():
+    gen = torch.Generator().manual_seed(1)
+    q, win_kv, win_idx, cmp_kv, cmp_idx, sink = _inputs(gen)
+    with pytest.raises(ValueError, match="sink"):
+        sparse_attention(q, win_kv, win_idx, sink[:-1], cmp_kv, cmp_idx)
+    with pytest.raises(ValueError, match="win_idx"):
+        sparse_attention(q, win_kv, win_idx[:-1], sink)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 5])
+def test_key_splits_match_formula(splits):
+    """Flash-decoding splits (a split straddling the window/compressed boundary, splits with no valid keys, a row
+    with no keys at all) against the float64 formula."""
+    gen = torch.Generator().manual_seed(40 + splits)
+    q, win_kv, win_idx, cmp_kv, cmp_idx, sink = _inputs(gen, N=5, H=20, D=32, Kw=40, Kc=33)
+    win_idx[2, 10:] = -1                                   # row 2: the later window splits see only padding
+    ref = _naive(q, win_kv, win_idx, cmp_kv, cmp_idx, sink)
+    out = sparse_attention_triton(*on_dev((q, win_kv, win_idx, sink, cmp_kv, cmp_idx)), block_h=16, block_k=16,
+                                  splits=splits).cpu()
+    assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert out[4].abs().max() == 0

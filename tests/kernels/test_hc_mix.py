@@ -1,0 +1,113 @@
+"""mHC mixes: twin vs the doc's formulas computed token by token in float64; Triton vs twin."""
+import math
+
+import pytest
+import torch
+
+from deepinfer_sg.kernels.hc_mix import hc_mixes, hc_mixes_torch, hc_mixes_triton
+from helpers import on_dev, to_cpu
+
+
+def _params(gen, T, M, H, dtype=torch.float32):
+    residual = (torch.randn(T, M, H, generator=gen) * 2).to(dtype)
+    nz = (2 + M) * M
+    fn = torch.randn(nz, M * H, generator=gen) / math.sqrt(M * H) * 3
+    base = torch.randn(nz, generator=gen)
+    scale = torch.rand(3, generator=gen) + 0.5
+    return residual, fn, base, scale
+
+
+def _naive(residual, fn, base, scale, iters, eps=1e-6):
+    T, M, H = residual.shape
+    pre = torch.zeros(T, M, dtype=torch.float64)
+    post = torch.zeros(T, M, dtype=torch.float64)
+    comb = torch.zeros(T, M, M, dtype=torch.float64)
+    sig = lambda x: 1 / (1 + math.exp(-x))
+    for t in range(T):
+        r = residual[t].reshape(-1).double()
+        z = (fn.double() @ r) / math.sqrt(float((r * r).mean()) + 1e-20)
+        for j in range(M):
+            pre[t, j] = sig(float(z[j]) * float(scale[0]) + float(base[j])) + eps
+            post[t, j] = sig(float(z[M + j]) * float(scale[1]) + float(base[M + j])) * 2.0
+        c = [[float(z[2 * M + j * M + k]) * float(scale[2]) + float(base[2 * M + j * M + k]) for k in range(M)]
+             for j in range(M)]
+        for j in range(M):
+            mx = max(c[j])
+            e = [math.exp(x - mx) for x in c[j]]
+            c[j] = [x / sum(e) + eps for x in e]
+
+        def norm_cols():
+            for k in range(M):
+                col = sum(c[j][k] for j in range(M)) + eps
+                for j in range(M):
+                    c[j][k] /= col
+
+        def norm_rows():
+            for j in range(M):
+                row = sum(c[j]) + eps
+                c[j] = [x / row for x in c[j]]
+        norm_cols()
+        for _ in range(iters - 1):
+            norm_rows()
+            norm_cols()
+        comb[t] = torch.tensor(c, dtype=torch.float64)
+    return pre, post, comb
+
+
+def test_twin_matches_formulas():
+    gen = torch.Generator().manual_seed(0)
+    x = _params(gen, T=3, M=4, H=10)
+    ref = _naive(*x, iters=20)
+    out = hc_mixes_torch(*x)
+    for a, b in zip((out.pre, out.post, out.comb), ref):
+        assert torch.allclose(a.double(), b, atol=1e-5, rtol=1e-5)
+    # Sinkhorn ends on a column step: columns sum to ~1, rows close to 1
+    assert torch.allclose(out.comb.sum(1), torch.ones(3, 4), atol=1e-4)
+
+
+@pytest.mark.parametrize("T,M,H,dtype,iters", [(5, 4, 24, torch.float32, 20), (37, 4, 100, torch.bfloat16, 20),
+                                               (3, 2, 40, torch.float32, 3)])
+def test_triton_matches_twin(T, M, H, dtype, iters):
+    gen = torch.Generator().manual_seed(T * H)
+    x = _params(gen, T, M, H, dtype)
+    ref = hc_mixes_torch(*x, iters=iters)
+    out = hc_mixes_triton(*on_dev(x), iters=iters, block_t=16, block_k=32, split=128)
+    for a, b in zip(to_cpu((out.pre, out.post, out.comb)), (ref.pre, ref.post, ref.comb)):
+        assert torch.allclose(a, b, atol=2e-5, rtol=1e-4), (a - b).abs().max()
+
+
+def test_bad_shapes_raise():
+    gen = torch.Generator().manual_seed(1)
+    residual, fn, base, scale = _params(gen, 2, 4, 8)
+    with pytest.raises(ValueError, match="hc fn"):
+        hc_mixes(residual, fn[:, :-1], base, scale)
+
+
+@pytest.mark.parametrize("precision", ["bf16x3", "ieee"])
+def test_bf16_residual_paths_match_float64_formula(precision):
+    """bf16 residual: the split-fn path (three bf16 products) and the fp32 dot both give fp32-accurate mixes,
+    checked against the float64 formula; a token count that is not a multiple of the token block."""
+    gen = torch.Generator().manual_seed(31)
+    x = _params(gen, 21, 4, 72, torch.bfloat16)
+    ref = _naive(x[0].double(), x[1].double(), x[2].double(), x[3].double(), 20)
+    out = hc_mixes_triton(*on_dev(x), iters=20, block_k=32, split=64, precision=precision)
+    for a, b in zip((out.pre, out.post, out.comb), ref):
+        assert torch.allclose(a.cpu().double(), b, atol=2e-5, rtol=1e-4), (a.cpu().double() - b).abs().max()
+
+
+def test_fn_split_is_exact_to_fp32():
+    from deepinfer_sg.kernels.hc_mix import split_fn_bf16
+    fn = torch.randn(24, 500, generator=torch.Generator().manual_seed(3)) * 0.05
+    parts = split_fn_bf16(fn).double()
+    assert parts.shape == (3, 24, 500)
+    assert float(((parts.sum(0) - fn.double()).abs() / fn.double().abs()).max()) < 2 ** -20
+
+
+def test_fn_parts_cache_follows_in_place_changes():
+    from deepinfer_sg.kernels.hc_mix import fn_parts_cached, split_fn_bf16
+    fn = torch.randn(24, 64, generator=torch.Generator().manual_seed(4))
+    a = fn_parts_cached(fn)
+    assert fn_parts_cached(fn) is a                          # cached
+    fn.mul_(2.0)                                             # an in-place update must not reuse stale parts
+    b = fn_parts_cached(fn)
+    assert b is not a and torch.equal(b, split_fn_bf16(fn))

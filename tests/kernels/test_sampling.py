@@ -1,0 +1,173 @@
+"""Fused sampling: Triton vs twin (same counter-based noise, so identical tokens), and the twin's exact
+distribution against q computed by hand from the definition."""
+import math
+
+import pytest
+import torch
+
+from deepinfer_sg.kernels import processed_probs, rng, sample_from_logits
+from deepinfer_sg.kernels.sampling import row_params, sample_torch, sample_triton
+from helpers import assert_matches_distribution, bit_allowed, on_dev, params_on_dev, random_bitmask
+
+
+def test_rng_triton_matches_torch_bit_for_bit():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(keys_ptr, out_ptr, N: tl.constexpr):
+        key = tl.load(keys_ptr + tl.program_id(0)).to(tl.uint32)
+        ids = tl.arange(0, N)
+        tl.store(out_ptr + tl.program_id(0) * N + ids, rng.uniform_tl(key, ids))
+
+    gen = torch.Generator().manual_seed(0)
+    seeds = torch.randint(-2**62, 2**62, (6,), generator=gen)
+    keys = rng.row_keys(seeds, torch.randint(0, 2**40, (6,), generator=gen), rng.VERIFY)
+    assert (keys >= 2**31).any() and (keys < 2**31).any()          # both halves of the uint32 range
+    out = on_dev(torch.full((6, 256), -1.0))
+    kernel[(6,)](on_dev(keys), out, N=256)
+    out = out.cpu()
+    ref = rng.uniform(keys[:, None], torch.arange(256)[None, :])
+    assert torch.equal(out, ref)
+    u = rng.uniform(keys[:1, None], torch.arange(100000)[None, :])
+    assert 0 < float(u.min()) and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.005 and abs(float(u.var()) - 1 / 12) < 0.002
+
+
+def _hand_q(logits_row, temperature, top_k, top_p, allowed):
+    """q from the definition, with Python floats and loops (independent of the twin's sort/cumsum)."""
+    z = [x / temperature if ok else -math.inf for x, ok in zip(logits_row.tolist(), allowed)]
+    live = [v for v in range(len(z)) if z[v] > -math.inf]
+    m = max(z[v] for v in live)
+    e = {v: math.exp(z[v] - m) for v in live}
+    total = sum(e.values())
+    kept = []
+    for v in live:
+        greater = [u for u in live if z[u] > z[v]]
+        if (top_k == 0 or len(greater) < top_k) and sum(e[u] for u in greater) / total < top_p:
+            kept.append(v)
+    s = sum(e[v] for v in kept)
+    return torch.tensor([e[v] / s if v in kept else 0.0 for v in range(len(z))], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.6, 3, 1.0), (1.5, 0, 0.7), (1.0, 4, 0.8)])
+def test_twin_samples_exact_distribution(temperature, top_k, top_p):
+    gen = torch.Generator().manual_seed(7)
+    vocab, n = 7, 30000
+    logits = torch.randn(vocab, generator=gen) * 1.5
+    bm = random_bitmask(1, vocab, gen, density=0.8)
+    allowed = [bit_allowed(bm, 0, v) for v in range(vocab)]
+    q = _hand_q(logits, temperature, top_k, top_p, allowed)
+    public_q = processed_probs(logits[None], temperature, top_k, top_p, bitmask=bm)[0]
+    assert torch.allclose(public_q.double(), q, atol=1e-6)
+    rows = logits.expand(n, vocab).contiguous()
+    toks = sample_from_logits(rows, temperature, top_k, top_p, seed=11, position=torch.arange(n),
+                              bitmask=bm, mask_rows=torch.zeros(n, dtype=torch.int64))
+    counts = torch.bincount(toks, minlength=vocab)
+    assert counts[[v for v in range(vocab) if q[v] == 0]].sum() == 0
+    assert_matches_distribution(counts, q, n)
+
+
+def test_triton_matches_twin_on_many_rows():
+    """Many rows of one small distribution: equal tokens row by row means equal distributions too."""
+    gen = torch.Generator().manual_seed(8)
+    n, vocab = 300, 13
+    logits = (torch.randn(vocab, generator=gen) * 2).expand(n, vocab).contiguous()
+    p = row_params(n, "cpu", 0.9, 0, 1.0, seed=torch.arange(n) * 7919, position=5)
+    a = sample_torch(logits, p)
+    b = sample_triton(on_dev(logits), params_on_dev(p)).cpu()
+    assert torch.equal(a, b)
+    assert len(set(a.tolist())) > 5
+
+
+@pytest.mark.parametrize("vocab", [37, 300, 1000])
+def test_triton_matches_twin_mixed_rows(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    R = 6
+    logits = torch.randn(R, vocab, generator=gen) * 3
+    logits[2, 5] = logits[2, 9] = logits[2].max() + 1             # greedy tie: the lower id must win
+    bm = random_bitmask(R + 2, vocab, gen, density=0.6)
+    mrows = torch.tensor([7, 0, -1, 3, 4, 6])
+    temperature = torch.tensor([1.0, 0.7, 0.0, 1.3, 1.0, 0.5])
+    top_k = torch.tensor([0, 5, 0, 0, 9, 0])
+    top_p = torch.tensor([1.0, 1.0, 1.0, 0.6, 0.9, 1.0])
+    p = row_params(R, "cpu", temperature, top_k, top_p, seed=torch.arange(R) + 100, position=torch.arange(R) * 3)
+    a = sample_torch(logits, p, bm, mrows)
+    b = sample_triton(on_dev(logits), params_on_dev(p), on_dev(bm), on_dev(mrows), block=256, chunk=512).cpu()
+    assert torch.equal(a, b)
+    assert int(a[2]) == 5
+    for r in range(R):
+        if int(mrows[r]) >= 0:
+            assert bit_allowed(bm, int(mrows[r]), int(a[r]))
+
+
+def test_batch_composition_does_not_change_samples():
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(5, 200, generator=gen)
+    seeds, pos = torch.tensor([3, 1, 4, 1, 5]), torch.tensor([10, 20, 30, 40, 50])
+    alone = [int(sample_from_logits(logits[i:i + 1].contiguous(), 1.0, 0, 1.0, seeds[i:i + 1], pos[i:i + 1]))
+             for i in range(5)]
+    perm = torch.tensor([4, 2, 0, 3, 1])
+    p = row_params(5, "cpu", 1.0, 0, 1.0, seeds[perm], pos[perm])
+    together = sample_triton(on_dev(logits[perm].contiguous()), params_on_dev(p)).cpu()
+    assert together.tolist() == [alone[i] for i in perm.tolist()]
+
+
+def test_row_with_nothing_allowed_gives_minus_one_and_bad_params_raise():
+    logits = torch.randn(2, 40)
+    bm = torch.zeros(2, 2, dtype=torch.int32)
+    bm[1, 0] = 1 << 3
+    p = row_params(2, "cpu", 1.0, 0, 1.0, 0, 0)
+    assert sample_torch(logits, p, bm).tolist() == [-1, 3]
+    assert sample_triton(on_dev(logits), params_on_dev(p), on_dev(bm)).tolist() == [-1, 3]
+    with pytest.raises(ValueError, match="top_p"):
+        sample_from_logits(logits, 1.0, 0, 0.0, 0, 0)
+    with pytest.raises(ValueError, match="temperature"):
+        sample_from_logits(logits, torch.tensor([1.0, 2.0, 3.0]), 0, 1.0, 0, 0)
+
+
+def test_rng_row_keys_kernel_and_extremes():
+    gen = torch.Generator().manual_seed(5)
+    seeds = torch.randint(-2**62, 2**62, (300,), generator=gen)
+    pos = torch.randint(0, 2**45, (300,), generator=gen)
+    for stream in (rng.FRESH, rng.RESIDUAL, rng.VERIFY):
+        ref = rng.row_keys_torch(seeds, pos, stream)
+        assert torch.equal(rng.row_keys_triton(on_dev(seeds), on_dev(pos), stream).cpu(), ref)
+    assert len(set(rng.row_keys_torch(seeds, pos, 0).tolist())) == 300
+    # the largest and smallest hashes still give 0 < u < 1, hence finite noise
+    h = torch.tensor([0, 2**32 - 1])
+    u = rng.unit_from_hash(h)
+    assert 0 < float(u[0]) and float(u[1]) < 1
+    # E = -log(u) matches float64 everywhere, including the series region next to u = 1
+    keys = rng.row_keys_torch(seeds[:1], pos[:1], 0)
+    ids = torch.arange(200000)
+    e = rng.exponential(keys, ids).double()
+    exact = -torch.log(rng.uniform(keys, ids).double())
+    assert torch.allclose(e, exact, rtol=1e-6, atol=0)
+    assert float(exact.min()) < 1 / 64                       # the sample reached the series region
+
+
+def test_unit_and_gumbel_from_bits_match_twin_bit_for_bit():
+    """The kernels build u from bits (no int->float conversion) and v = 1 - u; both must equal the twin's integer
+    formulas exactly, including the extreme hashes; the Gumbel noise (accurate log path) agrees to an ulp of the
+    logs (NumPy's and torch's log2 differ in the last bit on some inputs)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(h_ptr, keys_ptr, u_ptr, g_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        h = tl.load(h_ptr + i).to(tl.uint32)
+        tl.store(u_ptr + i, rng._unit_tl(h))
+        key = tl.load(keys_ptr).to(tl.uint32)
+        tl.store(g_ptr + i, rng.gumbel_tl(key, i, False))
+
+    gen = torch.Generator().manual_seed(12)
+    h = torch.randint(0, 2**32, (4096,), generator=gen)
+    h[:4] = torch.tensor([0, 2**32 - 1, 511, 2**32 - 512])
+    keys = rng.row_keys_torch(torch.tensor([5]), torch.tensor([77]), rng.FRESH)
+    u, g = on_dev(torch.full((4096,), -1.0)), on_dev(torch.full((4096,), -1.0))
+    kernel[(1,)](on_dev(h), on_dev(keys), u, g, N=4096)
+    assert torch.equal(u.cpu(), rng.unit_from_hash(h))
+    ref = rng.gumbel(keys, torch.arange(4096))
+    assert torch.allclose(g.cpu(), ref, rtol=1e-6, atol=1e-6) and float(ref.max()) > 5   # reached the series region

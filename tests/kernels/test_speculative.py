@@ -1,0 +1,149 @@
+"""Speculative acceptance: Triton path vs twin on packed batches, and the twin's losslessness measured exactly:
+the committed tokens must be distributed as the target, whatever the drafter did."""
+import pytest
+import torch
+
+from deepinfer_sg.kernels import speculative_accept
+from deepinfer_sg.kernels.sampling import probs_torch, row_params
+from helpers import assert_matches_distribution, bit_allowed, on_dev, random_bitmask, to_cpu
+
+
+def _batch(gen, vocab, rows_per_req, noise=0.5):
+    """Target logits, a draft distribution close to it, and drafts sampled from that distribution."""
+    cu = torch.tensor([0] + rows_per_req).cumsum(0)
+    R = int(cu[-1])
+    logits = torch.randn(R, vocab, generator=gen) * 2
+    draft_probs = torch.softmax(logits + noise * torch.randn(R, vocab, generator=gen), 1)
+    drafts = torch.multinomial(draft_probs, 1, generator=gen)[:, 0]
+    return cu, logits, draft_probs, drafts
+
+
+@pytest.mark.parametrize("vocab", [50, 700])
+@pytest.mark.parametrize("case", ["probs", "onehot", "greedy", "filtered", "masked"])
+def test_triton_matches_twin(vocab, case):
+    gen = torch.Generator().manual_seed(vocab)
+    cu, logits, probs, drafts = _batch(gen, vocab, [4, 1, 3, 6, 2], noise=0.3)
+    B = cu.numel() - 1
+    kw = dict(temperature=torch.tensor([1.0, 0.8, 1.2, 1.0, 0.9]), top_k=0, top_p=1.0,
+              seed=torch.arange(B) * 31 + 1, position=torch.arange(B) * 100)
+    bm = mrows = None
+    if case == "onehot":
+        probs = None
+    if case == "greedy":
+        kw["temperature"] = torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0])
+        drafts = logits.argmax(1)
+        drafts[10] = (drafts[10] + 1) % vocab                     # request 3 (rows 8-13) rejects its 3rd draft
+    if case == "filtered":
+        kw["top_k"] = torch.tensor([0, 5, 0, 20, 0])
+        kw["top_p"] = torch.tensor([0.9, 1.0, 1.0, 0.95, 0.8])
+    if case == "masked":
+        bm = random_bitmask(int(cu[-1]), vocab, gen, density=0.7)
+        mrows = torch.arange(int(cu[-1]))
+        mrows[3] = -1
+    a = speculative_accept(logits, cu, drafts, probs, bitmask=bm, mask_rows=mrows, backend="torch", **kw)
+    b = speculative_accept(*on_dev((logits, cu, drafts, probs)), bitmask=on_dev(bm), mask_rows=on_dev(mrows),
+                           backend="triton", **on_dev(kw))
+    b = type(b)(*to_cpu((b.num_accepted, b.tokens, b.final_tokens)))
+    assert torch.equal(a.num_accepted, b.num_accepted)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.final_tokens, b.final_tokens)
+    # layout: accepted drafts then the final token, -1 after
+    for i in range(B):
+        n = int(a.num_accepted[i])
+        seg = a.tokens[cu[i]:cu[i + 1]].tolist()
+        assert seg[:n] == drafts[cu[i]:cu[i] + n].tolist()
+        assert seg[n] == int(a.final_tokens[i]) >= 0 and all(t == -1 for t in seg[n + 1:])
+    if case == "greedy":
+        assert a.num_accepted.tolist()[0] == 3 and a.num_accepted.tolist()[3] == 2
+        assert int(a.final_tokens[3]) == int(logits[10].argmax())
+    if case == "masked":
+        for i in range(B):
+            row = int(cu[i] + a.num_accepted[i])
+            if int(mrows[row]) >= 0:
+                assert bit_allowed(bm, int(mrows[row]), int(a.final_tokens[i]))
+
+
+def _target_probs(logits, temperature, top_k=0, top_p=1.0):
+    return probs_torch(logits, row_params(logits.shape[0], "cpu", temperature, top_k, top_p, 0, 0)).double()
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (3, 0.9)])
+def test_lossless_with_draft_distribution(top_k, top_p):
+    """L = 2 drafts from a distribution unlike the target: first token ~ q0; second (when present) ~ q1."""
+    gen = torch.Generator().manual_seed(1)
+    vocab, n = 6, 20000
+    target = torch.randn(3, vocab, generator=gen) * 1.5
+    draft_p = torch.softmax(torch.randn(3, vocab, generator=gen), 1)
+    logits = target.repeat(n, 1)
+    probs = draft_p.repeat(n, 1)
+    drafts = torch.multinomial(probs, 1, generator=gen)[:, 0]
+    cu = torch.arange(n + 1) * 3
+    res = speculative_accept(logits, cu, drafts, probs, 1.0, top_k, top_p, seed=torch.arange(n) + 5, position=7)
+    q = _target_probs(target, 1.0, top_k, top_p)
+    toks = res.tokens.view(n, 3)
+    assert_matches_distribution(torch.bincount(toks[:, 0], minlength=vocab), q[0], n)
+    second = toks[:, 1][res.num_accepted >= 1]
+    assert len(second) > 1000
+    assert_matches_distribution(torch.bincount(second, minlength=vocab), q[1], len(second))
+    assert 0 < float((res.num_accepted == 2).float().mean()) < 1
+
+
+def test_lossless_with_certain_drafts():
+    """One-hot drafts (grammar-forced or greedy drafter): output still ~ q, and d is accepted w.p. q(d)."""
+    gen = torch.Generator().manual_seed(2)
+    vocab, n = 5, 20000
+    target = torch.randn(2, vocab, generator=gen)
+    logits = target.repeat(n, 1)
+    drafts = torch.full((2 * n,), 3)
+    cu = torch.arange(n + 1) * 2
+    res = speculative_accept(logits, cu, drafts, None, 0.8, 0, 1.0, seed=torch.arange(n), position=0)
+    q = _target_probs(target, 0.8)
+    assert_matches_distribution(torch.bincount(res.tokens.view(n, 2)[:, 0], minlength=vocab), q[0], n)
+    acc = int((res.num_accepted == 1).sum())
+    assert_matches_distribution(torch.tensor([n - acc, acc]), torch.tensor([1 - q[0, 3], q[0, 3]]), n)
+
+
+def test_grammar_banned_draft_is_always_rejected():
+    gen = torch.Generator().manual_seed(3)
+    cu, logits, probs, drafts = _batch(gen, 64, [3, 3])
+    bm = random_bitmask(6, 64, gen, density=0.8)
+    d0 = int(drafts[0])
+    bm[0, d0 // 32] &= ~(1 << (d0 % 32)) if d0 % 32 != 31 else 0x7FFFFFFF   # ban request 0's first draft
+    for backend in ("torch", "triton"):
+        args = (logits, cu, drafts, probs) if backend == "torch" else on_dev((logits, cu, drafts, probs))
+        res = speculative_accept(*args, 1.0, 0, 1.0, 0, 0, bitmask=on_dev(bm) if backend == "triton" else bm,
+                                 backend=backend)
+        assert int(res.num_accepted[0]) == 0
+        assert bit_allowed(bm, 0, int(res.final_tokens[0]))
+
+
+def test_bad_layout_raises():
+    logits = torch.randn(4, 10)
+    with pytest.raises(ValueError, match="cu_rows"):
+        speculative_accept(logits, torch.tensor([0, 2, 2, 4]), torch.zeros(4, dtype=torch.long), None, 1.0, 0, 1.0,
+                           0, 0)
+    with pytest.raises(ValueError, match="draft_tokens"):
+        speculative_accept(logits, torch.tensor([0, 4]), torch.zeros(3, dtype=torch.long), None, 1.0, 0, 1.0, 0, 0)
+
+
+def test_fused_path_invalid_drafts_filters_and_masks_together():
+    """The fused Triton path (one ratio-test kernel per request) on awkward input: drafts out of range (-1, V),
+    single-row requests, top-k/top-p with masks and unmasked rows, all in one batch; equal to the twin."""
+    gen = torch.Generator().manual_seed(77)
+    vocab = 333
+    cu, logits, probs, drafts = _batch(gen, vocab, [3, 1, 5, 1, 4, 2, 6], noise=0.2)
+    B, R = cu.numel() - 1, int(cu[-1])
+    drafts[0] = -1                                          # request 0 must reject at once
+    drafts[12] = vocab                                      # request 4 (rows 10-13): its 3rd draft is out of range
+    bm = random_bitmask(R, vocab, gen, density=0.8)
+    mrows = torch.arange(R)
+    mrows[[2, 7]] = -1
+    kw = dict(temperature=torch.tensor([1.0, 0.7, 1.1, 0.0, 1.0, 0.9, 1.3]),
+              top_k=torch.tensor([0, 10, 40, 0, 7, 0, 100]), top_p=torch.tensor([0.9, 1.0, 0.95, 1.0, 0.85, 0.7, 1.0]),
+              seed=torch.arange(B) * 7 + 3, position=torch.arange(B) * 11)
+    a = speculative_accept(logits, cu, drafts, probs, bitmask=bm, mask_rows=mrows, backend="torch", **kw)
+    b = speculative_accept(*on_dev((logits, cu, drafts, probs)), bitmask=on_dev(bm), mask_rows=on_dev(mrows),
+                           backend="triton", **on_dev(kw))
+    assert int(a.num_accepted[0]) == 0 and int(a.num_accepted[4]) <= 2
+    assert torch.equal(a.num_accepted, b.num_accepted.cpu())
+    assert torch.equal(a.tokens, b.tokens.cpu()) and torch.equal(a.final_tokens, b.final_tokens.cpu())
+    assert bool((a.final_tokens >= 0).all())

@@ -1,0 +1,76 @@
+"""The top-k/top-p threshold kernels (kernels/threshold.py) against the definition, computed by brute force in
+float64 (every token's count and mass of strictly larger z), on both the fast path and the bisection fallback."""
+import torch
+
+from deepinfer_sg.kernels.sampling import masked_z_torch, row_params, sample_torch, sample_triton
+from deepinfer_sg.kernels.threshold import thresholds_and_paths
+from helpers import on_dev, params_on_dev, random_bitmask
+
+
+def _brute_tau(z: torch.Tensor, top_k: int, top_p: float, greedy: bool) -> float:
+    """Smallest kept z of one row by the definition: O(V^2) comparisons in float64."""
+    V = z.numel()
+    if greedy or not ((0 < top_k < V) or top_p < 1) or not bool((z > -torch.inf).any()):
+        return float("-inf")
+    z64 = z.double()
+    e = torch.exp(z64 - z64.max())
+    gt = z64[None, :] > z64[:, None]                      # gt[v, u]: z_u > z_v
+    count = gt.sum(1)
+    mass = (gt * e[None, :]).sum(1) / e.sum()
+    k = top_k if top_k > 0 else V + 1
+    keep = (count < k) & (mass < top_p) & (z64 > -torch.inf)
+    return float(z[keep].min())
+
+
+def _check(logits, temperature, top_k, top_p, bitmask=None, mrows=None, **kw):
+    R, V = logits.shape
+    p = row_params(R, "cpu", temperature, top_k, top_p, seed=torch.arange(R), position=3)
+    mr = None if bitmask is None else (torch.arange(R) if mrows is None else mrows)
+    tau, path = thresholds_and_paths(on_dev(logits), params_on_dev(p), on_dev(bitmask), on_dev(mr), **kw)
+    tau, path = tau.cpu(), path.cpu()
+    z = masked_z_torch(logits, p.inv_temperature, bitmask, mr)
+    want = torch.tensor([_brute_tau(z[r], int(p.top_k[r]), float(p.top_p[r]), bool(p.greedy[r])) for r in range(R)])
+    assert torch.equal(tau, want), (tau, want, path)
+    return path
+
+
+def test_fast_path_matches_definition_on_mixed_rows():
+    gen = torch.Generator().manual_seed(21)
+    R, V = 9, 1000
+    logits = torch.randn(R, V, generator=gen) * 3
+    logits[4] = (logits[4] * 2).round() / 2                # many ties, also at the threshold
+    logits[5, :7] = logits[5].max() + 0.125                # ties at the maximum, across the first chunk
+    logits[6, 900:] = logits[6].max() + 2                  # every candidate in the last (partial) chunk
+    bm = random_bitmask(R + 1, V, gen, density=0.6)
+    bm[8] = 0                                              # nothing allowed in that mask row
+    mrows = torch.tensor([0, 1, -1, 3, 4, 5, 6, 9, 8])
+    temperature = torch.tensor([1.0, 0.7, 1.3, 0.0, 1.0, 1.0, 2.0, 1.0, 1.0])
+    top_k = torch.tensor([1, 50, 0, 5, 12, 3, 40, 0, 5])
+    top_p = torch.tensor([1.0, 0.9, 0.8, 0.5, 0.95, 1.0, 0.6, 1.0, 0.9])
+    path = _check(logits, temperature, top_k, top_p, bm, mrows, chunk=256)
+    assert (path > 0).sum() >= 6                           # the fast path did the work
+    assert int(path[3]) == -2 and int(path[7]) == -2 and int(path[8]) == -2    # greedy, no filter, nothing allowed
+
+
+def test_fallback_rows_flat_and_huge_logits():
+    gen = torch.Generator().manual_seed(22)
+    R, V = 4, 600
+    logits = torch.randn(R, V, generator=gen) * 0.3        # flat: top-p 0.9 needs hundreds of candidates
+    logits[2] = logits[2] * 1e7                            # beyond the bin grid: must fall back
+    logits[3] = torch.randn(V, generator=gen) * 4
+    path = _check(logits, 1.0, torch.tensor([0, 0, 7, 6]), torch.tensor([0.9, 0.5, 1.0, 1.0]), cmax=64, chunk=128)
+    assert int(path[0]) == -1 and int(path[2]) == -1 and int(path[3]) > 0
+
+
+def test_sampling_with_filters_matches_twin_tokens():
+    """End to end through sample_triton: same tokens as the twin on rows with top-k/top-p."""
+    gen = torch.Generator().manual_seed(23)
+    R, V = 40, 700
+    logits = torch.randn(R, V, generator=gen) * 2.5
+    top_k = torch.randint(0, 30, (R,), generator=gen)
+    top_p = torch.where(torch.rand(R, generator=gen) < 0.5, torch.rand(R, generator=gen) * 0.9 + 0.05,
+                        torch.ones(R))
+    p = row_params(R, "cpu", 1.0, top_k, top_p, seed=torch.arange(R) * 31 + 1, position=9)
+    a = sample_torch(logits, p)
+    b = sample_triton(on_dev(logits), params_on_dev(p)).cpu()
+    assert torch.equal(a, b)
