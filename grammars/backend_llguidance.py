@@ -7,11 +7,9 @@ when the grammar is in an accepting state, and accepting it only sets a flag (so
 """
 from __future__ import annotations
 
-import json
 import threading
 from functools import lru_cache
 
-import llguidance
 import torch
 from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer
 

@@ -10,7 +10,7 @@ import torch
 from outlines_core import Guide, Index, Vocabulary
 from outlines_core.json_schema import build_regex_from_schema
 
-from .matcher import check_bitmask, set_only
+from .matcher import check_bitmask, check_draft_on_fork, set_only
 from .specs import ConstraintError, JsonSchema, Regex
 from .vocab import TokenizerVocab
 
@@ -134,13 +134,7 @@ class OutlinesMatcher:
         return out
 
     def check_draft(self, token_ids) -> int:
-        probe = self.fork()
-        n = 0
-        for t in token_ids:
-            if not probe.accept(int(t)):
-                break
-            n += 1
-        return n
+        return check_draft_on_fork(self, token_ids)
 
     def fork(self):
         # outlines-core Guides cannot be copied; rebuild from the index by replaying the history.

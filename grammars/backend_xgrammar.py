@@ -11,7 +11,7 @@ import threading
 import torch
 import xgrammar as xgr
 
-from .matcher import check_bitmask, set_only
+from .matcher import check_bitmask, check_draft_on_fork, set_only
 from .specs import ConstraintError, Grammar, JsonSchema, Regex
 from .vocab import TokenizerVocab
 
@@ -131,13 +131,7 @@ class XGrammarMatcher:
         return out
 
     def check_draft(self, token_ids) -> int:
-        probe = self.fork()
-        n = 0
-        for t in token_ids:
-            if not probe.accept(int(t)):
-                break
-            n += 1
-        return n
+        return check_draft_on_fork(self, token_ids)
 
     def fork(self) -> "XGrammarMatcher":
         return XGrammarMatcher(self.m.fork(), self.vocab)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import re
 
+from .schema_support import resolve_ref
+
 
 def serializations(value, whitespace: str, schema=None, indent: int = 2, integral_as_int: bool = True) -> list:
     """Texts of `value` a constraint with this whitespace mode must accept if `value` is valid: compact
@@ -104,16 +106,10 @@ def _pick_branch(schema, value, root):
 
 
 def _resolve(schema, root, depth=0):
-    while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and schema["$ref"].startswith("#") and depth < 32:
-        target = root
-        for part in schema["$ref"][1:].split("/")[1:]:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(target, dict) and part in target:
-                target = target[part]
-            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
-                target = target[int(part)]
-            else:
-                return schema
+    while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and depth < 32:
+        target = resolve_ref(schema["$ref"], root)
+        if target is None:
+            return schema
         schema, depth = target, depth + 1
     return schema
 

@@ -56,6 +56,18 @@ def check_bitmask(bitmask: torch.Tensor, rows: int, words: int) -> None:
         raise ValueError("bitmask must be contiguous")
 
 
+def check_draft_on_fork(m: Matcher, token_ids) -> int:
+    """How many leading tokens a matcher accepts, walked on a fork (the matcher itself is untouched); for
+    backends with no native draft validation."""
+    probe = m.fork()
+    n = 0
+    for t in token_ids:
+        if not probe.accept(int(t)):
+            break
+        n += 1
+    return n
+
+
 def fill_masks(matchers: Sequence[Matcher], drafts: Sequence[Sequence[int]] | None = None,
                out: torch.Tensor | None = None, valid_counts: list | None = None) -> torch.Tensor:
     """Masks for every matcher now and after each prefix of its draft, in one call.
