@@ -8,7 +8,9 @@ forced tokens (chains past n), grammar-aware scheduling. Reports mean accepted l
 token, tokens/s (wall, and with the drafter's time excluded), drafter and mask milliseconds per step, and how
 many outputs are complete and valid. Random weights: the drafter is "self" by default (the target's own
 UNMASKED distribution at the drafted prefix, sampled at --temperature; plain DSpark then proposes what an
-unconstrained model wants to say, which the grammar mostly forbids) or --drafter dspark (the random DSpark layers).
+unconstrained model wants to say, which the grammar mostly forbids) or --drafter dspark (the checkpoint's random
+DSpark layers: plain acceptance near zero, so what gets accepted is the grammar's contribution, and the wall tok/s
+includes the real drafter's cost), or --drafter self,dspark for both tables in one run; every row names its drafter.
 CPU: the bundled tiny model (real vocabulary); CUDA: the mid-size V4.1 config. Tables go to
 $OUT/grammar_speculation.txt when OUT is set.
 
@@ -266,6 +268,8 @@ REAL_MECHANISMS = [
     ("+ masked drafting", dict(mask_drafts=True, force_tokens=False, cut=True, grammar_schedule=False)),
     ("+ forced tokens (chains past n)", dict(mask_drafts=True, force_tokens=True, cut=True, grammar_schedule=False)),
     ("+ grammar-aware scheduling", dict(mask_drafts=True, force_tokens=True, cut=True, grammar_schedule=True)),
+    ("+ device masks (token automaton)", dict(mask_drafts=True, force_tokens=True, cut=True, grammar_schedule=True,
+                                             draft_masks="automaton")),
 ]
 TOOLS = [
     {"name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -296,17 +300,43 @@ def _bounded(schema):
     return schema
 
 
-def real_workloads(compiler, tok):
+def schema_automaton(compiler, spec, device, reference=None):
+    """The GPU token automaton of a JSON Schema spec (outlines-core's regex of the schema; the verifier stays the
+    compiler's llguidance matcher, the engine cuts drafts it rejects). None when it cannot be built."""
+    try:
+        from outlines_core import Index
+        from deepinfer_sg.engine.token_automaton import from_index
+        from deepinfer_sg.grammars.backend_outlines import outlines_vocabulary, regex_for
+        t0 = time.perf_counter()
+        a = from_index(Index(regex_for(spec), outlines_vocabulary(compiler.vocab)), compiler.vocab_size,
+                       list(compiler.vocab.eos_token_ids), max_bytes=256 << 20, reference=reference).to(device)
+        print(f"(token automaton: {a.num_states} states, {a.nbytes / 2**20:.1f} MiB, built in "
+              f"{time.perf_counter() - t0:.1f} s)", flush=True)
+        return a
+    except Exception as exc:
+        print(f"(no token automaton: {type(exc).__name__}: {exc})", flush=True)
+        return None
+
+
+def real_workloads(compiler, tok, device="cpu"):
+    """(name, compiled, prompt, validity check, token automaton or None)."""
     from deepinfer_sg.grammars.dsml import dsml_grammar
     schema = _bounded(EXTRACTION)
-    out = [("JSON-Schema extraction", compiler.compile(JsonSchema(schema, whitespace="compact")),
-            "Extract the invoice fields as JSON: invoice INV-2024-0193 from Acme Tools GmbH, 1284.50 EUR, unpaid.",
-            lambda text: _schema_valid(text, schema))]
+    spec = JsonSchema(schema, whitespace="compact")
+    out = []
+    try:
+        compiled = compiler.compile(spec)
+        out.append(("JSON-Schema extraction", compiled,
+                    "Extract the invoice fields as JSON: invoice INV-2024-0193 from Acme Tools GmbH, 1284.50 EUR, unpaid.",
+                    lambda text: _schema_valid(text, schema),
+                    schema_automaton(compiler, spec, device, reference=compiled.matcher)))
+    except Exception as exc:   # a broken compiler costs this workload only
+        print(f"(JSON-Schema workload skipped: {type(exc).__name__}: {exc})")
     try:
         # the prompt already opened the tool-call block (deepseek-recipe pre-fills it for a named tool_choice):
         # the completion is DSML invoke markup, mostly grammar-forced tokens
         out.append(("DSML tool call", compiler.compile(dsml_grammar(TOOLS, "get_weather", starts_in_tool_calls=True)),
-                    "What is the weather in Lisbon on 2025-06-14?", lambda text: "get_weather" in text))
+                    "What is the weather in Lisbon on 2025-06-14?", lambda text: "get_weather" in text, None))
     except Exception as exc:   # grammars/dsml.py missing or broken: report, keep the JSON workload
         print(f"(tool-call workload skipped: {type(exc).__name__}: {exc})")
     return out
@@ -325,7 +355,7 @@ def main_real(args):
     import os
     import sys
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from speculative import bench_model, emit, fresh
+    from speculative import bench_model, fresh
     from deepinfer_sg.engine import spec_decode as SD
     cuda = args.device.startswith("cuda")
     if not cuda:
@@ -334,37 +364,57 @@ def main_real(args):
     tok = load_tokenizer()
     V = model.config.vocab_size
     compiler = ConstraintCompiler(tok, vocab_size=V, eos_token_ids=[1])
+    drafters = [d.strip() for d in args.drafter.split(",") if d.strip()]
     lines = [f"# grammar-aware speculation, real path: device {args.device}, model {args.model or ('midsize' if cuda else 'tiny')}"
-             f" (random weights), drafter {args.drafter}, n {args.gamma}, schedule {args.schedule}, temperature "
-             f"{args.temperature}, {args.requests} requests x {args.max_tokens} tokens max"]
-    prof = SD.SpecDecoder(model, SD.SpecConfig(n=args.gamma, drafter=args.drafter))
+             f" (random weights), drafters {','.join(drafters)}, n {args.gamma}, schedule {args.schedule}, temperature "
+             f"{args.temperature}, {args.requests} requests x {args.max_tokens} tokens max",
+             "# drafter 'dspark' = the checkpoint's own DSpark draft layers (random weights: near-zero plain acceptance, so"
+             " what is accepted is the grammar's doing); 'self' = the target's own unmasked distribution at the drafted"
+             " prefix (acceptance upper bound; it costs n target forwards, so its wall tok/s is not a drafter claim)",
+             "# wall tok/s = committed tokens / wall time of the whole run INCLUDING drafting; 'excl. drafter' subtracts"
+             " the drafter's time"]
+    print("\n".join(lines), flush=True)
+    prof = SD.SpecDecoder(model, SD.SpecConfig(n=args.gamma, drafter="self"))
     prof.ensure_time_model(max(8, args.requests))       # the start-up profile, shared by every run below
-    for name, compiled, prompt, check in real_workloads(compiler, tok):
+    for name, compiled, prompt, check, automaton in real_workloads(compiler, tok, args.device):
         ids = [0] + tok.encode(prompt, add_special_tokens=False).ids
-        lines += ["", f"{name}: {args.requests} requests",
-                  f"{'mechanism':36s} {'acc.len':>7s} {'rows/tok':>8s} {'tok/s':>7s} {'tok/s free drafter':>18s} "
-                  f"{'draft ms/step':>13s} {'mask ms/step':>12s} {'done+valid':>10s} {'errors':>6s}"]
-        for label, mech in REAL_MECHANISMS:
-            cfg = SD.SpecConfig(n=args.gamma, drafter=args.drafter, **{"schedule": args.schedule, **mech})
-            reqs = [SD.StandaloneRequest(ids, max_tokens=args.max_tokens, temperature=args.temperature, seed=i,
-                                         stop_token_ids=(1,), matcher=compiled.matcher()) for i in range(args.requests)]
-            dec = SD.SpecDecoder(model, cfg, time_model=fresh(prof.time_model))
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                SD.generate(model, reqs, cfg, decoder=dec)
-            if cuda:
-                torch.cuda.synchronize()
-            wall = time.perf_counter() - t0
-            st = dec.stats
-            tokens = sum(len(r.output) for r in reqs)
-            valid = sum(1 for r in reqs if r.finish == "constraint_complete"
-                        and check(tok.decode([t for t in r.output if t != 1])))
-            errors = sum(1 for r in reqs if r.error is not None)
-            lines.append(f"{label:36s} {st.mean_accepted_length:7.2f} {st.rows_per_token:8.2f} {tokens / wall:7.1f} "
-                         f"{tokens / max(1e-9, wall - st.drafter_s):18.1f} {1e3 * st.drafter_s / max(1, st.steps):13.1f} "
-                         f"{1e3 * st.mask_s / max(1, st.steps):12.1f} {valid:>6d}/{len(reqs):<3d} {errors:6d}")
-            print(lines[-1], flush=True)
-    emit(lines, "grammar_speculation.txt")
+        for drafter in drafters:
+            lines += ["", f"{name}: {args.requests} requests, drafter {drafter}",
+                      f"{'drafter':7s} {'mechanism':36s} {'acc.len':>7s} {'rows/tok':>8s} {'wall tok/s':>10s} "
+                      f"{'tok/s excl. drafter':>19s} {'draft ms/step':>13s} {'mask ms/step':>12s} {'done+valid':>10s} "
+                      f"{'errors':>6s}"]
+            print("\n".join(lines[-3:]), flush=True)
+            for label, mech in REAL_MECHANISMS:
+                if drafter != drafters[0] and mech.get("schedule") == "off":
+                    continue                              # speculation off does not depend on the drafter
+                if mech.get("draft_masks") == "automaton" and automaton is None:
+                    continue                              # not a regular constraint (DSML): CPU masks only
+                cfg = SD.SpecConfig(n=args.gamma, drafter=drafter, **{"schedule": args.schedule, **mech})
+                reqs = [SD.StandaloneRequest(ids, max_tokens=args.max_tokens, temperature=args.temperature, seed=i,
+                                             stop_token_ids=(1,), matcher=compiled.matcher(), automaton=automaton)
+                        for i in range(args.requests)]
+                dec = SD.SpecDecoder(model, cfg, time_model=fresh(prof.time_model))
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    SD.generate(model, reqs, cfg, decoder=dec)
+                if cuda:
+                    torch.cuda.synchronize()
+                wall = time.perf_counter() - t0
+                st = dec.stats
+                tokens = sum(len(r.output) for r in reqs)
+                valid = sum(1 for r in reqs if r.finish == "constraint_complete"
+                            and check(tok.decode([t for t in r.output if t != 1])))
+                errors = sum(1 for r in reqs if r.error is not None)
+                who = "-" if mech.get("schedule") == "off" else drafter
+                lines.append(f"{who:7s} {label:36s} {st.mean_accepted_length:7.2f} {st.rows_per_token:8.2f} "
+                             f"{tokens / wall:10.1f} {tokens / max(1e-9, wall - st.drafter_s):19.1f} "
+                             f"{1e3 * st.drafter_s / max(1, st.steps):13.1f} {1e3 * st.mask_s / max(1, st.steps):12.1f} "
+                             f"{valid:>6d}/{len(reqs):<3d} {errors:6d}")
+                print(lines[-1], flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "grammar_speculation.txt"), "a") as f:
+            f.write("\n".join(lines) + "\n")
 
 
 def main():
@@ -372,7 +422,7 @@ def main():
     ap.add_argument("--synthetic", action="store_true", help="the CPU simulation on a synthetic target")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--model", default=None, help="tiny | midsize")
-    ap.add_argument("--drafter", default="self", help="self | dspark")
+    ap.add_argument("--drafter", default="self", help="self | dspark | a comma list (one table per drafter)")
     ap.add_argument("--schedule", default="sync", help="fixed | sync | async")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--requests", type=int, default=4)

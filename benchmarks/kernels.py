@@ -19,39 +19,23 @@ random half-density masks used here that is every sector). The bitmask rows also
 default CUDA path, Triton) at the same shapes. --sweep adds launch-parameter variants; --dry runs every body once
 on the CPU (interpreter, tiny shapes) to check the script itself. Twins are timed with do_bench when they sync.
 
-Last measured (NVIDIA H200, torch 2.11 / Triton 3.6, 2026-11-29; copy 4273 GB/s, bf16 matmul 693 TFLOP/s):
-  kernel                 shape                              triton us        twin us            roofline
-  bitmask                B=64 / 256 / 512, V=129280         23 / 86 / 170    335 / 776 / 1506   67% / 73% / 74%
-    xgrammar 0.2.9       same                               28 / 94 / 176    -                  56% / 67% / 71%
-  bitmask by step        64 requests x 4 rows               84               -                  74%
-  sample T=1 (1 pass)    B=64 / 256                         19 / 59          1955 / 5877        41% / 53%
-  sample T=0.7 + mask    B=64 / 256                         27 / 83          2032 / 6374        30% / 38%
-  sample top-k50 p0.9    B=64 / 256                         2174 / 3521      3154 / 10416       ~1% (bisection)
-  speculative accept     64 req x 4 rows, draft probs       294              3693               13% (~80 launches)
-  sparse attention       N=64 / 256, H=64 D=512, 128+512    44 / 158         324 / 1139         27% / 30%
-  indexer score + top-k  N=64 Hi=32 Di=128 L=16384 k=512    166              1535               38% (scores 86%;
-                                                                                                torch.topk 77 us)
-  moe experts (bf16)     T=64 / 256, H=2048 F=1024 E=64 K=6 282 / 344        28942 / 27708      67% / 55%
-  hc mixes + sinkhorn    T=64 / 256 / 4096, H=5120          43 / 115 / 1003  259 / 312 / 917    1-3% (needs work)
-
-Changed since that run (helper D2, 2026-11-29, checked on CPU in the interpreter only; predictions to check):
-  - top-k/top-p threshold (kernels/threshold.py): histogram pass + candidate compaction + register bisection on
-    the few candidates, instead of <= 33 serial passes per row. Predicted: sample top-k50 p0.9 B=64 2174 -> ~60 us,
-    B=256 3521 -> ~170 us (two reads of the logits plus the sampling pass). Rows now report the fast-path share
-    and tau agreement with the twin. "top-p0.9 flat" (thousands of candidates) still takes the bisection fallback.
-  - sampling noise: u built from bits (no int->float conversions; bit-identical): plain sampling ~5-10% faster.
-  - speculative accept: ~80 launches -> 9 (fused per-request ratio test, no torch glue). Predicted 294 -> ~90 us.
-  - sparse attention: key splits + combine (flash-decoding) when rows x head blocks do not fill the GPU.
-    Predicted N=64 44 -> ~25 us; N=256 unchanged (one split); the "attention splits" rows time alternatives.
-  - hc mixes: bf16 residuals now use three bf16 tensor-core products against a hi/mid/lo split of fn (fp32-
-    accurate, checked against float64 in the tests) instead of the FMA dot that made the pass arithmetic-bound;
-    more programs at small T. Predicted T=64/256/4096: 43/115/1003 -> ~10/~15/~60 us. The "hc streaming pass"
-    note keeps D's FMA path for comparison.
-  - indexer: a two-stage torch top-k is timed beside the single one ("indexer two-stage"; off by default).
-  - --compile-check builds the hot kernels for sm_90 on any machine and prints registers/spills: D's moe gate/up
-    (664 B) and attention (576 B at 4 warps) defaults spill; the D sweep measured them best anyway, so they stay,
-    and the "moe no-spill tiles" rows time the spill-free moe tiles beside them.
-  Unchanged: bitmask (at or above xgrammar's kernel already).
+Last measured (NVIDIA H200, torch 2.11 / Triton 3.6, 2026-11-29, session 2, final defaults; copy 4,250 GB/s;
+each family's module docstring has its own rows and sweeps):
+  kernel                 shape                                  triton us         roofline (of copy bandwidth)
+  bitmask                B=64 / 256 / 512, V=129280             23 / 86 / 170     67% / 73% / 74% (xgrammar 0.2.9's
+                                                                                  own kernel: 56% / 67% / 71%)
+  sample T=1             B=64 / 256                             13.7 / 37.7       57% / 83% (one read pass: 84% / 100%)
+  sample T=0.7 + mask    B=64 / 256                             18.8 / 52.6       43% / 61%
+  sample greedy          B=64 / 256                             11.6 / 33.5       67% / 93%
+  sample top-k50 p0.9    B=64 / 256                             105 / 336         7% / 9% (three passes + histogram)
+  speculative accept     64 requests x 4 rows + draft probs     95                34%
+  sparse attention       N=64 / 256, H=64 D=512, 128+512 keys   44.5 / 149        27% / 32% (keys from L2: 41 / 121 us)
+  indexer score + top-k  N=64 Hi=32 Di=128 L=16384 k=512        136               46% (scores alone 87%)
+  moe experts (bf16)     T=64 / 256, H=2048 F=1024 E=64 K=6     196 / 216         97% / 88%
+  moe experts (bf16)     V4.1 shapes T=64 / 256                 3,759 / 6,008     106% / 103% (reads only)
+  moe experts (fp8 w)    V4.1 shapes T=64 / 256                 2,072 / 3,299     97% / 95% of the fp8 bytes
+  hc mixes + sinkhorn    T=64 / 256 / 4096, H=5120              14.7 / 24.3 / 150 7% / 12% / 27% (launch floor 0.7 us)
+  hc post + next pre     T=64 / 256                             4.1 / 10.1        38% / 61%
 The whole run takes about 2-3 minutes on an H200 (--budget, default 200 s, skips the steps left after that);
 with OUT set it also writes $OUT/kernels.txt (the table) and $OUT/kernels.json.
 """

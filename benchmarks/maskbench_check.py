@@ -55,9 +55,14 @@ def maskbench(compiler, limit=None, files=None, verbose=False):
             continue
         row["compiled"] += 1
         row[res["backend"]] += 1
-        if any(o != "pass" for o in res["outcomes"]):
+        if any(o in ("false_negative", "false_positive") for o in res["outcomes"]):
             row["wrong"] += 1
             wrong.append((path.name, collections.Counter(res["outcomes"])))
+        elif "runtime_refused" in res["outcomes"]:
+            row["rt_refused"] += 1  # compiled, then refused some text with a clear ConstraintError
+            if verbose:
+                print(f"runtime refusal {path.name}: {res['runtime_errors'][0][:160]}")
+        row["rt_refused_inst"] += res["outcomes"].count("runtime_refused")
         row["fn"] += res["outcomes"].count("false_negative")
         row["fp"] += res["outcomes"].count("false_positive")
         row["instances"] += len(res["outcomes"])
@@ -65,13 +70,16 @@ def maskbench(compiler, limit=None, files=None, verbose=False):
 
 
 def print_maskbench(table, wrong):
-    cols = ["schemas", "compiled", "refused", "wrong", "instances", "fn", "fp", "llguidance", "xgrammar", "outlines"]
-    print(f"{'split':18}" + "".join(f"{c:>11}" for c in cols))
+    cols = ["schemas", "compiled", "refused", "rt_refused", "wrong", "instances", "fn", "fp", "rt_refused_inst",
+            "llguidance", "xgrammar", "outlines"]
+    print(f"{'split':18}" + "".join(f"{c:>{max(11, len(c) + 1)}}" for c in cols))
+    print("(refused: at compile time; rt_refused: compiled, but a walk raised ConstraintError on some instance;"
+          " wrong: a valid instance rejected or an invalid one accepted)")
     total = collections.Counter()
     for split in sorted(table):
         total.update(table[split])
-        print(f"{split:18}" + "".join(f"{table[split][c]:>11}" for c in cols))
-    print(f"{'TOTAL':18}" + "".join(f"{total[c]:>11}" for c in cols))
+        print(f"{split:18}" + "".join(f"{table[split][c]:>{max(11, len(c) + 1)}}" for c in cols))
+    print(f"{'TOTAL':18}" + "".join(f"{total[c]:>{max(11, len(c) + 1)}}" for c in cols))
     for name, c in wrong:
         print("WRONG", name, dict(c))
 
@@ -104,7 +112,8 @@ def flat(results):
 
 def print_jsts(results, baseline, show_changes=True):
     ours, base = flat(results), flat(baseline)
-    cats = ["pass", "false_negative", "compile_error_all_invalid", "skip_compile", "compile_error_valid", "false_positive"]
+    cats = ["pass", "false_negative", "compile_error_all_invalid", "skip_compile", "compile_error_valid", "false_positive",
+            "runtime_refused"]
     print(f"{'file':42}" + "".join(f"{c[:14]:>15}" for c in cats) + f"{'base pass':>11}")
     per_file = collections.defaultdict(collections.Counter)
     base_file = collections.defaultdict(collections.Counter)

@@ -7,9 +7,11 @@ batched per layer:
     tensor [T, W] per row (-1 = no key) built once per step from host-side lengths (the same for all layers);
   * compressed entries / index keys: one pool per source layer (concatenated once per step, after the source
     layer's compressor ran), with per-row start and count;
-  * index scores for every row at once over its padded [T, G] entries, then the reference's own stable top-k and
-    candidate-block selection (`topk_mask`, `candidate_block_mask`: ties go to the lower entry id; relu makes
-    exact-zero ties common, so selection must not depend on an unstable top-k);
+  * index scores for every row at once over its padded [T, G] entries, then the top-k with the reference's tie
+    rule (ties go to the lower entry id; relu makes exact-zero ties common, so selection must not depend on an
+    unstable top-k): on CUDA the exact radix-select kernel `kernels.indexer.topk_select_triton` (the same
+    selection as the reference's stable sort), elsewhere the reference's `topk_mask`; candidate blocks with the
+    reference's `candidate_block_mask`;
   * `deepinfer_sg.kernels.sparse_attention` (Triton on CUDA, its torch twin on CPU) over the gathered keys;
   * compressors: one projection over all rows, every completed group pooled in one batch (Compressor.step_many);
   * windows: appended once per sequence per step for all layers (commit_windows), not per (sequence, layer).
@@ -49,6 +51,7 @@ class BatchPlan:
     pools: dict = field(default_factory=dict)     # (kind, layer) -> (pool, start [T], count [T], G)
     topk: dict = field(default_factory=dict)      # index-source layer -> bool [T, G]
     cand: dict = field(default_factory=dict)      # candidate-source layer -> bool [T, G]
+    topk_idx: dict = field(default_factory=dict)  # (index-source layer, G) -> entry ids [T, k'] of its top-k mask
     new_kv: dict = field(default_factory=dict)    # layer -> this step's window KV rows [T, D] (commit_windows)
 
     def per_row(self, per_seq: list[int], device) -> torch.Tensor:
@@ -173,8 +176,7 @@ def _index_scores(idx_mod, iq: torch.Tensor, w: torch.Tensor, keys: torch.Tensor
     """I [T, G] fp32 = sum_h w * Di^-0.5 * relu(iq_h . ik_g) over each row's entries start..start+G (padded
     columns hold -inf or whatever the clamped gather gives: callers mask them).
 
-    On CUDA the score kernel of deepinfer_sg.kernels.indexer reads the keys in place (no [T, G, Di] gather);
-    selection stays here because the reference's top-k is stable (ties -> lower id) and the kernel's is not."""
+    On CUDA the score kernel of deepinfer_sg.kernels.indexer reads the keys in place (no [T, G, Di] gather)."""
     if _kindexer.use_triton(iq):
         return _kindexer.indexer_scores_triton(iq, (w.float() * idx_mod.idx_dim ** -0.5).contiguous(), keys,
                                                start, count, G)
@@ -193,6 +195,7 @@ def select_entries(model, attn, x: torch.Tensor, qr: torch.Tensor, cos, sin, ctx
     idx_mod = attn.indexer
     iq, w = idx_mod.queries(qr, x)
     iq = model._qdq(apply_rope(iq, cos, sin), "index")
+    plan.topk_idx = {key: v for key, v in plan.topk_idx.items() if key[0] != i}   # this layer's mask changes
     kind, src = ("icomp", i) if c.compressor_style == "v4" else ("ikeys", spec.index_k_source)
     keys, start, count, G = pool(plan, ctx.seqs, kind, src, x.device)
     g = torch.arange(G, device=x.device)
@@ -206,9 +209,21 @@ def select_entries(model, attn, x: torch.Tensor, qr: torch.Tensor, cos, sin, ctx
     allowed = visible
     if spec.candidate_source is not None:
         allowed = visible & _fit(plan.cand[spec.candidate_source], G)
-    plan.topk[i] = topk_mask(scores, allowed, c.index_topk)
+    plan.topk[i] = _topk_mask(scores, allowed, c.index_topk)
     if i == c.candidate_source_layer_id:
         plan.cand[i] = candidate_block_mask(scores, visible, c.candidate_block_size, c.candidate_topk_blocks)
+
+
+def _topk_mask(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
+    """`topk_mask` (the k best allowed entries, ties -> lower id); on CUDA by the select kernel, which picks the
+    same entries as the stable sort (allowed scores are finite; disallowed ones become -inf, never selected)."""
+    if not _kindexer.use_triton(scores):
+        return topk_mask(scores, allowed, k)
+    T, G = scores.shape
+    idx, _ = _kindexer.topk_select_triton(scores.masked_fill(~allowed, float("-inf")), k, sorted=False)
+    sel = torch.zeros((T, G + 1), dtype=torch.bool, device=scores.device)      # column G absorbs the -1 padding
+    sel.scatter_(1, torch.where(idx >= 0, idx, G), True)
+    return sel[:, :G] & allowed
 
 
 def _fit(mask: torch.Tensor, G: int) -> torch.Tensor:
@@ -255,7 +270,10 @@ def attention(model, attn, x: torch.Tensor, ctx, plan: BatchPlan) -> torch.Tenso
                 vis = (g < ((plan.positions + 1) // spec.ratio)[:, None]) & (g < count[:, None])
                 ent = torch.where(vis, g.expand(vis.shape[0], -1), -1)
             else:
-                ent = _mask_to_index(_fit(plan.topk[spec.index_source], G), c.index_topk)
+                key = (spec.index_source, G)       # consumer layers of one index source share the ids
+                if key not in plan.topk_idx:
+                    plan.topk_idx[key] = _mask_to_index(_fit(plan.topk[spec.index_source], G), c.index_topk)
+                ent = plan.topk_idx[key]
             cmp_pool = P
             cmp_idx = torch.where(ent >= 0, ent + start[:, None], torch.full_like(ent, -1))
     o = sparse_attention(q, win_pool, win_idx, attn.attn_sink, cmp_pool, cmp_idx, scale=attn.scale)

@@ -206,8 +206,8 @@ class LLMEngine:
             # decode rows of eligible requests take the speculative step; the rest (prefill chunks) this path
             spec = [c for c in batch.chunks if self._spec_eligible(c)]
             if spec:
-                self._run_spec(spec)
                 rest = [c for c in batch.chunks if not any(c is s for s in spec)]
+                self._run_spec(spec, self.config.max_num_batched_tokens - sum(len(c.token_ids) for c in rest))
                 if not rest:
                     return
                 batch = ScheduledBatch(chunks=rest)
@@ -279,9 +279,10 @@ class LLMEngine:
         return (c.samples and len(c.token_ids) == 1 and r.num_pending == 1 and bool(r.output_token_ids)
                 and not r.params.logprobs and r.cache is not None)
 
-    def _run_spec(self, chunks) -> None:
+    def _run_spec(self, chunks, max_rows: int) -> None:
         """Speculative decode step (engine/spec_decode.py) for decoding requests: verify their draft blocks,
-        commit the accepted tokens through `_commit_token` (matchers, stops, lengths), draft the next blocks."""
+        commit the accepted tokens through `_commit_token` (matchers, stops, lengths), draft the next blocks.
+        max_rows: the step's token budget left after the other chunks (verify rows are trimmed to it)."""
         from .spec_decode import SpecSequence
         reqs = [c.request for c in chunks]
         # start-up profile of the step-time curve (once; a SpecConfig.step_times table skips it)
@@ -316,7 +317,7 @@ class LLMEngine:
             return True
 
         t0 = time.perf_counter()
-        self.spec.step(seqs, commit)
+        self.spec.step(seqs, commit, max_rows=max(len(seqs), max_rows))
         self.stats.time_forward_s += time.perf_counter() - t0
         self.stats.record_batch(len(reqs))
         self.pool.note_usage()

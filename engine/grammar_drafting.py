@@ -21,9 +21,10 @@ grammar-masked target's:
    admitted violating draft costs no row anyway (it becomes the forced rejection).
 
 How masks reach the drafter: CPU matchers, one mask fill and one host round trip per draft position
-(`MaskedDraftSampler.step`). DSpark's heavy backbone never sees sampled drafts, so only the cheap Markov
-loop runs per position; the matcher walk is the same work the verification masks need anyway (forked
-matchers are walked once per block). Trade-off and measurements: benchmarks/grammar_speculation.py.
+(`MaskedDraftSampler.step`), or, for regular constraints, a token automaton on the device with one host sync per
+block (engine/automaton_drafting.AutomatonDraftSampler, a subclass with the same math:
+SpecConfig(draft_masks="automaton")). DSpark's heavy backbone never sees sampled drafts, so only the cheap
+Markov loop runs per position. Options measured and the choice: benchmarks/mask_delivery.py.
 
 Matchers follow the grammars protocol (fill_mask / accept / rollback / is_terminated / check_draft /
 is_constrained / fork). A matcher that is None or not constrained (a Triggered constraint still waiting
@@ -158,12 +159,31 @@ class MaskedDraftSampler:
         if self.uniforms is not None:
             u = self.uniforms[:, k].to(torch.float64).to(dev)
         else:
-            u = counter_uniforms((self.seeds + DRAFT_SEED_OFFSET).to(dev), (self.positions + k).to(dev), CASE_FRESH)
+            u = self._counter_uniforms(k, dev)
         tok = sample_inverse_cdf(probs, u)
-        active = torch.tensor(self.active, dtype=torch.bool).to(dev) & ~empty
+        active = self._active_now(dev) & ~empty
         tok = torch.where(active, tok, torch.full_like(tok, -1))
         self._record(tok, probs, is_forced & active)
         return tok
+
+    def _counter_uniforms(self, k: int, device) -> torch.Tensor:
+        """The draw uniforms of position k (counter RNG: seed + DRAFT_SEED_OFFSET, position of d_1 + k,
+        CASE_FRESH), computed 16 positions at a time: one RNG evaluation instead of one per position."""
+        cache = getattr(self, "_u_cache", None)
+        if cache is None or k >= cache.shape[1] or cache.device != torch.device(device):
+            start = 0 if cache is None or cache.device != torch.device(device) else cache.shape[1]
+            width = max(16, k + 1 - start)
+            pos = (self.positions.to(device).unsqueeze(-1) + start
+                   + torch.arange(width, device=device).unsqueeze(0))
+            seeds = (self.seeds.to(device) + DRAFT_SEED_OFFSET).unsqueeze(-1).expand_as(pos)
+            more = counter_uniforms(seeds, pos, CASE_FRESH)
+            cache = more if start == 0 else torch.cat([cache, more], 1)
+            self._u_cache = cache
+        return cache[:, k]
+
+    def _active_now(self, device) -> torch.Tensor:
+        """bool [R] on `device`: requests whose block is still growing."""
+        return torch.tensor(self.active, dtype=torch.bool).to(device)
 
     def __call__(self, logits: torch.Tensor, step: int):
         """The DSpark drafter's sampler protocol (engine/dspark.py `Sampler`): (tokens [B] on the logits'

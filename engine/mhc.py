@@ -32,15 +32,26 @@ def hc_mixes(R: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch
     return pre, post, comb
 
 
-def hc_pre(R: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """Read one hidden [T, H] out of the streams: sum_j pre[:, j] * R[:, j] (fp32 math, R's dtype out)."""
+def hc_pre(R: torch.Tensor, pre: torch.Tensor, fast: bool = False) -> torch.Tensor:
+    """Read one hidden [T, H] out of the streams: sum_j pre[:, j] * R[:, j] (fp32 math, R's dtype out).
+    fast: deepinfer_sg.kernels.hc_mix.hc_pre_apply (one Triton launch on CUDA instead of 3; same math)."""
+    if fast:
+        from deepinfer_sg.kernels.hc_mix import hc_pre_apply
+        return hc_pre_apply(R, pre)
     return (pre.unsqueeze(-1) * R).sum(dim=1).to(R.dtype)
 
 
-def hc_post(R: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """R'[:, k] = post[:, k] * y + sum_j comb[:, j, k] * R[:, j]  (fp32 math, stored in R's dtype)."""
-    out = post.unsqueeze(-1) * y.float().unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), R.float())
-    return out.to(R.dtype)
+def hc_post(R: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fast: bool = False,
+            next_pre: torch.Tensor | None = None):
+    """R'[:, k] = post[:, k] * y + sum_j comb[:, j, k] * R[:, j]  (fp32 math, stored in R's dtype).
+    next_pre [T, M]: return (R', hc_pre(R', next_pre)), the next sub-layer's read-out (shifted mHC knows it).
+    fast: deepinfer_sg.kernels.hc_mix.hc_post_apply (one Triton launch on CUDA, read-out included, instead of
+    ~6 + 3; same math up to fp32 summation order)."""
+    if fast:
+        from deepinfer_sg.kernels.hc_mix import hc_post_apply
+        return hc_post_apply(R, y, post, comb, next_pre)
+    out = (post.unsqueeze(-1) * y.float().unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), R.float())).to(R.dtype)
+    return out if next_pre is None else (out, hc_pre(out, next_pre))
 
 
 def hc_head_collapse(R: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, eps: float,

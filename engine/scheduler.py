@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from .cache_pool import CachePool
 from .request import Request, RequestState
+from .spec_decode import pending_draft_rows
 
 
 @dataclass
@@ -101,7 +102,10 @@ class Scheduler:
             if req not in self.running:        # preempted earlier in this loop
                 continue
             n = min(req.num_pending, budget)
-            need = int(growth.per_token * n) + 1
+            # a decoding request with a stored draft block verifies 1 + its drafts rows: charge them all, in
+            # tokens and in cache growth (the speculative step trims drafts to what is left of the budget)
+            extra = pending_draft_rows(req.cache) if req.num_pending == 1 else 0
+            need = int(growth.per_token * (n + extra)) + 1
             while projected + need > limit:
                 victims = [r for r in self.running if r.request_id not in scheduled]
                 victim = max(victims, key=lambda r: r.arrival_index)
@@ -116,7 +120,7 @@ class Scheduler:
             if req not in self.running:
                 continue
             projected += need
-            budget -= n
+            budget -= n + extra
             scheduled.add(req.request_id)
             batch.chunks.append(self._chunk(req, n))
 

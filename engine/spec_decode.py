@@ -6,7 +6,8 @@ block the previous step made after x0):
   1. scheduling: grammar_confidences -> cumulative_rates -> verify lengths by the configured mode
      ("off": no drafts, "fixed": every draft, "sync": Algorithm 1 with its early stop, "async": budget from the
      rates of the block verified one step earlier (round N-2), top-K allocation over the current rates), capped
-     by what the request may still emit; then cut_at_violation (scheme C) for drafts that left the grammar;
+     by what the request may still emit and by its share of the engine's row budget (`max_rows`, row_shares);
+     then cut_at_violation (scheme C) for drafts that left the grammar;
   2. one target forward over the packed rows [x0, d_1 .. d_l] of every request (logit_rows = l + 1), then
      dspark.update_draft_keys;
   3. grammar masks for every verify row in one batched `grammars.fill_masks(matchers, drafts)` call, the
@@ -16,8 +17,10 @@ block the previous step made after x0):
      through `commit(i, tokens, finish_code) -> still_running`;
   6. the next block for every request still running: `dspark.draft` (or the target itself, "self" drafter) with a
      `grammar_drafting.MaskedDraftSampler` built on the committed matchers (mask_drafts / force_tokens switches),
-     plus forced-token chains past n. The block is kept in `cache.extra["spec"]`, so a preempted request (new
-     cache) simply starts without drafts.
+     plus forced-token chains past n; with SpecConfig(draft_masks="automaton") and a TokenAutomaton on every
+     constrained sequence, automaton_drafting.AutomatonDraftSampler instead (masks on the device, one host sync
+     per block; the committed automaton state is walked on the host in cache.extra["automaton_state"]).
+     The block is kept in `cache.extra["spec"]`, so a preempted request (new cache) simply starts without drafts.
 Every random draw is counter-based (request seed, absolute position): outputs do not depend on the batch.
 Losslessness rests on S's modules (tests/engine/test_spec_*.py); tests/engine/test_spec_engine.py checks the
 wiring on the tiny V4.1 model: greedy identical to plain decoding for every mode, with and without constraints.
@@ -46,6 +49,7 @@ from . import verify_schedule as VS
 
 SCHEDULES = ("off", "fixed", "sync", "async")
 DRAFTERS = ("dspark", "self")
+DRAFT_MASKS = ("cpu", "automaton")
 
 
 @dataclass
@@ -61,6 +65,9 @@ class SpecConfig:
     max_forced_extension: int = 4     # forced-token chains may extend a block this far past n
     step_times: Optional[dict] = None  # {rows: seconds}; None: profiled at start-up (profile_time_model)
     conf_temperature: float = 1.0     # DSpark confidence-head temperature (STS), one value or one per position
+    draft_masks: str = "cpu"          # where masked drafting gets its masks: "cpu" (the matchers, one host sync
+                                      # per draft position) | "automaton" (SpecSequence.automaton on the device,
+                                      # one sync per block; requests without one fall back to "cpu")
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -69,6 +76,8 @@ class SpecConfig:
             raise ValueError(f"SpecConfig.drafter must be one of {DRAFTERS}, got {self.drafter!r}")
         if self.n < 1:
             raise ValueError(f"SpecConfig.n must be >= 1, got {self.n}")
+        if self.draft_masks not in DRAFT_MASKS:
+            raise ValueError(f"SpecConfig.draft_masks must be one of {DRAFT_MASKS}, got {self.draft_masks!r}")
 
 
 @dataclass
@@ -83,6 +92,8 @@ class SpecSequence:
     matcher: object = None            # committed grammar state after x0 (None: unconstrained)
     stop_token_ids: Sequence[int] = ()
     max_new_tokens: int = 1 << 30     # tokens this request may still emit (>= 1)
+    automaton: object = None          # token_automaton.TokenAutomaton of the constraint (draft_masks="automaton");
+                                      # its state after x0 lives in cache.extra["automaton_state"]
 
     @property
     def greedy(self) -> bool:
@@ -115,6 +126,7 @@ class SpecStats:
     mask_s: float = 0.0
     verify_s: float = 0.0
     drafter_s: float = 0.0
+    automaton_blocks: int = 0         # draft blocks whose masks came from a device automaton
 
     @property
     def mean_accepted_length(self) -> float:
@@ -141,11 +153,13 @@ class SpecStats:
 
 # --------------------------------------------------------------------------------------------- helpers
 def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor) -> torch.Tensor:
+                    top_p: torch.Tensor, rows: Optional[tuple] = None) -> torch.Tensor:
     """The distribution a request samples from, per row of already-masked fp32 logits [R, V]: temperature, then
     top-k, then top-p (smallest prefix of the sorted probabilities whose mass reaches top_p); greedy rows
     (temperature < 1e-5) one-hot at the argmax (lowest id on ties); rows with nothing allowed are all zeros.
-    Cost: one sort per row when a row uses top-k or top-p."""
+    rows: optional (filtered row indices, greedy row indices) as device tensors, from the host parameters
+    (`filter_and_greedy_rows`): then nothing here waits for the device (the drafting loop calls this per
+    position). Cost: one sort per row when a row uses top-k or top-p."""
     R, V = logits.shape
     dev = logits.device
     temperature, top_k, top_p = temperature.to(dev), top_k.to(dev), top_p.to(dev)
@@ -154,8 +168,13 @@ def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     x = logits.float() / torch.where(greedy, torch.ones_like(temperature), temperature).float().unsqueeze(-1)
     probs = torch.softmax(x, -1)
     filt = (~greedy) & ((top_k > 0) | (top_p < 1.0))
-    if bool(filt.any()):
-        idx = torch.nonzero(filt).flatten()
+    if rows is not None:
+        filt_idx, greedy_idx = rows
+    else:
+        filt_idx = torch.nonzero(filt).flatten() if bool(filt.any()) else None
+        greedy_idx = torch.nonzero(greedy).flatten() if bool(greedy.any()) else None
+    if filt_idx is not None and filt_idx.numel():
+        idx = filt_idx
         p, order = torch.sort(probs[idx], dim=-1, descending=True, stable=True)
         rank = torch.arange(V, device=dev)
         k = torch.where(top_k[idx] > 0, top_k[idx], torch.full_like(top_k[idx], V))
@@ -167,10 +186,37 @@ def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
         p = p * keep
         p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
         probs[idx] = torch.zeros_like(p).scatter(1, order, p)
-    if bool(greedy.any()):
-        g = torch.nonzero(greedy).flatten()
+    if greedy_idx is not None and greedy_idx.numel():
+        g = greedy_idx
         probs[g] = torch.nn.functional.one_hot(logits[g].argmax(-1), V).to(probs.dtype)
     return torch.where(dead.unsqueeze(-1), torch.zeros_like(probs), probs)
+
+
+def row_shares(num_requests: int, max_rows: int) -> torch.Tensor:
+    """Drafts each request may verify when a step may use at most `max_rows` target rows: every request keeps
+    its x0 row, the rest is split evenly (the first requests get the remainder). A function of the batch size
+    and the budget only, never of a draft: like the max_tokens cap it is a constant verify-length bound, so
+    verification stays lossless (a share computed from other requests' schedules would not be: the joint
+    schedulers read every request's rates, which depend on its drafts)."""
+    spare = max(0, int(max_rows) - num_requests)
+    share = torch.full((num_requests,), spare // max(1, num_requests), dtype=torch.long)
+    share[:spare % max(1, num_requests)] += 1
+    return share
+
+
+def pending_draft_rows(cache) -> int:
+    """Verify rows past x0 that the next speculative step of this cache's request may run (its stored draft
+    block's length; 0 without one): what a token budget should charge on top of the decode row."""
+    block = (getattr(cache, "extra", None) or {}).get("spec")
+    return int(block.tokens.numel()) if isinstance(block, _Block) else 0
+
+
+def filter_and_greedy_rows(seqs: Sequence[SpecSequence], device) -> tuple:
+    """(rows using top-k / top-p, greedy rows) as device index tensors, from the host parameters (the same
+    rows processed_probs would find on the device, without waiting for it)."""
+    filt = [i for i, s in enumerate(seqs) if not s.greedy and (int(s.top_k) > 0 or float(s.top_p) < 1.0)]
+    greedy = [i for i, s in enumerate(seqs) if s.greedy]
+    return (torch.tensor(filt, dtype=torch.long, device=device), torch.tensor(greedy, dtype=torch.long, device=device))
 
 
 def _row_params(seqs: Sequence[SpecSequence], device):
@@ -260,7 +306,7 @@ class SpecDecoder:
                                                  self.config.n + 1)
 
     # ---------------------------------------------------------------- scheduling
-    def _schedule(self, seqs, blocks):
+    def _schedule(self, seqs, blocks, max_rows: Optional[int] = None):
         cfg = self.config
         R = len(seqs)
         L = max([b.tokens.numel() for b in blocks if b is not None] + [0])
@@ -299,6 +345,8 @@ class SpecDecoder:
         # never verify past what the request may still emit (depends on no draft: lossless)
         cap = torch.tensor([max(0, s.max_new_tokens - 1) for s in seqs], dtype=torch.long)
         lens = torch.minimum(torch.minimum(lens, lengths), cap)
+        if max_rows is not None:      # the engine's token budget: a fixed share per request (depends on no draft)
+            lens = torch.minimum(lens, row_shares(R, max_rows))
         forced_reject = torch.zeros(R, dtype=torch.bool)
         if cfg.cut:
             lens, forced_reject = GD.cut_at_violation(lens, valid)
@@ -306,11 +354,14 @@ class SpecDecoder:
 
     # ---------------------------------------------------------------- one step
     @torch.no_grad()
-    def step(self, seqs: Sequence[SpecSequence], commit: Callable[[int, list, int], bool]) -> None:
+    def step(self, seqs: Sequence[SpecSequence], commit: Callable[[int, list, int], bool],
+             max_rows: Optional[int] = None) -> None:
         """One speculative decode step for `seqs` (see the module docstring). commit(i, tokens, finish) must
         append the tokens to request i (matcher accepts them in order, stop checks) and return whether the
         request is still running; `finish` is speculative.FINISH_* from verification (stop / length cut, or
-        FINISH_ERROR when the grammar allowed no token)."""
+        FINISH_ERROR when the grammar allowed no token). max_rows: the most target rows this step's verify
+        forward may use (the engine's token budget left for it; at least one row per request): each request
+        verifies at most `row_shares(R, max_rows)[i]` drafts."""
         if not seqs:
             return
         model, V = self.model, self.vocab_size
@@ -320,7 +371,7 @@ class SpecDecoder:
         blocks = [b if isinstance(b, _Block) else None for b in blocks]
         if self.time_model is None:
             self.ensure_time_model(max(8, len(seqs)))
-        tokens, lens, forced_reject, rates = self._schedule(seqs, blocks)
+        tokens, lens, forced_reject, rates = self._schedule(seqs, blocks, max_rows)
         R, L = tokens.shape
         probs = None
         if L:
@@ -358,9 +409,10 @@ class SpecDecoder:
             drafts = [tokens[i, :int(lens[i])].tolist() for i in constrained]
             valid_counts: list = []
             try:
-                # forks: the committed matchers must stay exactly as they are whatever the batched walk does
-                # (llguidance's draft-row fill has been seen to leave a matcher advanced)
-                bm = fill_masks([seqs[i].matcher.fork() for i in constrained], drafts, valid_counts=valid_counts)
+                # the committed matchers themselves: fill_masks walks drafts on private copies and leaves every
+                # matcher as it was (grammars contract, tests/grammars/test_grammar_fill_masks_state.py; the
+                # engine tests check the final matcher states against plain decoding)
+                bm = fill_masks([seqs[i].matcher for i in constrained], drafts, valid_counts=valid_counts)
             except Exception:   # fall back request by request: one broken matcher fails only itself
                 bm, valid_counts = self._fill_one_by_one(seqs, constrained, drafts, mask_error)
             rows, r = [], 0
@@ -415,6 +467,8 @@ class SpecDecoder:
                 continue
             if commit(i, committed, fin[i]):
                 alive.append(i)
+                if s.automaton is not None and "automaton_state" in s.cache.extra:
+                    s.cache.extra["automaton_state"] = s.automaton.walk(s.cache.extra["automaton_state"], committed)
         st.forward_s += t2 - t1
         st.mask_s += t3 - t2
         st.verify_s += t4 - t3
@@ -442,7 +496,7 @@ class SpecDecoder:
         for j, i in enumerate(constrained):
             vc: list = []
             try:
-                parts.append(fill_masks([seqs[i].matcher.fork()], [drafts[j]], valid_counts=vc))
+                parts.append(fill_masks([seqs[i].matcher], [drafts[j]], valid_counts=vc))
                 counts.append(vc[0])
             except Exception as exc:
                 errors[i] = f"grammar mask failed: {type(exc).__name__}: {exc}"
@@ -457,15 +511,27 @@ class SpecDecoder:
         t0 = time.perf_counter()
         dev = self.model.device
         temp, topk, topp = _row_params(seqs, dev)
+        rows = filter_and_greedy_rows(seqs, dev)      # host-known: the per-position calls never wait on the device
 
         def to_probs(logits):
-            return processed_probs(logits, temp, topk, topp)
+            return processed_probs(logits, temp, topk, topp, rows)
 
-        sampler = GD.MaskedDraftSampler(
-            [s.matcher for s in seqs], torch.tensor([s.seed & ((1 << 63) - 1) for s in seqs]),
-            torch.tensor([s.cache.length + 1 for s in seqs]), self.vocab_size, to_probs=to_probs,
-            mask_drafts=cfg.mask_drafts, force_tokens=cfg.force_tokens,
-            stop_token_ids=[list(s.stop_token_ids) for s in seqs])
+        seeds = torch.tensor([s.seed & ((1 << 63) - 1) for s in seqs])
+        positions = torch.tensor([s.cache.length + 1 for s in seqs])
+        stops = [list(s.stop_token_ids) for s in seqs]
+        automaton = _shared_automaton(seqs) if cfg.draft_masks == "automaton" and cfg.mask_drafts else None
+        if automaton is not None:
+            from .automaton_drafting import AutomatonDraftSampler
+            states = torch.tensor([s.cache.extra["automaton_state"] if s.matcher is not None else automaton.initial
+                                   for s in seqs])
+            sampler = AutomatonDraftSampler([s.matcher for s in seqs], automaton, states, seeds, positions,
+                                            self.vocab_size, to_probs=to_probs, force_tokens=cfg.force_tokens,
+                                            stop_token_ids=stops)
+            self.stats.automaton_blocks += len(seqs)
+        else:
+            sampler = GD.MaskedDraftSampler(
+                [s.matcher for s in seqs], seeds, positions, self.vocab_size, to_probs=to_probs,
+                mask_drafts=cfg.mask_drafts, force_tokens=cfg.force_tokens, stop_token_ids=stops)
         golden = torch.tensor([s.last_token for s in seqs], dtype=torch.long, device=dev)
         confidences = None
         if cfg.drafter == "dspark":
@@ -512,6 +578,20 @@ class SpecDecoder:
             s.cache.rollback(fed)
 
 
+def _shared_automaton(seqs):
+    """The one automaton every constrained sequence drafts with, if there is one (each with a known state);
+    else None: the batch drafts on CPU masks."""
+    found = None
+    for s in seqs:
+        if s.matcher is None:
+            continue
+        a = s.automaton
+        if a is None or "automaton_state" not in s.cache.extra or (found is not None and a is not found):
+            return None
+        found = a
+    return found
+
+
 # --------------------------------------------------------------------------------------------- standalone driver
 @dataclass
 class StandaloneRequest:
@@ -524,6 +604,7 @@ class StandaloneRequest:
     seed: int = 0
     stop_token_ids: Sequence[int] = ()
     matcher: object = None
+    automaton: object = None           # TokenAutomaton of the constraint (SpecConfig.draft_masks="automaton")
     output: list = field(default_factory=list)
     finish: Optional[str] = None       # "stop" | "length" | "constraint_complete" | "error"
     error: Optional[str] = None
@@ -553,9 +634,10 @@ def _commit_standalone(req: StandaloneRequest, tokens: list, finish: int) -> boo
 
 
 def generate(model, requests: Sequence[StandaloneRequest], config: SpecConfig,
-             decoder: Optional[SpecDecoder] = None) -> SpecDecoder:
+             decoder: Optional[SpecDecoder] = None, max_rows: Optional[int] = None) -> SpecDecoder:
     """Prefill every request (one batched forward, first token sampled through `verify` with no drafts), draft,
-    then speculative steps until all finish. Fills each request's output / finish. Returns the decoder (stats)."""
+    then speculative steps until all finish (each under `max_rows` verify rows, see SpecDecoder.step). Fills
+    each request's output / finish. Returns the decoder (stats)."""
     decoder = decoder or SpecDecoder(model, config)
     decoder.ensure_time_model(len(requests))
     dev = model.device
@@ -576,7 +658,7 @@ def generate(model, requests: Sequence[StandaloneRequest], config: SpecConfig,
                 requests[i].matcher.fill_mask(bm, j)
             _apply_bitmask(logits, bm, torch.tensor(cons))
         seqs = [SpecSequence(c, -1, r.seed, r.temperature, r.top_k, r.top_p, r.matcher, tuple(r.stop_token_ids),
-                             r.max_tokens) for c, r in zip(caches, requests)]
+                             r.max_tokens, automaton=r.automaton) for c, r in zip(caches, requests)]
         temp, topk, topp = _row_params(seqs, dev)
         q = processed_probs(logits, temp, topk, topp)
         R = len(requests)
@@ -591,6 +673,8 @@ def generate(model, requests: Sequence[StandaloneRequest], config: SpecConfig,
             if _commit_standalone(r, [first[i]] if first[i] >= 0 else [],
                                   SP.FINISH_ERROR if first[i] < 0 else SP.FINISH_NONE):
                 running.append(i)
+                if r.automaton is not None:
+                    caches[i].extra["automaton_state"] = r.automaton.walk(r.automaton.initial, r.output)
         if running and config.schedule != "off":
             for i, b in zip(running, decoder.draft([_refresh(seqs[i], requests[i]) for i in running])):
                 caches[i].extra["spec"] = b
@@ -605,7 +689,7 @@ def generate(model, requests: Sequence[StandaloneRequest], config: SpecConfig,
                     _refresh(seqs[running[j]], requests[running[j]])
                 return ok
 
-            decoder.step(batch, commit)
+            decoder.step(batch, commit, max_rows=max_rows)
             running = still
     return decoder
 

@@ -324,7 +324,7 @@ def verify_logits_kernel(logits: torch.Tensor, row_draft_tokens: torch.Tensor, d
     """The same verification from raw logits through helper D's fused `kernels.speculative_accept`
     (processing, acceptance, residual and bonus in one pass; Triton on CUDA), then our stop/length cuts.
 
-    Same rule and row layout as `verify`, with D's randomness (kernels/rng.py streams, Gumbel-max draws),
+    Same rule and row layout as `verify`, with D's randomness (kernels/rng.py streams, lane draws: Gumbel-max over 16-token lanes, inverse CDF inside),
     which matches `kernels.sample_from_logits`, not engine/sampler.py's inverse-CDF draws: use it when the
     engine samples plain rows with D's kernels too. D's kernel has no FORCED_REJECT final row (its last row
     is always the bonus row), so batches with a cut-at-violation row must use `verify`.

@@ -2,18 +2,16 @@
 JSON Schema keywords it does not implement instead of ignoring them.
 
 Compile = building one `LLMatcher` (lexer and grammar checks, bounded by `LLParserLimits`); every
-`matcher()` is a cheap `deep_copy` of it. EOS is handled here, not by llguidance: EOS is allowed exactly
-when the grammar is in an accepting state, and accepting it only sets a flag (so rollback over EOS is free).
+`matcher()` is a cheap `deep_copy` of it (the matcher itself: llguidance_matcher.py).
 """
 from __future__ import annotations
 
 import threading
 from functools import lru_cache
 
-import torch
-from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer
+from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
-from .matcher import check_bitmask, set_only
+from .llguidance_matcher import LLGuidanceMatcher, clean_error
 from .specs import ConstraintError, Grammar, JsonSchema, Regex
 from .vocab import TokenizerVocab
 
@@ -75,19 +73,45 @@ def lltokenizer(vocab: TokenizerVocab) -> LLTokenizer:
 
 
 class LLGuidanceCompiled:
-    """A compiled llguidance constraint: a template matcher that `matcher()` copies."""
+    """A compiled llguidance constraint: a template matcher that `matcher()` copies.
+
+    Copies share the template's lexer, whose states are built lazily against one fuel budget
+    (`LLParserLimits.initial_lexer_fuel`). When some sequence's text exhausts it, every copy is poisoned
+    (llguidance 1.9.1: "lexer error: too many expressions constructed"); `renew()` then swaps in a fresh
+    template so later matchers start clean, and the matchers that hit the error rebuild themselves
+    (LLGuidanceMatcher._recover).
+    """
 
     backend = "llguidance"
 
-    def __init__(self, vocab: TokenizerVocab, grammar: str, template: LLMatcher):
+    def __init__(self, vocab: TokenizerVocab, grammar: str, template: LLMatcher, limits: LLParserLimits | None = None):
         self.vocab = vocab
         self.grammar = grammar
-        self._template = template
+        self.limits = limits
+        self.template = template
+        self.renewals = 0  # how many times an exhausted shared lexer was replaced
+        self._lock = threading.Lock()
         # Rough memory estimate for the byte-bounded cache: the serialized grammar and lexer tables.
         self.nbytes = 4 * len(grammar) + 64 * 1024
+        self.added_ids = vocab.added_ids
 
-    def matcher(self) -> "LLGuidanceMatcher":
-        return LLGuidanceMatcher(self._template.deep_copy(), self.vocab)
+    def matcher(self) -> LLGuidanceMatcher:
+        t = self.template
+        return LLGuidanceMatcher(t.deep_copy(), self, t)
+
+    def new_start(self) -> LLMatcher:
+        """A start-state LLMatcher with a lexer of its own (its own fuel budget). Costs one compile."""
+        return LLMatcher(lltokenizer(self.vocab), self.grammar, log_level=0, limits=self.limits or default_limits())
+
+    def renew(self, exhausted: LLMatcher) -> None:
+        """Replace the shared template if it is still `exhausted` (another thread may have renewed it)."""
+        if self.template is not exhausted:
+            return
+        fresh = self.new_start()
+        with self._lock:
+            if self.template is exhausted:
+                self.template = fresh
+                self.renewals += 1
 
 
 def compile_spec(spec, vocab: TokenizerVocab, limits: LLParserLimits | None = None) -> LLGuidanceCompiled:
@@ -97,10 +121,11 @@ def compile_spec(spec, vocab: TokenizerVocab, limits: LLParserLimits | None = No
         grammar = grammar_text(spec)
     except ValueError as e:
         raise ConstraintError(f"llguidance: {e}") from None
-    m = LLMatcher(lltokenizer(vocab), grammar, log_level=0, limits=limits or default_limits())
+    limits = limits or default_limits()
+    m = LLMatcher(lltokenizer(vocab), grammar, log_level=0, limits=limits)
     if m.is_error():
-        raise ConstraintError(f"llguidance: {_clean_error(m.get_error())}")
-    return LLGuidanceCompiled(vocab, grammar, m)
+        raise ConstraintError(f"llguidance: {clean_error(m.get_error())}")
+    return LLGuidanceCompiled(vocab, grammar, m, limits)
 
 
 def _rule_location(text: str, msg: str) -> str:
@@ -116,146 +141,3 @@ def _rule_location(text: str, msg: str) -> str:
         if re.search(rf"(?<![\w-]){name}(?![\w-])", rhs):
             return f" (used at line {i}: {line.strip()!r})"
     return ""
-
-
-def _clean_error(msg: str) -> str:
-    # Drop the parser-state dump llguidance appends after the first line(s).
-    return msg.split("\n<state>")[0].strip()
-
-
-class LLGuidanceMatcher:
-    """Matcher protocol over an `LLMatcher` (see matcher.Matcher)."""
-
-    __slots__ = ("m", "vocab", "vocab_size", "_words", "_nbytes", "_eos", "_done", "_ptr", "_rows")
-
-    def __init__(self, m: LLMatcher, vocab: TokenizerVocab, done: bool = False):
-        self.m = m
-        self.vocab = vocab
-        self.vocab_size = vocab.vocab_size
-        self._words = vocab.bitmask_words
-        self._eos = vocab.eos_token_ids
-        self._done = done  # EOS accepted
-        self._nbytes = self._words * 4
-        self._ptr = self._rows = None  # the last bitmask validated (checked once per tensor: ~2 µs)
-
-    def fill_mask(self, bitmask: torch.Tensor, row: int = 0) -> None:
-        ptr, rows = bitmask.data_ptr(), bitmask.shape[0]
-        if ptr != self._ptr or rows != self._rows:
-            check_bitmask(bitmask, 1, self._words)
-            self._ptr, self._rows = ptr, rows
-        if not 0 <= row < rows:
-            raise ValueError(f"bitmask row {row} out of range for {rows} rows")
-        if self._done:
-            set_only(bitmask, row, self._eos)
-            return
-        self.m.unsafe_compute_mask_ptr(ptr + row * self._nbytes, self._nbytes)
-
-    def accept(self, token_id: int) -> bool:
-        if self._done:
-            return False
-        if not 0 <= token_id < self.vocab_size:
-            return False
-        if token_id in self._eos:
-            if self.m.is_accepting():
-                self._done = True
-                return True
-            return False
-        return self.m.try_consume_tokens((token_id,)) == 1
-
-    def rollback(self, n: int) -> None:
-        if n <= 0:
-            return
-        if self._done:
-            self._done = False
-            n -= 1
-        if n and not self.m.rollback(n):
-            raise ValueError(f"llguidance cannot roll back {n} tokens: {self.m.get_error()}")
-
-    def is_terminated(self) -> bool:
-        return self._done
-
-    def is_accepting(self) -> bool:
-        return self._done or self.m.is_accepting()
-
-    def is_constrained(self) -> bool:
-        return True
-
-    def forced_tokens(self) -> list:
-        if self._done:
-            return []
-        return list(self.m.compute_ff_tokens())
-
-    def check_draft(self, token_ids) -> int:
-        if self._done or not token_ids:
-            return 0
-        token_ids = list(token_ids)
-        n = self.m.validate_tokens(token_ids)
-        if n < len(token_ids) and token_ids[n] in self._eos:
-            probe = self.m.deep_copy()
-            if n == 0 or probe.try_consume_tokens(token_ids[:n]) == n:
-                if probe.is_accepting():
-                    n += 1
-        return n
-
-    def fork(self) -> "LLGuidanceMatcher":
-        return LLGuidanceMatcher(self.m.deep_copy(), self.vocab, self._done)
-
-    @staticmethod
-    def fill_batch(batch, out: torch.Tensor) -> list:
-        """fill_masks for a group of llguidance matchers: [(matcher, draft, first_row)] -> counts."""
-        return _executor().fill_batch(batch, out)
-
-
-class _LLGuidanceBatch:
-    """Fills many llguidance matchers' masks (with draft rows) on llguidance's rayon thread pool."""
-
-    def __init__(self, num_threads=None):
-        self.executor = LLExecutor(num_threads=num_threads)
-
-    def fill_batch(self, batch, out: torch.Tensor) -> list:
-        words = out.shape[1]
-        plain, drafted, counts, slow = [], [], [], []
-        for m, draft, start in batch:
-            if not draft and not m._done:
-                counts.append(0)
-                plain.append((m.m, start))
-                continue
-            n = m.check_draft(draft) if draft else 0
-            counts.append(n)
-            if m._done or (n and draft[n - 1] in m._eos):
-                slow.append((m, draft, start, n))  # EOS inside the draft: our flag, not llguidance's state
-            elif n:
-                # A private copy walks the draft: llguidance's executor consumes the draft and rolls it back,
-                # and its rollback can fail (llguidance 1.9.1: "<" then the DSML special token, consumed one
-                # by one, cannot be rolled back: "rollback: too many bytes 11 > 10"), leaving the matcher in
-                # an error state. A copy costs ~0.5 µs against ~25 µs per mask row.
-                drafted.append((m.m.deep_copy(), start, draft[:n], m, n))
-            else:
-                plain.append((m.m, start))
-        if plain:
-            self.executor.unsafe_compute_mask_ptr(plain, out.data_ptr(), words * 4, out.shape[0])
-        if drafted:
-            self.executor.unsafe_compute_mask_ptr_with_draft_token(
-                [d[:3] for d in drafted], out.data_ptr(), words * 4, out.shape[0])
-            for copy, start, draft, m, n in drafted:
-                if copy.is_error():  # the executor's walk failed part-way: redo these rows token by token
-                    slow.append((m, draft, start, n))
-        for m, draft, start, n in slow:
-            m.fill_mask(out, start)
-            w = m.fork()
-            for j in range(n):
-                w.accept(draft[j])
-                w.fill_mask(out, start + j + 1)
-        return counts
-
-
-_EXECUTOR = None
-_EXECUTOR_LOCK = threading.Lock()
-
-
-def _executor() -> _LLGuidanceBatch:
-    global _EXECUTOR
-    with _EXECUTOR_LOCK:
-        if _EXECUTOR is None:
-            _EXECUTOR = _LLGuidanceBatch()
-        return _EXECUTOR

@@ -11,7 +11,7 @@ import threading
 import torch
 import xgrammar as xgr
 
-from .matcher import check_bitmask, check_draft_on_fork, set_only
+from .matcher import bitmask_rows, check_draft_on_fork, set_only
 from .specs import ConstraintError, Grammar, JsonSchema, Regex
 from .vocab import TokenizerVocab
 
@@ -77,22 +77,26 @@ class XGrammarCompiled:
 class XGrammarMatcher:
     """Matcher protocol over `xgr.GrammarMatcher` (EOS = xgrammar stop token; terminated after it)."""
 
-    __slots__ = ("m", "vocab", "vocab_size", "_words", "_ptr", "_rows")
+    __slots__ = ("m", "vocab", "vocab_size", "_words", "_bm", "_ptr", "_rows")
 
     def __init__(self, m: xgr.GrammarMatcher, vocab: TokenizerVocab):
         self.m = m
         self.vocab = vocab
         self.vocab_size = vocab.vocab_size
         self._words = vocab.bitmask_words
-        self._ptr = self._rows = None  # the last bitmask validated (checked once per tensor)
+        self._bm = self._ptr = None  # the last bitmask validated (checked once per tensor)
+        self._rows = 0
 
     def fill_mask(self, bitmask: torch.Tensor, row: int = 0) -> None:
-        ptr, rows = bitmask.data_ptr(), bitmask.shape[0]
-        if ptr != self._ptr or rows != self._rows:
-            check_bitmask(bitmask, 1, self._words)
-            self._ptr, self._rows = ptr, rows
-        if not 0 <= row < rows:
-            raise ValueError(f"bitmask row {row} out of range for {rows} rows")
+        try:
+            ptr = bitmask.data_ptr()
+        except AttributeError:
+            raise ValueError(f"bitmask must be a torch.int32 tensor, got {type(bitmask).__name__}") from None
+        if bitmask is not self._bm or ptr != self._ptr:
+            self._rows = bitmask_rows(bitmask, self._words)
+            self._bm, self._ptr = bitmask, ptr
+        if not 0 <= row < self._rows:
+            raise ValueError(f"bitmask row {row} out of range for {self._rows} rows")
         if self.m.is_terminated():
             set_only(bitmask, row, self.vocab.eos_token_ids)
             return

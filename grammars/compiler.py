@@ -4,8 +4,10 @@ compile(spec) blocks up to `timeout_s` (default 10 s) and raises ConstraintError
 including a timeout; compile_async(spec) returns a Future. A compile that times out keeps running on its
 worker thread (native code cannot be interrupted) but is bounded by llguidance's parser limits, and
 identical specs share one in-flight compile, so a hostile schema costs one thread for a while and never
-the process. The cache is keyed by (spec, tokenizer fingerprint, backend) and bounded in bytes
-(LRU eviction), unlike xgrammar's default unbounded cache (CVE-2025-32381).
+the process. The cache is keyed by (spec, its property order, tokenizer fingerprint, backend) and bounded
+in bytes (LRU eviction), unlike xgrammar's default unbounded cache (CVE-2025-32381).
+Cost of a cache miss beyond the backend's own compile: the schema checks and exact rewrites
+(schema_support, ~0.1 ms for a typical schema) and the worker-thread hand-off (tens of µs).
 """
 from __future__ import annotations
 
@@ -20,6 +22,19 @@ from .trigger import TriggeredCompiled
 from .vocab import TokenizerVocab
 
 BACKENDS = ("auto", "llguidance", "xgrammar", "outlines")
+
+# A blocking compile() of a small spec that llguidance alone compiles runs on the caller's thread: its work
+# is bounded by LLParserLimits (grammar size, lexer fuel and states; tests/grammars/test_grammar_compiler.py
+# feeds it hostile small schemas), so it cannot run away, and the hand-off to a worker thread (two thread
+# wake-ups: 0.1-0.8 ms on an idle many-core host, as much as the compile itself) is saved. Only when the
+# caller's timeout leaves room for that bound; larger specs, the xgrammar fallback and compile_async() always
+# run on a worker, under the timeout.
+INLINE_MAX_CHARS = 16_384
+INLINE_MIN_TIMEOUT_S = 1.0
+
+
+class _NeedsWorker(Exception):
+    """An inline compile reached a step that must run on a worker (under the timeout): the xgrammar fallback."""
 
 
 class ConstraintCompiler:
@@ -49,7 +64,24 @@ class ConstraintCompiler:
 
     # -- public API -------------------------------------------------------------------------------
     def compile(self, spec):
-        """Compiled constraint for `spec` (cached). Raises ConstraintError (invalid, unsupported, timeout)."""
+        """Compiled constraint for `spec` (cached). Raises ConstraintError (invalid, unsupported, timeout).
+        Small llguidance-only specs compile on the calling thread (see INLINE_MAX_CHARS)."""
+        key = self._key(spec)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+            running = key in self._inflight
+        if not running and self._inline_ok(key):
+            try:
+                return self._store(key, self._build(spec, inline=True))
+            except _NeedsWorker:
+                pass  # the rest runs on a worker, under the timeout
+            except ConstraintError:
+                raise
+            except Exception as e:  # a backend bug fails this constraint only
+                raise ConstraintError(f"internal error compiling {_describe(spec)}: {type(e).__name__}: {e}") from None
         future = self.compile_async(spec)
         try:
             return future.result(timeout=self.timeout_s)
@@ -85,7 +117,12 @@ class ConstraintCompiler:
     def _key(self, spec):
         if not hasattr(spec, "cache_key"):
             raise ConstraintError(f"not a constraint spec: {type(spec).__name__} (use Regex, JsonSchema, Grammar, Triggered)")
-        return (spec.cache_key(), self.vocab.fingerprint, self.backend)
+        layout = spec.layout_key() if hasattr(spec, "layout_key") else ""
+        return (spec.cache_key(), layout, self.vocab.fingerprint, self.backend)
+
+    def _inline_ok(self, key) -> bool:
+        return (self.backend in ("auto", "llguidance") and self.timeout_s >= INLINE_MIN_TIMEOUT_S
+                and len(key[0]) <= INLINE_MAX_CHARS)
 
     def _compile_and_store(self, key, spec):
         try:
@@ -97,7 +134,14 @@ class ConstraintCompiler:
         finally:
             with self._lock:
                 self._inflight.pop(key, None)
+        return self._store(key, compiled)
+
+    def _store(self, key, compiled):
+        """Cache `compiled` (LRU, bounded in bytes); the cached object if another thread stored one first."""
         with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                return hit
             if compiled.nbytes <= self.cache_bytes:
                 self._cache[key] = compiled
                 self._cached_bytes += compiled.nbytes
@@ -107,13 +151,17 @@ class ConstraintCompiler:
         return compiled
 
     def _compile_now(self, spec):
+        """The compile a worker runs (no inline shortcuts)."""
+        return self._build(spec, inline=False)
+
+    def _build(self, spec, inline: bool):
         if isinstance(spec, Triggered):
             for t in spec.trigger_token_ids + ((spec.bound_token_id,) if spec.bound_token_id is not None else ()):
                 if not 0 <= t < self.vocab.n_tokens:
                     raise ConstraintError(f"trigger token id {t} is outside the tokenizer's {self.vocab.n_tokens} ids")
-            return TriggeredCompiled(spec, self._compile_now(spec.inner), self.vocab)
+            return TriggeredCompiled(spec, self._build(spec.inner, inline), self.vocab)
         if isinstance(spec, JsonSchema):
-            return self._compile_json(spec)
+            return self._compile_json(spec, inline)
         if isinstance(spec, (Regex, Grammar)):
             return self._compile_text(spec)
         raise ConstraintError(f"not a constraint spec: {type(spec).__name__}")
@@ -123,10 +171,9 @@ class ConstraintCompiler:
             return backend_llguidance.compile_spec(spec, self.vocab)
         return _backend_module(self.backend).compile_spec(spec, self.vocab)
 
-    def _compile_json(self, spec: JsonSchema):
+    def _compile_json(self, spec: JsonSchema, inline: bool = False):
         schema_support.check_schema(spec.schema)
-        prepared = JsonSchema(schema_support.prepare(spec.schema, spec.approximations), spec.whitespace,
-                              spec.indent, spec.approximations)
+        prepared = spec.with_schema(schema_support.prepare(spec.schema, spec.approximations))
         if self.backend in ("xgrammar", "outlines"):
             bad = schema_support.unsupported(prepared.schema, self.backend)
             if bad:
@@ -141,6 +188,8 @@ class ConstraintCompiler:
             if self.backend == "llguidance":
                 raise _with_pointer(llg_error, prepared.schema) from None
             if not schema_support.unsupported(prepared.schema, "xgrammar"):
+                if inline:
+                    raise _NeedsWorker  # xgrammar compiles take seconds: on a worker, under the timeout
                 from . import backend_xgrammar
 
                 try:

@@ -161,7 +161,9 @@ def run_cases(compiler, schema, cases, whitespace: str = "bounded") -> dict:
     """Compile `schema` and check each case {"data", "valid"}.
 
     Returns {"refused": error text or None, "backend": name, "outcomes": [per case: "pass",
-    "false_negative" (valid instance rejected) or "false_positive" (invalid instance accepted)]}.
+    "false_negative" (valid instance rejected), "false_positive" (invalid instance accepted) or
+    "runtime_refused" (the matcher raised ConstraintError on the way: the constraint compiled but
+    refused this text, e.g. llguidance's lexer ran out of fuel)], "runtime_errors": [messages]}.
     A valid case passes if some serialization is accepted; an invalid one if none can terminate.
     """
     from .specs import ConstraintError, JsonSchema
@@ -172,13 +174,18 @@ def run_cases(compiler, schema, cases, whitespace: str = "bounded") -> dict:
         return {"refused": str(e), "backend": None, "outcomes": []}
     tok = compiler.vocab.tokenizer
     eos = compiler.vocab.eos_token_ids[0]
-    outcomes = []
+    outcomes, runtime_errors = [], []
     for case in cases:
         texts = serializations(case["data"], whitespace, schema if isinstance(schema, dict) else None,
                                integral_as_int=case["valid"])
-        accepted = any(accepts_text(compiled.matcher(), tok, t, eos) for t in texts)
+        try:
+            accepted = any(accepts_text(compiled.matcher(), tok, t, eos) for t in texts)
+        except ConstraintError as e:
+            outcomes.append("runtime_refused")
+            runtime_errors.append(str(e))
+            continue
         if accepted == case["valid"]:
             outcomes.append("pass")
         else:
             outcomes.append("false_negative" if case["valid"] else "false_positive")
-    return {"refused": None, "backend": compiled.backend, "outcomes": outcomes}
+    return {"refused": None, "backend": compiled.backend, "outcomes": outcomes, "runtime_errors": runtime_errors}

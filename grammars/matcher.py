@@ -9,6 +9,8 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
+from .specs import ConstraintError
+
 
 @runtime_checkable
 class Matcher(Protocol):
@@ -48,12 +50,26 @@ def set_only(bitmask: torch.Tensor, row: int, token_ids) -> None:
 
 
 def check_bitmask(bitmask: torch.Tensor, rows: int, words: int) -> None:
-    if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.device.type != "cpu":
-        raise ValueError(f"bitmask must be a CPU torch.int32 [rows, words] tensor, got {bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}")
+    """Raise ValueError unless `bitmask` is a contiguous CPU int32 [>= rows, words] tensor."""
+    if not isinstance(bitmask, torch.Tensor) or bitmask.dtype != torch.int32 or bitmask.dim() != 2 \
+            or bitmask.device.type != "cpu":
+        what = f"{bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}" if isinstance(bitmask, torch.Tensor) \
+            else type(bitmask).__name__
+        raise ValueError(f"bitmask must be a CPU torch.int32 [rows, words] tensor, got {what}")
     if bitmask.shape[0] < rows or bitmask.shape[1] != words:
         raise ValueError(f"bitmask shape {tuple(bitmask.shape)} too small: need [{rows}, {words}]")
     if not bitmask.is_contiguous():
         raise ValueError("bitmask must be contiguous")
+
+
+def bitmask_rows(bitmask: torch.Tensor, words: int) -> int:
+    """Validate a bitmask a matcher writes into by address (check_bitmask, at least one row); its row count.
+
+    Matchers call this again whenever the tensor object or its data pointer changes (the cached tensor is
+    kept alive by the cache, so its id cannot be reused); an in-place resize that keeps the address never
+    shrinks the storage, so writes by address at the cached row count stay in bounds."""
+    check_bitmask(bitmask, 1, words)
+    return bitmask.shape[0]
 
 
 def check_draft_on_fork(m: Matcher, token_ids) -> int:
@@ -69,7 +85,8 @@ def check_draft_on_fork(m: Matcher, token_ids) -> int:
 
 
 def fill_masks(matchers: Sequence[Matcher], drafts: Sequence[Sequence[int]] | None = None,
-               out: torch.Tensor | None = None, valid_counts: list | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, valid_counts: list | None = None,
+               errors: dict | None = None) -> torch.Tensor:
     """Masks for every matcher now and after each prefix of its draft, in one call.
 
     Row order: for matcher i, the mask now, then after drafts[i][0], ..., after drafts[i][-1]
@@ -77,40 +94,73 @@ def fill_masks(matchers: Sequence[Matcher], drafts: Sequence[Sequence[int]] | No
     tokens were grammatical per matcher is appended to `valid_counts` if given. Matchers end in the state
     they started in. llguidance matchers are filled together on llguidance's thread pool (GIL released);
     the others one by one.
+    A matcher whose constraint fails (ConstraintError: e.g. it exceeded the backend's lexer limits) gets
+    all-zero rows; with `errors` (a dict) the message goes to errors[i] and the others are unaffected;
+    without it the first such error is raised once every row is filled.
+    Cost: the masks (tens of µs each, in parallel for llguidance) plus ~0.3-0.5 µs of Python per matcher
+    (plus ~0.3 µs per draft token).
     """
+    n = len(matchers)
     if drafts is None:
-        drafts = [[] for _ in matchers]
-    if len(drafts) != len(matchers):
-        raise ValueError(f"{len(matchers)} matchers but {len(drafts)} draft lists")
-    rows = sum(len(d) + 1 for d in drafts)
+        starts = list(range(n))
+        rows = n
+    else:
+        if len(drafts) != n:
+            raise ValueError(f"{n} matchers but {len(drafts)} draft lists")
+        starts = []
+        rows = 0
+        for d in drafts:
+            starts.append(rows)
+            rows += len(d) + 1
     words = (matchers[0].vocab_size + 31) // 32 if matchers else 1
     if out is None:
         out = torch.empty((rows, words), dtype=torch.int32)
     else:
         check_bitmask(out, rows, words)
-    # Group by matcher class: a class with a `fill_batch(batch, out) -> counts` static method fills
-    # its whole group in one call (llguidance: one call into its thread pool); others go one by one.
-    groups: dict = {}
-    starts = []
-    row = 0
-    for i, d in enumerate(drafts):
-        starts.append(row)
-        row += len(d) + 1
-        groups.setdefault(type(matchers[i]), []).append(i)
-    counts = [0] * len(matchers)
+    counts = [0] * n
+    failed: dict = {}
+    # Group by matcher class: a class with a `fill_batch(matchers, drafts, starts, out, errors) -> counts`
+    # static method fills its whole group in one call (llguidance: one call into its thread pool).
+    cls = type(matchers[0]) if matchers else None
+    if cls is not None and len(set(map(type, matchers))) == 1:
+        groups = {cls: None}  # one group: everything, in order
+    else:
+        groups = {}
+        for i, m in enumerate(matchers):
+            groups.setdefault(type(m), []).append(i)
     for cls, idx in groups.items():
         fill_batch = getattr(cls, "fill_batch", None)
         if fill_batch is None:
-            for i in idx:
-                counts[i] = _fill_one(matchers[i], list(drafts[i]), out, starts[i])
+            for i in range(n) if idx is None else idx:
+                d = list(drafts[i]) if drafts is not None else []
+                try:
+                    counts[i] = _fill_one(matchers[i], d, out, starts[i])
+                except ConstraintError as e:
+                    out[starts[i]: starts[i] + len(d) + 1].zero_()
+                    failed[i] = str(e)
+            continue
+        group_errors: dict = {}
+        if idx is None:
+            counts = fill_batch(matchers, drafts, starts, out, group_errors)
+            failed.update(group_errors)
         else:
-            for i, n in zip(idx, fill_batch([(matchers[i], drafts[i], starts[i]) for i in idx], out)):
-                counts[i] = n
-    for i, d in enumerate(drafts):
-        if counts[i] < len(d):  # rows after the first ungrammatical draft token: nothing allowed
-            out[starts[i] + counts[i] + 1: starts[i] + len(d) + 1].zero_()
+            sub = fill_batch([matchers[i] for i in idx], None if drafts is None else [drafts[i] for i in idx],
+                             [starts[i] for i in idx], out, group_errors)
+            for i, c in zip(idx, sub):
+                counts[i] = c
+            for k, msg in group_errors.items():
+                failed[idx[k]] = msg
+    if drafts is not None:
+        for i, d in enumerate(drafts):
+            if counts[i] < len(d):  # rows after the first ungrammatical draft token: nothing allowed
+                out[starts[i] + counts[i] + 1: starts[i] + len(d) + 1].zero_()
     if valid_counts is not None:
         valid_counts.extend(counts)
+    if failed:
+        if errors is None:
+            i = min(failed)
+            raise ConstraintError(f"matcher {i}: {failed[i]}")
+        errors.update(failed)
     return out
 
 

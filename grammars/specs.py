@@ -6,6 +6,7 @@ constraints by (spec, tokenizer). Building a spec never compiles anything and co
 """
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,12 +115,29 @@ class JsonSchema:
             schema = pydantic.TypeAdapter(model_or_type).json_schema()
         return cls(schema, **kwargs)
 
+    def with_schema(self, schema) -> "JsonSchema":
+        """The same spec over `schema`, an equivalent rewrite of this one (same valid instances): keeps this
+        spec's options and cache key and skips validation (the compiler's prepared schema; ~2 µs)."""
+        new = copy.copy(self)
+        object.__setattr__(new, "schema", schema)
+        new.__dict__.pop("_layout", None)
+        return new
+
     def __hash__(self):  # the schema is a dict: hash the canonical text instead
         return hash(self.cache_key())
 
     def cache_key(self) -> str:
         approx = ",".join(sorted(self.approximations))
         return f"json:{self.whitespace}:{self.indent}:{approx}:" + self._canonical
+
+    def layout_key(self) -> str:
+        """The schema text in its own key order. Equal specs (same cache_key) can still differ in the order
+        of `properties`, which sets the order properties are generated in, so the compiler caches by both."""
+        text = self.__dict__.get("_layout")
+        if text is None:
+            text = json.dumps(self.schema, ensure_ascii=False)
+            object.__setattr__(self, "_layout", text)
+        return text
 
 
 @dataclass(frozen=True)
@@ -144,6 +162,9 @@ class Triggered:
 
     def cache_key(self) -> str:
         return f"triggered:{list(self.trigger_token_ids)}:{self.bound_token_id}:" + self.inner.cache_key()
+
+    def layout_key(self) -> str:
+        return self.inner.layout_key() if hasattr(self.inner, "layout_key") else ""
 
 
 def _check_utf8(text: str, what: str) -> None:

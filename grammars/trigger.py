@@ -71,13 +71,17 @@ class TriggeredCompiled:
 class TriggeredMatcher:
     """Matcher protocol; `is_constrained()` is False while waiting for the trigger (free text)."""
 
-    def __init__(self, compiled: TriggeredCompiled, mode=FREE, progress=0, stack=None, inner=None):
+    def __init__(self, compiled: TriggeredCompiled, mode=FREE, progress=0, stack=None, depth=0, inner=None):
         self.c = compiled
         self.vocab_size = compiled.vocab.vocab_size
         self.mode = mode
         self.progress = progress
-        self.stack = list(stack or [])  # (mode, progress) before each accepted token
+        # (mode, progress) before each accepted token, newest first, as an immutable linked list
+        # ((mode, progress), (older...)): shared by forks, so fork() is O(1) however long the text
+        self.stack = stack
+        self.depth = depth
         self.inner = inner if inner is not None else compiled.inner.matcher()
+        self._bm = None  # the last bitmask validated
 
     def _enter(self, progress):
         if progress == len(self.c.trigger):
@@ -86,8 +90,11 @@ class TriggeredMatcher:
             self.progress = progress
 
     def fill_mask(self, bitmask: torch.Tensor, row: int = 0) -> None:
-        words = (self.vocab_size + 31) // 32
-        check_bitmask(bitmask, row + 1, words)
+        if bitmask is not self._bm:  # validated once per tensor (the inner matcher checks its writes itself)
+            check_bitmask(bitmask, 1, self.c.vocab.bitmask_words)
+            self._bm = bitmask
+        if not 0 <= row < bitmask.shape[0]:
+            raise ValueError(f"bitmask row {row} out of range for {bitmask.shape[0]} rows")
         if self.mode == INNER:
             self.inner.fill_mask(bitmask, row)
         elif self.mode == FORCING:
@@ -113,16 +120,21 @@ class TriggeredMatcher:
                 self._enter(self.c.after_bound)
             else:
                 self._enter(kmp_step(self.c.trigger, self.c.fail, self.progress, token_id))
-        self.stack.append(before)
+        self.stack = (before, self.stack)
+        self.depth += 1
         return True
 
     def rollback(self, n: int) -> None:
-        if n > len(self.stack):
-            raise ValueError(f"cannot roll back {n} tokens, only {len(self.stack)} accepted")
+        if n > self.depth:
+            raise ValueError(f"cannot roll back {n} tokens, only {self.depth} accepted")
+        inner_tokens = 0  # tokens the inner matcher consumed: the newest ones, rolled back in one call
         for _ in range(n):
-            if self.mode == INNER and self.stack[-1][0] == INNER:
-                self.inner.rollback(1)
-            self.mode, self.progress = self.stack.pop()
+            before, self.stack = self.stack
+            self.depth -= 1
+            inner_tokens += before[0] == INNER
+            self.mode, self.progress = before
+        if inner_tokens:
+            self.inner.rollback(inner_tokens)
 
     def is_terminated(self) -> bool:
         return self.mode == INNER and self.inner.is_terminated()
@@ -149,4 +161,4 @@ class TriggeredMatcher:
         return n
 
     def fork(self) -> "TriggeredMatcher":
-        return TriggeredMatcher(self.c, self.mode, self.progress, self.stack, self.inner.fork())
+        return TriggeredMatcher(self.c, self.mode, self.progress, self.stack, self.depth, self.inner.fork())

@@ -82,6 +82,11 @@ class TokenizerVocab:
         return h.hexdigest()[:16]
 
     @cached_property
+    def added_ids(self) -> frozenset:
+        """Ids of the tokenizer's added tokens (special or not: `<｜User｜>`, `｜DSML｜`, ...)."""
+        return frozenset(self.tokenizer.get_added_tokens_decoder())
+
+    @cached_property
     def token_bytes(self) -> list:
         """bytes of each tokenizer id when it appears in text; b"" for special tokens (never text)."""
         model = json.loads(self.tokenizer_json)

@@ -24,14 +24,20 @@ Model hot spots:
     sparse_attention(q[N, H, D], win_kv[Pw, D], win_idx[N, Kw], sink[H], cmp_kv=None, cmp_idx=None, scale=None)
         -> [N, H, D]: MQA decode attention over gathered window + compressed keys (K = V), per-head sink.
     indexer_topk(iq[N, Hi, Di], w[N, Hi], index_keys[P, Di], key_start[N], key_len[N], k, max_len=None)
-        -> (idx int64 [N, k], scores [N, k]): sum_h w * relu(q_h . k_g), top-k, -1 / -inf padded.
-    moe_experts(x[T, H], ids[T, K], weights[T, K], w1[E, F, H], w3[E, F, H], w2[E, H, F], swiglu_limit=10.0)
-        -> [T, H]: weighted sum of the routed SwiGLU experts (clamped), grouped by expert.
+        -> (idx int64 [N, k], scores [N, k]): sum_h w * relu(q_h . k_g), top-k best first, ties -> lower entry id,
+        -1 / -inf padded (CUDA: an exact select kernel, indexer.topk_select_triton, instead of torch.topk).
+    moe_experts(x[T, H], ids[T, K], weights[T, K], w1[E, F, H], w3[E, F, H], w2[E, H, F], swiglu_limit=10.0,
+                scales=None) -> [T, H]: weighted sum of the routed SwiGLU experts (clamped), grouped by expert;
+        `scales` = per-row scales of FP8 weights (moe.quantize_fp8_rows) read at one byte per weight.
     hc_mixes(residual[T, M, H], fn[(2+M)M, MH], base[(2+M)M], scale[3], norm_eps=1e-20, hc_eps=1e-6, iters=20,
              post_mult=2.0) -> HcMixes(pre [T, M], post [T, M], comb [T, M, M]): mHC mixes with Sinkhorn
-        (bf16 residual on CUDA: fp32-accurate bf16x3 products; the bf16 split of fn is cached per fn tensor).
-Top-k/top-p thresholds (threshold.py) run as histogram + candidate passes; speculative_accept's Triton path is
-nine launches; sparse_attention splits keys over programs (flash-decoding) when rows x head blocks are few.
+        (bf16 residual on CUDA: fp32-accurate bf16x3 products, two launches; fn is split to bf16 parts in
+        registers at decode sizes, from a per-tensor cache above 256 tokens). hc_mix.hc_pre_apply / hc_post_apply
+        (next_pre=) fuse the pre/post applications into one launch each.
+Top-k/top-p thresholds (threshold.py) run as histogram + candidate passes; sampling draws a lane of 16 tokens by
+Gumbel-max over lane masses, then the token inside it by inverse CDF (exact; sampling.py says why);
+speculative_accept's Triton path is nine launches; sparse_attention runs one key split by default, all heads per
+program from N >= 192 rows, and combines splits inside the launch when it splits.
 """
 from .bitmask import apply_token_bitmask_by_step_inplace, apply_token_bitmask_inplace, by_step_mask_rows
 from .hc_mix import HcMixes, hc_mixes

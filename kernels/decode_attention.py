@@ -10,13 +10,17 @@ vector of that position (MQA, one KV head), so a key is read once and used for b
 
 Shapes: q [N, H, D], win_kv [Pw, D], win_idx [N, Kw] int, cmp_kv [Pc, D], cmp_idx [N, Kc] int (optional),
 sink [H] fp32; returns [N, H, D] in q's dtype. Duplicate keys count twice (they are different vectors in V4).
-Triton: grid (head blocks, rows, key splits); the online softmax gathers BLOCK_K keys per step and does two small
-matmuls per step. With one split it starts from the sink (m = sink, l = 1) and writes the output; with several
-(flash-decoding: D's first version, one split, measured 27-30% of copy bandwidth on an H200 because 64 rows x 4
-head blocks do not fill 132 SMs) each split writes its partial (m, l, acc) and a combine launch merges them with
-the sink. The rope/inverse-rope and output projection stay in the model.
-Cost: keys x D x bytes per (row, head block) — with H = 64 heads in 4 blocks of 16 the key set is read 4 times,
-from L2 after the first.
+Triton: grid (head blocks, rows, key splits); a program runs an online softmax over its slice of the row's keys
+for block_h heads (block_h = 64 = all heads reads each gathered key once, as a wgmma tile; `default_config` says
+what the H200 preferred). Optionally (splits > 1; the H200 sweeps found one split fastest at decode sizes) the
+row's keys are split over programs (flash-decoding): each split keeps its online softmax (m, l, acc), writes it as an fp32 (or bf16 normalized)
+partial, and the last program of the row to finish (an atomic ticket per row and head block, reset to 0 after)
+merges the partials with the sink in split order (deterministic) in the same launch; the two-launch form (a
+`_combine_kernel` launch) stays available. The rope/inverse-rope and output projection stay in the model.
+Cost: keys x D x bytes per (row, head block) (from L2 after the first head block) + splits x H x D x 8 bytes of
+partials (written and read back from L2); 4 x H x D flops per key (tensor cores), 128 flops per key byte at
+H = 64, D = 512: close to the H200's ridge (~165), so the matrix work is ~0.65x the byte time and must overlap
+the loads.
 """
 import torch
 import triton
@@ -59,40 +63,94 @@ def sparse_attention_torch(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None, 
 
 # ---------------------------------------------------------------------------------------------- Triton
 @triton.jit
+def _softmax_step(q, m, l, acc, k, ok, scale, IEEE: tl.constexpr):
+    """One block of keys k [BLOCK_K, D] (ok: which are real) into the online softmax (m, l, acc)."""
+    if IEEE:   # fp32 pools (and the interpreter): exact fp32 products
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * scale                                 # [BH, BLOCK_K]
+    s = tl.where(ok[None, :], s, float("-inf"))
+    new_m = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp(m - new_m)
+    p = tl.exp(s - new_m[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, k.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
+    return new_m, l, acc
+
+
+@triton.jit
+def _gather(kv_ptr, idx_ptr, n_keys, row, kk, k1, D: tl.constexpr):
+    """Key block kk of the row: (keys [BLOCK_K, D], ok [BLOCK_K]); positions >= k1 and index -1 are not keys."""
+    idx = tl.load(idx_ptr + row * n_keys + kk, mask=kk < k1, other=-1).to(tl.int64)
+    ok = idx >= 0
+    k = tl.load(kv_ptr + tl.maximum(idx, 0)[:, None] * D + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
+    return k, ok
+
+
+@triton.jit
 def _attend_pool(q, m, l, acc, kv_ptr, idx_ptr, n_keys, k0, k1, row, scale, D: tl.constexpr, BLOCK_K: tl.constexpr,
-                 IEEE: tl.constexpr):
-    """Online softmax over the pool's keys [k0, k1) of this row."""
-    dims = tl.arange(0, D)
-    for start in range(k0, k1, BLOCK_K):
-        kk = start + tl.arange(0, BLOCK_K)
-        idx = tl.load(idx_ptr + row * n_keys + kk, mask=kk < k1, other=-1).to(tl.int64)
-        ok = idx >= 0
-        k = tl.load(kv_ptr + tl.maximum(idx, 0)[:, None] * D + dims[None, :], mask=ok[:, None], other=0.0)
-        if IEEE:   # fp32 pools (and the interpreter): exact fp32 products
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale                                 # [BH, BLOCK_K]
-        s = tl.where(ok[None, :], s, float("-inf"))
-        new_m = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - new_m)
-        p = tl.exp(s - new_m[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, k.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
-        m = new_m
+                 IEEE: tl.constexpr, PREFETCH: tl.constexpr):
+    """Online softmax over the pool's keys [k0, k1) of this row. PREFETCH: the next block's gather is issued
+    before this block's math (register double buffer), so the load latency overlaps the dots even where the
+    compiler's pipeliner does not multi-buffer the indirect loads (H200 round 1: num_stages 2/3/4 timed the same
+    and took the same shared memory)."""
+    if PREFETCH:
+        k, ok = _gather(kv_ptr, idx_ptr, n_keys, row, k0 + tl.arange(0, BLOCK_K), k1, D)
+        for start in range(k0, k1, BLOCK_K):
+            k_next, ok_next = _gather(kv_ptr, idx_ptr, n_keys, row, start + BLOCK_K + tl.arange(0, BLOCK_K), k1, D)
+            m, l, acc = _softmax_step(q, m, l, acc, k, ok, scale, IEEE)
+            k, ok = k_next, ok_next
+    else:
+        for start in range(k0, k1, BLOCK_K):
+            k, ok = _gather(kv_ptr, idx_ptr, n_keys, row, start + tl.arange(0, BLOCK_K), k1, D)
+            m, l, acc = _softmax_step(q, m, l, acc, k, ok, scale, IEEE)
     return m, l, acc
 
 
 @triton.jit
+def _combine_heads(out_ptr, sink_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, row, heads, hok, H, n_split,
+                   D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, DC: tl.constexpr,
+                   NORMED: tl.constexpr):
+    """o_h = sum_s exp(m_s - M) acc_s / (exp(sink_h - M) + sum_s exp(m_s - M) l_s) for a block of heads, in split
+    order (deterministic), DC output dims at a time. Partials are read with .cg (from L2, never a stale L1 line:
+    another program wrote them in this launch when fused)."""
+    sp = tl.arange(0, BLOCK_S)
+    base = (row * H + heads) * n_split                                          # [BLOCK_H]
+    ok = hok[:, None] & (sp[None, :] < n_split)
+    ms = tl.load(part_m_ptr + base[:, None] + sp[None, :], mask=ok, other=-1e30, cache_modifier=".cg")
+    ls = tl.load(part_l_ptr + base[:, None] + sp[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+    sink = tl.load(sink_ptr + heads, mask=hok, other=0.0).to(tl.float32)
+    big = tl.maximum(tl.max(ms, 1), sink)
+    w = tl.exp(ms - big[:, None])
+    w = w / (tl.exp(sink - big) + tl.sum(w * ls, 1))[:, None]                    # [BLOCK_H, BLOCK_S]
+    if NORMED:                                   # partials hold acc / l (bf16): weight them by l
+        w = w * ls
+    for dc in tl.static_range(0, D, DC):
+        dims = dc + tl.arange(0, DC)
+        o = tl.zeros([BLOCK_H, DC], tl.float32)
+        for s in range(0, n_split):
+            ws = tl.sum(tl.where(sp[None, :] == s, w, 0.0), 1)
+            a = tl.load(part_acc_ptr + (base + s)[:, None] * D + dims[None, :], mask=hok[:, None], other=0.0,
+                        cache_modifier=".cg").to(tl.float32)
+            o += ws[:, None] * a
+        tl.store(out_ptr + (row * H + heads[:, None]) * D + dims[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=hok[:, None])
+
+
+@triton.jit
 def _sparse_attention_kernel(q_ptr, out_ptr, sink_ptr, win_kv_ptr, win_idx_ptr, n_win, cmp_kv_ptr, cmp_idx_ptr,
-                             n_cmp, H, scale, per_split, part_m_ptr, part_l_ptr, part_acc_ptr,
+                             n_cmp, H, scale, per_split, part_m_ptr, part_l_ptr, part_acc_ptr, cnt_ptr,
                              D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                             HAS_CMP: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr):
+                             HAS_CMP: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, FUSE: tl.constexpr,
+                             BLOCK_S: tl.constexpr, DC: tl.constexpr, NORMED: tl.constexpr,
+                             PREFETCH: tl.constexpr):
     """Program (head block, row, split): the split's slice [lo, hi) of the row's keys (window keys first, then
     compressed). Without SPLIT the one split starts from the sink and writes the output; with SPLIT it writes its
-    partial (m, l, acc) and `_combine_kernel` merges the splits and the sink."""
+    partial (m, l, acc); then either `_combine_kernel` merges the splits and the sink (a second launch) or, FUSE,
+    the last program of the (row, head block) to finish does it in this launch (ticket counter, reset to 0)."""
     row = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -111,16 +169,28 @@ def _sparse_attention_kernel(q_ptr, out_ptr, sink_ptr, win_kv_ptr, win_idx_ptr, 
     lo = split * per_split
     hi = lo + per_split
     m, l, acc = _attend_pool(q, m, l, acc, win_kv_ptr, win_idx_ptr, n_win, tl.minimum(lo, n_win),
-                             tl.minimum(hi, n_win), row, scale, D, BLOCK_K, IEEE)
+                             tl.minimum(hi, n_win), row, scale, D, BLOCK_K, IEEE, PREFETCH)
     if HAS_CMP:
         m, l, acc = _attend_pool(q, m, l, acc, cmp_kv_ptr, cmp_idx_ptr, n_cmp, tl.maximum(lo - n_win, 0),
-                                 tl.minimum(tl.maximum(hi - n_win, 0), n_cmp), row, scale, D, BLOCK_K, IEEE)
+                                 tl.minimum(tl.maximum(hi - n_win, 0), n_cmp), row, scale, D, BLOCK_K, IEEE,
+                                 PREFETCH)
     if SPLIT:
         n_split = tl.num_programs(2)
         o = (row * H + heads) * n_split + split
         tl.store(part_m_ptr + o, m, mask=hok)
         tl.store(part_l_ptr + o, l, mask=hok)
-        tl.store(part_acc_ptr + o[:, None] * D + dims[None, :], acc, mask=hok[:, None])
+        if NORMED:       # half the partial bytes: acc / l in bf16 (an empty split has l = 0 and acc = 0)
+            acc = acc / tl.where(l > 0, l, 1.0)[:, None]
+        tl.store(part_acc_ptr + o[:, None] * D + dims[None, :], acc.to(part_acc_ptr.dtype.element_ty),
+                 mask=hok[:, None])
+        if FUSE:
+            tl.debug_barrier()                   # every thread's partial stores precede the release below
+            ticket_ptr = cnt_ptr + row * tl.num_programs(0) + tl.program_id(0)
+            ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+            if ticket == n_split - 1:
+                tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
+                _combine_heads(out_ptr, sink_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, row, heads, hok, H,
+                               n_split, D, BLOCK_H, BLOCK_S, DC, NORMED)
     else:
         tl.store(out_ptr + (row * H + heads[:, None]) * D + dims[None, :], (acc / l[:, None]).to(out_ptr.dtype.element_ty),
                  mask=hok[:, None])
@@ -128,39 +198,55 @@ def _sparse_attention_kernel(q_ptr, out_ptr, sink_ptr, win_kv_ptr, win_idx_ptr, 
 
 @triton.jit
 def _combine_kernel(out_ptr, sink_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, H, n_split,
-                    D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Program (row, head): o = sum_s exp(m_s - M) acc_s / (exp(sink - M) + sum_s exp(m_s - M) l_s)."""
+                    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, DC: tl.constexpr,
+                    NORMED: tl.constexpr):
+    """Second launch of the unfused split form: program (row, head block)."""
     row = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    sp = tl.arange(0, BLOCK_S)
-    sok = sp < n_split
-    base = (row * H + h) * n_split
-    ms = tl.load(part_m_ptr + base + sp, mask=sok, other=-1e30)
-    ls = tl.load(part_l_ptr + base + sp, mask=sok, other=0.0)
-    sink = tl.load(sink_ptr + h).to(tl.float32)
-    big = tl.maximum(tl.max(ms, 0), sink)
-    w = tl.exp(ms - big)
-    denom = tl.exp(sink - big) + tl.sum(w * ls, 0)
-    dims = tl.arange(0, D)
-    acc = tl.load(part_acc_ptr + (base + sp)[:, None] * D + dims[None, :], mask=sok[:, None], other=0.0)
-    o = tl.sum(acc * w[:, None], 0) / denom
-    tl.store(out_ptr + (row * H + h) * D + dims, o.to(out_ptr.dtype.element_ty))
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    _combine_heads(out_ptr, sink_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, row, heads, heads < H, H, n_split,
+                   D, BLOCK_H, BLOCK_S, DC, NORMED)
 
 
-def default_splits(N: int, H: int, n_keys: int, block_h: int, block_k: int, device) -> int:
-    """Key splits per row. Measured on the H200 (benchmarks/kernels.py, N=64 and 256, H=64, 128+512 keys): one
-    split 44/160 us against 61 us with 3 splits and 200 us with 2, so the combine launch and the fp32 partials cost
-    more than the extra parallelism buys at decode sizes; splits stay available for long key sets."""
-    return 1
+_COUNTERS: dict = {}    # device -> int32 zeros: the fused split launch's tickets (each launch leaves them at 0)
+
+
+def _counters(device, n: int) -> torch.Tensor:
+    """Zeroed ticket counters, made once per device and grown when needed (outside CUDA-graph capture: the first
+    call at a size allocates). One stream at a time: concurrent fused launches on two streams would share them."""
+    c = _COUNTERS.get(device)
+    if c is None or c.numel() < n:
+        c = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = c
+    return c
+
+
+def default_config(N: int, H: int, D: int, n_keys: int, device, elem_bytes: int = 2) -> dict:
+    """Launch parameters at a shape, from the H200 sweeps (H = 64, D = 512, 128 + 512 keys, bf16):
+      N = 64:  D's head blocks of 16 (bk64, 4 warps, one split) 43.8 us; all heads in one program (bh64 bk64
+               w8, 2 splits) 44.5; bh64 bk32 2 splits 51.2 (42.9 with every key an L2 hit: latency-bound);
+               bh16 with splits 70-98; register-prefetched gathers slower everywhere (98-160).
+      N = 256: all heads in one program (bh64 bk32 w8, one split) 146.6 us; D's version 158.6; bh16 bk32 206.
+    So: all heads per program from N >= 192 rows (each key read once, wgmma tiles), D's configuration below.
+    fp32 pools at D = 512 take 16-key blocks (the key stages must fit shared memory)."""
+    if elem_bytes * D > 1024:
+        return dict(block_h=16, block_k=16, num_warps=4, num_stages=2, splits=1, fuse=True, bf16_partials=False,
+                    prefetch=False)
+    if N >= 192 and H >= 64:
+        return dict(block_h=64, block_k=32, num_warps=8, num_stages=2, splits=1, fuse=True, bf16_partials=False,
+                    prefetch=False)
+    return dict(block_h=16, block_k=64, num_warps=4, num_stages=2, splits=1, fuse=True, bf16_partials=False,
+                prefetch=False)
 
 
 def sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None, scale=None,
-                            block_h: int = 16, block_k: int = 64, num_warps: int | None = None, num_stages: int = 2,
-                            splits: int | None = None):
-    """splits: key splits per row (None: `default_splits`); > 1 adds a combine launch and an fp32 partial
-    [N, H, splits, D] that stays in L2 at decode sizes. num_warps None: 4 (D's H200 sweep: 43.8 us against 50.3 us
-    with 8 at N=64, although at D = 512 the 4-warp sm_90 build spills ~600 bytes per thread and the 8-warp one
-    does not, by the ptxas resource report)."""
+                            block_h: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+                            num_stages: int | None = None, splits: int | None = None, fuse: bool | None = None,
+                            bf16_partials: bool | None = None, prefetch: bool | None = None):
+    """Launch parameters left None come from `default_config`. splits > 1: key splits per row with fp32 partials
+    [N, H, splits, D] (L2-resident at decode sizes), combined by the last program of each (row, head block)
+    (fuse=True) or by a second launch (fuse=False). bf16_partials: store each split's normalized output acc / l
+    in bf16 instead of acc in fp32 (half the partial bytes; adds one bf16 rounding per split before the merge).
+    prefetch: gather the next key block into registers before this block's math (see `_attend_pool`)."""
     _check(q, win_kv, win_idx, cmp_kv, cmp_idx, sink)
     N, H, D = q.shape
     check(D >= 16 and D & (D - 1) == 0, f"head_dim must be a power of two >= 16 for the Triton path, got {D}")
@@ -172,27 +258,38 @@ def sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None,
         cmp_kv, cmp_idx = cmp_kv.contiguous(), cmp_idx.to(torch.int32).contiguous()
     n_win, n_cmp = win_idx.shape[1], cmp_idx.shape[1] if has_cmp else 0
     n_keys = n_win + n_cmp
-    if splits is None:
-        splits = default_splits(N, H, n_keys, block_h, block_k, q.device)
+    cfg = default_config(N, H, D, n_keys, q.device, win_kv.element_size())
+    block_h = block_h or cfg["block_h"]
+    block_k = block_k or cfg["block_k"]
+    splits = splits or cfg["splits"]
+    fuse = cfg["fuse"] if fuse is None else fuse
+    normed = cfg["bf16_partials"] if bf16_partials is None else bf16_partials
+    prefetch = cfg["prefetch"] if prefetch is None else prefetch
     per_split = triton.cdiv(triton.cdiv(max(n_keys, 1), splits), block_k) * block_k   # whole key blocks per split
     splits = max(1, triton.cdiv(n_keys, per_split))
     out = empty(q.shape, q.dtype, q.device)
+    n_hb = triton.cdiv(H, block_h)
     if splits > 1:
         part_m = torch.empty((N, H, splits), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
-        part_acc = torch.empty((N, H, splits, D), dtype=torch.float32, device=q.device)
+        part_acc = torch.empty((N, H, splits, D), dtype=torch.bfloat16 if normed else torch.float32, device=q.device)
+        cnt = _counters(q.device, N * n_hb) if fuse else part_m
     else:
-        part_m = part_l = part_acc = out
-    grid = (triton.cdiv(H, block_h), N, splits)   # head blocks of one row launch together: its keys are read once
+        part_m = part_l = part_acc = cnt = out
+    sink = sink.float().contiguous()
+    block_s = max(2, triton.next_power_of_2(splits))
+    dc = min(D, 64)
+    grid = (n_hb, N, splits)   # head blocks of one row launch together: its keys are read once
     _sparse_attention_kernel[grid](
-        q, out, sink.float().contiguous(), win_kv, win_idx, n_win,
-        cmp_kv if has_cmp else win_kv, cmp_idx if has_cmp else win_idx, n_cmp,
-        H, float(scale), per_split, part_m, part_l, part_acc, D=D, BLOCK_H=block_h, BLOCK_K=block_k,
+        q, out, sink, win_kv, win_idx, n_win, cmp_kv if has_cmp else win_kv, cmp_idx if has_cmp else win_idx,
+        n_cmp, H, float(scale), per_split, part_m, part_l, part_acc, cnt, D=D, BLOCK_H=block_h, BLOCK_K=block_k,
         HAS_CMP=has_cmp, IEEE=win_kv.dtype == torch.float32 or INTERPRETING, SPLIT=splits > 1,
-        num_warps=num_warps or 4, num_stages=num_stages)
-    if splits > 1 and N:
-        _combine_kernel[(N, H)](out, sink.float().contiguous(), part_m, part_l, part_acc, H, splits, D=D,
-                                BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4)
+        FUSE=splits > 1 and fuse, BLOCK_S=block_s, DC=dc, NORMED=normed, PREFETCH=prefetch,
+        num_warps=num_warps or cfg["num_warps"],
+        num_stages=num_stages or cfg["num_stages"])
+    if splits > 1 and not fuse and N:
+        _combine_kernel[(N, n_hb)](out, sink, part_m, part_l, part_acc, H, splits, D=D, BLOCK_H=block_h,
+                                   BLOCK_S=block_s, DC=dc, NORMED=normed, num_warps=4)
     return out
 
 

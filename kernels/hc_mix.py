@@ -9,12 +9,15 @@ base [(2+M)*M], scale [3] (all fp32; the RMSNorm weight is already folded into f
          then (iters - 1) x (row normalisation, column normalisation); each divides by (sum + hc_eps)   [T, M, M]
 C[j, k] mixes source stream j into destination stream k.
 
-Triton: pass 1 reads R once (split over the M*H dimension: grid token blocks x splits, enough programs at
-decode batch sizes) and writes partial z and sum of squares per split; pass 2 (one program per token block)
-adds the partials in a fixed order and does the sigmoid/softmax/Sinkhorn arithmetic in registers.
-Cost: T*M*H*bytes(R) + |fn| (fn stays in L2); the mix arithmetic is negligible. The product r . fn^T needs fp32
-accuracy: fp32 residuals use Triton's "ieee" dot (FMAs: D measured it arithmetic-bound, 1-3% of bandwidth on an
-H200); bf16 residuals (the model's) use three bf16 tensor-core products against a hi/mid/lo bf16 split of fn.
+Triton, two launches (the working set is a few MB, so latency is the cost, not bytes): programs (token block,
+split of the M*H columns) each read their tile of R once and write a partial z and sum of squares; then a
+one-warp program per few tokens adds the partials in a fixed order (deterministic) and does the sigmoid/softmax/
+Sinkhorn arithmetic in registers. fused=True does it in ONE launch: each partial program takes a ticket on its
+token block's counter and the last to arrive adds the partials (same fixed order) and mixes.
+Cost: T*M*H*bytes(R) + |fn| (fp32 fn, L2 hits after the first token block) + the partials (n_split*T*32*4 B).
+The product r . fn^T needs fp32 accuracy: bf16 residuals (the model's) take three bf16 tensor-core products
+against a hi/mid/lo bf16 split of fn made in registers (exact products, fp32 accumulation); fp32 residuals use
+Triton's "ieee" dot (FMAs: D measured it arithmetic-bound, 1-3% of bandwidth on an H200).
 """
 import weakref
 from dataclasses import dataclass
@@ -61,15 +64,13 @@ def hc_mixes_torch(residual, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iters
 
 # ---------------------------------------------------------------------------------------------- Triton
 @triton.jit
-def _hc_partial_kernel(r_ptr, fn_ptr, z_ptr, sq_ptr, T, K, NZ, BT: tl.constexpr, NZP: tl.constexpr,
-                       BK: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, SPLIT_FN: tl.constexpr,
-                       UPCAST: tl.constexpr):
-    """Program (token block, split of M*H): partial z = r . fn and sum of r^2 over the split's columns.
-    SPLIT_FN: fn comes as three bf16 parts (hi + mid + lo == fn to ~2**-24) and r is bf16, so three bf16 tensor-
-    core products with fp32 accumulation give fp32-accurate z (bf16 x bf16 products are exact in fp32).
+def _partial_z(r_ptr, fn_ptr, T, K, NZ, tb, sp, BT: tl.constexpr, NZP: tl.constexpr, BK: tl.constexpr,
+               SPLIT: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """(z [BT, NZP], sum of squares [BT]) of token block tb over the columns of split sp.
+    MODE 0: one fp32 dot (PRECISION) against fp32 fn. MODE 1: bf16 r and fp32 fn split in registers into
+    hi + mid + lo bf16 parts (== fn to ~2**-24): three bf16 tensor-core products, exact in fp32 accumulation,
+    reading fn at 4 bytes. MODE 2: the same with fn given as the three bf16 parts [3, NZ, K] (6 bytes).
     UPCAST: the interpreter computes bf16 dots wrongly, so it takes them in fp32 (same exact products)."""
-    tb = tl.program_id(0)
-    sp = tl.program_id(1)
     toks = tb * BT + tl.arange(0, BT)
     zs = tl.arange(0, NZP)
     acc = tl.zeros([BT, NZP], tl.float32)
@@ -80,20 +81,114 @@ def _hc_partial_kernel(r_ptr, fn_ptr, z_ptr, sq_ptr, T, K, NZ, BT: tl.constexpr,
         wmask = (zs[:, None] < NZ) & (ks[None, :] < K)
         r = tl.load(r_ptr + toks[:, None].to(tl.int64) * K + ks[None, :], mask=rmask, other=0.0)
         rf = r.to(tl.float32)
-        if SPLIT_FN:
-            for part in tl.static_range(3):
-                w = tl.load(fn_ptr + (part * NZ + zs[:, None]).to(tl.int64) * K + ks[None, :], mask=wmask,
-                            other=0.0)
-                if UPCAST:
-                    acc += tl.dot(rf, tl.trans(w.to(tl.float32)), input_precision="ieee")
-                else:
-                    acc += tl.dot(r, tl.trans(w))
-        else:
+        if MODE == 0:
             w = tl.load(fn_ptr + zs[:, None] * K + ks[None, :], mask=wmask, other=0.0)
             acc += tl.dot(rf, tl.trans(w), input_precision=PRECISION)
+        else:
+            if MODE == 1:
+                w = tl.load(fn_ptr + zs[:, None] * K + ks[None, :], mask=wmask, other=0.0)
+                hi = w.to(tl.bfloat16)
+                rest = w - hi.to(tl.float32)
+                mid = rest.to(tl.bfloat16)
+                lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+            else:
+                hi = tl.load(fn_ptr + zs[:, None].to(tl.int64) * K + ks[None, :], mask=wmask, other=0.0)
+                mid = tl.load(fn_ptr + (NZ + zs[:, None]).to(tl.int64) * K + ks[None, :], mask=wmask, other=0.0)
+                lo = tl.load(fn_ptr + (2 * NZ + zs[:, None]).to(tl.int64) * K + ks[None, :], mask=wmask, other=0.0)
+            if UPCAST:
+                acc += tl.dot(rf, tl.trans(hi.to(tl.float32)), input_precision="ieee")
+                acc += tl.dot(rf, tl.trans(mid.to(tl.float32)), input_precision="ieee")
+                acc += tl.dot(rf, tl.trans(lo.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(r, tl.trans(hi))
+                acc += tl.dot(r, tl.trans(mid))
+                acc += tl.dot(r, tl.trans(lo))
         sq += tl.sum(rf * rf, 1)
-    tl.store(z_ptr + (sp * T + toks[:, None]) * NZP + zs[None, :], acc, mask=toks[:, None] < T)
+    return acc, sq
+
+
+@triton.jit
+def _mix_block(z_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, n_split, norm_eps, hc_eps,
+               post_mult, tb, M: tl.constexpr, NZP: tl.constexpr, BT: tl.constexpr, ITERS: tl.constexpr,
+               SC: tl.constexpr):
+    """Token block tb: add the split partials in split order (SC splits' loads issued together; the loads
+    bypass L1 since other programs wrote them), then sigmoid / softmax / Sinkhorn in registers. (Loading the
+    SC splits as one [SC, BT, M, M] block and summing it left the result in a layout replicated SC-fold, and
+    the Sinkhorn steps then ran SC times over in every thread: sm_90 SASS grew with SC.)"""
+    toks = tb * BT + tl.arange(0, BT)
+    tok_ok = toks < T
+    j = tl.arange(0, M)
+    sq = tl.zeros([BT], tl.float32)
+    zp = tl.zeros([BT, M], tl.float32)
+    zq = tl.zeros([BT, M], tl.float32)
+    zc = tl.zeros([BT, M, M], tl.float32)
+    for s0 in range(0, n_split, SC):
+        for i in tl.static_range(SC):        # SC independent loads in flight, each in the accumulators' layout
+            s = s0 + i
+            ok = tok_ok & (s < n_split)
+            row = (s * T + toks).to(tl.int64)
+            sq += tl.load(sq_ptr + row, mask=ok, other=0.0, cache_modifier=".cg")
+            zrow = row * NZP
+            zp += tl.load(z_ptr + zrow[:, None] + j[None, :], mask=ok[:, None], other=0.0, cache_modifier=".cg")
+            zq += tl.load(z_ptr + zrow[:, None] + M + j[None, :], mask=ok[:, None], other=0.0,
+                          cache_modifier=".cg")
+            zc += tl.load(z_ptr + zrow[:, None, None] + 2 * M + j[None, :, None] * M + j[None, None, :],
+                          mask=ok[:, None, None], other=0.0, cache_modifier=".cg")
+    inv_rms = 1.0 / tl.sqrt(sq / K + norm_eps)
+    s0 = tl.load(scale_ptr)
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    pre = tl.sigmoid(zp * inv_rms[:, None] * s0 + tl.load(base_ptr + j)[None, :]) + hc_eps
+    post = tl.sigmoid(zq * inv_rms[:, None] * s1 + tl.load(base_ptr + M + j)[None, :]) * post_mult
+    c = zc * inv_rms[:, None, None] * s2 + tl.load(base_ptr + 2 * M + j[:, None] * M + j[None, :])[None, :, :]
+    # one reciprocal per row / column and products (not 16 divisions per token per step): within a few ulps
+    # of the twin's divisions, far inside the fp32 tolerance after 20 steps
+    c = tl.exp(c - tl.max(c, 2)[:, :, None])
+    c = c * (1.0 / tl.sum(c, 2))[:, :, None] + hc_eps
+    c = c * (1.0 / (tl.sum(c, 1) + hc_eps))[:, None, :]
+    for _ in tl.static_range(ITERS - 1):
+        c = c * (1.0 / (tl.sum(c, 2) + hc_eps))[:, :, None]
+        c = c * (1.0 / (tl.sum(c, 1) + hc_eps))[:, None, :]
+    tl.store(pre_ptr + toks[:, None] * M + j[None, :], pre, mask=tok_ok[:, None])
+    tl.store(post_ptr + toks[:, None] * M + j[None, :], post, mask=tok_ok[:, None])
+    tl.store(comb_ptr + toks[:, None, None] * (M * M) + j[None, :, None] * M + j[None, None, :], c,
+             mask=tok_ok[:, None, None])
+
+
+@triton.jit
+def _hc_partial_kernel(r_ptr, fn_ptr, z_ptr, sq_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
+                       T, K, NZ, n_split, norm_eps, hc_eps, post_mult, M: tl.constexpr, BT: tl.constexpr,
+                       NZP: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
+                       PRECISION: tl.constexpr, UPCAST: tl.constexpr, FUSED: tl.constexpr, ITERS: tl.constexpr,
+                       SC: tl.constexpr):
+    """Program (token block, split of M*H): partial z = r . fn and sum of r^2 over the split's columns, stored
+    per split. FUSED: the whole op in this one launch: each program then takes a ticket on its token block's
+    counter, and the last to arrive (every partial of the block is written) adds them up in split order and
+    does the mixes (so the result does not depend on arrival order), then resets the counter to 0."""
+    tb = tl.program_id(0)
+    sp = tl.program_id(1)
+    acc, sq = _partial_z(r_ptr, fn_ptr, T, K, NZ, tb, sp, BT, NZP, BK, SPLIT, MODE, PRECISION, UPCAST)
+    toks = tb * BT + tl.arange(0, BT)
+    zs = tl.arange(0, NZP)
+    tl.store(z_ptr + (sp * T + toks[:, None]).to(tl.int64) * NZP + zs[None, :], acc,
+             mask=(toks[:, None] < T) & (zs[None, :] < NZ))
     tl.store(sq_ptr + sp * T + toks, sq, mask=toks < T)
+    if FUSED:
+        tl.debug_barrier()                   # every thread's partial stores precede the release below
+        ticket = tl.atomic_add(cnt_ptr + tb, 1, sem="acq_rel", scope="gpu")
+        if ticket == n_split - 1:
+            tl.atomic_xchg(cnt_ptr + tb, 0, sem="relaxed", scope="gpu")
+            _mix_block(z_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, n_split, norm_eps,
+                       hc_eps, post_mult, tb, M, NZP, BT, ITERS, SC)
+
+
+@triton.jit
+def _hc_mix_kernel(z_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, n_split, norm_eps,
+                   hc_eps, post_mult, M: tl.constexpr, NZP: tl.constexpr, BT: tl.constexpr, ITERS: tl.constexpr,
+                   SC: tl.constexpr):
+    """Second launch of the two-launch form: one program per token block."""
+    _mix_block(z_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, n_split, norm_eps, hc_eps,
+               post_mult, tl.program_id(0), M, NZP, BT, ITERS, SC)
 
 
 def split_fn_bf16(fn: torch.Tensor) -> torch.Tensor:
@@ -106,76 +201,59 @@ def split_fn_bf16(fn: torch.Tensor) -> torch.Tensor:
     return torch.stack([hi, mid, lo]).contiguous()
 
 
-@triton.jit
-def _hc_mix_kernel(z_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, n_split, norm_eps,
-                   hc_eps, post_mult, M: tl.constexpr, NZP: tl.constexpr, BT: tl.constexpr, ITERS: tl.constexpr):
-    tb = tl.program_id(0)
-    toks = tb * BT + tl.arange(0, BT)
-    tok_ok = toks < T
-    j = tl.arange(0, M)
-    # sum the split partials in a fixed order (deterministic)
-    sq = tl.zeros([BT], tl.float32)
-    zp = tl.zeros([BT, M], tl.float32)
-    zq = tl.zeros([BT, M], tl.float32)
-    zc = tl.zeros([BT, M, M], tl.float32)
-    for s in range(0, n_split):
-        row = (s * T + toks).to(tl.int64) * NZP
-        sq += tl.load(sq_ptr + s * T + toks, mask=tok_ok, other=0.0)
-        zp += tl.load(z_ptr + row[:, None] + j[None, :], mask=tok_ok[:, None], other=0.0)
-        zq += tl.load(z_ptr + row[:, None] + M + j[None, :], mask=tok_ok[:, None], other=0.0)
-        zc += tl.load(z_ptr + row[:, None, None] + 2 * M + j[None, :, None] * M + j[None, None, :],
-                      mask=tok_ok[:, None, None], other=0.0)
-    inv_rms = 1.0 / tl.sqrt(sq / K + norm_eps)
-    s0 = tl.load(scale_ptr)
-    s1 = tl.load(scale_ptr + 1)
-    s2 = tl.load(scale_ptr + 2)
-    pre = tl.sigmoid(zp * inv_rms[:, None] * s0 + tl.load(base_ptr + j)[None, :]) + hc_eps
-    post = tl.sigmoid(zq * inv_rms[:, None] * s1 + tl.load(base_ptr + M + j)[None, :]) * post_mult
-    c = zc * inv_rms[:, None, None] * s2 + tl.load(base_ptr + 2 * M + j[:, None] * M + j[None, :])[None, :, :]
-    c = tl.exp(c - tl.max(c, 2)[:, :, None])
-    c = c / tl.sum(c, 2)[:, :, None] + hc_eps
-    c = c / (tl.sum(c, 1)[:, None, :] + hc_eps)
-    for _ in tl.static_range(ITERS - 1):
-        c = c / (tl.sum(c, 2)[:, :, None] + hc_eps)
-        c = c / (tl.sum(c, 1)[:, None, :] + hc_eps)
-    tl.store(pre_ptr + toks[:, None] * M + j[None, :], pre, mask=tok_ok[:, None])
-    tl.store(post_ptr + toks[:, None] * M + j[None, :], post, mask=tok_ok[:, None])
-    tl.store(comb_ptr + toks[:, None, None] * (M * M) + j[None, :, None] * M + j[None, None, :], c,
-             mask=tok_ok[:, None, None])
+_COUNTERS: dict = {}    # device -> int32 zeros: the FUSED launch's per-token-block tickets (reset by the kernel)
+
+
+def _counters(device, n: int) -> torch.Tensor:
+    """Zeroed ticket counters, made once per device (each launch leaves them at zero again). One stream at a
+    time: two FUSED launches running concurrently on different streams would share them."""
+    c = _COUNTERS.get(device)
+    if c is None or c.numel() < n:
+        c = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = c
+    return c
 
 
 def _precision() -> str:
     # fp32 products matter here (z feeds sigmoids and a 20-step Sinkhorn), so "ieee" (plain FMAs) when r is fp32.
     # Measured on an H200 (T=64/256/4096, H=5120): 43/115/1003 us with "ieee" against 218/540/7197 us with
-    # "tf32x3"; the FMA dot is arithmetic-bound (~5 TFLOP/s). bf16 residuals take the split-fn path instead.
+    # "tf32x3"; the FMA dot is arithmetic-bound (~5 TFLOP/s). bf16 residuals take the bf16x3 path instead.
     return "ieee"
 
 
 def hc_mixes_triton(residual, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iters=20, post_mult=2.0,
                     block_t: int | None = None, block_k: int | None = None, split: int | None = None,
                     only_partial: bool = False, precision: str | None = None, fn_parts: torch.Tensor | None = None,
-                    num_warps: int | None = None) -> HcMixes:
+                    num_warps: int | None = None, fused: bool | None = None, sc: int = 16, mix_bt: int = 2,
+                    mix_warps: int = 1) -> HcMixes:
     """precision: None picks "bf16x3" for bf16 residuals (three bf16 tensor-core products against a hi/mid/lo
-    split of fn: fp32-accurate; fn_parts = split_fn_bf16(fn) can be passed in, computed once per layer) and
-    "ieee" otherwise; "ieee"/"tf32x3"/"tf32" force the one-dot fp32 path. None for block_t/block_k/split/num_warps
-    picks the per-path defaults below."""
+    split of fn made in registers from the fp32 fn; with fn_parts = split_fn_bf16(fn) given, the parts are read
+    instead) and "ieee" otherwise; "ieee"/"tf32x3"/"tf32" force the one-dot fp32 path. fused=True: one
+    launch (the last program of each token block does the mixes) instead of two; None: two (H200 round 1:
+    27.7 us for two launches against 31.4 for one at T=64, since an empty launch in a CUDA graph costs only
+    0.7 us while the one-launch form mixes in the wide partial kernel's programs). None for block_t/block_k/
+    split/num_warps picks the per-path defaults below; sc: split partials loaded at once by the mixing step;
+    mix_bt / mix_warps: tokens and warps per program of the two-launch form's mixing kernel (2 tokens on one
+    warp: the sm_90 build has no barriers and the fewest instructions per thread of those tried)."""
     _check(residual, fn, base, scale)
     T, M, H = residual.shape
     check(M & (M - 1) == 0, f"the Triton path needs a power-of-two stream count, got {M}")
     check(iters >= 1, f"sinkhorn iterations must be >= 1, got {iters}")
+    check(sc & (sc - 1) == 0 and mix_bt & (mix_bt - 1) == 0, f"sc and mix_bt must be powers of two ({sc}, {mix_bt})")
     K, NZ = M * H, (2 + M) * M
     NZP = max(16, triton.next_power_of_2(NZ))
     if precision is None:
         precision = "bf16x3" if residual.dtype == torch.bfloat16 else _precision()
     split_fn = precision == "bf16x3"
     check(not split_fn or residual.dtype == torch.bfloat16, "precision bf16x3 needs a bf16 residual")
+    fused = False if fused is None else fused
     if split_fn:
-        # bf16x3: 16-token blocks at decode sizes, 64 at prefill sizes (fewer re-reads of fn); few splits, since the
-        # mix kernel adds the split partials one after another and the bytes are few (T=64: 2.6 MB of residual).
-        # These tiles build for sm_90 without spills (block_k 64; 8 warps with 64-token blocks).
+        # bf16x3: 16-token blocks at decode sizes, 64 at prefill sizes (fewer re-reads of fn); at decode sizes
+        # 512-wide splits (8 loop steps per program, 160 programs at T=64). H200 round 1 (one launch): splits
+        # of 2048 / 1024 / 512 / 256: 31 / 21 / 22 / 20 us at T=64 (the per-program loop is latency-bound)
         block_t = block_t or (16 if T <= 256 else 64)
         block_k = block_k or 64
-        split = split or 2048
+        split = split or (512 if T <= 256 else 2048)
     else:
         # fp32 FMA dot: D's best in the H200 sweep (32-token blocks, 512-wide splits, block_k 128); 64-token
         # blocks spilled ~9 KB per thread and ran 50x slower
@@ -185,31 +263,37 @@ def hc_mixes_triton(residual, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iter
     split = min(split, max(block_k, triton.next_power_of_2(K)))
     block_k = min(block_k, split)
     n_split = triton.cdiv(K, split)
+    n_tb = triton.cdiv(T, block_t)
     dev = residual.device
     r = residual.reshape(T, K).contiguous()
     z = empty((n_split, T, NZP), torch.float32, dev)
     sq = empty((n_split, T), torch.float32, dev)
+    mode = 0
     if split_fn:
-        w = split_fn_bf16(fn) if fn_parts is None else fn_parts
+        mode, w = (2, fn_parts) if fn_parts is not None else (1, fn.float().contiguous())
     else:
         w = fn.float().contiguous()
-    _hc_partial_kernel[(triton.cdiv(T, block_t), n_split)](r, w, z, sq, T, K, NZ, BT=block_t, NZP=NZP, BK=block_k,
-                                                           SPLIT=split, num_warps=num_warps or (8 if block_t >= 64 else 4),
-                                                           PRECISION="ieee" if split_fn else precision,
-                                                           SPLIT_FN=split_fn, UPCAST=INTERPRETING)
-    if only_partial:            # (benchmark: time the streaming pass alone)
-        return None
     pre = empty((T, M), torch.float32, dev)
     post = empty((T, M), torch.float32, dev)
     comb = empty((T, M, M), torch.float32, dev)
-    bt2 = 16
-    _hc_mix_kernel[(triton.cdiv(T, bt2),)](z, sq, base.float().contiguous(), scale.float().contiguous(), pre, post,
-                                           comb, T, K, n_split, norm_eps, hc_eps, post_mult, M=M, NZP=NZP, BT=bt2,
-                                           ITERS=iters, num_warps=4)
+    base, scale = base.float().contiguous(), scale.float().contiguous()
+    fused = fused and not only_partial
+    cnt = _counters(dev, n_tb) if fused else z
+    _hc_partial_kernel[(n_tb, n_split)](r, w, z, sq, cnt, base, scale, pre, post, comb, T, K, NZ, n_split, norm_eps,
+                                        hc_eps, post_mult, M=M, BT=block_t, NZP=NZP, BK=block_k, SPLIT=split,
+                                        MODE=mode, PRECISION="ieee" if split_fn else precision,
+                                        UPCAST=INTERPRETING, FUSED=fused, ITERS=iters, SC=sc,
+                                        num_warps=num_warps or (8 if block_t >= (32 if split_fn else 64) else 4))
+    if only_partial:            # (benchmark: time the streaming pass alone)
+        return None
+    if not fused:
+        _hc_mix_kernel[(triton.cdiv(T, mix_bt),)](z, sq, base, scale, pre, post, comb, T, K, n_split, norm_eps,
+                                                  hc_eps, post_mult, M=M, NZP=NZP, BT=mix_bt, ITERS=iters, SC=sc,
+                                                  num_warps=mix_warps)
     return HcMixes(pre, post, comb)
 
 
-_PARTS: dict = {}      # id(fn) -> (weakref to fn, fn._version, bf16 parts): the split is made once per weight
+_PARTS: dict = {}      # id(fn) -> (weakref to fn, fn._version, bf16 parts): for callers that pass fn_parts
 
 
 def fn_parts_cached(fn: torch.Tensor) -> torch.Tensor:
@@ -226,9 +310,119 @@ def fn_parts_cached(fn: torch.Tensor) -> torch.Tensor:
 
 def hc_mixes(residual: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
              norm_eps: float = 1e-20, hc_eps: float = 1e-6, iters: int = 20, post_mult: float = 2.0) -> HcMixes:
-    """(pre, post, comb) mixes of one mHC sub-layer for every token (module docstring). On CUDA with a bf16
-    residual the bf16 split of fn is cached per fn tensor (3 x bf16 copies of fn: ~3 MB per sub-layer for V4)."""
+    """(pre, post, comb) mixes of one mHC sub-layer for every token (module docstring). On CUDA: two launches;
+    with a bf16 residual fn's bf16 hi/mid/lo split is made in registers at decode sizes (fn read at 4 bytes),
+    and read as cached parts (3 bf16 copies of fn, ~3 MB per sub-layer for V4.1) above 256 tokens."""
     if use_triton(residual):
-        parts = fn_parts_cached(fn) if residual.dtype == torch.bfloat16 else None
-        return hc_mixes_triton(residual, fn, base, scale, norm_eps, hc_eps, iters, post_mult, fn_parts=parts)
+        # prefill sizes (T > 256): the bf16 parts of fn read from memory (cached per fn tensor), since splitting
+        # fn in registers in every 64-token block made the T=4096 pass arithmetic-bound (169 us against the
+        # first session's 152 us with the parts); decode sizes split in registers (fewer bytes, no copies)
+        big = residual.dtype == torch.bfloat16 and residual.shape[0] > 256
+        return hc_mixes_triton(residual, fn, base, scale, norm_eps, hc_eps, iters, post_mult,
+                               fn_parts=fn_parts_cached(fn) if big else None)
     return hc_mixes_torch(residual, fn, base, scale, norm_eps, hc_eps, iters, post_mult)
+
+
+# ---------------------------------------------------------------------------------------------- apply the mixes
+# Reading the streams out (pre) and writing a sub-layer's output back (post + comb) are memory-bound passes over
+# R; in torch each is 3-6 launches (upcasts, products, a batched matmul, downcast). One launch each here, and the
+# post pass can also produce the next sub-layer's read-out (shifted mHC: its pre-mix is already known), so the
+# fresh R' is not read again for it.
+def hc_pre_torch(R: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """x[t] = sum_j a[t, j] * R[t, j] in fp32, R's dtype out. R [T, M, H], a [T, M] -> [T, H]."""
+    _check_apply(R, a=a)
+    return (a.float().unsqueeze(-1) * R.float()).sum(dim=1).to(R.dtype)
+
+
+def hc_post_torch(R, y, post, comb, next_pre=None):
+    """R'[t, k] = post[t, k] * y[t] + sum_j comb[t, j, k] * R[t, j] (fp32 math, R's dtype out); with next_pre
+    also (R', hc_pre_torch(R', next_pre))."""
+    _check_apply(R, y, post, comb, next_pre)
+    out = (post.float().unsqueeze(-1) * y.float().unsqueeze(-2) +
+           torch.matmul(comb.float().transpose(-1, -2), R.float())).to(R.dtype)
+    return out if next_pre is None else (out, hc_pre_torch(out, next_pre))
+
+
+def _check_apply(R, y=None, post=None, comb=None, a=None, triton_path=False):
+    check(R.dim() == 3, f"residual must be [tokens, streams, hidden], got {tuple(R.shape)}")
+    T, M, H = R.shape
+    check(not triton_path or M & (M - 1) == 0, f"the Triton path needs a power-of-two stream count, got {M}")
+    if y is not None:
+        check(y.shape == (T, H), f"sub-layer output must be [{T}, {H}], got {tuple(y.shape)}")
+        check(post.shape == (T, M), f"post mix must be [{T}, {M}], got {tuple(post.shape)}")
+        check(comb.shape == (T, M, M), f"comb mix must be [{T}, {M}, {M}], got {tuple(comb.shape)}")
+    if a is not None:
+        check(a.shape == (T, M), f"pre mix must be [{T}, {M}], got {tuple(a.shape)}")
+
+
+@triton.jit
+def _hc_pre_kernel(r_ptr, a_ptr, x_ptr, H, M: tl.constexpr, BH: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    j = tl.arange(0, M)
+    r = tl.load(r_ptr + (t * M + j[:, None]) * H + h[None, :], mask=h[None, :] < H, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + t * M + j)
+    tl.store(x_ptr + t * H + h, tl.sum(a[:, None] * r, 0).to(x_ptr.dtype.element_ty), mask=h < H)
+
+
+@triton.jit
+def _hc_post_kernel(r_ptr, y_ptr, post_ptr, comb_ptr, a_ptr, out_ptr, x_ptr, H, M: tl.constexpr, BH: tl.constexpr,
+                    PRE: tl.constexpr):
+    """Program (token, hidden block): R'[k] = post[k] y + sum_j comb[j, k] R[j]; PRE: also x = sum_k a[k] R'[k]
+    from the rounded R' (what a separate read-out would see)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    hm = h < H
+    j = tl.arange(0, M)
+    r = tl.load(r_ptr + (t * M + j[:, None]) * H + h[None, :], mask=hm[None, :], other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + t * H + h, mask=hm, other=0.0).to(tl.float32)
+    post = tl.load(post_ptr + t * M + j)
+    comb = tl.load(comb_ptr + t * M * M + j[:, None] * M + j[None, :])               # [j, k]
+    mixed = tl.sum(comb[:, :, None] * r[:, None, :], 0)                               # [k, BH]
+    out = (post[:, None] * y[None, :] + mixed).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + (t * M + j[:, None]) * H + h[None, :], out, mask=hm[None, :])
+    if PRE:
+        a = tl.load(a_ptr + t * M + j)
+        tl.store(x_ptr + t * H + h, tl.sum(a[:, None] * out.to(tl.float32), 0).to(x_ptr.dtype.element_ty), mask=hm)
+
+
+def _block_h(H: int) -> int:
+    return min(512, triton.next_power_of_2(H))
+
+
+def hc_pre_triton(R, a):
+    _check_apply(R, a=a, triton_path=True)
+    T, M, H = R.shape
+    R = R.contiguous()
+    x = empty((T, H), R.dtype, R.device)
+    if T:
+        _hc_pre_kernel[(T, triton.cdiv(H, _block_h(H)))](R, a.float().contiguous(), x, H, M=M, BH=_block_h(H),
+                                                         num_warps=4)
+    return x
+
+
+def hc_post_triton(R, y, post, comb, next_pre=None, block_h=256, num_warps=2):
+    """block_h / num_warps: H200 round 2 (T=64 / 256): 256 / 2 warps 3.9 / 10.1 us, 512 / 4: 4.3 / 10.9 us."""
+    _check_apply(R, y, post, comb, next_pre, triton_path=True)
+    T, M, H = R.shape
+    R = R.contiguous()
+    out = empty((T, M, H), R.dtype, R.device)
+    x = empty((T, H), R.dtype, R.device) if next_pre is not None else out
+    a = next_pre.float().contiguous() if next_pre is not None else post
+    bh = block_h or _block_h(H)
+    if T:
+        _hc_post_kernel[(T, triton.cdiv(H, bh))](R, y.contiguous(), post.float().contiguous(),
+                                                 comb.float().contiguous(), a, out, x, H, M=M, BH=bh,
+                                                 PRE=next_pre is not None, num_warps=num_warps)
+    return out if next_pre is None else (out, x)
+
+
+def hc_pre_apply(R: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """Read one hidden [T, H] out of the streams R [T, M, H] with the weights a [T, M] (one launch on CUDA)."""
+    return hc_pre_triton(R, a) if use_triton(R) else hc_pre_torch(R, a)
+
+
+def hc_post_apply(R, y, post, comb, next_pre=None):
+    """R' = post * y + comb^T R per token (one launch on CUDA); next_pre [T, M]: also return the read-out of
+    R' with those weights, (R', x), from the same pass."""
+    return hc_post_triton(R, y, post, comb, next_pre) if use_triton(R) else hc_post_torch(R, y, post, comb, next_pre)

@@ -17,11 +17,18 @@ Rule (standard speculative sampling, exact):
 Committed tokens of request i: tokens[cu_rows[i] : cu_rows[i] + n_acc + 1] (accepted drafts, then the final
 token); the rest of its rows hold -1.
 
-Work (Triton path, `_accept_triton`): per-row statistics (max and sum of exp over the kept set: one pass over
-all rows, split over vocab chunks), the ratio test in one small per-request kernel, then one pass over the B final
-rows (logits + draft probs) for the residual/bonus Gumbel-max and a per-request finish: nine launches (four are
-the top-k/top-p threshold, which exit at once on rows without filters; D's first version made ~80 launches, most
-of them small torch ops, and measured 13% of copy bandwidth). No host synchronisation anywhere.
+Draws (bonus, residual, and the q fallback of an empty residual) are the two-level segment draws of
+kernels/sampling.py: the bonus is exactly sample_from_logits' draw for that row and position; the residual draw
+runs the same rule on the weights max(q - p, 0), with segment score ln R_c + G_c (RESIDUAL stream).
+
+Work (Triton path, `_accept_triton`, nine launches, no host synchronisation): parameters expanded to rows; the
+top-k/top-p threshold (four launches that exit at once on rows without filters); ONE statistics pass over all
+rows, per (row, segment) with the segment in registers as in kernels/sampling.py: the segment's kept max and
+mass, plus the last rows' bonus candidates and the greedy rows' argmax (per-lane work in-thread, a few block
+reductions per program: memory-bound); the ratio test per request (merges the segment statistics, writes the
+final token unless the final row rejected a draft); one residual pass over the final rows that rejected (their
+logits + draft probabilities only; other programs exit); a tiny finish. Bytes: every logits row once, plus
+logits and draft probabilities of the rejecting final rows.
 """
 from dataclasses import dataclass
 
@@ -31,12 +38,25 @@ import triton.language as tl
 
 from . import rng
 from .backend import INTERPRETING, check, empty, use_triton
-from .sampling import (NEG_INF, NEG_INF_KEY, RowParams, check_logits_and_mask, chunking, default_mask_rows,
-                       finish_argmax, kept_z_torch, load_z, masked_z_torch, pack_best, thresholds_torch,
-                       thresholds_triton)
+from .sampling import (LANES, LOG2E, NEG_INF, NEG_INF_KEY, SEG, RowParams, _kept_x, check_logits_and_mask,
+                       default_mask_rows, kept_z_torch, lane_draw_torch, lane_gumbel_torch, lane_pick,
+                       lane_score, lane_scores_torch, lanes_view, masked_z_torch, pack_lanes, pick_lane,
+                       thresholds_torch, thresholds_triton)
 
 
 _NEG_INF_KEY = tl.constexpr(NEG_INF_KEY)
+
+
+@triton.jit
+def _words(bitmask_ptr, mrow, bitmask_stride, start, pos, k, lane, V, FULL: tl.constexpr, LANES: tl.constexpr):
+    """The bitmask word of each token of a [LANES, LW] segment block (see sampling._segment_body)."""
+    wptr = bitmask_ptr + mrow * bitmask_stride + (start + k[None, :] * LANES) // 32 + lane[:, None] // 32
+    if FULL:
+        return tl.load(wptr, mask=mrow >= 0, other=-1)
+    return tl.load(wptr, mask=(mrow >= 0) & (start + pos < V), other=-1)
+# (segment size, lanes per segment) of the draws, read at call time (kernels/sampling.py's rule; tests shrink it
+# to cover several segments on a small vocabulary: the bonus draw equals sample_from_logits' only at the default)
+LAYOUT = (SEG, LANES)
 
 
 @dataclass
@@ -108,117 +128,161 @@ def _stats_torch(logits, params, bitmask, mrows):
     return tau, m, s, z.argmax(1)
 
 
-def _final_torch(logits, params: RowParams, rows_f, draft_f, residual, draft_probs, bitmask, mrows, keys):
+def _final_torch(logits, params: RowParams, rows_f, draft_f, residual, draft_probs, bitmask, mrows, keys, m_f, s_f):
+    """Final tokens of the rows rows_f: the residual draw where `residual`, else (and if the residual is empty in
+    floating point) the q draw with the same keys. Both are the lane draws of kernels/sampling.py: q's on its
+    weights exp(z - M_g), the residual's on max(q - p, 0) = max(exp(z - M_g) * exp(M_g - m) / s - p, 0), with
+    lane score ln R_g + G_g."""
     sub = RowParams(params.inv_temperature[rows_f], params.greedy[rows_f], params.top_k[rows_f],
                     params.top_p[rows_f], keys)
     zk = kept_z_torch(logits[rows_f], sub, bitmask, None if mrows is None else mrows[rows_f])
-    ids = torch.arange(logits.shape[1], device=logits.device)
-    g = rng.gumbel(keys[:, None], ids[None, :])
-    q = torch.nan_to_num(torch.softmax(zk, 1), nan=0.0)
+    seg, lanes = LAYOUT
+    score_q, k_q, ids = lane_scores_torch(zk, keys, seg, lanes)
+    q_tok = pick_lane(score_q, k_q, ids)
     if draft_probs is None:
-        p = torch.zeros_like(q).scatter_(1, draft_f.clamp(0, q.shape[1] - 1)[:, None], 1.0)
+        p = torch.zeros_like(zk).scatter_(1, draft_f.clamp(0, zk.shape[1] - 1)[:, None], 1.0)
         p = torch.where((draft_f >= 0)[:, None], p, torch.zeros_like(p))
     else:
         p = draft_probs[rows_f].float()
-    res = q - p
-    res_score = torch.where(res > 0, torch.log(res.clamp_min(1e-38)) + g, torch.full_like(res, NEG_INF))
-    q_tok = finish_argmax(zk + g, ids.expand_as(zk))
-    r_tok = finish_argmax(res_score, ids.expand_as(zk))
+    zl = lanes_view(zk, NEG_INF, seg, lanes)
+    ml = zl.amax(-1)
+    live = ml > NEG_INF
+    w = torch.exp2(zl * LOG2E - (torch.where(live, ml, torch.zeros_like(ml)) * LOG2E)[..., None])
+    kl = torch.where(live, torch.exp2((ml - m_f[:, None]) * LOG2E) / s_f[:, None], torch.zeros_like(ml))
+    r = (w * kl[..., None] - lanes_view(p, 0.0, seg, lanes)).clamp_min(0.0)
+    sr, k_r = lane_draw_torch(r, keys)
+    r_score = torch.where(sr > 0, torch.log(sr.clamp_min(1e-30)) + lane_gumbel_torch(keys, zl.shape[1]),
+                          torch.full_like(sr, NEG_INF))
+    r_tok = pick_lane(r_score, k_r, ids)
     return torch.where(residual & (r_tok >= 0), r_tok, q_tok)
 
 
 # ---------------------------------------------------------------------------------------------- Triton pieces
 @triton.jit
-def _stats_split_kernel(logits_ptr, m_ptr, s_ptr, amax_ptr, inv_t_ptr, tau_ptr, bitmask_ptr,
-                        mask_rows_ptr, bitmask_stride, V, n_chunks, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
-                        CHUNK: tl.constexpr):
-    """Program (row, chunk): max and sum exp over the chunk's kept z (per lane, one reduction at the end), and
-    the packed argmax of its allowed z."""
+def _stats_kernel(logits_ptr, mc_ptr, sc_ptr, pack_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys_ptr, last_ptr,
+                  bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_seg, HAS_MASK: tl.constexpr, LANES: tl.constexpr,
+                  LW: tl.constexpr, FAST: tl.constexpr):
+    """Program (row, segment), the segment in registers as in sampling._segment_kernel: the kept max M_c and mass
+    S_c = sum exp(z - M_c), and one packed candidate: greedy rows the first maximum; the last row of a
+    non-greedy request its bonus draw (exactly sample_from_logits' segment candidate: FRESH key at its
+    position); other rows -inf (unused). Full segments skip the bounds checks."""
+    if (tl.program_id(1) + 1) * (LANES * LW) <= V:
+        _stats_body(logits_ptr, mc_ptr, sc_ptr, pack_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys_ptr, last_ptr,
+                    bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_seg, HAS_MASK, True, LANES, LW, FAST)
+    else:
+        _stats_body(logits_ptr, mc_ptr, sc_ptr, pack_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys_ptr, last_ptr,
+                    bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_seg, HAS_MASK, False, LANES, LW, FAST)
+
+
+@triton.jit
+def _stats_body(logits_ptr, mc_ptr, sc_ptr, pack_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys_ptr, last_ptr,
+                bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_seg, HAS_MASK: tl.constexpr, FULL: tl.constexpr,
+                LANES: tl.constexpr, LW: tl.constexpr, FAST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
+    seg = tl.program_id(1)
     inv_t = tl.load(inv_t_ptr + row)
-    tau = tl.load(tau_ptr + row)
+    greedy = tl.load(greedy_ptr + row) != 0
     mrow = -1
     if HAS_MASK:
         mrow = tl.load(mask_rows_ptr + row)
-    m = tl.full([BLOCK], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK], tl.float32)
-    zbest = tl.full([BLOCK], float("-inf"), tl.float32)
-    zid = tl.zeros([BLOCK], tl.int32)
-    for i in tl.static_range(CHUNK // BLOCK):
-        cols = chunk * CHUNK + i * BLOCK + tl.arange(0, BLOCK)
-        z = load_z(logits_ptr, row, cols, V, inv_t, bitmask_ptr, mrow, bitmask_stride, HAS_MASK)
-        better = z > zbest
-        zbest = tl.where(better, z, zbest)
-        zid = tl.where(better, cols, zid)
-        zk = tl.where(z >= tau, z, float("-inf"))
-        new_m = tl.maximum(m, zk)
-        # a lane that has seen nothing kept stays (m, s) = (-inf, 0); a finite reference avoids exp(-inf + inf)
-        ref = tl.where(new_m > float("-inf"), new_m, 0.0)
-        s = s * tl.exp(m - ref) + tl.exp(zk - ref)
-        m = new_m
-    mm = tl.max(m, 0)
-    ss = tl.sum(s * tl.exp(m - tl.where(mm > float("-inf"), mm, 0.0)), 0)
-    o = row * n_chunks + chunk
-    tl.store(m_ptr + o, mm)
-    tl.store(s_ptr + o, ss)
-    tl.store(amax_ptr + o, pack_best(zbest, zid))
+    start = seg * (LANES * LW)
+    lane = tl.arange(0, LANES)
+    k = tl.arange(0, LW)
+    pos = lane[:, None] + k[None, :] * LANES
+    words = 0
+    if HAS_MASK:
+        words = _words(bitmask_ptr, mrow, bitmask_stride, start, pos, k, lane, V, FULL, LANES)
+    z = _kept_x(logits_ptr, tau_ptr, row, start, pos, V, inv_t, words, (1 << (lane % 32))[:, None], HAS_MASK, True,
+                FULL)
+    ml = tl.max(z, 1)                                              # per lane, in-thread
+    ref = tl.where(ml > float("-inf"), ml, 0.0) * 1.4426950408889634
+    w = tl.exp2(z * 1.4426950408889634 - ref[:, None])
+    m = tl.max(ml, 0)
+    packed = pack_lanes(tl.full([LANES], float("-inf"), tl.float32), start + lane)
+    if greedy:
+        packed = pack_lanes(ml, start + tl.min(tl.where(z == ml[:, None], pos, LANES * LW), 1))
+    elif tl.load(last_ptr + row) != 0:
+        key = tl.load(keys_ptr + row).to(tl.uint32)
+        gid = seg * LANES + lane
+        sl, kk = lane_pick(w, gid, key, LW)
+        packed = pack_lanes(lane_score(ml, sl, key, gid, FAST), start + tl.minimum(kk, LW - 1) * LANES + lane)
+    lane_mass = tl.sum(w, 1)
+    o = row * n_seg + seg
+    tl.store(mc_ptr + o, m)
+    tl.store(sc_ptr + o, tl.sum(tl.where(ml > float("-inf"), lane_mass * tl.exp2((ml - tl.where(
+        m > float("-inf"), m, 0.0)) * 1.4426950408889634), 0.0), 0))
+    tl.store(pack_ptr + o, packed)
 
 
 @triton.jit
-def _final_split_kernel(logits_ptr, probs_ptr, rows_ptr, drafts_ptr, residual_ptr, keys_ptr, inv_t_ptr, tau_ptr,
-                        m_ptr, s_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_chunks, res_ptr, q_ptr,
-                        HAS_MASK: tl.constexpr, HAS_PROBS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                        FAST_LOG: tl.constexpr):
-    """Program (request, chunk) on the request's final row: packed Gumbel winners of the residual max(q - p, 0)
-    (only when the row rejected its draft) and of q itself (the bonus sample, and the fallback of an empty
-    residual)."""
+def _residual_kernel(logits_ptr, probs_ptr, rows_ptr, drafts_ptr, residual_ptr, keys_ptr, inv_t_ptr, tau_ptr,
+                     m_ptr, s_ptr, mc_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_seg, res_ptr, q_ptr,
+                     HAS_MASK: tl.constexpr, HAS_PROBS: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr,
+                     FAST: tl.constexpr):
+    """Program (request, segment) on a request whose final row rejected its draft (others exit at once): the
+    segment candidates of the residual r = max(q - p, 0) and of q (the fallback when r is empty in floating
+    point), both two-level draws with the request's RESIDUAL key. Per token: q from the row's (m, s) and the
+    segment max, the draft probability, a subtraction, two lane sums. Full segments skip the bounds checks."""
+    if (tl.program_id(1) + 1) * (LANES * LW) <= V:
+        _residual_body(logits_ptr, probs_ptr, rows_ptr, drafts_ptr, residual_ptr, keys_ptr, inv_t_ptr, tau_ptr,
+                       m_ptr, s_ptr, mc_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_seg, res_ptr, q_ptr,
+                       HAS_MASK, HAS_PROBS, True, LANES, LW, FAST)
+    else:
+        _residual_body(logits_ptr, probs_ptr, rows_ptr, drafts_ptr, residual_ptr, keys_ptr, inv_t_ptr, tau_ptr,
+                       m_ptr, s_ptr, mc_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_seg, res_ptr, q_ptr,
+                       HAS_MASK, HAS_PROBS, False, LANES, LW, FAST)
+
+
+@triton.jit
+def _residual_body(logits_ptr, probs_ptr, rows_ptr, drafts_ptr, residual_ptr, keys_ptr, inv_t_ptr, tau_ptr,
+                   m_ptr, s_ptr, mc_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_seg, res_ptr, q_ptr,
+                   HAS_MASK: tl.constexpr, HAS_PROBS: tl.constexpr, FULL: tl.constexpr, LANES: tl.constexpr,
+                   LW: tl.constexpr, FAST: tl.constexpr):
     b = tl.program_id(0)
-    chunk = tl.program_id(1)
-    row = tl.load(rows_ptr + b)
-    inv_t = tl.load(inv_t_ptr + row)
-    tau = tl.load(tau_ptr + row)
-    m = tl.load(m_ptr + row)
-    s = tl.load(s_ptr + row)
-    d = tl.load(drafts_ptr + b)
-    residual = tl.load(residual_ptr + b) != 0
-    key = tl.load(keys_ptr + b).to(tl.uint32)
-    mrow = -1
-    if HAS_MASK:
-        mrow = tl.load(mask_rows_ptr + row)
-    rbest = tl.full([BLOCK], float("-inf"), tl.float32)
-    rid = tl.zeros([BLOCK], tl.int32)
-    qbest = tl.full([BLOCK], float("-inf"), tl.float32)
-    qid = tl.zeros([BLOCK], tl.int32)
-    for i in tl.static_range(CHUNK // BLOCK):
-        cols = chunk * CHUNK + i * BLOCK + tl.arange(0, BLOCK)
-        z = load_z(logits_ptr, row, cols, V, inv_t, bitmask_ptr, mrow, bitmask_stride, HAS_MASK)
-        kept = (z >= tau) & (z > float("-inf"))
-        g = rng.gumbel_tl(key, cols, FAST_LOG)
-        qs = tl.where(kept, z + g, float("-inf"))
-        better = qs > qbest
-        qbest = tl.where(better, qs, qbest)
-        qid = tl.where(better, cols, qid)
-        if residual:
-            q = tl.where(kept, tl.exp(z - m) / s, 0.0)
-            if HAS_PROBS:
-                p = tl.load(probs_ptr + row * V + cols, mask=cols < V, other=0.0).to(tl.float32)
+    seg = tl.program_id(1)
+    if tl.load(residual_ptr + b) != 0:
+        row = tl.load(rows_ptr + b)
+        inv_t = tl.load(inv_t_ptr + row)
+        d = tl.load(drafts_ptr + b)
+        key = tl.load(keys_ptr + b).to(tl.uint32)
+        mrow = -1
+        if HAS_MASK:
+            mrow = tl.load(mask_rows_ptr + row)
+        start = seg * (LANES * LW)
+        lane = tl.arange(0, LANES)
+        k = tl.arange(0, LW)
+        pos = lane[:, None] + k[None, :] * LANES
+        words = 0
+        if HAS_MASK:
+            words = _words(bitmask_ptr, mrow, bitmask_stride, start, pos, k, lane, V, FULL, LANES)
+        z = _kept_x(logits_ptr, tau_ptr, row, start, pos, V, inv_t, words, (1 << (lane % 32))[:, None], HAS_MASK,
+                    True, FULL)
+        ml = tl.max(z, 1)                                          # per lane, in-thread
+        live = ml > float("-inf")
+        w = tl.exp2(z * 1.4426950408889634 - (tl.where(live, ml, 0.0) * 1.4426950408889634)[:, None])
+        kl = tl.where(live, tl.exp2((ml - tl.load(m_ptr + row)) * 1.4426950408889634) / tl.load(s_ptr + row), 0.0)
+        if HAS_PROBS:
+            if FULL:
+                p = tl.load(probs_ptr + row * V + start + pos).to(tl.float32)
             else:
-                p = tl.where(cols == d, 1.0, 0.0)
-            r = q - p
-            rs = tl.where(r > 0, tl.log(tl.maximum(r, 1e-30)) + g, float("-inf"))
-            better = rs > rbest
-            rbest = tl.where(better, rs, rbest)
-            rid = tl.where(better, cols, rid)
-    o = b * n_chunks + chunk
-    tl.store(res_ptr + o, pack_best(rbest, rid))
-    tl.store(q_ptr + o, pack_best(qbest, qid))
+                p = tl.load(probs_ptr + row * V + start + pos, mask=start + pos < V, other=0.0).to(tl.float32)
+        else:
+            p = tl.where(start + pos == d, 1.0, 0.0)
+        gid = seg * LANES + lane
+        sr, kr = lane_pick(tl.maximum(w * kl[:, None] - p, 0.0), gid, key, LW)
+        g = rng.gumbel_tl(key, gid + 1610612736, FAST)                   # G_ID + g, as lane_score
+        r_score = tl.where(sr > 0, tl.log(tl.maximum(sr, 1e-30)) + g, float("-inf"))
+        sq, kq = lane_pick(w, gid, key, LW)
+        o = b * n_seg + seg
+        tl.store(res_ptr + o, pack_lanes(r_score, start + tl.minimum(kr, LW - 1) * LANES + lane))
+        tl.store(q_ptr + o, pack_lanes(lane_score(ml, sq, key, gid, FAST), start + tl.minimum(kq, LW - 1) * LANES + lane))
 
 
 @triton.jit
-def _expand_rows_kernel(cu_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr,
-                        row_inv_t_ptr, row_greedy_ptr, row_top_k_ptr, row_top_p_ptr):
-    """Program (request): copy its parameters onto each of its rows (what the per-row kernels read)."""
+def _expand_rows_kernel(cu_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, seed_ptr, pos_ptr, C_FRESH,
+                        row_inv_t_ptr, row_greedy_ptr, row_top_k_ptr, row_top_p_ptr, row_keys_ptr, row_last_ptr):
+    """Program (request): copy its parameters onto each of its rows (what the per-row kernels read), with each
+    row's FRESH key (seed, position + j) and whether it is the request's last row."""
     b = tl.program_id(0)
     start = tl.load(cu_ptr + b)
     n = tl.load(cu_ptr + b + 1) - start
@@ -226,22 +290,40 @@ def _expand_rows_kernel(cu_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr,
     greedy = tl.load(greedy_ptr + b)
     top_k = tl.load(top_k_ptr + b)
     top_p = tl.load(top_p_ptr + b)
+    seed = tl.load(seed_ptr + b)
+    pos0 = tl.load(pos_ptr + b)
     for j in range(0, n):
         r = start + j
         tl.store(row_inv_t_ptr + r, inv_t)
         tl.store(row_greedy_ptr + r, greedy)
         tl.store(row_top_k_ptr + r, top_k)
         tl.store(row_top_p_ptr + r, top_p)
+        tl.store(row_keys_ptr + r, rng.row_key_tl(seed, pos0 + j, C_FRESH).to(tl.int64))
+        tl.store(row_last_ptr + r, (j == n - 1).to(tl.int8))
+
+
+@triton.jit
+def _merge(mc_ptr, sc_ptr, pack_ptr, ro, n_seg, NCP: tl.constexpr):
+    """A row's (m, s, packed best) from its segments' (M_c, S_c, candidate)."""
+    c = tl.arange(0, NCP)
+    mc = tl.load(mc_ptr + ro * n_seg + c, mask=c < n_seg, other=float("-inf"))
+    sc = tl.load(sc_ptr + ro * n_seg + c, mask=c < n_seg, other=0.0)
+    best = tl.max(tl.load(pack_ptr + ro * n_seg + c, mask=c < n_seg, other=-9223372036854775807), 0)
+    m = tl.max(mc, 0)
+    s = tl.sum(tl.where(mc > float("-inf"), sc * tl.exp2((mc - tl.where(m > float("-inf"), m, 0.0))
+                                                          * 1.4426950408889634), 0.0), 0)
+    return m, s, best
 
 
 @triton.jit
 def _accept_kernel(logits_ptr, probs_ptr, drafts_ptr, cu_ptr, seed_ptr, pos_ptr, inv_t_ptr, greedy_ptr, tau_ptr,
-                   m_c_ptr, s_c_ptr, amax_c_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_chunks,
-                   m_ptr, s_ptr, amax_ptr, n_acc_ptr, rows_f_ptr, draft_f_ptr, residual_ptr, keys_f_ptr, tokens_ptr,
-                   C_VERIFY, C_RESIDUAL, C_FRESH,
-                   HAS_MASK: tl.constexpr, HAS_PROBS: tl.constexpr, NCP: tl.constexpr):
-    """Program (request): merge each row's chunk statistics (m, s, argmax), run the ratio test row by row up to
-    the first rejection, write the accepted drafts (-1 on the other rows) and the final row's inputs."""
+                   mc_ptr, sc_ptr, pack_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_seg,
+                   m_ptr, s_ptr, n_acc_ptr, rows_f_ptr, draft_f_ptr, residual_ptr, keys_f_ptr, tokens_ptr, final_ptr,
+                   C_VERIFY, C_RESIDUAL, HAS_MASK: tl.constexpr, HAS_PROBS: tl.constexpr, NCP: tl.constexpr):
+    """Program (request): merge each row's segment statistics, run the ratio test row by row up to the first
+    rejection, write the accepted drafts (-1 on the other rows). A request that needs no residual (all drafts
+    accepted: the bonus draw of its last row; greedy: the argmax of its final row) gets its final token here;
+    the others get the residual pass's inputs."""
     b = tl.program_id(0)
     start = tl.load(cu_ptr + b)
     n = tl.load(cu_ptr + b + 1) - start
@@ -249,21 +331,13 @@ def _accept_kernel(logits_ptr, probs_ptr, drafts_ptr, cu_ptr, seed_ptr, pos_ptr,
     pos0 = tl.load(pos_ptr + b)
     inv_t = tl.load(inv_t_ptr + b)
     greedy = tl.load(greedy_ptr + b) != 0
-    c = tl.arange(0, NCP)
     n_acc = n - 1
     for j in range(0, n):
         r = start + j
         ro = r.to(tl.int64)
-        mc = tl.load(m_c_ptr + ro * n_chunks + c, mask=c < n_chunks, other=float("-inf"))
-        sc = tl.load(s_c_ptr + ro * n_chunks + c, mask=c < n_chunks, other=0.0)
-        ac = tl.load(amax_c_ptr + ro * n_chunks + c, mask=c < n_chunks, other=-9223372036854775807)
-        m = tl.max(mc, 0)
-        s = tl.sum(sc * tl.exp(mc - tl.where(m > float("-inf"), m, 0.0)), 0)
-        best = tl.max(ac, 0)
-        amax = tl.where((best >> 32) > _NEG_INF_KEY, 4294967295 - (best & 4294967295), -1)
+        m, s, best = _merge(mc_ptr, sc_ptr, pack_ptr, ro, n_seg, NCP)
         tl.store(m_ptr + r, m)
         tl.store(s_ptr + r, s)
-        tl.store(amax_ptr + r, amax)
         if (j < n_acc) & (j < n - 1):                 # still accepting: test this row's draft
             d = tl.load(drafts_ptr + r)
             dc = tl.minimum(tl.maximum(d, 0), V - 1)
@@ -274,7 +348,8 @@ def _accept_kernel(logits_ptr, probs_ptr, drafts_ptr, cu_ptr, seed_ptr, pos_ptr,
                 z = tl.where((((w >> (dc % 32).to(tl.int32)) & 1) != 0) | (mrow < 0), z, float("-inf"))
             kept = (z >= tl.load(tau_ptr + r)) & (z > float("-inf"))
             q = tl.where(kept, tl.exp(z - m) / s, 0.0)
-            q = tl.where(greedy, tl.where(dc == amax, 1.0, 0.0), q)
+            amax = 4294967295 - (best & 4294967295)        # greedy rows: the first maximum
+            q = tl.where(greedy, tl.where((dc == amax) & ((best >> 32) > _NEG_INF_KEY), 1.0, 0.0), q)
             p = 1.0
             if HAS_PROBS:
                 p = tl.load(probs_ptr + ro * V + dc).to(tl.float32)
@@ -286,83 +361,89 @@ def _accept_kernel(logits_ptr, probs_ptr, drafts_ptr, cu_ptr, seed_ptr, pos_ptr,
         d = tl.load(drafts_ptr + r)
         tl.store(tokens_ptr + r, tl.where(j < n_acc, d, -1))
     rows_f = start + n_acc
-    residual = n_acc < n - 1
+    residual = (n_acc < n - 1) & (not greedy)
     tl.store(n_acc_ptr + b, n_acc.to(tl.int64))
     tl.store(rows_f_ptr + b, rows_f.to(tl.int64))
-    tl.store(draft_f_ptr + b, tl.where(residual, tl.load(drafts_ptr + rows_f), -1))
+    tl.store(draft_f_ptr + b, tl.where(n_acc < n - 1, tl.load(drafts_ptr + rows_f), -1))
     tl.store(residual_ptr + b, residual.to(tl.int8))
-    key = rng.row_key_tl(seed, pos0 + n_acc, tl.where(residual, C_RESIDUAL, C_FRESH))
-    tl.store(keys_f_ptr + b, key.to(tl.int64))
+    tl.store(keys_f_ptr + b, rng.row_key_tl(seed, pos0 + n_acc, C_RESIDUAL).to(tl.int64))
+    if not residual:
+        best = _merge(mc_ptr, sc_ptr, pack_ptr, rows_f.to(tl.int64), n_seg, NCP)[2]
+        tok = tl.where((best >> 32) > _NEG_INF_KEY, 4294967295 - (best & 4294967295), -1)
+        tl.store(final_ptr + b, tok)
+        tl.store(tokens_ptr + rows_f, tok)
 
 
 @triton.jit
-def _finish_final_kernel(res_ptr, q_ptr, rows_f_ptr, residual_ptr, greedy_ptr, m_ptr, amax_ptr, final_ptr,
-                         tokens_ptr, n_chunks, BLOCK: tl.constexpr):
-    """Program (request): the final token (residual winner, else the q winner; greedy: the argmax), also written
+def _finish_residual_kernel(res_ptr, q_ptr, rows_f_ptr, residual_ptr, final_ptr, tokens_ptr, n_seg,
+                            BLOCK: tl.constexpr):
+    """Program (request) with a residual: its final token (the residual winner, else the q winner), also written
     into the packed tokens at the final row."""
     b = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, BLOCK)
-    lowest = -9223372036854775807
-    rbest = tl.max(tl.load(res_ptr + b * n_chunks + c, mask=c < n_chunks, other=lowest), 0)
-    qbest = tl.max(tl.load(q_ptr + b * n_chunks + c, mask=c < n_chunks, other=lowest), 0)
-    r_tok = tl.where((rbest >> 32) > _NEG_INF_KEY, 4294967295 - (rbest & 4294967295), -1)
-    q_tok = tl.where((qbest >> 32) > _NEG_INF_KEY, 4294967295 - (qbest & 4294967295), -1)
-    tok = tl.where((tl.load(residual_ptr + b) != 0) & (r_tok >= 0), r_tok, q_tok)
-    row = tl.load(rows_f_ptr + b)
-    greedy_tok = tl.where(tl.load(m_ptr + row) > float("-inf"), tl.load(amax_ptr + row), -1)
-    tok = tl.where(tl.load(greedy_ptr + b) != 0, greedy_tok, tok)
-    tl.store(final_ptr + b, tok)
-    tl.store(tokens_ptr + row, tok)
+    if tl.load(residual_ptr + b) != 0:
+        c = tl.arange(0, BLOCK)
+        lowest = -9223372036854775807
+        rbest = tl.max(tl.load(res_ptr + b * n_seg + c, mask=c < n_seg, other=lowest), 0)
+        qbest = tl.max(tl.load(q_ptr + b * n_seg + c, mask=c < n_seg, other=lowest), 0)
+        r_tok = tl.where((rbest >> 32) > _NEG_INF_KEY, 4294967295 - (rbest & 4294967295), -1)
+        q_tok = tl.where((qbest >> 32) > _NEG_INF_KEY, 4294967295 - (qbest & 4294967295), -1)
+        tok = tl.where(r_tok >= 0, r_tok, q_tok)
+        tl.store(final_ptr + b, tok)
+        tl.store(tokens_ptr + tl.load(rows_f_ptr + b), tok)
 
 
-def _accept_triton(logits, cu_rows, draft_tokens, draft_probs, req: RowParams, seed, position, bitmask, mrows):
+def _accept_triton(logits, cu_rows, draft_tokens, draft_probs, req: RowParams, seed, position, bitmask, mrows,
+                   num_warps=2):
     """The whole acceptance step in nine launches (four of them the top-k/top-p threshold, which exits at once on
-    rows without filters) and no host synchronisation: expand parameters to rows, thresholds, per-chunk row
-    statistics, the per-request ratio test, the final rows' residual/bonus Gumbel pass, the final tokens."""
+    rows without filters) and no host synchronisation: expand parameters to rows, thresholds, one statistics
+    pass over all rows (with the last rows' bonus draws), the per-request ratio test, the residual pass over the
+    final rows that rejected, the residual finish."""
     R, V = logits.shape
     B = cu_rows.numel() - 1
     dev = logits.device
     greedy = req.greedy.to(torch.int8)
     rows = RowParams(torch.empty(R, dtype=torch.float32, device=dev), torch.empty(R, dtype=torch.int8, device=dev),
                      torch.empty(R, dtype=torch.int64, device=dev), torch.empty(R, dtype=torch.float32, device=dev),
-                     None)
-    _expand_rows_kernel[(B,)](cu_rows, req.inv_temperature, greedy, req.top_k, req.top_p, rows.inv_temperature,
-                              rows.greedy, rows.top_k, rows.top_p, num_warps=1)
+                     torch.empty(R, dtype=torch.int64, device=dev))
+    last = torch.empty(R, dtype=torch.int8, device=dev)
+    _expand_rows_kernel[(B,)](cu_rows, req.inv_temperature, greedy, req.top_k, req.top_p, seed, position,
+                              rng.stream_constant(rng.FRESH), rows.inv_temperature, rows.greedy, rows.top_k,
+                              rows.top_p, rows.keys, last, num_warps=1)
     tau = thresholds_triton(logits, rows, bitmask, mrows)
-    block, chunk, n_chunks = chunking(V)
-    m_c = torch.empty((R, n_chunks), dtype=torch.float32, device=dev)
-    s_c = torch.empty_like(m_c)
-    amax_c = torch.empty((R, n_chunks), dtype=torch.int64, device=dev)
+    seg, lanes = LAYOUT
+    n_seg = triton.cdiv(V, seg)
+    mc = torch.empty((R, n_seg), dtype=torch.float32, device=dev)
+    sc = torch.empty_like(mc)
+    pack = torch.empty((R, n_seg), dtype=torch.int64, device=dev)
     has_mask, has_probs = bitmask is not None, draft_probs is not None
     bm = bitmask if has_mask else logits
     mr = mrows if has_mask else tau
     stride = bitmask.stride(0) if has_mask else 0
-    _stats_split_kernel[(R, n_chunks)](logits, m_c, s_c, amax_c, rows.inv_temperature, tau, bm, mr, stride, V,
-                                       n_chunks, HAS_MASK=has_mask, BLOCK=block, CHUNK=chunk, num_warps=4)
+    _stats_kernel[(R, n_seg)](logits, mc, sc, pack, rows.inv_temperature, rows.greedy, tau, rows.keys, last, bm, mr,
+                              stride, V, n_seg, HAS_MASK=has_mask, LANES=lanes, LW=seg // lanes, FAST=not INTERPRETING,
+                              num_warps=num_warps)
     m = torch.empty(R, dtype=torch.float32, device=dev)
     s = torch.empty_like(m)
-    amax = torch.empty(R, dtype=torch.int64, device=dev)
     n_acc = empty((B,), torch.int64, dev)
     rows_f = torch.empty(B, dtype=torch.int64, device=dev)
     draft_f = torch.empty(B, dtype=torch.int64, device=dev)
     residual = torch.empty(B, dtype=torch.int8, device=dev)
     keys_f = torch.empty(B, dtype=torch.int64, device=dev)
     tokens = empty((R,), torch.int64, dev)
-    _accept_kernel[(B,)](logits, draft_probs if has_probs else logits, draft_tokens, cu_rows, seed, position,
-                         req.inv_temperature, greedy, tau, m_c, s_c, amax_c, bm, mr, stride, V, n_chunks, m, s, amax,
-                         n_acc, rows_f, draft_f, residual, keys_f, tokens, rng.stream_constant(rng.VERIFY),
-                         rng.stream_constant(rng.RESIDUAL), rng.stream_constant(rng.FRESH),
-                         HAS_MASK=has_mask, HAS_PROBS=has_probs, NCP=max(16, triton.next_power_of_2(n_chunks)),
-                         num_warps=1)
-    res_c = torch.empty((B, n_chunks), dtype=torch.int64, device=dev)
-    q_c = torch.empty_like(res_c)
-    _final_split_kernel[(B, n_chunks)](
-        logits, draft_probs if has_probs else logits, rows_f, draft_f, residual, keys_f, rows.inv_temperature, tau,
-        m, s, bm, mr, stride, V, n_chunks, res_c, q_c, HAS_MASK=has_mask, HAS_PROBS=has_probs, BLOCK=block,
-        CHUNK=chunk, FAST_LOG=not INTERPRETING, num_warps=4)
     final = empty((B,), torch.int64, dev)
-    _finish_final_kernel[(B,)](res_c, q_c, rows_f, residual, greedy, m, amax, final, tokens, n_chunks,
-                               BLOCK=max(16, triton.next_power_of_2(n_chunks)), num_warps=1)
+    ncp = max(16, triton.next_power_of_2(n_seg))
+    _accept_kernel[(B,)](logits, draft_probs if has_probs else logits, draft_tokens, cu_rows, seed, position,
+                         req.inv_temperature, greedy, tau, mc, sc, pack, bm, mr, stride, V, n_seg, m, s,
+                         n_acc, rows_f, draft_f, residual, keys_f, tokens, final, rng.stream_constant(rng.VERIFY),
+                         rng.stream_constant(rng.RESIDUAL), HAS_MASK=has_mask, HAS_PROBS=has_probs, NCP=ncp,
+                         num_warps=1)
+    res_c = torch.empty((B, n_seg), dtype=torch.int64, device=dev)
+    q_c = torch.empty_like(res_c)
+    _residual_kernel[(B, n_seg)](
+        logits, draft_probs if has_probs else logits, rows_f, draft_f, residual, keys_f, rows.inv_temperature, tau,
+        m, s, mc, bm, mr, stride, V, n_seg, res_c, q_c, HAS_MASK=has_mask, HAS_PROBS=has_probs, LANES=lanes,
+        LW=seg // lanes, FAST=not INTERPRETING, num_warps=num_warps)
+    _finish_residual_kernel[(B,)](res_c, q_c, rows_f, residual, final, tokens, n_seg, BLOCK=ncp, num_warps=1)
     return AcceptResult(n_acc, tokens, final)
 
 
@@ -410,7 +491,8 @@ def speculative_accept(logits: torch.Tensor, cu_rows: torch.Tensor, draft_tokens
     pos_f = rows.pos[rows_f]
     seed_f = rows.seed[rows_f]
     keys = torch.where(residual, rng.row_keys(seed_f, pos_f, rng.RESIDUAL), rng.row_keys(seed_f, pos_f, rng.FRESH))
-    final = _final_torch(logits, rows.params, rows_f, draft_f, residual, draft_probs, bitmask, mrows, keys)
+    final = _final_torch(logits, rows.params, rows_f, draft_f, residual, draft_probs, bitmask, mrows, keys,
+                         m[rows_f], s[rows_f])
     greedy_f = rows.params.greedy[rows_f]
     final = torch.where(greedy_f, torch.where(m[rows_f] > NEG_INF, argmax[rows_f], -1), final)
     tokens = torch.where(rows.step < n_acc[rows.req], draft_tokens, torch.full_like(draft_tokens, -1))

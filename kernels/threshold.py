@@ -11,7 +11,8 @@ bins is dropped. Only the tokens of the top bins (the candidates; a few dozen fo
 compacted, and tau is found on them exactly. Four launches, all over (row, vocab chunk) programs:
   1. `_hist_kernel`    (row, chunk): chunk max, chunk sum of exp, histogram of bins below the chunk's top bin;
   2. `_select_kernel`  (row): merge the chunk histograms, pick the candidate bins, each chunk's output offset;
-  3. `_gather_kernel`  (row, chunk): write the chunk's candidates (z values) compactly;
+  3. `_gather_kernel`  (row, chunk): write the chunk's candidates (z values) compactly (lane-major order: one
+                             scan over lane counts, a running count inside each lane, held by one thread);
   4. `_tau_kernel`     (row): bisection on the candidates held in registers (exact: keep(t) only changes at
                              candidate values, and every other token is below them).
 Passes 1 and 3 read the logits (the second read mostly hits L2 at decode batch sizes); 2 and 4 touch only small
@@ -29,6 +30,7 @@ NB = 512              # bins per chunk histogram (the last one collects everythi
 CHUNK = 4096          # tokens per (row, chunk) program in passes 1 and 3
 CMAX = 4096           # most candidates a row may have on the fast path
 SMALL = 256           # candidates up to this many take the short-block variant of the last pass
+GATHER_LANES = 512    # lanes of the candidate pass's [lanes, CHUNK / lanes] blocks
 BIN_LIMIT = 1 << 24   # |z * INV_W| is clamped here (bin numbers and bin edges stay exact in fp32)
 
 
@@ -137,22 +139,57 @@ def _select_kernel(greedy_ptr, top_k_ptr, top_p_ptr, V, n_chunks, cmax_ptr, csum
 
 
 @triton.jit
+def lane_block_z(logits_ptr, bitmask_ptr, row, start, V, inv_t, mrow, bitmask_stride, HAS_MASK: tl.constexpr,
+                 FULL: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr):
+    """z = x / T of the tokens start + k * LANES + l as a [LANES, LW] block (lanes along dim 0, contiguous in
+    memory and spread over threads; a lane's LW tokens along dim 1, held by one thread, so per-lane reductions
+    need no communication), -inf for padding and banned tokens. FULL: no token is past V (no bounds checks).
+    Returns (z, position in the block)."""
+    lane = tl.arange(0, LANES)
+    k = tl.arange(0, LW)
+    pos = lane[:, None] + k[None, :] * LANES
+    ptrs = logits_ptr + row * V + start + pos
+    if FULL:
+        x = tl.load(ptrs).to(tl.float32)
+    else:
+        x = tl.load(ptrs, mask=start + pos < V, other=float("-inf")).to(tl.float32)
+    if HAS_MASK:
+        # the word offsets keep dim 0 first in contiguity, so the words load takes the logits' layout
+        wptr = bitmask_ptr + mrow * bitmask_stride + (start + k[None, :] * LANES) // 32 + lane[:, None] // 32
+        if FULL:
+            words = tl.load(wptr, mask=mrow >= 0, other=-1)
+        else:
+            words = tl.load(wptr, mask=(mrow >= 0) & (start + pos < V), other=-1)
+        x = tl.where((words & (1 << (lane % 32))[:, None]) != 0, x, float("-inf"))
+    return x * inv_t, pos
+
+
+@triton.jit
 def _gather_kernel(logits_ptr, inv_t_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_chunks, low_ptr,
-                   ncand_ptr, offset_ptr, cand_ptr, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr,
+                   ncand_ptr, offset_ptr, cand_ptr, HAS_MASK: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr,
                    INV_W: tl.constexpr, BIN_LIMIT: tl.constexpr, CMAX: tl.constexpr):
     """Program (row, chunk): the chunk's candidates (z in a bin >= the lowest candidate bin), written compactly
-    at the chunk's offset (order within the row does not matter)."""
+    at the chunk's offset in lane-major order (one scan over the lanes' counts, then a running count inside each
+    lane, held by one thread)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     if tl.load(ncand_ptr + row) > 0:
         mrow = -1
         if HAS_MASK:
             mrow = tl.load(mask_rows_ptr + row)
-        cols = chunk * CHUNK + tl.arange(0, CHUNK)
-        z = load_z(logits_ptr, row, cols, V, tl.load(inv_t_ptr + row), bitmask_ptr, mrow, bitmask_stride, HAS_MASK)
-        is_c = (z > float("-inf")) & (_bin(z, INV_W, BIN_LIMIT) >= tl.load(low_ptr + row))
-        pos = tl.load(offset_ptr + row * n_chunks + chunk) + tl.cumsum(is_c.to(tl.int32), 0) - 1
-        tl.store(cand_ptr + row * CMAX + pos, z, mask=is_c)
+        inv_t = tl.load(inv_t_ptr + row)
+        start = chunk * (LANES * LW)
+        if start + LANES * LW <= V:
+            z, pos = lane_block_z(logits_ptr, bitmask_ptr, row, start, V, inv_t, mrow, bitmask_stride, HAS_MASK,
+                                  True, LANES, LW)
+        else:
+            z, pos = lane_block_z(logits_ptr, bitmask_ptr, row, start, V, inv_t, mrow, bitmask_stride, HAS_MASK,
+                                  False, LANES, LW)
+        is_c = ((z > float("-inf")) & (_bin(z, INV_W, BIN_LIMIT) >= tl.load(low_ptr + row))).to(tl.int32)
+        per_lane = tl.sum(is_c, 1)
+        lane_start = tl.cumsum(per_lane, 0) - per_lane
+        at = tl.load(offset_ptr + row * n_chunks + chunk) + lane_start[:, None] + tl.cumsum(is_c, 1) - 1
+        tl.store(cand_ptr + row * CMAX + at, z, mask=is_c != 0)
 
 
 @triton.jit
@@ -240,6 +277,27 @@ def _bisect_candidates(cand_ptr, n, m, s, top_k, top_p, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _direct_candidates(cand_ptr, n, m, s, top_k, top_p, BLOCK: tl.constexpr, JB: tl.constexpr):
+    """tau from n <= BLOCK candidates by the definition, without a serial search: for every candidate v the count
+    and the mass of candidates with z > z_v (blocks of JB columns of the all-pairs comparison, independent of
+    each other), kept iff count < k and mass < p; tau = the smallest kept candidate (the largest one is always
+    kept). Exact on the candidates for the same reason as _bisect_candidates."""
+    i = tl.arange(0, BLOCK)
+    z = tl.load(cand_ptr + i, mask=i < n, other=float("-inf"))
+    cnt = tl.zeros([BLOCK], tl.int32)
+    mass = tl.zeros([BLOCK], tl.float32)
+    for j0 in tl.static_range(0, BLOCK, JB):
+        j = j0 + tl.arange(0, JB)
+        zj = tl.load(cand_ptr + j, mask=j < n, other=float("-inf"))
+        ej = tl.where(zj > float("-inf"), tl.exp(zj - m), 0.0)
+        gt = zj[None, :] > z[:, None]
+        cnt += tl.sum(gt.to(tl.int32), 1)
+        mass += tl.sum(tl.where(gt, ej[None, :], 0.0), 1)
+    keep = (cnt < top_k) & (mass / s < top_p) & (z > float("-inf"))
+    return tl.min(tl.where(keep, z, float("inf")), 0)
+
+
+@triton.jit
 def _tau_kernel(logits_ptr, tau_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, bitmask_ptr, mask_rows_ptr,
                 bitmask_stride, V, m_ptr, s_ptr, ncand_ptr, cand_ptr,
                 HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, CMAX: tl.constexpr, SMALL: tl.constexpr):
@@ -249,9 +307,9 @@ def _tau_kernel(logits_ptr, tau_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr
     ncand = tl.load(ncand_ptr + row)
     tau = float("-inf")
     if ncand > 0:
-        if ncand <= SMALL:                          # the usual case (top_k ~ 50): a short register bisection
-            tau = _bisect_candidates(cand_ptr + row * CMAX, ncand, tl.load(m_ptr + row), tl.load(s_ptr + row),
-                                     top_k, top_p, SMALL)
+        if ncand <= SMALL:                          # the usual case (top_k ~ 50): all pairs, no serial search
+            tau = _direct_candidates(cand_ptr + row * CMAX, ncand, tl.load(m_ptr + row), tl.load(s_ptr + row),
+                                     top_k, top_p, SMALL, 32)
         else:
             tau = _bisect_candidates(cand_ptr + row * CMAX, ncand, tl.load(m_ptr + row), tl.load(s_ptr + row),
                                      top_k, top_p, CMAX)
@@ -269,11 +327,14 @@ def thresholds_triton(logits, params, bitmask, mrows, block=1024, cmax=CMAX, chu
     return thresholds_and_paths(logits, params, bitmask, mrows, block, cmax, chunk)[0]
 
 
-def thresholds_and_paths(logits, params, bitmask, mrows, block=1024, cmax=CMAX, chunk=CHUNK):
+def thresholds_and_paths(logits, params, bitmask, mrows, block=1024, cmax=CMAX, chunk=CHUNK, stages=4,
+                         tau_warps=8):
     """(tau [R] fp32, path int32 [R]) for every row; path: -2 no filtering, -1 bisection fallback, n >= 1 the
     fast path with n candidates (params: sampling.RowParams; mrows: int64 [R] when bitmask is given).
     Four launches, no host synchronisation; rows without filters cost a few loads each. cmax and chunk (powers
-    of two) are parameters so that tests can force the fallback and several chunks on a small vocabulary."""
+    of two) are parameters so that tests can force the fallback and several chunks on a small vocabulary;
+    stages < 4 stops after that many launches (benchmarks time each stage by differences; the result is then
+    unfinished)."""
     R, V = logits.shape
     dev = logits.device
     tau = empty((R,), torch.float32, dev)
@@ -301,12 +362,20 @@ def thresholds_and_paths(logits, params, bitmask, mrows, block=1024, cmax=CMAX, 
     _hist_kernel[(R, n_chunks)](logits, params.inv_temperature, greedy, params.top_k, params.top_p, bm, mr, stride,
                                 V, n_chunks, cmax_c, csum_c, cbin_c, hist, HAS_MASK=has_mask, CHUNK=chunk, NB=NB,
                                 num_warps=8, **consts)
+    if stages < 2:
+        return tau, ncand
     _select_kernel[(R,)](greedy, params.top_k, params.top_p, V, n_chunks, cmax_c, csum_c, cbin_c, hist, m, s, low,
                          ncand, offsets, NCP=max(2, triton.next_power_of_2(n_chunks)), NB=NB, CMAX=cmax,
                          num_warps=8, **consts)
+    if stages < 3:
+        return tau, ncand
+    lanes = min(GATHER_LANES, chunk)
     _gather_kernel[(R, n_chunks)](logits, params.inv_temperature, bm, mr, stride, V, n_chunks, low, ncand, offsets,
-                                  cand, HAS_MASK=has_mask, CHUNK=chunk, CMAX=cmax, num_warps=8, **consts)
+                                  cand, HAS_MASK=has_mask, LANES=lanes, LW=chunk // lanes, CMAX=cmax, num_warps=4,
+                                  **consts)
+    if stages < 4:
+        return tau, ncand
     _tau_kernel[(R,)](logits, tau, params.inv_temperature, greedy, params.top_k, params.top_p, bm, mr, stride, V,
                       m, s, ncand, cand, HAS_MASK=has_mask, BLOCK=min(block, triton.next_power_of_2(V)), CMAX=cmax,
-                      SMALL=min(SMALL, cmax), num_warps=8)
+                      SMALL=min(SMALL, cmax), num_warps=tau_warps)
     return tau, ncand

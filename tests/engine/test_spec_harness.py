@@ -100,6 +100,7 @@ class Procedure:
     cut: bool = False                   # scheme C
     naive_cut: bool = False             # scheme B (biased): cut, then sample the final row fresh
     zero_own_rate: bool = False         # biased variant: also zero the violating draft's own rate
+    draft_masks: str = "cpu"            # "cpu": MaskedDraftSampler on matchers; "automaton": AutomatonDraftSampler
     grammar_rates: bool = False         # mechanism 4
     schedule: str = "fixed"             # fixed | sync | async | naive_scan
     model: Optional[VS.StepTimeModel] = None
@@ -142,6 +143,16 @@ def enumerate_drafts(world, proc, gens):
     return out
 
 
+def toy_automaton(grammar: dict):
+    """The TokenAutomaton of a DfaMatcher grammar (its states keep their ids: they are 0..S-1 already)."""
+    from deepinfer_sg.engine.token_automaton import from_transitions
+    trans = {s: dict(row) for s, row in grammar["trans"].items()}
+    for s in grammar["accepting"]:
+        trans.setdefault(s, {})[grammar["eos"]] = s
+    return from_transitions(trans, grammar.get("start", 0), sorted(grammar["accepting"]), grammar["vocab_size"],
+                            [grammar["eos"]])
+
+
 def _run_drafter(world, proc, gen, uniform_prefixes):
     total = proc.gamma + proc.extension
     nb = len(uniform_prefixes)
@@ -149,10 +160,19 @@ def _run_drafter(world, proc, gen, uniform_prefixes):
     for b, us in enumerate(uniform_prefixes):
         u[b, :len(us)] = torch.tensor(us, dtype=torch.float64)
     m = world.matcher(gen)
-    sampler = G.MaskedDraftSampler([m] * nb if m is not None else [None] * nb, torch.zeros(nb, dtype=torch.long),
-                                   torch.zeros(nb, dtype=torch.long), world.v, mask_drafts=proc.mask_drafts,
-                                   force_tokens=proc.force_tokens,
-                                   stop_token_ids=[[world.eos]] * nb if world.eos is not None else None, uniforms=u)
+    stops = [[world.eos]] * nb if world.eos is not None else None
+    if proc.draft_masks == "automaton" and m is not None:
+        from deepinfer_sg.engine.automaton_drafting import AutomatonDraftSampler
+        a = toy_automaton(world.grammar)
+        state, _, term = m.history[-1]
+        states = torch.full((nb,), a.terminated if term else state, dtype=torch.long)
+        sampler = AutomatonDraftSampler([m] * nb, a, states, torch.zeros(nb, dtype=torch.long),
+                                        torch.zeros(nb, dtype=torch.long), world.v, force_tokens=proc.force_tokens,
+                                        stop_token_ids=stops, uniforms=u)
+    else:
+        sampler = G.MaskedDraftSampler([m] * nb if m is not None else [None] * nb, torch.zeros(nb, dtype=torch.long),
+                                       torch.zeros(nb, dtype=torch.long), world.v, mask_drafts=proc.mask_drafts,
+                                       force_tokens=proc.force_tokens, stop_token_ids=stops, uniforms=u)
     anchors = torch.full((nb,), (world.prompt + tuple(gen))[-1], dtype=torch.long)
     return G.masked_draft_loop(world.draft_logits, anchors, proc.gamma, sampler, world.draft_conf,
                                max_forced_extension=proc.extension)

@@ -77,3 +77,59 @@ def test_backend_choice(ds_tokenizer):
     with pytest.raises(ConstraintError, match="'pattern' at pointer '/properties/a/pattern'"):
         c.compile(JsonSchema({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}}))
     c.close()
+
+
+def test_property_order_is_part_of_the_cache_key(compiler, ds_tokenizer):
+    """Schemas equal but for the order of `properties` are equal specs, yet each generates its own order
+    (a shared cache entry would make the second reject its own key order)."""
+    ab = JsonSchema({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                     "required": ["a", "b"], "additionalProperties": False}, whitespace="compact")
+    ba = JsonSchema({"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}},
+                     "required": ["a", "b"], "additionalProperties": False}, whitespace="compact")
+    assert ab == ba
+    for spec, text in ((ab, '{"a":1,"b":2}'), (ba, '{"b":1,"a":2}')):
+        ids = encode(ds_tokenizer, text)
+        assert compiler.compile(spec).matcher().check_draft(ids + [EOS]) == len(ids) + 1
+
+
+def test_small_specs_compile_inline_and_hostile_ones_end_cleanly(ds_tokenizer, monkeypatch):
+    """A blocking compile of a small spec that llguidance handles runs on the caller's thread (no worker is
+    started); llguidance's parser limits bound its work, so hostile small schemas end with a result or a
+    ConstraintError. The slow xgrammar fallback still runs on a worker, under the timeout."""
+    import json
+
+    from deepinfer_sg.grammars import backend_xgrammar
+
+    c = ConstraintCompiler(ds_tokenizer)
+    hostile = [
+        JsonSchema({"allOf": [{"anyOf": [{"type": "object", "properties": {f"a{i}": {"type": "integer"}}, "required": [f"a{i}"]},
+                                         {"type": "object", "properties": {f"b{i}": {"type": "string"}}, "required": [f"b{i}"]}]}
+                              for i in range(20)]}),  # 2^20 combinations
+        JsonSchema({"allOf": [{"type": "string", "pattern": f"^.*{chr(97 + i)}.*$"} for i in range(20)]}),
+        JsonSchema({"type": "string", "pattern": "^((a|b){1,100}c){1,100}$", "maxLength": 100000}),
+        JsonSchema(json.loads('{"type":"array","items":' * 60 + '{"type":"integer"}' + '}' * 60)),
+        JsonSchema({"type": "number", "multipleOf": 0.0001234}),
+        Regex("(a|aa)*(b|bb)*" * 50),
+    ]
+    outcomes = []
+    for spec in hostile:
+        try:
+            c.compile(spec)
+            outcomes.append("ok")
+        except ConstraintError:
+            outcomes.append("refused")
+    assert "refused" in outcomes and "ok" in outcomes
+    assert not c._pool._threads  # all of it on the caller's thread
+
+    threads = []
+    original = backend_xgrammar.compile_spec
+
+    def spy(spec, vocab):
+        threads.append(threading.current_thread().name)
+        return original(spec, vocab)
+
+    monkeypatch.setattr(backend_xgrammar, "compile_spec", spy)
+    with pytest.raises(ConstraintError, match="Unsatisfiable"):  # llguidance refuses; xgrammar is tried too
+        c.compile(JsonSchema({"type": "integer", "minimum": 5, "maximum": 3}))
+    assert threads and all(t.startswith("grammar-compile") for t in threads)
+    c.close()

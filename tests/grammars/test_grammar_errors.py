@@ -38,6 +38,12 @@ def test_schema_not_object():
 def test_invalid_schema_keyword_value(compiler):
     with pytest.raises(ConstraintError, match="'type' at pointer '/properties/a/type'.*integr"):
         compiler.compile(JsonSchema({"type": "object", "properties": {"a": {"type": "integr"}}}))
+
+
+def test_invalid_keyword_inside_tuple_items(compiler):
+    """Draft 4-7 tuple `items` are subschemas too: the checks reach into them."""
+    with pytest.raises(ConstraintError, match="'minItems' at pointer '/items/1/minItems' must be a non-negative"):
+        compiler.compile(JsonSchema({"type": "array", "items": [{"type": "string"}, {"type": "array", "minItems": -1}]}))
     with pytest.raises(ConstraintError, match="'maxItems' at pointer '/items/maxItems'"):
         compiler.compile(JsonSchema({"type": "array", "items": {"type": "array", "maxItems": -1}}))
 

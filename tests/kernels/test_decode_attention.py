@@ -77,8 +77,9 @@ def test_bad_shapes_raise():
         sparse_attention(q, win_kv, win_idx[:-1], sink)
 
 
-@pytest.mark.parametrize("splits", [1, 3, 5])
-def test_key_splits_match_formula(splits):
+@pytest.mark.parametrize("splits,fuse,prefetch", [(1, True, False), (3, True, False), (5, True, False),
+                                                  (3, False, False), (1, True, True), (3, True, True)])
+def test_key_splits_match_formula(splits, fuse, prefetch):
     """Flash-decoding splits (a split straddling the window/compressed boundary, splits with no valid keys, a row
     with no keys at all) against the float64 formula."""
     gen = torch.Generator().manual_seed(40 + splits)
@@ -86,6 +87,47 @@ def test_key_splits_match_formula(splits):
     win_idx[2, 10:] = -1                                   # row 2: the later window splits see only padding
     ref = _naive(q, win_kv, win_idx, cmp_kv, cmp_idx, sink)
     out = sparse_attention_triton(*on_dev((q, win_kv, win_idx, sink, cmp_kv, cmp_idx)), block_h=16, block_k=16,
-                                  splits=splits).cpu()
+                                  splits=splits, fuse=fuse, prefetch=prefetch).cpu()
+    assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert out[4].abs().max() == 0
+
+
+def test_default_launch_and_repeat_calls():
+    """The default launch parameters (all heads in one program, fused split combine), twice in a row with the
+    same split count: the fused combine's ticket counters must be back at zero after each launch."""
+    gen = torch.Generator().manual_seed(7)
+    q, win_kv, win_idx, cmp_kv, cmp_idx, sink = _inputs(gen, N=5, H=20, D=32, Kw=24, Kc=20)
+    ref = _naive(q, win_kv, win_idx, cmp_kv, cmp_idx, sink)
+    args = on_dev((q, win_kv, win_idx, sink, cmp_kv, cmp_idx))
+    out = sparse_attention_triton(*args).cpu()
+    assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
+    for _ in range(2):
+        out = sparse_attention_triton(*args, block_k=16, splits=2).cpu()
+        assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_bf16_partials_match_formula(fuse):
+    """Splits stored as bf16 normalized outputs (acc / l), merged with l as weight: within bf16 rounding of the
+    float64 formula; empty splits (l = 0) and a row with no keys stay exact zeros, never NaN."""
+    gen = torch.Generator().manual_seed(77)
+    q, win_kv, win_idx, cmp_kv, cmp_idx, sink = _inputs(gen, N=5, H=20, D=32, Kw=40, Kc=33)
+    win_idx[2, 10:] = -1
+    ref = _naive(q, win_kv, win_idx, cmp_kv, cmp_idx, sink)
+    out = sparse_attention_triton(*on_dev((q, win_kv, win_idx, sink, cmp_kv, cmp_idx)), block_h=16, block_k=16,
+                                  splits=4, fuse=fuse, bf16_partials=True).cpu().double()
+    assert torch.isfinite(out).all()
+    assert float((out - ref).norm() / ref.norm()) < 1e-2
+    assert out[4].abs().max() == 0
+
+
+def test_all_heads_program_matches_formula():
+    """block_h 64 (the default from N >= 192 rows: every head of a row in one program; 20 heads here, so 44 masked
+    rows of the tile) against the float64 formula."""
+    gen = torch.Generator().manual_seed(64)
+    q, win_kv, win_idx, cmp_kv, cmp_idx, sink = _inputs(gen, N=5, H=20, D=32, Kw=40, Kc=33)
+    ref = _naive(q, win_kv, win_idx, cmp_kv, cmp_idx, sink)
+    out = sparse_attention_triton(*on_dev((q, win_kv, win_idx, sink, cmp_kv, cmp_idx)), block_h=64, block_k=32,
+                                  num_warps=8, splits=1).cpu()
     assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
     assert out[4].abs().max() == 0

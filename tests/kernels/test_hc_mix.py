@@ -95,6 +95,23 @@ def test_bf16_residual_paths_match_float64_formula(precision):
         assert torch.allclose(a.cpu().double(), b, atol=2e-5, rtol=1e-4), (a.cpu().double() - b).abs().max()
 
 
+@pytest.mark.parametrize("fused,parts,sc,mix_bt", [(True, False, 4, 2), (False, False, 8, 8), (True, True, 1, 2),
+                                                   (False, True, 2, 4)])
+def test_launch_forms_and_fn_forms_agree_with_formula(fused, parts, sc, mix_bt):
+    """One launch (last program per token block mixes) or two; fn split in registers or read as bf16 parts;
+    several token blocks, a split count (5) that is not a multiple of sc. Called twice on fresh inputs: the
+    ticket counters the one-launch form leaves behind must be back at zero."""
+    from deepinfer_sg.kernels.hc_mix import split_fn_bf16
+    for seed in (41, 42):
+        gen = torch.Generator().manual_seed(seed)
+        x = _params(gen, 35, 4, 80, torch.bfloat16)
+        ref = _naive(x[0].double(), x[1].double(), x[2].double(), x[3].double(), 20)
+        out = hc_mixes_triton(*on_dev(x), iters=20, block_t=16, block_k=32, split=64, fused=fused, sc=sc, mix_bt=mix_bt,
+                              fn_parts=on_dev(split_fn_bf16(x[1])) if parts else None)
+        for a, b in zip((out.pre, out.post, out.comb), ref):
+            assert torch.allclose(a.cpu().double(), b, atol=2e-5, rtol=1e-4), (a.cpu().double() - b).abs().max()
+
+
 def test_fn_split_is_exact_to_fp32():
     from deepinfer_sg.kernels.hc_mix import split_fn_bf16
     fn = torch.randn(24, 500, generator=torch.Generator().manual_seed(3)) * 0.05
@@ -111,3 +128,52 @@ def test_fn_parts_cache_follows_in_place_changes():
     fn.mul_(2.0)                                             # an in-place update must not reuse stale parts
     b = fn_parts_cached(fn)
     assert b is not a and torch.equal(b, split_fn_bf16(fn))
+
+
+def _apply_inputs(gen, T, M, H, dtype):
+    R = (torch.randn(T, M, H, generator=gen) * 2).to(dtype)
+    y = torch.randn(T, H, generator=gen).to(dtype)
+    post = torch.rand(T, M, generator=gen) * 2
+    comb = torch.rand(T, M, M, generator=gen) + 0.05
+    a = torch.rand(T, M, generator=gen) + 0.1
+    return R, y, post, comb, a
+
+
+def _post_f64(R, y, post, comb):
+    T, M, H = R.shape
+    out = torch.zeros(T, M, H, dtype=torch.float64)
+    for t in range(T):
+        for k in range(M):
+            out[t, k] = float(post[t, k]) * y[t].double()
+            for j in range(M):
+                out[t, k] += float(comb[t, j, k]) * R[t, j].double()
+    return out
+
+
+@pytest.mark.parametrize("T,M,H,dtype", [(5, 4, 600, torch.float32), (3, 2, 70, torch.bfloat16),
+                                         (7, 4, 1100, torch.bfloat16)])
+def test_post_and_pre_apply_match_formula(T, M, H, dtype):
+    """R' = post*y + comb^T R and x = sum_j a_j R_j against float64 loops (hidden sizes that are not a multiple
+    of the kernel's block); the fused post+pre pass reads x out of the rounded R'."""
+    from deepinfer_sg.kernels.hc_mix import hc_post_torch, hc_post_triton, hc_pre_torch, hc_pre_triton
+    gen = torch.Generator().manual_seed(T * H)
+    R, y, post, comb, a = _apply_inputs(gen, T, M, H, dtype)
+    ref = _post_f64(R, y, post, comb)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    for out in (hc_post_torch(R, y, post, comb), hc_post_triton(*on_dev((R, y, post, comb))).cpu()):
+        assert out.dtype == dtype
+        assert float((out.double() - ref).abs().max() / ref.abs().max()) < tol
+    out, x = to_cpu(hc_post_triton(*on_dev((R, y, post, comb, a))))
+    x_ref = (a.double().unsqueeze(-1) * out.double()).sum(1)
+    assert float((x.double() - x_ref).abs().max() / x_ref.abs().max()) < tol
+    x2 = hc_pre_triton(*on_dev((R, a))).cpu()
+    x2_ref = (a.double().unsqueeze(-1) * R.double()).sum(1)
+    assert float((x2.double() - x2_ref).abs().max() / x2_ref.abs().max()) < tol
+    assert float((hc_pre_torch(R, a).double() - x2_ref).abs().max() / x2_ref.abs().max()) < tol
+
+
+def test_apply_bad_shapes_raise():
+    from deepinfer_sg.kernels.hc_mix import hc_post_apply
+    R, y, post, comb, a = _apply_inputs(torch.Generator().manual_seed(0), 2, 4, 8, torch.float32)
+    with pytest.raises(ValueError, match="comb mix"):
+        hc_post_apply(R, y, post, comb[:, :2])

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from deepinfer_sg.kernels.moe import align_pairs, moe_experts, moe_experts_torch, moe_experts_triton
+from deepinfer_sg.kernels.moe import (align_pairs, align_pairs_triton, default_block_m, moe_experts, moe_experts_torch,
+                                      moe_experts_triton, quantize_fp8_rows)
 from helpers import on_dev
 
 
@@ -58,6 +59,59 @@ def test_triton_matches_twin(T, H, F, E, K, dtype, tol):
     assert out.dtype == dtype
     err = (out.float() - ref).norm() / ref.norm()
     assert err < tol, err
+
+
+@pytest.mark.parametrize("T,K,E,bm", [(9, 2, 6, 4), (40, 3, 7, 16), (1, 1, 3, 16), (33, 6, 64, 16)])
+def test_align_kernel_matches_torch_align(T, K, E, bm):
+    """The one-launch Triton alignment writes exactly align_pairs' layout (stable order inside an expert, -1
+    padding, -1 blocks past the end); skewed routing makes one expert span several blocks."""
+    gen = torch.Generator().manual_seed(T * E)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    ids[: T // 2, 0] = 0                                     # expert 0 gets many pairs (several blocks when T >= 2bm)
+    ref_pairs, ref_blocks = align_pairs(ids, E, bm)
+    pairs, blocks = align_pairs_triton(on_dev(ids), E, bm)
+    assert torch.equal(pairs.cpu().long(), ref_pairs) and torch.equal(blocks.cpu().long(), ref_blocks)
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_triton_skewed_routing_and_options(tma):
+    """An expert with more pairs than one block (weights read once per block), separate down-kernel tiles, the
+    automatic block size and (aligned shapes) the tensor-descriptor weight loads."""
+    gen = torch.Generator().manual_seed(5)
+    T, H, F, E, K = 37, 64, 48, 6, 2
+    x, ids, wts, w1, w3, w2 = _inputs(gen, T, H, F, E, K)
+    ids[:, 0] = 3                                            # every token picks expert 3 first
+    ids[:, 1] = torch.where(ids[:, 1] == 3, torch.full_like(ids[:, 1], 5), ids[:, 1])
+    ref = moe_experts_torch(x, ids, wts, w1, w3, w2, swiglu_limit=4.0)
+    for bm, down in ((16, (32, 32, 4, 2)), (None, None)):          # tiles that do not divide F = 48
+        out = moe_experts_triton(*on_dev((x, ids, wts, w1, w3, w2)), swiglu_limit=4.0, block_m=bm, block_n=32,
+                                 block_k=32, down=down, tma=tma).cpu()
+        err = (out - ref).norm() / ref.norm()
+        assert err < 1e-5, (bm, err)
+    assert default_block_m(64, 6, 64) == 16 and default_block_m(256, 6, 64) == 32 and default_block_m(256, 6, 384) == 16
+
+
+@pytest.mark.parametrize("tma,compute", [(False, "bf16"), (True, "bf16"), (True, "fp16")])
+def test_fp8_weights_match_dequantized_twin(tma, compute):
+    """fp8 weights with per-row scales: the kernel equals the bf16 path on the dequantized weights (checked
+    against the twin given the same fp8 weights, and the twin against the formula on the dequantized copies)."""
+    gen = torch.Generator().manual_seed(8)
+    T, H, F, E, K = 21, 64, 48, 5, 2
+    x, ids, wts, w1, w3, w2 = _inputs(gen, T, H, F, E, K)
+    (q1, s1), (q3, s3), (q2, s2) = quantize_fp8_rows(w1), quantize_fp8_rows(w3), quantize_fp8_rows(w2)
+    ref = moe_experts_torch(x, ids, wts, q1, q3, q2, swiglu_limit=4.0, scales=(s1, s3, s2))
+    deq = moe_experts_torch(x, ids, wts, q1.float() * s1[..., None], q3.float() * s3[..., None],
+                            q2.float() * s2[..., None], swiglu_limit=4.0)
+    assert torch.allclose(ref, deq, atol=1e-5, rtol=1e-5)
+    assert (ref - moe_experts_torch(x, ids, wts, w1, w3, w2, swiglu_limit=4.0)).norm() / ref.norm() < 0.1
+    x16 = x.to(torch.bfloat16)
+    out = moe_experts_triton(*on_dev((x16, ids, wts, q1, q3, q2)), swiglu_limit=4.0, block_n=32, block_k=32,
+                             tma=tma, scales=on_dev((s1, s3, s2)), fp8_compute=compute).cpu()
+    ref16 = moe_experts_torch(x16.float(), ids, wts, q1, q3, q2, swiglu_limit=4.0, scales=(s1, s3, s2))
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - ref16).norm() / ref16.norm() < 2e-2
+    with pytest.raises(ValueError, match="scales"):
+        moe_experts(x, ids, wts, q1, q3, q2)
 
 
 def test_bad_shapes_raise():

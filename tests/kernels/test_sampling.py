@@ -68,6 +68,29 @@ def test_twin_samples_exact_distribution(temperature, top_k, top_p):
     assert_matches_distribution(counts, q, n)
 
 
+@pytest.mark.parametrize("seg,lanes", [(8, 2), (4, 4), (16, 4)])
+def test_lane_draw_is_exact_across_segments_and_lanes(seg, lanes):
+    """The lane-level Gumbel-max and in-lane inverse CDF (module docstring of kernels/sampling.py) on a
+    vocabulary spanning several segments and lanes with a partial last segment: the counts follow softmax(z) over
+    the allowed tokens (computed in float64 here), and the Triton kernel draws the same tokens as the twin."""
+    gen = torch.Generator().manual_seed(seg * 10 + lanes)
+    vocab, n = 21, 24000
+    logits = torch.randn(vocab, generator=gen) * 1.2
+    logits[3] = -float("inf")                                       # a token that may never be drawn
+    q = torch.softmax(logits.double() / 0.8, 0)
+    rows = logits.expand(n, vocab).contiguous()
+    p = row_params(n, "cpu", 0.8, 0, 1.0, seed=torch.arange(n) // 7, position=torch.arange(n) % 7)
+    toks = sample_torch(rows, p, seg=seg, lanes=lanes)
+    counts = torch.bincount(toks, minlength=vocab)
+    assert int(counts[3]) == 0
+    assert_matches_distribution(counts, q, n)
+    sub = slice(0, 40)                                               # the interpreter is slow: a subset
+    tri = sample_triton(on_dev(rows[sub]), params_on_dev(row_params(40, "cpu", 0.8, 0, 1.0, seed=torch.arange(40) // 7,
+                                                                    position=torch.arange(40) % 7)),
+                        seg=seg, lanes=lanes).cpu()
+    assert torch.equal(tri, toks[sub])
+
+
 def test_triton_matches_twin_on_many_rows():
     """Many rows of one small distribution: equal tokens row by row means equal distributions too."""
     gen = torch.Generator().manual_seed(8)
@@ -92,13 +115,30 @@ def test_triton_matches_twin_mixed_rows(vocab):
     top_k = torch.tensor([0, 5, 0, 0, 9, 0])
     top_p = torch.tensor([1.0, 1.0, 1.0, 0.6, 0.9, 1.0])
     p = row_params(R, "cpu", temperature, top_k, top_p, seed=torch.arange(R) + 100, position=torch.arange(R) * 3)
-    a = sample_torch(logits, p, bm, mrows)
-    b = sample_triton(on_dev(logits), params_on_dev(p), on_dev(bm), on_dev(mrows), block=256, chunk=512).cpu()
+    a = sample_torch(logits, p, bm, mrows, seg=256, lanes=64)       # several segments, a partial last one
+    b = sample_triton(on_dev(logits), params_on_dev(p), on_dev(bm), on_dev(mrows), seg=256, lanes=64).cpu()
     assert torch.equal(a, b)
+    assert torch.equal(sample_torch(logits, p, bm, mrows), sample_triton(on_dev(logits), params_on_dev(p),
+                                                                          on_dev(bm), on_dev(mrows)).cpu())
     assert int(a[2]) == 5
     for r in range(R):
         if int(mrows[r]) >= 0:
             assert bit_allowed(bm, int(mrows[r]), int(a[r]))
+
+
+def test_one_launch_pass_matches_twin_and_resets_its_counters():
+    """The one-launch variant (the last program of a row reduces it) draws the twin's tokens, launch after
+    launch: its per-row counters must be back at zero each time."""
+    gen = torch.Generator().manual_seed(14)
+    R, vocab = 7, 1000
+    logits = torch.randn(R, vocab, generator=gen) * 3
+    bm = random_bitmask(R, vocab, gen, density=0.7)
+    p = row_params(R, "cpu", torch.tensor([1.0, 0.5, 0.0, 1.0, 2.0, 1.0, 0.7]), 0, 1.0, seed=torch.arange(R),
+                   position=3)
+    want = sample_torch(logits, p, bm, seg=256, lanes=64)
+    for _ in range(3):
+        got = sample_triton(on_dev(logits), params_on_dev(p), on_dev(bm), seg=256, lanes=64, one_launch=True)
+        assert torch.equal(got.cpu(), want)
 
 
 def test_batch_composition_does_not_change_samples():

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from deepinfer_sg.kernels import speculative_accept
+from deepinfer_sg.kernels import speculative as spec_mod
 from deepinfer_sg.kernels.sampling import probs_torch, row_params
 from helpers import assert_matches_distribution, bit_allowed, on_dev, random_bitmask, to_cpu
 
@@ -20,7 +21,9 @@ def _batch(gen, vocab, rows_per_req, noise=0.5):
 
 @pytest.mark.parametrize("vocab", [50, 700])
 @pytest.mark.parametrize("case", ["probs", "onehot", "greedy", "filtered", "masked"])
-def test_triton_matches_twin(vocab, case):
+def test_triton_matches_twin(vocab, case, monkeypatch):
+    if vocab == 700:          # several segments (and a partial last one) for the segment-level draws
+        monkeypatch.setattr(spec_mod, "LAYOUT", (256, 64))
     gen = torch.Generator().manual_seed(vocab)
     cu, logits, probs, drafts = _batch(gen, vocab, [4, 1, 3, 6, 2], noise=0.3)
     B = cu.numel() - 1
@@ -147,3 +150,26 @@ def test_fused_path_invalid_drafts_filters_and_masks_together():
     assert torch.equal(a.num_accepted, b.num_accepted.cpu())
     assert torch.equal(a.tokens, b.tokens.cpu()) and torch.equal(a.final_tokens, b.final_tokens.cpu())
     assert bool((a.final_tokens >= 0).all())
+
+
+def test_bonus_token_is_the_plain_sample_at_that_position():
+    """Drafts whose draft distribution equals q are always accepted (u * q(d) < q(d)); the bonus token of the
+    last row must then be exactly what sample_from_logits draws for that row at position + L (same stream)."""
+    from deepinfer_sg.kernels import processed_probs, sample_from_logits
+    gen = torch.Generator().manual_seed(5)
+    vocab, B, L = 300, 5, 3
+    logits = torch.randn(B * (L + 1), vocab, generator=gen) * 2
+    temperature, top_k, top_p = 0.9, torch.tensor([0, 7, 0, 20, 0]), torch.tensor([1.0, 1.0, 0.8, 0.9, 1.0])
+    rows_k, rows_p = top_k.repeat_interleave(L + 1), top_p.repeat_interleave(L + 1)
+    q = processed_probs(logits, temperature, rows_k, rows_p)
+    drafts = torch.multinomial(q, 1, generator=gen)[:, 0]
+    cu = torch.arange(B + 1) * (L + 1)
+    seed, pos = torch.arange(B) * 13 + 2, torch.arange(B) * 50 + 4
+    last = cu[1:] - 1
+    want = sample_from_logits(logits[last].contiguous(), temperature, top_k, top_p, seed, pos + L)
+    for backend in ("torch", "triton"):
+        args = (logits, cu, drafts, q) if backend == "torch" else on_dev((logits, cu, drafts, q))
+        kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, position=pos)
+        res = speculative_accept(*args, backend=backend, **(kw if backend == "torch" else on_dev(kw)))
+        assert res.num_accepted.cpu().tolist() == [L] * B
+        assert torch.equal(res.final_tokens.cpu(), want)

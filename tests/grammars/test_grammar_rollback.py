@@ -1,0 +1,272 @@
+"""rollback(n) works for every n up to the tokens accepted, on every backend, after termination and across the
+trigger of a Triggered matcher, including where llguidance's own rollback fails.
+
+Oracles: raw backend matchers built here (llguidance `LLMatcher` from the grammar text, xgrammar
+`GrammarMatcher`, outlines-core `Guide`) fed only the kept prefix and never rolled back; for Triggered,
+a fresh matcher fed the kept prefix (its trigger logic is ours, so "rolled back == never accepted").
+"""
+import numpy as np
+import pytest
+import torch
+from llguidance import LLMatcher
+
+from deepinfer_sg.grammars import ConstraintCompiler, JsonSchema, Regex, Triggered, allocate_bitmask
+from deepinfer_sg.grammars.dsml import dsml_grammar
+
+from grammar_testutil import DEEPSEEK_VOCAB, EOS, encode
+
+DSML = 128825
+TOOLS = [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                "required": ["city"]}}]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "integer"}}},
+          "required": ["name", "tags"]}
+
+
+def ours_mask(m):
+    b = allocate_bitmask(1, DEEPSEEK_VOCAB)
+    m.fill_mask(b, 0)
+    return b[0]
+
+
+WORDS = (DEEPSEEK_VOCAB + 31) // 32
+
+
+def raw_llg_mask(raw):
+    words = torch.from_numpy(np.frombuffer(raw.compute_bitmask(), dtype=np.int32).copy())
+    assert not words[WORDS:].any()  # llguidance may round up to one more word; never any bit there
+    return words[:WORDS]
+
+
+def raw_llg_at(lltok, grammar, prefix):
+    raw = LLMatcher(lltok, grammar, log_level=0)
+    assert raw.try_consume_tokens(prefix) == len(prefix)
+    return raw
+
+
+@pytest.fixture(scope="module")
+def dsml(compiler, ds_tokenizer):
+    compiled = compiler.compile(dsml_grammar(TOOLS, "get_weather", starts_in_tool_calls=True))
+    lt = encode(ds_tokenizer, "<")
+    assert len(lt) == 1
+    return compiled, lt[0]
+
+
+def test_raw_llguidance_rollback_bug(dsml, raw_lltokenizer):
+    """The upstream bug our wrapper repairs (llguidance 1.9.1). If this starts failing, llguidance fixed it and
+    the repair path is no longer exercised by the DSML case (the tests below still check the behaviour)."""
+    compiled, lt = dsml
+    raw = LLMatcher(raw_lltokenizer, compiled.grammar, log_level=0)
+    raw.compute_bitmask()
+    assert raw.try_consume_tokens([lt]) == 1
+    raw.compute_bitmask()
+    assert raw.try_consume_tokens([DSML]) == 1
+    assert not raw.rollback(2)
+    assert raw.is_error() and "rollback" in raw.get_error()
+
+
+@pytest.mark.parametrize("back", [1, 2])
+def test_wrapper_rolls_back_over_dsml(dsml, raw_lltokenizer, back):
+    compiled, lt = dsml
+    m = compiled.matcher()
+    for t in (lt, DSML):
+        ours_mask(m)  # a mask between the accepts is what triggers the upstream bug
+        assert m.accept(t)
+    ours_mask(m)
+    m.rollback(back)
+    kept = [lt, DSML][: 2 - back]
+    assert torch.equal(ours_mask(m), raw_llg_mask(raw_llg_at(raw_lltokenizer, compiled.grammar, kept)))
+    assert all(m.accept(t) for t in [lt, DSML][2 - back:])  # and the path is open again
+    assert torch.equal(ours_mask(m), raw_llg_mask(raw_llg_at(raw_lltokenizer, compiled.grammar, [lt, DSML])))
+
+
+def test_deep_rollback_across_the_repair(dsml, ds_tokenizer, raw_lltokenizer):
+    """24 tokens into the DSML block, masks at every step, then back to every depth 1..24 in one call each."""
+    compiled, lt = dsml
+    text = ('<｜DSML｜ invoke name="get_weather">\n<｜DSML｜ parameter name="city" string="true">Paris'
+            '</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>')
+    seq = encode(ds_tokenizer, text)
+    assert seq[:2] == [lt, DSML] and seq.count(DSML) == 5
+    seq = seq[:24]
+    assert len(seq) == 24 and seq.count(DSML) >= 3
+    for back in range(1, len(seq) + 1):
+        m = compiled.matcher()
+        for t in seq:
+            ours_mask(m)
+            assert m.accept(t)
+        m.rollback(back)
+        raw = raw_llg_at(raw_lltokenizer, compiled.grammar, seq[: len(seq) - back])
+        assert torch.equal(ours_mask(m), raw_llg_mask(raw)), back
+
+
+def test_llguidance_rollback_after_termination(compiler, ds_tokenizer, raw_lltokenizer):
+    compiled = compiler.compile(JsonSchema(SCHEMA, whitespace="compact"))
+    seq = encode(ds_tokenizer, '{"name":"Ada","tags":[1,22,333]}')
+    assert len(seq) >= 12
+    for back in range(1, len(seq) + 2):
+        m = compiled.matcher()
+        for t in seq + [EOS]:
+            ours_mask(m)
+            assert m.accept(t)
+        assert m.is_terminated()
+        m.rollback(back)
+        assert not m.is_terminated()
+        raw = raw_llg_at(raw_lltokenizer, compiled.grammar, seq[: len(seq) + 1 - back])
+        assert torch.equal(ours_mask(m), raw_llg_mask(raw)), back
+    with pytest.raises(ValueError, match="only"):
+        compiled.matcher().rollback(1)
+
+
+def test_xgrammar_rollback_after_termination(xgr_compiler, ds_tokenizer):
+    import xgrammar as xgr
+
+    compiled = xgr_compiler.compile(JsonSchema(SCHEMA, whitespace="compact"))
+    seq = encode(ds_tokenizer, '{"name":"Bo","tags":[4,5,6,7,8]}')
+    assert len(seq) >= 12
+    buf = xgr.allocate_token_bitmask(1, DEEPSEEK_VOCAB)
+    for back in range(1, len(seq) + 2, 3):
+        m = compiled.matcher()
+        for t in seq + [EOS]:
+            assert m.accept(t)
+        assert m.is_terminated()
+        m.rollback(back)
+        assert not m.is_terminated()
+        raw = xgr.GrammarMatcher(compiled.compiled)
+        assert all(raw.accept_token(t) for t in seq[: len(seq) + 1 - back])
+        raw.fill_next_token_bitmask(buf, 0)
+        assert torch.equal(ours_mask(m), buf[0]), back
+
+
+def test_outlines_rollback_after_termination(ds_tokenizer):
+    from outlines_core import Guide
+
+    c = ConstraintCompiler(ds_tokenizer, vocab_size=DEEPSEEK_VOCAB, backend="outlines")
+    compiled = c.compile(Regex(r"[a-z]{1,40}"))
+    seq = encode(ds_tokenizer, "the quick brown fox jumps over the lazy dog".replace(" ", ""))
+    buf = allocate_bitmask(1, DEEPSEEK_VOCAB)
+    for back in range(1, len(seq) + 2):
+        m = compiled.matcher()
+        for t in seq + [EOS]:
+            assert m.accept(t)
+        assert m.is_terminated()
+        m.rollback(back)
+        assert not m.is_terminated()
+        raw = Guide(compiled.index, max_rollback=32)
+        for t in seq[: len(seq) + 1 - back]:
+            raw.advance(t, return_tokens=False)
+        buf.zero_()
+        raw.write_mask_into(buf.data_ptr(), buf.shape[1], 4)
+        assert torch.equal(ours_mask(m), buf[0]), back
+    c.close()
+
+
+@pytest.mark.parametrize("inner", ["json", "dsml"])
+def test_triggered_rollback_across_trigger_and_termination(compiler, ds_tokenizer, inner):
+    """Free text, the trigger, the inner grammar to EOS; rolled back to every depth (one call, and one token
+    at a time) it equals a fresh matcher fed the kept prefix."""
+    trigger = [128806, 128808]
+    if inner == "json":
+        spec, body = JsonSchema(SCHEMA, whitespace="compact"), encode(ds_tokenizer, '{"name":"x","tags":[]}')
+    else:
+        spec = dsml_grammar(TOOLS, "get_weather", starts_in_tool_calls=True)
+        body = encode(ds_tokenizer, "<") + [DSML]  # the llguidance rollback bug, inside a Triggered matcher
+    compiled = compiler.compile(Triggered(spec, trigger))
+    seq = encode(ds_tokenizer, "hi there") + trigger + body + ([EOS] if inner == "json" else [])
+
+    def fed(prefix):
+        m = compiled.matcher()
+        for t in prefix:
+            ours_mask(m)
+            assert m.accept(t)
+        return m
+
+    full = fed(seq)
+    assert full.is_terminated() == (inner == "json")
+    for back in range(1, len(seq) + 1):
+        m = fed(seq)
+        m.rollback(back)
+        ref = fed(seq[: len(seq) - back])
+        assert m.is_constrained() == ref.is_constrained() and not m.is_terminated()
+        assert torch.equal(ours_mask(m), ours_mask(ref)), back
+    m = fed(seq)
+    for back in range(1, len(seq) + 1):
+        m.rollback(1)
+        ref = fed(seq[: len(seq) - back])
+        assert torch.equal(ours_mask(m), ours_mask(ref)), back
+
+
+def test_fork_keeps_its_own_history(dsml, raw_lltokenizer):
+    """A fork rolled back past the point of forking (through the repair path) leaves the parent untouched."""
+    compiled, lt = dsml
+    m = compiled.matcher()
+    ours_mask(m)
+    assert m.accept(lt)
+    f = m.fork()
+    ours_mask(f)
+    assert f.accept(DSML)
+    ours_mask(f)
+    f.rollback(2)
+    assert torch.equal(ours_mask(f), raw_llg_mask(raw_llg_at(raw_lltokenizer, compiled.grammar, [])))
+    assert torch.equal(ours_mask(m), raw_llg_mask(raw_llg_at(raw_lltokenizer, compiled.grammar, [lt])))
+
+
+def test_random_walks_with_rollbacks_match_fresh_matchers(compiler, raw_lltokenizer):
+    """Seeded random walks through DSML grammars (tokens drawn from our masks, the special token preferred),
+    rolling back 1-5 tokens now and then: every mask equals a fresh raw matcher fed the kept tokens."""
+    import random
+
+    tools = TOOLS + [{"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}]
+    rng = random.Random(7)
+    for spec in (dsml_grammar(tools, "auto"), dsml_grammar(tools, "required", starts_in_tool_calls=True)):
+        compiled = compiler.compile(spec)
+        for _ in range(2):
+            m, kept = compiled.matcher(), []
+            for _ in range(40):
+                mask = ours_mask(m)
+                allowed = [i for i in torch.nonzero(bitmask_ids(mask)).flatten().tolist() if i != EOS]
+                if not allowed:
+                    break
+                t = DSML if DSML in allowed and rng.random() < 0.5 else rng.choice(allowed)
+                assert m.accept(t)
+                kept.append(t)
+                if rng.random() < 0.3:
+                    k = rng.randint(1, min(5, len(kept)))
+                    ours_mask(m)
+                    m.rollback(k)
+                    del kept[-k:]
+                    raw = raw_llg_at(raw_lltokenizer, compiled.grammar, kept)
+                    assert torch.equal(ours_mask(m), raw_llg_mask(raw)), kept
+
+
+def bitmask_ids(words):
+    """bool [vocab] from one int32 mask row."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    return (((words.unsqueeze(-1) >> shifts) & 1).reshape(-1)[:DEEPSEEK_VOCAB]).bool()
+
+
+@pytest.mark.parametrize("with_masks", [False, True])
+def test_long_history_rollback_and_repair(dsml, ds_tokenizer, raw_lltokenizer, with_masks):
+    """A history longer than a few HISTORY_CHUNKs: rollbacks within and across chunk boundaries, through the
+    repair path (over the closing DSML token) and not, from a forked matcher too."""
+    from deepinfer_sg.grammars.llguidance_matcher import HISTORY_CHUNK
+
+    compiled, lt = dsml
+    value = " ".join(f"word{i}" for i in range(90))
+    text = (f'<｜DSML｜ invoke name="get_weather">\n<｜DSML｜ parameter name="city" string="true">{value}'
+            '</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>')
+    seq = encode(ds_tokenizer, text)
+    assert len(seq) > 2 * HISTORY_CHUNK + 10
+    first_closing = len(seq) - seq[::-1].index(DSML) - 1  # the last DSML token
+    for back in (1, 2, HISTORY_CHUNK, HISTORY_CHUNK + 1, len(seq) - first_closing, len(seq) - first_closing + 3,
+                 2 * HISTORY_CHUNK + 5, len(seq)):
+        m = compiled.matcher()
+        for t in seq:
+            if with_masks:
+                ours_mask(m)
+            assert m.accept(t)
+        f = m.fork()
+        for w in (m, f):
+            w.rollback(back)
+            raw = raw_llg_at(raw_lltokenizer, compiled.grammar, seq[: len(seq) - back])
+            assert torch.equal(ours_mask(w), raw_llg_mask(raw)), back
+        assert all(m.accept(t) for t in seq[len(seq) - back:])  # and forward again
+        assert torch.equal(ours_mask(m), raw_llg_mask(raw_llg_at(raw_lltokenizer, compiled.grammar, seq)))
