@@ -207,7 +207,7 @@ def row_shares(num_requests: int, max_rows: int) -> torch.Tensor:
 def pending_draft_rows(cache) -> int:
     """Verify rows past x0 that the next speculative step of this cache's request may run (its stored draft
     block's length; 0 without one): what a token budget should charge on top of the decode row."""
-    block = (getattr(cache, "extra", None) or {}).get("spec")
+    block = cache.extra.get("spec") if cache is not None else None
     return int(block.tokens.numel()) if isinstance(block, _Block) else 0
 
 

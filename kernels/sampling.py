@@ -308,11 +308,11 @@ def _kept_x(logits_ptr, tau_ptr, row, start, offs, V, inv_t, words, bits, HAS_MA
 
 
 @triton.jit
-def _segment_body(logits_ptr, packed_ptr, tau_ptr, row, seg, inv_t, greedy, key, bitmask_ptr, mrow,
-                  bitmask_stride, V, n_seg, HAS_MASK: tl.constexpr, HAS_TAU: tl.constexpr, FULL: tl.constexpr,
-                  LANES: tl.constexpr, LW: tl.constexpr, FAST: tl.constexpr):
-    # [LANES, LW] = token start + k * LANES + l: lanes along dim 0 (contiguous in memory, spread over threads),
-    # a lane's tokens along dim 1 (strided; held by one thread, so per-lane work needs no communication)
+def segment_block(logits_ptr, tau_ptr, bitmask_ptr, row, seg, inv_t, mrow, bitmask_stride, V, HAS_MASK: tl.constexpr,
+                  HAS_TAU: tl.constexpr, FULL: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr):
+    """Segment `seg` of a row as a [LANES, LW] block of kept logits (`_kept_x`): token start + k * LANES + l, lanes
+    along dim 0 (contiguous in memory, spread over threads), a lane's tokens along dim 1 (strided; held by one
+    thread, so per-lane work needs no communication). Returns (start, lane, pos, x)."""
     start = seg * (LANES * LW)
     lane = tl.arange(0, LANES)
     k = tl.arange(0, LW)
@@ -328,6 +328,15 @@ def _segment_body(logits_ptr, packed_ptr, tau_ptr, row, seg, inv_t, greedy, key,
             words = tl.load(wptr, mask=(mrow >= 0) & (start + pos < V), other=-1)
     x = _kept_x(logits_ptr, tau_ptr, row, start, pos, V, inv_t, words, (1 << (lane % 32))[:, None], HAS_MASK,
                 HAS_TAU, FULL)
+    return start, lane, pos, x
+
+
+@triton.jit
+def _segment_body(logits_ptr, packed_ptr, tau_ptr, row, seg, inv_t, greedy, key, bitmask_ptr, mrow,
+                  bitmask_stride, V, n_seg, HAS_MASK: tl.constexpr, HAS_TAU: tl.constexpr, FULL: tl.constexpr,
+                  LANES: tl.constexpr, LW: tl.constexpr, FAST: tl.constexpr):
+    start, lane, pos, x = segment_block(logits_ptr, tau_ptr, bitmask_ptr, row, seg, inv_t, mrow, bitmask_stride, V,
+                                       HAS_MASK, HAS_TAU, FULL, LANES, LW)
     xm = tl.max(x, 1)                                       # per lane, in-thread
     if greedy:
         first = tl.min(tl.where(x == xm[:, None], pos, LANES * LW), 1)

@@ -38,22 +38,15 @@ import triton.language as tl
 
 from . import rng
 from .backend import INTERPRETING, check, empty, use_triton
-from .sampling import (LANES, LOG2E, NEG_INF, NEG_INF_KEY, SEG, RowParams, _kept_x, check_logits_and_mask,
+from .sampling import (LANES, LOG2E, NEG_INF, NEG_INF_KEY, SEG, RowParams, check_logits_and_mask,
                        default_mask_rows, kept_z_torch, lane_draw_torch, lane_gumbel_torch, lane_pick,
-                       lane_score, lane_scores_torch, lanes_view, masked_z_torch, pack_lanes, pick_lane,
+                       lane_score, lane_scores_torch, lanes_view, masked_z_torch, pack_lanes, pick_lane, segment_block,
                        thresholds_torch, thresholds_triton)
 
 
 _NEG_INF_KEY = tl.constexpr(NEG_INF_KEY)
 
 
-@triton.jit
-def _words(bitmask_ptr, mrow, bitmask_stride, start, pos, k, lane, V, FULL: tl.constexpr, LANES: tl.constexpr):
-    """The bitmask word of each token of a [LANES, LW] segment block (see sampling._segment_body)."""
-    wptr = bitmask_ptr + mrow * bitmask_stride + (start + k[None, :] * LANES) // 32 + lane[:, None] // 32
-    if FULL:
-        return tl.load(wptr, mask=mrow >= 0, other=-1)
-    return tl.load(wptr, mask=(mrow >= 0) & (start + pos < V), other=-1)
 # (segment size, lanes per segment) of the draws, read at call time (kernels/sampling.py's rule; tests shrink it
 # to cover several segments on a small vocabulary: the bonus draw equals sample_from_logits' only at the default)
 LAYOUT = (SEG, LANES)
@@ -185,15 +178,8 @@ def _stats_body(logits_ptr, mc_ptr, sc_ptr, pack_ptr, inv_t_ptr, greedy_ptr, tau
     mrow = -1
     if HAS_MASK:
         mrow = tl.load(mask_rows_ptr + row)
-    start = seg * (LANES * LW)
-    lane = tl.arange(0, LANES)
-    k = tl.arange(0, LW)
-    pos = lane[:, None] + k[None, :] * LANES
-    words = 0
-    if HAS_MASK:
-        words = _words(bitmask_ptr, mrow, bitmask_stride, start, pos, k, lane, V, FULL, LANES)
-    z = _kept_x(logits_ptr, tau_ptr, row, start, pos, V, inv_t, words, (1 << (lane % 32))[:, None], HAS_MASK, True,
-                FULL)
+    start, lane, pos, z = segment_block(logits_ptr, tau_ptr, bitmask_ptr, row, seg, inv_t, mrow, bitmask_stride, V,
+                                       HAS_MASK, True, FULL, LANES, LW)
     ml = tl.max(z, 1)                                              # per lane, in-thread
     ref = tl.where(ml > float("-inf"), ml, 0.0) * 1.4426950408889634
     w = tl.exp2(z * 1.4426950408889634 - ref[:, None])
@@ -248,15 +234,8 @@ def _residual_body(logits_ptr, probs_ptr, rows_ptr, drafts_ptr, residual_ptr, ke
         mrow = -1
         if HAS_MASK:
             mrow = tl.load(mask_rows_ptr + row)
-        start = seg * (LANES * LW)
-        lane = tl.arange(0, LANES)
-        k = tl.arange(0, LW)
-        pos = lane[:, None] + k[None, :] * LANES
-        words = 0
-        if HAS_MASK:
-            words = _words(bitmask_ptr, mrow, bitmask_stride, start, pos, k, lane, V, FULL, LANES)
-        z = _kept_x(logits_ptr, tau_ptr, row, start, pos, V, inv_t, words, (1 << (lane % 32))[:, None], HAS_MASK,
-                    True, FULL)
+        start, lane, pos, z = segment_block(logits_ptr, tau_ptr, bitmask_ptr, row, seg, inv_t, mrow, bitmask_stride,
+                                           V, HAS_MASK, True, FULL, LANES, LW)
         ml = tl.max(z, 1)                                          # per lane, in-thread
         live = ml > float("-inf")
         w = tl.exp2(z * 1.4426950408889634 - (tl.where(live, ml, 0.0) * 1.4426950408889634)[:, None])

@@ -27,6 +27,7 @@ class PrefixHashCache:
     def __init__(self, bytes_per_token: int):
         self.hashes: list[int] = []
         self.bytes_per_token = bytes_per_token
+        self.extra: dict = {}          # per-sequence side state, as SequenceCache.extra (no speculation here)
 
     @property
     def length(self) -> int:

@@ -73,7 +73,7 @@ def real():
     xgr = grammars.ConstraintCompiler(tok, vocab_size=V, eos_token_ids=[1], backend="xgrammar", timeout_s=300)
     index = outlines_core.Index(REGEX, outlines_vocabulary(llg.vocab))
     a = TA.from_index(index, V, [1])
-    return dict(V=V, a=a, llg=llg.compile(grammars.Regex(REGEX)), xgr=xgr.compile(grammars.Regex(REGEX)))
+    return dict(V=V, a=a, tok=tok, llg=llg.compile(grammars.Regex(REGEX)), xgr=xgr.compile(grammars.Regex(REGEX)))
 
 
 def _mask(m, V):

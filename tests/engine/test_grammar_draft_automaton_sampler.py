@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_spec_grammar import MECHANISMS, MODEL, _target, _world  # noqa: E402
 from test_spec_harness import Procedure, exact_procedure_law, max_abs_diff, toy_automaton  # noqa: E402
 from test_spec_toys import GRAMMAR, make_matcher, single_thread  # noqa: E402,F401
+from test_grammar_draft_automaton import real  # noqa: E402,F401  (a module fixture: the regex on the real vocabulary)
 
 from deepinfer_sg.engine import grammar_drafting as G  # noqa: E402
 from deepinfer_sg.engine.automaton_drafting import AutomatonDraftSampler  # noqa: E402
@@ -66,21 +67,8 @@ def test_same_blocks_as_cpu_masks_on_the_toy_grammar(force):
         assert all(m.history == make_matcher().after(list(s)).history for m, s in zip(matchers, starts))
 
 
-REGEX = r"(Yes|No)\. Score: (0\.[0-9]{1,2}|1\.0)\. Why: [a-z ,]{3,12}\."
-
-
-def test_same_blocks_as_cpu_masks_on_the_real_vocabulary():
-    grammars = pytest.importorskip("deepinfer_sg.grammars")
-    outlines_core = pytest.importorskip("outlines_core")
-    from deepinfer_sg import load_tokenizer
-    from deepinfer_sg.engine.token_automaton import from_index
-    from deepinfer_sg.grammars.backend_outlines import outlines_vocabulary
-    tok = load_tokenizer()
-    V = 129_280
-    llg = grammars.ConstraintCompiler(tok, vocab_size=V, eos_token_ids=[1], timeout_s=300)
-    xgr = grammars.ConstraintCompiler(tok, vocab_size=V, eos_token_ids=[1], backend="xgrammar", timeout_s=300)
-    a = from_index(outlines_core.Index(REGEX, outlines_vocabulary(llg.vocab)), V, [1])
-    lc, xc = llg.compile(grammars.Regex(REGEX)), xgr.compile(grammars.Regex(REGEX))
+def test_same_blocks_as_cpu_masks_on_the_real_vocabulary(real):
+    tok, V, a, lc, xc = real["tok"], real["V"], real["a"], real["llg"], real["xgr"]
     prefixes = ["", "Yes. Score:", "No. Score: 0.5. Why: ab"]
     g = torch.Generator().manual_seed(9)
     ref = tok.encode("Yes. Score: 0.75. Why: fine, ok.", add_special_tokens=False).ids + [1]

@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_spec_engine import PROMPTS, TABLE, plain_greedy, tiny  # noqa: E402,F401  (tiny: a module fixture)
+from test_spec_engine import (PROMPTS, TABLE, assert_matches_law, exact_two_token_law, plain_greedy,  # noqa: E402,F401
+                              tiny)  # (tiny: a module fixture)
 
 from deepinfer_sg.engine import spec_decode as SD  # noqa: E402
 from deepinfer_sg.engine.model import StepChunk  # noqa: E402
@@ -55,28 +56,13 @@ def test_sampled_two_token_law_under_a_budget(tiny):
     tokens (top-k 3, T = 1) must still be the target's (8 degrees of freedom, P(chi2 > 26.1) = 0.001)."""
     prompt = PROMPTS[0]
     top_k = 3
-    with torch.no_grad():
-        c = tiny.new_cache()
-        l1 = tiny.forward_step([StepChunk(c, torch.tensor(prompt), 1)]).logits[0]
-        p1 = SD.processed_probs(l1[None], torch.tensor([1.0]), torch.tensor([top_k]), torch.tensor([1.0]))[0]
-        law = {}
-        for t1 in p1.nonzero().flatten().tolist():
-            c2 = tiny.new_cache()
-            l2 = tiny.forward_step([StepChunk(c2, torch.tensor(prompt + [t1]), 1)]).logits[0]
-            p2 = SD.processed_probs(l2[None], torch.tensor([1.0]), torch.tensor([top_k]), torch.tensor([1.0]))[0]
-            for t2 in p2.nonzero().flatten().tolist():
-                law[(t1, t2)] = float(p1[t1] * p2[t2])
+    law = exact_two_token_law(tiny, prompt, top_k)
     n = 300
     reqs = [SD.StandaloneRequest(prompt, max_tokens=2, temperature=1.0, top_k=top_k, seed=s) for s in range(n)]
     cfg = SD.SpecConfig(n=2, schedule="fixed", drafter="dspark", step_times=TABLE)
     dec = SD.generate(tiny, reqs, cfg, decoder=RowCounter(tiny, cfg), max_rows=n + 100)
     assert max(dec.rows_per_step) <= n + 100
-    counts = {}
-    for r in reqs:
-        counts[tuple(r.output)] = counts.get(tuple(r.output), 0) + 1
-    assert set(counts) <= set(law)
-    chi2 = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in law.items())
-    assert chi2 < 26.1, (chi2, counts, law)
+    assert_matches_law(reqs, law)
 
 
 def test_pending_draft_rows_reads_the_stored_block(tiny):

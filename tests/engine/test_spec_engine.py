@@ -110,25 +110,25 @@ def test_sampling_is_reproducible_and_batch_independent(tiny):
         assert t in row.topk(20).indices.tolist()
 
 
-def test_sampled_two_token_law_equals_the_target(tiny):
-    """Exact target law of the first two tokens (top-k 3, T = 1) vs speculative sampling over 300 seeds with the
-    random-weight DSpark drafter (low acceptance: residual draws do most of the work); chi-square test."""
-    prompt = PROMPTS[0]
-    top_k = 3
+def exact_two_token_law(model, prompt, top_k):
+    """{(t1, t2): probability} of the first two tokens at T = 1 with top-k, by full enumeration of the target."""
     with torch.no_grad():
-        c = tiny.new_cache()
-        l1 = tiny.forward_step([StepChunk(c, torch.tensor(prompt), 1)]).logits[0]
+        c = model.new_cache()
+        l1 = model.forward_step([StepChunk(c, torch.tensor(prompt), 1)]).logits[0]
         p1 = SD.processed_probs(l1[None], torch.tensor([1.0]), torch.tensor([top_k]), torch.tensor([1.0]))[0]
         law = {}
         for t1 in p1.nonzero().flatten().tolist():
-            c2 = tiny.new_cache()
-            l2 = tiny.forward_step([StepChunk(c2, torch.tensor(prompt + [t1]), 1)]).logits[0]
+            c2 = model.new_cache()
+            l2 = model.forward_step([StepChunk(c2, torch.tensor(prompt + [t1]), 1)]).logits[0]
             p2 = SD.processed_probs(l2[None], torch.tensor([1.0]), torch.tensor([top_k]), torch.tensor([1.0]))[0]
             for t2 in p2.nonzero().flatten().tolist():
                 law[(t1, t2)] = float(p1[t1] * p2[t2])
-    n = 300
-    reqs = [SD.StandaloneRequest(prompt, max_tokens=2, temperature=1.0, top_k=top_k, seed=s) for s in range(n)]
-    SD.generate(tiny, reqs, SD.SpecConfig(n=2, schedule="fixed", drafter="dspark", step_times=TABLE))
+    return law
+
+
+def assert_matches_law(reqs, law):
+    """Chi-square test of the requests' two-token outputs against the exact law (9 cells with top-k 3)."""
+    n = len(reqs)
     counts = {}
     for r in reqs:
         counts[tuple(r.output)] = counts.get(tuple(r.output), 0) + 1
@@ -136,6 +136,18 @@ def test_sampled_two_token_law_equals_the_target(tiny):
     chi2 = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in law.items())
     # 9 cells -> 8 degrees of freedom; P(chi2 > 26.1) = 0.001
     assert chi2 < 26.1, (chi2, counts, law)
+
+
+def test_sampled_two_token_law_equals_the_target(tiny):
+    """Exact target law of the first two tokens (top-k 3, T = 1) vs speculative sampling over 300 seeds with the
+    random-weight DSpark drafter (low acceptance: residual draws do most of the work); chi-square test."""
+    prompt = PROMPTS[0]
+    top_k = 3
+    law = exact_two_token_law(tiny, prompt, top_k)
+    n = 300
+    reqs = [SD.StandaloneRequest(prompt, max_tokens=2, temperature=1.0, top_k=top_k, seed=s) for s in range(n)]
+    SD.generate(tiny, reqs, SD.SpecConfig(n=2, schedule="fixed", drafter="dspark", step_times=TABLE))
+    assert_matches_law(reqs, law)
 
 
 # --------------------------------------------------------------------------------------------- constraints

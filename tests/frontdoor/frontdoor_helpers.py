@@ -67,6 +67,17 @@ def allowed_tokens(m) -> np.ndarray:
     return np.nonzero(bits)[0]
 
 
+def pick_token(allowed, rng, pref, prefer, eos_bias):
+    """One random-walk step over the allowed ids: EOS with probability eos_bias, else (with probability `prefer`) one
+    of the preferred ids that are allowed, else any allowed id."""
+    if EOS in allowed and rng.random() < eos_bias:
+        return EOS
+    common = np.intersect1d(allowed, pref, assume_unique=True)
+    if len(common) and rng.random() < prefer:
+        return int(common[rng.randrange(len(common))])
+    return int(allowed[rng.randrange(len(allowed))])
+
+
 def random_walk(m, rng: random.Random, max_steps=600, prefer=0.6, eos_bias=0.3, dsml_bias=0.5):
     """Sample tokens from the matcher's masks until EOS (returns ids without EOS) or None past max_steps.
     Biased toward closing tokens (and, where allowed, the DSML token) so walks finish and reach tool calls."""
@@ -77,14 +88,8 @@ def random_walk(m, rng: random.Random, max_steps=600, prefer=0.6, eos_bias=0.3, 
         assert len(allowed) > 0, "grammar dead end: no token allowed"
         if DSML in allowed and rng.random() < dsml_bias:
             tok = DSML
-        elif EOS in allowed and rng.random() < eos_bias:
-            tok = EOS
         else:
-            common = np.intersect1d(allowed, pref, assume_unique=True)
-            if len(common) and rng.random() < prefer:
-                tok = int(common[rng.randrange(len(common))])
-            else:
-                tok = int(allowed[rng.randrange(len(allowed))])
+            tok = pick_token(allowed, rng, pref, prefer, eos_bias)
         assert m.consume_token(tok), (tok, m.get_error())
         assert not m.is_error(), m.get_error()  # e.g. a lexer that ran out of states
         if tok == EOS:
@@ -135,14 +140,7 @@ def walk_spec(spec, rng: random.Random, max_steps=400, prefer=0.7, eos_bias=0.6)
         bits = np.unpackbits(mask[0].numpy().view(np.uint8), bitorder="little")[:VOCAB]
         allowed = np.nonzero(bits)[0]
         assert len(allowed), "dead end"
-        if EOS in allowed and rng.random() < eos_bias:
-            tok = EOS
-        else:
-            common = np.intersect1d(allowed, pref, assume_unique=True)
-            if len(common) and rng.random() < prefer:
-                tok = int(common[rng.randrange(len(common))])
-            else:
-                tok = int(allowed[rng.randrange(len(allowed))])
+        tok = pick_token(allowed, rng, pref, prefer, eos_bias)
         assert m.accept(tok)
         if tok == EOS:
             return hf_tokenizer().decode(ids, skip_special_tokens=False)
