@@ -68,3 +68,26 @@ def test_memory_bounds_admission_and_preempts_newest():
     assert r1.num_computed == 0 and r1.cache is None and r1.output_token_ids == [5]
     assert [r.request_id for r in s.waiting] == ["1", "2"]    # back in arrival order, ahead of 2
     assert "1" not in pool.live
+
+
+def test_decode_with_a_stored_draft_block_is_charged_its_verify_rows():
+    """A decoding request holding a draft block of 4 tokens verifies 1 + 4 rows next step: the budget (10) is
+    charged 5 for it, so of three decoding requests only two fit, and the third waits for the next step."""
+    import torch
+
+    from deepinfer_sg.engine.spec_decode import _Block
+
+    s, _ = make(budget=10)
+    reqs = [req(i, 2) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    advance(s.schedule())                       # the three prompts, whole
+    block = _Block(tokens=torch.zeros(4, dtype=torch.long), probs=torch.zeros(4, 8),
+                   confidences=torch.ones(4, dtype=torch.float64), forced=torch.zeros(4, dtype=torch.bool), valid=4)
+    for r in reqs:
+        r.cache.extra["spec"] = block
+    b = s.schedule()
+    assert [(c.request.request_id, c.token_ids) for c in b.chunks] == [("0", [5]), ("1", [5])]
+    for r in reqs:
+        r.cache.extra.pop("spec")
+    assert [c.request.request_id for c in s.schedule().chunks] == ["0", "1", "2"]   # without blocks: 1 row each
