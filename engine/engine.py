@@ -190,7 +190,14 @@ class LLMEngine:
         self.stats.time_schedule_s += t1 - t0
         if batch.chunks:
             with torch.inference_mode():
-                self._run_batch(batch)
+                try:
+                    self._run_batch(batch)
+                except Exception as exc:   # one bad request must not take the others down: isolate it
+                    self._isolate_failed_step(batch, exc)
+                else:
+                    for c in batch.chunks:
+                        if c.samples:
+                            c.request.suspect = False
         elif self.compiling:
             # nothing runnable: sleep until a compilation finishes rather than spinning
             wait([r.compile_future for r in self.compiling], timeout=0.05, return_when=FIRST_COMPLETED)
@@ -224,6 +231,13 @@ class LLMEngine:
             except Exception as exc:   # a broken matcher fails its own request, not the step
                 broken[i] = f"request {r.request_id!r}: matcher failed: {type(exc).__name__}: {exc}"
         job = self.masks.start(mask_rows, len(rows), self.vocab_size)
+        try:
+            self._forward_sample_commit(batch, rows, mask_rows, broken, job)
+        except BaseException:
+            job.wait()          # the mask workers read the matchers: let them finish before anyone else does
+            raise
+
+    def _forward_sample_commit(self, batch: ScheduledBatch, rows: list, mask_rows: list, broken: dict, job) -> None:
         # 4. forward
         t0 = time.perf_counter()
         # one host-to-device copy for the whole step; each chunk gets a view
@@ -273,6 +287,22 @@ class LLMEngine:
             self._commit_token(req, tokens[i], lp_of.get(i))
         self.pool.note_usage()
         self.stats.time_commit_s += time.perf_counter() - t3
+
+    def _isolate_failed_step(self, batch: ScheduledBatch, exc: Exception) -> None:
+        """A step raised (in the forward, the sampler or a speculative step). Caches may be half-advanced, but
+        matchers and outputs only change at commit, so each request is consistent up to its committed tokens.
+        Alone in its batch: that request is the cause and fails with the error. Otherwise every request of the
+        batch drops its cache and reruns alone (scheduler `suspect`), which pins the failure on the guilty one
+        and lets the others continue; nothing they generated is lost."""
+        self.stats.num_step_failures += 1
+        reqs = list({id(c.request): c.request for c in batch.chunks if not c.request.finished}.values())
+        why = _error_text(exc)
+        if len(reqs) == 1:
+            self._finish(reqs[0], FINISH_ERROR, f"request {reqs[0].request_id!r}: the model step failed on this "
+                                                 f"request alone: {why}")
+            return
+        for req in reqs:
+            self.scheduler.requeue_suspect(req)
 
     def _spec_eligible(self, c) -> bool:
         r = c.request

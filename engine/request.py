@@ -114,6 +114,7 @@ class Request:
     matcher: Any = None                         # grammars Matcher, None when unconstrained
     cache: Any = None                           # the model's SequenceCache while RUNNING
     num_computed: int = 0                       # tokens of all_token_ids already in the cache
+    suspect: bool = False                       # was in a batch whose step failed: runs alone until it samples
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

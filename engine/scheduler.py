@@ -11,6 +11,11 @@ If the step would exceed the pool's limit we preempt the newest running request 
 dropped; its tokens, matcher state and counters are kept, so it resumes by re-running prompt+outputs
 and, with counter-based randomness, produces exactly the tokens it would have). Admission only
 happens while the predicted usage stays under the limit.
+
+Failure isolation: when a step raises (engine.py), every request of that batch is requeued like a preempted
+one and marked `suspect`; a batch that holds a suspect is cut down to that suspect's chunk alone, so the next
+failure names exactly one request (which then fails alone) and the innocent ones clear their mark after one
+solo step. Each suspect makes at least one token of progress per failure, so this cannot loop.
 """
 from __future__ import annotations
 
@@ -76,15 +81,25 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
+    def _drop_cache(self, req: Request) -> None:
+        """Back to waiting without a cache; tokens, matcher and counters stay, so it resumes by recompute."""
         self.running.remove(req)
         self.pool.release(req.request_id)
         req.cache = None
         req.num_computed = 0
+        self.add(req)
+
+    def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
+        self._drop_cache(req)
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1
         batch.preempted.append(req)
-        self.add(req)
+
+    def requeue_suspect(self, req: Request) -> None:
+        """A request of a failed step: its cache may be half-advanced, so drop it; it reruns alone."""
+        req.suspect = True
+        if req in self.running:
+            self._drop_cache(req)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -145,6 +160,10 @@ class Scheduler:
             scheduled.add(req.request_id)
             batch.admitted.append(req)
             batch.chunks.append(self._chunk(req, n))
+        # a suspect runs alone (the others keep their caches and are scheduled again next step)
+        suspect = next((c for c in batch.chunks if c.request.suspect), None)
+        if suspect is not None:
+            batch.chunks = [suspect]
         return batch
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:

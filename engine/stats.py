@@ -18,6 +18,7 @@ class EngineStats:
     num_finished: int = 0
     num_errors: int = 0
     num_preemptions: int = 0
+    num_step_failures: int = 0           # steps whose forward/sampling raised (their requests were isolated)
     num_masked_rows: int = 0
     time_schedule_s: float = 0.0
     time_forward_s: float = 0.0
