@@ -93,12 +93,21 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.stats = EngineStats()
         self.spec = None
+        self._automata = None               # automata.AutomatonBuilder, made on the first constraint that needs it
         if self.config.speculative is not None:
             from .spec_decode import SpecDecoder
             self.spec = SpecDecoder(model, self.config.speculative, chunk_type=self.chunk_type,
                                     vocab_size=self.vocab_size)
 
     # ------------------------------------------------------------ requests
+
+    @property
+    def automata(self):
+        """Background builder of device token automata (SpecConfig(draft_masks="automaton"))."""
+        if self._automata is None:
+            from .automata import AutomatonBuilder
+            self._automata = AutomatonBuilder(self.compiler, self.device)
+        return self._automata
 
     @property
     def compiler(self):
@@ -329,7 +338,7 @@ class LLMEngine:
             p = r.params
             stops = list(p.stop_token_ids) + ([self.eos_token_id] if self.eos_token_id is not None and not p.ignore_eos else [])
             seqs.append(SpecSequence(r.cache, r.output_token_ids[-1], r.seed, p.temperature, p.top_k, p.top_p,
-                                     r.matcher, tuple(stops), left(r)))
+                                     r.matcher, tuple(stops), left(r), automaton=self._automaton_for(r)))
 
         def commit(i, tokens, finish):
             req = reqs[i]
@@ -351,6 +360,23 @@ class LLMEngine:
         self.stats.time_forward_s += time.perf_counter() - t0
         self.stats.record_batch(len(reqs))
         self.pool.note_usage()
+
+    def _automaton_for(self, req: Request):
+        """The request's device automaton with its state after the committed output seeded in the cache (a new
+        cache after preemption gets it again), or None: not built (yet), or the output left its language."""
+        if req.automaton_key is None or self._automata is None:
+            return None
+        a = self._automata.get(req.automaton_key)
+        if a is None:
+            return None
+        state = req.cache.extra.get("automaton_state")
+        if state is None:
+            state = req.cache.extra["automaton_state"] = a.walk(a.initial, req.output_token_ids)
+        if state < 0:                 # DEAD: the verifier allowed what the automaton's regex does not
+            req.automaton_key = None
+            req.cache.extra.pop("automaton_state", None)
+            return None
+        return a
 
     def _commit_token(self, req: Request, token: int, logprob: Optional[float]) -> None:
         if token < 0:
@@ -434,10 +460,13 @@ class LLMEngine:
             if fut.done():
                 self.compiling.remove(req)
                 try:
-                    req.matcher = fut.result().matcher()
+                    compiled = fut.result()
+                    req.matcher = compiled.matcher()
                 except Exception as exc:
                     self._finish(req, FINISH_ERROR, _error_text(exc))
                     continue
+                if self.spec is not None and self.spec.config.draft_masks == "automaton":
+                    req.automaton_key = self.automata.request(req.constraint, compiled)
                 req.metrics.ready_time = now
                 self.scheduler.add(req)
             elif now - req.metrics.arrival_time > self.config.compile_timeout_s:
@@ -480,6 +509,8 @@ class LLMEngine:
 
     def close(self) -> None:
         self.masks.shutdown()
+        if self._automata is not None:
+            self._automata.close()
 
 
 def _error_text(exc: BaseException) -> str:

@@ -112,6 +112,7 @@ class Request:
     state: RequestState = RequestState.WAITING
     compile_future: Optional[Future] = None
     matcher: Any = None                         # grammars Matcher, None when unconstrained
+    automaton_key: Any = None                   # its device automaton's key (automata.py), None: CPU draft masks
     cache: Any = None                           # the model's SequenceCache while RUNNING
     num_computed: int = 0                       # tokens of all_token_ids already in the cache
     suspect: bool = False                       # was in a batch whose step failed: runs alone until it samples
