@@ -3,6 +3,7 @@
     deepinfer-sg extract --schema schema.json|module:Model --input docs.jsonl --output out.jsonl \\
                          [--prompt-template TEXT|@file] [--model DIR] [--batch-size N] [--max-tokens N]
     deepinfer-sg generate --prompt TEXT [--schema S | --regex R | --grammar FILE] [--max-tokens N] [--model DIR]
+    every command: [--speculative off|cpu|automaton] [--draft-tokens N] [--seed N] [--threads N]
     deepinfer-sg chat (--request body.json | --message TEXT [--tools tools.json]) [--stream] [--model DIR]
 
 `--model` omitted: the bundled tiny default model (random weights: outputs are valid, not meaningful).
@@ -54,7 +55,11 @@ def _read_text_arg(value: str | None) -> str | None:
 
 def _make_llm(args):
     from .llm import LLM
-    return LLM(args.model, seed=args.seed)
+    speculative = None
+    if args.speculative != "off":
+        from deepinfer_sg.engine.spec_decode import SpecConfig
+        speculative = SpecConfig(n=args.draft_tokens, draft_masks=args.speculative)
+    return LLM(args.model, seed=args.seed, speculative=speculative)
 
 
 def _bundled_model_on_cpu(args) -> bool:
@@ -194,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--max-tokens", type=int, default=max_tokens)
         sp.add_argument("--temperature", type=float, default=temperature)
         sp.add_argument("--seed", type=int, default=0)
+        sp.add_argument("--speculative", default="off", choices=["off", "cpu", "automaton"],
+                        help="DSpark speculative decoding with grammar-aware drafts; masks for the drafts from the "
+                             "CPU matchers or a device token automaton per regular constraint (default: off)")
+        sp.add_argument("--draft-tokens", type=int, default=5, help="drafts per block with --speculative")
         sp.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: 1 for the bundled tiny model on CPU, else torch's)")
 

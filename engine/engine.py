@@ -106,7 +106,8 @@ class LLMEngine:
         """Background builder of device token automata (SpecConfig(draft_masks="automaton"))."""
         if self._automata is None:
             from .automata import AutomatonBuilder
-            self._automata = AutomatonBuilder(self.compiler, self.device)
+            limits = self.spec.config.automaton_limits if self.spec is not None else None
+            self._automata = AutomatonBuilder(self.compiler, self.device, limits)
         return self._automata
 
     @property

@@ -68,6 +68,8 @@ class SpecConfig:
     draft_masks: str = "cpu"          # where masked drafting gets its masks: "cpu" (the matchers, one host sync
                                       # per draft position) | "automaton" (SpecSequence.automaton on the device,
                                       # one sync per block; requests without one fall back to "cpu")
+    automaton_limits: object = None   # engine.automata.AutomatonLimits for the engine's automaton builds (None:
+                                      # its defaults: 256 MiB of tables, 60 s and 8 GiB for the index)
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:

@@ -113,6 +113,11 @@ class TokenAutomaton:
         return torch.where(live, nxt, states)
 
 
+def table_byte_costs(vocab_size: int) -> tuple[int, int]:
+    """Device bytes per state (its mask row + final flag) and per transition (int64 key + int32 next state)."""
+    return 4 * ((vocab_size + 31) // 32) + 1, 12
+
+
 def from_transitions(transitions: dict, initial: int, finals: Sequence[int], vocab_size: int,
                      eos_token_ids: Sequence[int], max_bytes: Optional[int] = None) -> TokenAutomaton:
     """Device-ready tables (on the CPU; `.to(device)` after) from {state: {token: next}} (outlines-core's
@@ -122,7 +127,8 @@ def from_transitions(transitions: dict, initial: int, finals: Sequence[int], voc
     S = len(ids)
     W = (vocab_size + 31) // 32
     E = sum(len(v) for v in transitions.values())
-    need = 4 * W * (S + 1) + 12 * E + (S + 1)
+    per_state, per_edge = table_byte_costs(vocab_size)
+    need = per_state * (S + 1) + per_edge * E
     if max_bytes is not None and need > max_bytes:
         raise AutomatonTooLarge(f"token automaton needs {need / 2**20:.1f} MiB ({S} states, {E} transitions), "
                                 f"over the bound of {max_bytes / 2**20:.1f} MiB")

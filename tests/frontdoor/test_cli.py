@@ -76,3 +76,20 @@ def test_schema_argument_forms(tmp_path, monkeypatch):
         cli.load_schema_arg("mymodels:Nope")
     with pytest.raises(SystemExit, match="no such file"):
         cli.load_schema_arg(str(tmp_path / "missing.json"))
+
+
+def test_generate_with_speculation_and_device_automaton(monkeypatch, capsys):
+    """--speculative automaton: the LLM gets a SpecConfig with device draft masks, and generation through it still
+    produces text of the constraint's language (re.fullmatch is the oracle)."""
+    import re
+    args = cli.build_parser().parse_args(["generate", "--prompt", "Code:", "--regex", "x", "--speculative",
+                                          "automaton", "--draft-tokens", "3"])
+    llm = cli._make_llm(args)
+    cfg = llm.engine.spec.config
+    assert (cfg.draft_masks, cfg.n) == ("automaton", 3)
+    monkeypatch.setattr(cli, "_make_llm", lambda a: llm)
+    pattern = r"[a-c]{2}-[0-9]{2}"
+    assert cli.main(["generate", "--prompt", "Code:", "--regex", pattern, "--max-tokens", "12",
+                     "--speculative", "automaton"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert re.fullmatch(pattern, out["text"]) and out["finish_reason"] in ("stop", "constraint_complete")
