@@ -219,13 +219,16 @@ class LLMEngine:
         return deltas
 
     def _run_batch(self, batch: ScheduledBatch) -> None:
+        spec: list = []
         if self.spec is not None:
-            # decode rows of eligible requests take the speculative step; the rest (prefill chunks) this path
+            # decode rows of eligible requests take the speculative step; the rest (prefill chunks) ride along in
+            # the same forward and are sampled on this path
             spec = [c for c in batch.chunks if self._spec_eligible(c)]
             if spec:
                 rest = [c for c in batch.chunks if not any(c is s for s in spec)]
-                self._run_spec(spec, self.config.max_num_batched_tokens - sum(len(c.token_ids) for c in rest))
+                budget = self.config.max_num_batched_tokens - sum(len(c.token_ids) for c in rest)
                 if not rest:
+                    self._run_spec(spec, budget)
                     return
                 batch = ScheduledBatch(chunks=rest)
         sampling = batch.sampling_chunks
@@ -242,29 +245,40 @@ class LLMEngine:
                 broken[i] = f"request {r.request_id!r}: matcher failed: {type(exc).__name__}: {exc}"
         job = self.masks.start(mask_rows, len(rows), self.vocab_size)
         try:
-            self._forward_sample_commit(batch, rows, mask_rows, broken, job)
+            # 4. forward (one for the speculative rows and this batch's chunks together)
+            t0 = time.perf_counter()
+            chunks = self._model_chunks(batch)
+            if spec:
+                logits = self._run_spec(spec, budget, extra_chunks=chunks)
+            else:
+                logits = self._forward(chunks)
+            self.stats.time_forward_s += time.perf_counter() - t0
+            self._sample_commit(batch, rows, mask_rows, broken, job, logits)
         except BaseException:
             job.wait()          # the mask workers read the matchers: let them finish before anyone else does
             raise
 
-    def _forward_sample_commit(self, batch: ScheduledBatch, rows: list, mask_rows: list, broken: dict, job) -> None:
-        # 4. forward
-        t0 = time.perf_counter()
-        # one host-to-device copy for the whole step; each chunk gets a view
+    def _model_chunks(self, batch: ScheduledBatch) -> list:
+        """The model's StepChunks of a batch: one host-to-device copy for the whole step, a view per chunk."""
         flat = torch.tensor([t for c in batch.chunks for t in c.token_ids], dtype=torch.long).to(self.device)
         chunks, start = [], 0
         for c in batch.chunks:
             chunks.append(self.chunk_type(c.request.cache, flat[start:start + len(c.token_ids)], 1 if c.samples else 0))
             start += len(c.token_ids)
+        return chunks
+
+    def _forward(self, chunks: list) -> torch.Tensor:
         out = self.model.forward_step(chunks)
         if self.spec is not None and getattr(self.model, "mtp", None) is not None and out.draft_features is not None:
             from .dspark import update_draft_keys
             update_draft_keys(self.model, chunks, out.draft_features)   # the drafter reads every processed token
-        logits = out.logits
-        if logits.device.type == "cuda":
-            torch.cuda.synchronize(logits.device)
+        if out.logits.device.type == "cuda":
+            torch.cuda.synchronize(out.logits.device)
+        return out.logits
+
+    def _sample_commit(self, batch: ScheduledBatch, rows: list, mask_rows: list, broken: dict, job,
+                       logits: torch.Tensor) -> None:
         t1 = time.perf_counter()
-        self.stats.time_forward_s += t1 - t0
         # 5. sample
         mask_errors = job.wait()
         mask_errors.update(broken)
@@ -319,10 +333,11 @@ class LLMEngine:
         return (c.samples and len(c.token_ids) == 1 and r.num_pending == 1 and bool(r.output_token_ids)
                 and not r.params.logprobs and r.cache is not None)
 
-    def _run_spec(self, chunks, max_rows: int) -> None:
+    def _run_spec(self, chunks, max_rows: int, extra_chunks: Sequence = ()) -> Optional[torch.Tensor]:
         """Speculative decode step (engine/spec_decode.py) for decoding requests: verify their draft blocks,
         commit the accepted tokens through `_commit_token` (matchers, stops, lengths), draft the next blocks.
-        max_rows: the step's token budget left after the other chunks (verify rows are trimmed to it)."""
+        max_rows: the step's token budget left after the other chunks (verify rows are trimmed to it).
+        extra_chunks: the step's other model chunks (prefills), run in the same forward; returns their logits."""
         from .spec_decode import SpecSequence
         reqs = [c.request for c in chunks]
         # start-up profile of the step-time curve (once; a SpecConfig.step_times table skips it)
@@ -357,10 +372,12 @@ class LLMEngine:
             return True
 
         t0 = time.perf_counter()
-        self.spec.step(seqs, commit, max_rows=max(len(seqs), max_rows))
-        self.stats.time_forward_s += time.perf_counter() - t0
+        extra_logits = self.spec.step(seqs, commit, max_rows=max(len(seqs), max_rows), extra_chunks=extra_chunks)
+        if not extra_chunks:
+            self.stats.time_forward_s += time.perf_counter() - t0
         self.stats.record_batch(len(reqs))
         self.pool.note_usage()
+        return extra_logits
 
     def _automaton_for(self, req: Request):
         """The request's device automaton with its state after the committed output seeded in the cache (a new

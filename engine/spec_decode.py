@@ -357,15 +357,18 @@ class SpecDecoder:
     # ---------------------------------------------------------------- one step
     @torch.no_grad()
     def step(self, seqs: Sequence[SpecSequence], commit: Callable[[int, list, int], bool],
-             max_rows: Optional[int] = None) -> None:
+             max_rows: Optional[int] = None, extra_chunks: Sequence = ()) -> Optional[torch.Tensor]:
         """One speculative decode step for `seqs` (see the module docstring). commit(i, tokens, finish) must
         append the tokens to request i (matcher accepts them in order, stop checks) and return whether the
         request is still running; `finish` is speculative.FINISH_* from verification (stop / length cut, or
         FINISH_ERROR when the grammar allowed no token). max_rows: the most target rows this step's verify
         forward may use (the engine's token budget left for it; at least one row per request): each request
-        verifies at most `row_shares(R, max_rows)[i]` drafts."""
+        verifies at most `row_shares(R, max_rows)[i]` drafts.
+        extra_chunks: other model chunks of the engine's step (prefill chunks of other requests), run in the same
+        target forward after the verify rows (their caches advance too); returns their logits rows (chunk order,
+        each chunk's `logit_rows`), None without extra chunks."""
         if not seqs:
-            return
+            return self._forward_only(extra_chunks) if extra_chunks else None
         model, V = self.model, self.vocab_size
         dev = model.device
         t0 = time.perf_counter()
@@ -396,10 +399,13 @@ class SpecDecoder:
             l = int(lens[i])
             chunks.append(self.chunk_type(s.cache, flat_t[at:at + l + 1], l + 1))
             at += l + 1
+        n_verify = at
+        chunks += list(extra_chunks)
         out = model.forward_step(chunks)
         if getattr(model, "mtp", None) is not None and out.draft_features is not None:
             dspark.update_draft_keys(model, chunks, out.draft_features)
-        logits = out.logits.float()
+        extra_logits = out.logits[n_verify:] if extra_chunks else None
+        logits = out.logits[:n_verify].float()
 
         # grammar masks for every verify row (while the forward may still run on the device)
         t2 = time.perf_counter()
@@ -486,10 +492,18 @@ class SpecDecoder:
                 old = blocks[i]
                 b.prev_rates = rates[i, :old.tokens.numel()].clone() if old is not None else None
                 seqs[i].cache.extra["spec"] = b
-        if self.time_model is not None:
+        if self.time_model is not None and not extra_chunks:
             # forward time at this row count; everything else of the step (scheduling, masks, verification,
-            # drafting: DeepInfer's "sampler time", paid whatever the verify lengths) at this batch size
+            # drafting: DeepInfer's "sampler time", paid whatever the verify lengths) at this batch size (not
+            # observed when prefill chunks rode along: that forward's time is not a function of the verify rows)
             self.time_model.observe(R, int(counts.sum()), t2 - t1, time.perf_counter() - t0 - (t2 - t1))
+        return extra_logits
+
+    def _forward_only(self, chunks) -> torch.Tensor:
+        out = self.model.forward_step(list(chunks))
+        if getattr(self.model, "mtp", None) is not None and out.draft_features is not None:
+            dspark.update_draft_keys(self.model, list(chunks), out.draft_features)
+        return out.logits
 
     def _fill_one_by_one(self, seqs, constrained, drafts, errors):
         from deepinfer_sg.grammars import fill_masks

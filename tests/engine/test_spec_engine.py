@@ -297,3 +297,39 @@ def test_engine_speculation_with_constraints(big, constrained):
     assert [o.finish_reason for o in spec] == [o.finish_reason for o in plain]
     assert all(o.error is None for o in spec)
     assert eng.spec.stats.mean_accepted_length > 1.5
+
+
+def test_prefill_chunks_ride_along_in_the_speculative_forward(tiny):
+    """Requests still prefilling (a small token budget chunks the long prompt) while others decode
+    speculatively: one model forward per engine step, and the same tokens as the plain engine."""
+    from deepinfer_sg.engine.engine import EngineConfig, LLMEngine
+    from deepinfer_sg.engine.request import SamplingParams
+    prompts = [PROMPTS[0][:3], PROMPTS[1][:4], PROMPTS[2] * 3]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def outputs(speculative):
+        eng = LLMEngine(tiny, None, EngineConfig(speculative=speculative, eos_token_id=1, max_num_batched_tokens=12))
+        calls, forward = [], tiny.forward_step
+
+        def counted(chunks):
+            calls.append(len(chunks))
+            return forward(chunks)
+        ids = [eng.add_request(p, params) for p in prompts]
+        tiny.forward_step = counted
+        try:
+            mixed = 0
+            while eng.has_unfinished():
+                before = len(calls)
+                long_prefilling = eng.requests[ids[2]].num_pending > 1
+                others_decoding = all(eng.requests[i].output_token_ids for i in ids[:2])
+                eng.step()
+                assert len(calls) - before == 1, "a step ran more than one target forward"
+                mixed += long_prefilling and others_decoding
+        finally:
+            del tiny.forward_step
+        return [eng.output(i).token_ids for i in ids], mixed
+
+    plain, _ = outputs(None)
+    spec, mixed = outputs(SD.SpecConfig(n=3, schedule="sync", drafter="dspark", step_times=TABLE))
+    assert spec == plain
+    assert mixed > 0           # some steps really verified drafts and prefilled the long prompt together
