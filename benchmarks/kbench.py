@@ -112,18 +112,23 @@ def ceilings():
     return bw, tflops
 
 
-def rand_bitmask(rows, density=0.5):
-    bits = torch.rand(rows, W * 32, device=DEV) < density
+def rand_bitmask(rows, density=0.5, span=1):
+    """Each token allowed with probability `density`; span > 1 decides runs of `span` tokens together (real
+    grammar masks ban or allow whole ranges: most of the vocabulary in a structural JSON state)."""
+    bits = torch.rand(rows, -(-W * 32 // span), device=DEV) < density
+    bits = bits.repeat_interleave(span, dim=1)[:, :W * 32]
     packed = (bits.view(rows, W, 32).to(torch.int64) << torch.arange(32, device=DEV)).sum(-1)
     return ((packed + 2**31) % 2**32 - 2**31).to(torch.int32)
 
 
 def bitmask_floor(mask: torch.Tensor) -> int:
-    """Fewest bytes for masking fp32 logits in place: the mask, plus read + write of every 32-byte sector (8 tokens)
-    that holds a banned token (a partial-sector write makes the memory system fetch the sector first)."""
+    """Fewest bytes for masking fp32 logits in place: the mask, plus a write of every 32-byte sector (8 tokens) whose
+    tokens are all banned, plus read + write of every sector holding banned and allowed tokens (a partial-sector
+    write needs the sector's old bytes: the memory system fetches them first)."""
     R = mask.shape[0]
     bits = (mask.unsqueeze(-1) >> torch.arange(32, device=mask.device, dtype=torch.int32)) & 1
     banned = (bits.view(R, -1)[:, :V] == 0)
     pad = (-V) % 8
-    sectors = torch.nn.functional.pad(banned, (0, pad)).view(R, -1, 8).any(-1)
-    return mask.numel() * 4 + 2 * 32 * int(sectors.sum())
+    per_sector = torch.nn.functional.pad(banned, (0, pad)).view(R, -1, 8)
+    full, some = per_sector.all(-1), per_sector.any(-1)
+    return mask.numel() * 4 + 32 * int(full.sum()) + 2 * 32 * int((some & ~full).sum())

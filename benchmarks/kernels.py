@@ -108,14 +108,21 @@ def bench_bitmask(bw, l2, batches):
 
 
 def sweep_bitmask(bw, l2):
-    """Launch-parameter variants of the bitmask kernel."""
-    B = S(512, 3)
-    nxt = rotating(lambda: (torch.randn(B, kbench.V, device=kbench.DEV), rand_bitmask(B)), B * kbench.V * 4, l2)
-    floor = bitmask_floor(nxt()[1])
-    for block, warps in ((512, 8), (512, 16), (1024, 8), (1024, 16), (1024, 32), (2048, 16), (2048, 32),
-                         (4096, 32)):
-        t = time_ms(lambda: bm_mod.apply_token_bitmask_triton(*nxt(), block=block, num_warps=warps))
-        row("  sweep bitmask", f"B={B} block={block} warps={warps}", t, None, floor, bw)
+    """Launch-parameter variants of the bitmask kernel (adaptive=0: masked stores of the banned tokens only), and
+    three mask shapes: random half-density tokens, and runs of 4096 tokens mostly banned / mostly allowed."""
+    masks = {"random": lambda B: rand_bitmask(B),
+             "mostly banned": lambda B: rand_bitmask(B, density=0.05, span=4096),
+             "mostly allowed": lambda B: rand_bitmask(B, density=0.95, span=4096)}
+    for B in (S(64, 3), S(512, 3)):
+        for name, make in masks.items():
+            nxt = rotating(lambda: (torch.randn(B, kbench.V, device=kbench.DEV), make(B)), B * kbench.V * 4, l2)
+            floor = bitmask_floor(nxt()[1])
+            for block, warps in ((512, 8), (1024, 4), (1024, 8), (2048, 8)):
+                for adaptive in (False, True):
+                    t = time_ms(lambda: bm_mod.apply_token_bitmask_triton(*nxt(), block=block, num_warps=warps,
+                                                                          adaptive=adaptive))
+                    row("  sweep bitmask", f"B={B} {name} block={block} w={warps} adaptive={int(adaptive)}", t,
+                        None, floor, bw)
 
 
 def compile_check():

@@ -35,14 +35,15 @@ def test_twin_matches_hand_decoding(rows, vocab, width):
 @pytest.mark.parametrize("rows,vocab,width,dtype", [
     (7, 1000, 1000, torch.float32), (3, 4097, 4100, torch.float32), (5, 129, 129, torch.bfloat16),
     (2, 8200, 8200, torch.float16)])
-def test_triton_matches_twin_all_rows(rows, vocab, width, dtype):
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_triton_matches_twin_all_rows(rows, vocab, width, dtype, adaptive):
     gen = torch.Generator().manual_seed(vocab)
     bm = random_bitmask(rows, vocab, gen, density=0.3)
     logits = _logits(rows, width, gen, dtype)       # random values: an unwritten element keeps them and shows
     a, b = logits.clone(), logits.clone()
     apply_token_bitmask_torch(a, bm)
     b = on_dev(b)
-    apply_token_bitmask_triton(b, on_dev(bm), block=1024)
+    apply_token_bitmask_triton(b, on_dev(bm), block=1024, adaptive=adaptive)
     b = b.cpu()
     assert torch.equal(a, b)
     banned = torch.isinf(a[:, : min(width, 32 * bm.shape[1])]).float().mean()
@@ -110,3 +111,29 @@ def test_dispatch_uses_twin_on_cpu_and_validates():
         apply_token_bitmask_inplace(logits, bm.to(torch.int64))
     with pytest.raises(ValueError, match="bitmask has 1 rows"):
         apply_token_bitmask_inplace(logits, bm[:1])
+
+
+@pytest.mark.parametrize("block", [64, 1024])
+def test_adaptive_blocks_all_banned_all_allowed_and_mixed(block):
+    """The adaptive kernel's three block cases (nothing banned: untouched; all banned: written blind; mixed: read
+    and written whole), including a partial last block and logits wider than the mask (never touched)."""
+    gen = torch.Generator().manual_seed(block)
+    vocab, width = 3000, 3010
+    allowed = torch.rand(5, vocab, generator=gen) < 0.5
+    allowed[0] = False                                # every block banned
+    allowed[1] = True                                 # nothing banned
+    allowed[2, :1024] = False                         # a banned block, a mixed one, an allowed tail
+    allowed[2, 2048:] = True
+    allowed[3, :2048] = True                          # only the partial last block banned
+    allowed[3, 2048:] = False
+    bits = torch.nn.functional.pad(allowed, (0, (-vocab) % 32)).view(5, -1, 32).to(torch.int64)
+    packed = (bits << torch.arange(32)).sum(-1)
+    bm = ((packed + 2**31) % 2**32 - 2**31).to(torch.int32)
+    logits = _logits(5, width, gen, torch.float32)
+    a, b = logits.clone(), on_dev(logits.clone())
+    apply_token_bitmask_torch(a, bm)
+    apply_token_bitmask_triton(b, on_dev(bm), block=block, adaptive=True)
+    assert torch.equal(a, b.cpu())
+    # (columns vocab..32*W-1 follow the mask's zero pad bits; columns past 32*W are never touched)
+    assert torch.isinf(a[0, :vocab]).all() and not torch.isinf(a[1, :vocab]).any()
+    assert not torch.isinf(a[:, 32 * bm.shape[1]:]).any()
