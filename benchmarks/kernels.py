@@ -22,8 +22,9 @@ on the CPU (interpreter, tiny shapes) to check the script itself. Twins are time
 Last measured (NVIDIA H200, torch 2.11 / Triton 3.6, 2026-11-29, session 2, final defaults; copy 4,250 GB/s;
 each family's module docstring has its own rows and sweeps):
   kernel                 shape                                  triton us         roofline (of copy bandwidth)
-  bitmask                B=64 / 256 / 512, V=129280             23 / 86 / 170     67% / 73% / 74% (xgrammar 0.2.9's
-                                                                                  own kernel: 56% / 67% / 71%)
+  bitmask                B=64 / 256 / 512, V=129280             20.8 / 72 / 140   76% / 87% / 90% (xgrammar 0.2.9's
+                         (session 3: adaptive blocks)                                  own kernel: 55% / 66% / 71%)
+  bitmask by step        64 requests x 4 rows                   70.9              89%
   sample T=1             B=64 / 256                             13.7 / 37.7       57% / 83% (one read pass: 84% / 100%)
   sample T=0.7 + mask    B=64 / 256                             18.8 / 52.6       43% / 61%
   sample greedy          B=64 / 256                             11.6 / 33.5       67% / 93%
