@@ -125,8 +125,9 @@ def bench_ours(ours_c, schema, ids, mask, stats, engine):
 def best_of_3_compiles(compile_spec, schema, mask, stats, engine):
     """Best (fastest time-to-first-mask) of three compiles of `schema` (a fresh spec each time): records compile and
     ttfm for `engine`."""
-    best = None
+    best = m = None
     for _ in range(3):
+        m = None  # free the previous compile outside the timed window (as the raw side does)
         t0 = now()
         m = compile_spec(JsonSchema(schema, whitespace="compact")).matcher()
         t1 = now()
@@ -144,13 +145,22 @@ def bench_llguidance(schema, ids, lltok, ours_c, stats):
 
     from deepinfer_sg.grammars.schema_support import prepare
 
+    try:
+        from deepinfer_sg.grammars.schema_support import needs_prepare
+    except ImportError:  # an older checkout (--before runs): it rewrote every schema
+        def needs_prepare(schema):
+            return True
+
     mask = allocate_bitmask(1, VOCAB)
     ptr, nbytes = mask.data_ptr(), mask.shape[1] * 4
     opts = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
     oks = []
-    for engine, sch in (("raw llguidance", schema), ("raw llguidance, same grammar", prepare(schema))):
-        best = None
+    # what ours hands llguidance: the schema as given, or its exact rewrite when it has keywords that need one
+    same = prepare(schema) if needs_prepare(schema) else schema
+    for engine, sch in (("raw llguidance", schema), ("raw llguidance, same grammar", same)):
+        best = raw = None
         for _ in range(3):
+            raw = None  # free the previous matcher outside the timed window
             t0 = now()
             raw = LLMatcher(lltok, LLMatcher.grammar_from_json_schema(sch, overrides=opts), log_level=0)
             t1 = now()
@@ -160,6 +170,8 @@ def bench_llguidance(schema, ids, lltok, ours_c, stats):
         raw = LLMatcher(lltok, LLMatcher.grammar_from_json_schema(sch, overrides=opts), log_level=0)
         stats.add(engine, "compile", best[0])
         stats.add(engine, "ttfm", best[1])
+        if engine == "raw llguidance":
+            stats.add("split", "rewritten", same is not schema)  # one entry per schema, in compile-list order
         # A warm-up walk first (copies share the lexer, which builds its states lazily): the timed walks then
         # measure the per-token cost, not one-off lexer construction, for both sides.
         runs = []
@@ -249,6 +261,17 @@ def print_table(stats, counts):
             line += (f"{pct(f, 50):>10.1f}{pct(f, 99):>9.0f}{max(f):>10.0f}{statistics.fmean(f):>9.1f}{pct(acc, 50):>12.2f}"
                      f"{pct(rb, 50):>14.2f}")
         print(line)
+    rewritten = stats.get("split", "rewritten")
+    raw_c, ours_c = stats.get("raw llguidance, same grammar", "compile"), stats.get("ours/llguidance", "compile")
+    if rewritten and len(rewritten) == len(raw_c) == len(ours_c):
+        parts = []
+        for label, flag in (("handed to llguidance as given", False), ("rewritten first (schema_support.prepare)", True)):
+            r = [x for x, f in zip(raw_c, rewritten) if f == flag]
+            o = [x for x, f in zip(ours_c, rewritten) if f == flag]
+            if r:
+                parts.append(f"{len(r)} schemas {label}: p50 {pct(o, 50):.0f} vs {pct(r, 50):.0f} µs "
+                             f"({100 * (pct(o, 50) / pct(r, 50) - 1):+.1f}%)")
+        print("compile split, ours/llguidance vs raw llguidance on the same grammar: " + "; ".join(parts))
     for backend in ("llguidance", "xgrammar", "outlines"):
         base = "raw llguidance, same grammar" if backend == "llguidance" else f"raw {backend}"
         raw, ours = stats.get(base, "fill"), stats.get(f"ours/{backend}", "fill")
@@ -262,54 +285,122 @@ def print_table(stats, counts):
                   f"{100 * (pct(stats.get(f'ours/{backend}', 'compile'), 50) / pct(stats.get(base, 'compile'), 50) - 1):+.1f}%")
 
 
-def bench_batch(schemas_ids, ours_c, lltok, info, batch, k, reps=15):
-    """One engine step for `batch` sequences: masks now + after each of K drafts (B*(K+1) rows)."""
+def bench_batch(schemas_ids, ours_c, lltok, info, batch, k, reps=25):
+    """One engine step for `batch` sequences: masks now + after each of K drafts (B*(K+1) rows), then the no-draft step.
+
+    ours = fill_masks over matchers of a fresh compile per sequence (cache off, as in the rest of this benchmark),
+    raw = llguidance's LLExecutor on a fresh LLMatcher per sequence (each its own lexer). The diagnostic pair:
+    "ours, cached" = matchers of one compiled constraint per schema (what the compile cache gives an engine) and
+    "raw, copies" = LLExecutor on deep copies of one LLMatcher per schema: llguidance's copies share one lexer
+    behind one lock, so same-schema sequences may wait for each other. python only = the same calls with the
+    executor replaced by a no-op (the pure Python cost of each side: work lists, draft checks, error checks)."""
     import llguidance.torch as llt
-    from llguidance import LLExecutor, LLMatcher
+    from llguidance import LLMatcher
+
+    from deepinfer_sg.grammars import llguidance_matcher
 
     seqs = [(s, ids) for s, ids in schemas_ids if len(ids) > k + 2]
-    ours, raw, drafts = [], [], []
+    ours, raw, ours_cached, copies, drafts, per_schema = [], [], [], [], [], {}
     for i in range(batch):
         schema, ids = seqs[i % len(seqs)]
         pos = (i * 7) % (len(ids) - k)
         compiled = ours_c.compile(JsonSchema(schema, whitespace="compact"))
-        m = compiled.matcher()
-        r = LLMatcher(lltok, compiled.grammar, log_level=0)  # the very grammar ours runs: same mask work
-        for t in ids[:pos]:
-            m.accept(t)
-            r.consume_token(t)
-        ours.append(m)
-        raw.append(r)
+        shared = per_schema.get(i % len(seqs))
+        if shared is None:
+            shared = per_schema[i % len(seqs)] = (compiled, LLMatcher(lltok, compiled.grammar, log_level=0))
+        seq = [compiled.matcher(), LLMatcher(lltok, compiled.grammar, log_level=0),  # the very grammar ours runs
+               shared[0].matcher(), shared[1].deep_copy()]
+        for tok in ids[:pos]:
+            seq[0].accept(tok)
+            seq[1].consume_token(tok)
+            seq[2].accept(tok)
+            seq[3].consume_token(tok)
+        for side, m in zip((ours, raw, ours_cached, copies), seq):
+            side.append(m)
         drafts.append(ids[pos: pos + k])
     rows = batch * (k + 1)
     out = allocate_bitmask(rows, VOCAB)
-    executor = LLExecutor()
-    t_ours, t_raw = [], []
-    for _ in range(reps):
-        t0 = now(); fill_masks(ours, drafts, out=out); t1 = now()  # preallocated output, as an engine does
-        t_ours.append(t1 - t0)
-        t0 = now()
+    outb = allocate_bitmask(batch, VOCAB)
+    batcher = llguidance_matcher._executor()
+    # The raw side runs on the very thread pool ours uses: with two pools, each call would compete with the other
+    # pool's workers still spinning after the previous call (rayon spins before it sleeps), which skewed these rows
+    # by +-30% between runs.
+    executor = batcher.executor
+
+    def raw_drafts(ex, matchers):
         work = []  # the per-step work list any caller of the raw API builds (the batch changes every step)
-        for i, (r, d) in enumerate(zip(raw, drafts)):
+        for i, (r, d) in enumerate(zip(matchers, drafts)):
             n = r.validate_tokens(d)  # what any engine must do first: how many drafts are grammatical
             work.append((r, i * (k + 1), d[:n]))
-        llt.fill_next_token_bitmask_par_with_draft_tokens(executor, work, out)
-        t1 = now()
-        t_raw.append(t1 - t0)
-    line = (f"batch {batch:>4} x (1+{k} drafts) = {rows:>5} rows: ours fill_masks {pct(t_ours, 50) / 1000:7.2f} ms, "
-            f"raw llguidance LLExecutor {pct(t_raw, 50) / 1000:7.2f} ms  ({100 * (pct(t_ours, 50) / pct(t_raw, 50) - 1):+.1f}%)")
-    print(line)
-    # the no-draft step on the same sequences
-    outb = allocate_bitmask(batch, VOCAB)
-    t_ours0, t_raw0 = [], []
-    for _ in range(reps):
-        t0 = now(); fill_masks(ours, out=outb); t1 = now(); t_ours0.append(t1 - t0)
-        t0 = now()
-        llt.fill_next_token_bitmask_par(executor, [(r, i) for i, r in enumerate(raw)], outb)  # list: per step
-        t1 = now()
-        t_raw0.append(t1 - t0)
-    print(f"batch {batch:>4} no drafts: ours {pct(t_ours0, 50) / 1000:7.2f} ms, raw LLExecutor {pct(t_raw0, 50) / 1000:7.2f} ms "
-          f"({100 * (pct(t_ours0, 50) / pct(t_raw0, 50) - 1):+.1f}%)")
+        llt.fill_next_token_bitmask_par_with_draft_tokens(ex, work, out)
+
+    def raw_plain(ex, matchers):
+        llt.fill_next_token_bitmask_par(ex, [(r, i) for i, r in enumerate(matchers)], outb)  # list: per step
+
+    steps = {
+        "drafts": {"ours": lambda ex: fill_masks(ours, drafts, out=out),  # preallocated output, as an engine does
+                   "raw": lambda ex: raw_drafts(ex, raw),
+                   "ours, cached": lambda ex: fill_masks(ours_cached, drafts, out=out),
+                   "raw, copies": lambda ex: raw_drafts(ex, copies)},
+        "none": {"ours": lambda ex: fill_masks(ours, out=outb), "raw": lambda ex: raw_plain(ex, raw),
+                 "ours, cached": lambda ex: fill_masks(ours_cached, out=outb), "raw, copies": lambda ex: raw_plain(ex, copies)},
+    }
+
+    class NoOp:
+        def unsafe_compute_mask_ptr(self, *args):
+            pass
+
+        def unsafe_compute_mask_ptr_with_draft_token(self, *args):
+            pass
+
+    real = batcher.executor
+    for step, fns in steps.items():
+        times = {name: [] for name in fns}
+        names = list(fns)
+        for rep in range(reps if step == "drafts" else 4 * reps):  # interleaved: a busy moment hits every side alike
+            # and in a rotating order: no side always runs right after another (the pool's workers spin for a
+            # while after each call, so whoever comes next with less Python before its call starts warmer)
+            for name in names[rep % 4:] + names[:rep % 4]:
+                t0 = now(); fns[name](executor); t1 = now()
+                times[name].append(t1 - t0)
+        py = {name: [] for name in ("ours", "raw")}
+        batcher.executor = NoOp()
+        try:
+            for rep in range(4 * reps):
+                for name in ("ours", "raw") if rep % 2 else ("raw", "ours"):
+                    t0 = now(); fns[name](NoOp()); t1 = now()
+                    py[name].append(t1 - t0)
+        finally:
+            batcher.executor = real
+        o, r, oc, rc = (pct(times[x], 50) for x in ("ours", "raw", "ours, cached", "raw, copies"))
+        what = f"x (1+{k} drafts) = {rows:>5} rows" if step == "drafts" else "no drafts"
+        print(f"batch {batch:>4} {what}: ours {o / 1000:7.3f} ms, raw LLExecutor {r / 1000:7.3f} ms ({100 * (o / r - 1):+.1f}%)"
+              f"; python only: ours {pct(py['ours'], 50):.1f} µs, raw {pct(py['raw'], 50):.1f} µs; one template per schema: "
+              f"ours {oc / 1000:7.3f} ms, raw copies {rc / 1000:7.3f} ms ({100 * (oc / rc - 1):+.1f}%)")
+
+
+def compile_pieces(schemas):
+    """Medians over the schemas (best of 5 each) of the pieces of our compile beyond llguidance's own work."""
+    from llguidance import LLMatcher
+
+    from deepinfer_sg.grammars import schema_support
+    from deepinfer_sg.grammars.backend_llguidance import grammar_text, json_options
+
+    if not hasattr(schema_support, "scan"):
+        return
+    cols = collections.defaultdict(list)
+    for _, schema, _ in schemas:
+        spec = JsonSchema(schema, whitespace="compact")
+        opts = json_options(spec)
+        for name, fn in (("JsonSchema()", lambda: JsonSchema(schema, whitespace="compact")),
+                         ("scan()", lambda: schema_support.scan(schema)),
+                         ("llguidance grammar: ours (grammar_text)", lambda: grammar_text(spec)),
+                         ("raw (from the dict)", lambda: LLMatcher.grammar_from_json_schema(schema, overrides=opts))):
+            best = float("inf")
+            for _ in range(5):
+                t0 = now(); fn(); best = min(best, now() - t0)
+            cols[name].append(best)
+    print("compile pieces (µs, median over schemas of best of 5): " + ", ".join(f"{k} {pct(v, 50):.1f}" for k, v in cols.items()))
 
 
 def per_call_costs(ours_c):
@@ -368,8 +459,10 @@ def main(argv=None):
 
     info = tokenizer_info(ours_xgr.vocab)
     schemas = pick_schemas(args.schemas, lltok, args.data)
+    import deepinfer_sg.grammars as grammars_pkg
+
     print(f"{len(schemas)} MaskBench schemas, DeepSeek-V4 tokenizer ({VOCAB} logits), torch threads {torch.get_num_threads()}, "
-          f"{os.cpu_count()} CPUs")
+          f"{os.cpu_count()} CPUs; our code from {os.path.dirname(grammars_pkg.__file__)}")
     stats, counts = Stats(), collections.Counter()
     n_xgr = n_oc = 0
     schemas_ids = []
@@ -400,6 +493,7 @@ def main(argv=None):
             counts["ours/outlines"] += o is not None
     if not args.batch_only:
         report(stats, counts, t_start)
+        compile_pieces(schemas)
         per_call_costs(ours_llg)
     print()
     for b in args.batch:
@@ -424,6 +518,11 @@ class Tee:
 def report(stats, counts, t_start):
     print(f"(xgrammar / outlines-core ran on the first schemas under {SLOW_BACKEND_MAX_CHARS} characters: their "
           f"compiles of large schemas take minutes)")
+    print("(compile, ours: JsonSchema(schema) + ConstraintCompiler.compile() of a schema it has not compiled before "
+          "(cache off) -> a compiled constraint; raw llguidance: LLMatcher.grammar_from_json_schema(dict) + LLMatcher(); "
+          "'same grammar': raw llguidance given exactly the schema ours hands it; all best of 3, the previous result freed "
+          "before the clock starts. TTFM adds the matcher "
+          "and its first mask. fill/accept/rollback: per-token minimum over 2 timed walks after a warm-up walk)")
     print(f"(walks took {time.time() - t_start:.0f} s)")
     print_table(stats, counts)
 

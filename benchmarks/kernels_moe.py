@@ -26,6 +26,25 @@ Round 2 (H200; the defaults since: TMA loads, block_m = mean pairs rounded up, t
   hc post + next pre T=64 / 256     4.3 / 10.9 us (36% / 56%); block_h 256 x 2 warps 3.9 / 10.1 (the default)
 Not at 70%: the mHC mixes (latency-bound: a 8-step loop per partial program plus a 20-step Sinkhorn; 7-12%
 of bytes/bw, and 7% of max(launch floor, bytes/bw) at T=64) and the fp8 path at toy T=256 (50%).
+
+Session 3 (kept quantized experts: the loader keeps the checkpoint's FP4/FP8 routed experts as e4m3 + row scales
+(+ 1x32 block shifts when they cannot be folded into the values exactly), or as packed FP4):
+Round 1 (H200, copy 4249 GB/s), V4.1 shape, fp8 weights:
+  per-row scales                     T=64 / 256   2.14 / 3.31 ms   98% / 95% of the bytes
+  1x32 block shifts (R=1), fp16      T=64 / 256   3.23 / 4.88 ms   68% / 67%  (bk64 at T=64: 2.79 ms, 82%)
+  32x32 block shifts (R=32), fp16    T=64         2.35 ms          89%
+  1x32 block shifts, bf16 widening   T=64         4.03 ms          54%
+  packed FP4 decoded in registers    T=64 / 256   3.83 / 5.73 ms   30% / 29% of its (half) bytes: ALU-bound
+  -> the loader folds the shifts into the e4m3 values whenever exact (E2M1 values survive shifts <= 8: every
+     row of a checkpoint whose 1x32 group scales are within 2**8 of each other), so FP4 checkpoints take the
+     per-row path; unfoldable layers keep shifts (64-wide K tiles); packed FP4 stays an option, not the default.
+  mHC (sweep cut short by the MoE rows): default 14.7 us, partial pass 9.2, per-lane Sinkhorn 14.8 (no change:
+  the mixing launch is bound by its split-partial loads, not the Sinkhorn arithmetic).
+Round 2 (H200, copy 4273 GB/s; shifts now group-major and loaded through tensor descriptors):
+  kept fp8, folded row scales        V4.1 T=64    2.16 ms   93%   (toy T=64 / 256: 118 / 167 us, 79% / 57%)
+  kept fp8 + 1x32 shifts (bk64)      V4.1 T=64    2.50 ms   84%   (was 3.23 ms with per-row-major pointer loads)
+  kept packed FP4                    V4.1 T=64    3.71 ms   30% of its half bytes (slower than fp8: not default)
+  mHC T=64: wide split reduce + per-lane Sinkhorn 16.7 / 18.5 (mix_bt 4) / 15.8 us (8 warps, sc 64), default 14.7.
 """
 import math
 import time
@@ -39,7 +58,7 @@ from kbench import DEV, DRY, emit, rotating, row, S, time_ms
 
 T_IMPORT = time.time()
 FP8_COMPUTE = "fp16"     # fp8 weights widened to fp16 (one cvt) for the dot: set from the round-2 sweep
-SWEEP_S = 15.0           # the sweep stops adding variants this many seconds after import (round budget 70 s)
+SWEEP_S = 32.0           # the sweep stops adding variants this many seconds after import (round budget 75 s)
 
 TOY = dict(H=S(2048, 64), F=S(1024, 32), E=S(64, 4), K=S(6, 2))
 REAL = dict(H=S(5120, 64), F=S(2304, 48), E=S(384, 6), K=S(6, 2))
@@ -77,7 +96,7 @@ def moe_err(s, **kw):
 
 
 def bench_moe(bw, l2, batches):
-    for name, shp in (("toy", TOY), ("V4.1", REAL)):
+    for name, shp in (("V4.1", REAL), ("toy", TOY)):      # the real shape first (the numbers that matter)
         H, F, E, K = shp["H"], shp["F"], shp["E"], shp["K"]
         for T in batches:
             nxt = rotating(lambda: moe_inputs(T, H, F, E, K), 3 * E * F * H * 2, l2)
@@ -91,20 +110,38 @@ def bench_moe(bw, l2, batches):
             row("moe experts", f"{name} T={T} H={H} F={F} E={E} K={K}", t, tt, nbytes, bw,
                 f"{touched} experts touched; rel err {err:.1e}; block_m {moe.default_block_m(T, K, E)}")
             s = nxt = None
-            try:                                        # fp8 weights (1 byte), per-row scales, TMA loads
-                s, sc = fp8_inputs(T, H, F, E, K)
-                nb8, _ = moe_bytes(s)
-                nb8 += sum(x.numel() * 4 for x in sc)
-                kw8 = dict(scales=sc, tma=True, block_n=128, block_k=128, num_warps=8, fp8_compute=FP8_COMPUTE)
-                a = moe.moe_experts_triton(*s, **kw8).float()
+            try:        # the loader's kept experts: fp8 (1 byte) with the checkpoint's 1x32 block scales, and FP4
+                s, sc = fp8_inputs(T, H, F, E, K)       # packed as stored (half a byte), through moe_experts
+                nb8, touched = moe_bytes(s)
+                nbr = nb8 + sum(x.numel() * 4 for x in sc)
+                a = moe.moe_experts(*s, scales=sc).float()     # shifts folded into the values (the usual case)
                 b = moe.moe_experts_torch(*s, scales=sc).float()
                 err = float((a - b).norm() / b.norm())
-                t8 = time_ms(lambda: moe.moe_experts_triton(*s, **kw8))
-                row("  moe fp8 weights", f"{name} T={T}", t8, None, nb8, bw,
-                    f"rel err {err:.1e}; {FP8_COMPUTE} dots; {t / t8:.2f}x faster than bf16 weights")
+                tr = time_ms(lambda: moe.moe_experts(*s, scales=sc))
+                row("  moe kept fp8", f"{name} T={T}", tr, None, nbr, bw,
+                    f"rel err {err:.1e}; row scales (shifts folded); {t / tr:.2f}x faster than bf16 weights")
+                scales, shifts = block_scaled_inputs(s, 1)
+                nb8 += sum(x.numel() * 4 for x in sc) + sum(g.numel() for g in shifts)
+                tw8 = dict(scales=scales, shifts=shifts, shift_rows=1)
+                kw8 = dict(tw8, fp8_compute=FP8_COMPUTE)
+                a = moe.moe_experts(*s, **kw8).float()
+                b = moe.moe_experts_torch(*s, **tw8).float()
+                err = float((a - b).norm() / b.norm())
+                t8 = time_ms(lambda: moe.moe_experts(*s, **kw8))
+                row("  moe kept fp8 + shifts", f"{name} T={T}", t8, None, nb8, bw,
+                    f"rel err {err:.1e}; 1x32 block shifts (unfoldable layers); {t / t8:.2f}x faster than bf16")
+                s4 = s[:3] + tuple(torch.randint(0, 256, (w.shape[0], w.shape[1], w.shape[2] // 2), device=DEV,
+                                                 dtype=torch.uint8) for w in s[3:])
+                nb4 = nb8 - touched * 3 * F * H // 2
+                a = moe.moe_experts(*s4, **kw8).float()
+                b = moe.moe_experts_torch(*s4, **tw8).float()
+                err = float((a - b).norm() / b.norm())
+                t4 = time_ms(lambda: moe.moe_experts(*s4, **kw8))
+                row("  moe kept fp4 packed", f"{name} T={T}", t4, None, nb4, bw,
+                    f"rel err {err:.1e}; decoded in registers; {t / t4:.2f}x faster than bf16, {tr / t4:.2f}x fp8")
             except Exception as e:                      # noqa: BLE001
                 emit(f"  moe fp8 {name} T={T}: FAILED {type(e).__name__}: {str(e)[:300]}")
-            s = sc = a = b = None
+            s = s4 = sc = a = b = None
             if not DRY:
                 torch.cuda.empty_cache()
 
@@ -179,28 +216,118 @@ def _left():
     return SWEEP_S - (time.time() - T_IMPORT)
 
 
+def block_scaled_inputs(s, R):
+    """The fp8 weights of `s` with checkpoint-style block scales (what the loader keeps): row scale = the row's
+    largest block scale, random shifts 0..6 per (R rows x 32 columns) block (never all zero)."""
+    x, ids, wts, w1, w3, w2 = s
+    sc, sh = [], []
+    for w in (w1, w3, w2):
+        E, N, K = w.shape
+        g = torch.randint(0, 7, (E, -(-K // 32), -(-N // R)), device=DEV, dtype=torch.uint8)   # group-major
+        sc.append(torch.rand(E, N, device=DEV) * 0.02 + 0.005)
+        sh.append(g)
+    return tuple(sc), tuple(sh)
+
+
 def sweep(bw, l2):
     """Variants, most informative first; stops adding rows when the sweep's time is spent."""
     one, two = (1.0, 1.0) if DRY else launch_floor()
     emit(f"# launch floor (empty kernel in a CUDA graph): one launch {one * 1e3:.1f} us, two {two * 1e3:.1f} us")
-    # --- mHC (two launches unless fused=True): the partial pass alone, splits, mixing-kernel shape
+    # mHC at T=64 and 256 first (round 1 spent its time on the MoE), then MoE tiles for block-scaled / packed
+    # weights, while the sweep's time lasts
+    _sweep_hc(bw, l2, one, S((64, 256), (5,)))
+    _sweep_moe(bw, "tiles")
+
+
+def _sweep_moe(bw, which):
+    # --- MoE fp8 weights at the V4.1 shape: per-row scales (the old path) against the checkpoint's block scales
+    # (R=1: FP4 experts repacked to fp8, 1x32 groups; R=32: FP8 experts' 32x32 blocks), fp16 / bf16 widening
+    H, F, E, K = REAL["H"], REAL["F"], REAL["E"], REAL["K"]
+    base = dict(tma=True, block_n=128, block_k=128, num_warps=8, fp8_compute="fp16")
+    for T in S((64, 256), (5,)):
+        if _left() < 0:
+            emit("  sweep moe: stopped (time)")
+            return
+        if which == "main":
+            variants = [("per-row", dict()), ("R=1 fp16", dict(R=1)), ("fp4 packed R=1", dict(R=1, W4=True)),
+                        ("R=32 fp16", dict(R=32)), ("R=1 bf16", dict(R=1, fp8_compute="bf16"))][:5 if T <= 64 else 3]
+        elif T <= 64:       # shifts now group-major, through tensor descriptors (R=1) unless shift_tma=False
+            variants = [("per-row", dict()), ("R=1 bk64 shift-TMA", dict(R=1, block_k=64)),
+                        ("R=1 bk128 shift-TMA", dict(R=1)),
+                        ("fp4 packed bk128 shift-TMA", dict(R=1, W4=True)),
+                        ("fp4 packed bk64 shift-TMA", dict(R=1, W4=True, block_k=64)),
+                        ("R=1 bk64 shift pointers", dict(R=1, block_k=64, shift_tma=False)),
+                        ("R=32 bk64", dict(R=32, block_k=64)),
+                        ("fp4 packed bk128 bn64 w4", dict(R=1, W4=True, block_n=64, num_warps=4))]
+        else:
+            variants = [("R=1 bk64 shift-TMA", dict(R=1, block_k=64)), ("fp4 packed bk128 shift-TMA", dict(R=1, W4=True))]
+        s, sc = fp8_inputs(T, H, F, E, K)
+        nb8, touched = moe_bytes(s)
+        nb8 += sum(x.numel() * 4 for x in sc)
+        for label, v in variants:
+            if _left() < 0:
+                emit("  sweep moe: stopped (time)")
+                break
+            kw = dict(base, **v)
+            R = kw.pop("R", None)
+            w4 = kw.pop("W4", False)
+            scales, nb, si = sc, nb8, s
+            if R is not None:
+                scales, shifts = block_scaled_inputs(s, R)
+                kw.update(shifts=shifts, shift_rows=R)
+                nb = nb8 + sum(g.numel() for g in shifts)
+            if w4:                                       # packed FP4 bytes: half the weight bytes
+                si = s[:3] + tuple(torch.randint(0, 256, (w.shape[0], w.shape[1], w.shape[2] // 2), device=DEV,
+                                                 dtype=torch.uint8) for w in s[3:])
+                nb -= touched * 3 * F * H // 2
+            try:
+                a = moe.moe_experts_triton(*si, scales=scales, **kw).float()
+                b = moe.moe_experts_torch(*si, scales=scales, shifts=kw.get("shifts"), shift_rows=R or 1).float()
+                err = float((a - b).norm() / b.norm())
+                t = time_ms(lambda: moe.moe_experts_triton(*si, scales=scales, **kw))
+            except Exception as e:                      # noqa: BLE001 - one variant must not end the sweep
+                emit(f"  sweep moe fp8 V4.1 T={T} {label}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                continue
+            row("  sweep moe fp8", f"V4.1 T={T} {label}", t, None, nb, bw, f"err {err:.0e}")
+            a = b = None
+        s = sc = None
+        if not DRY:
+            torch.cuda.empty_cache()
+
+
+def _sweep_hc(bw, l2, one, batches):
+    # --- mHC (two launches unless fused=True): the partial pass alone, tiles, splits, pipelining
     M, H = 4, S(5120, 64)
     nz = (2 + M) * M
-    hc_vars = [dict(), dict(only_partial=True), dict(split=256), dict(split=256, only_partial=True),
-               dict(split=1024), dict(block_k=128), dict(split=256, block_k=128), dict(mix_bt=4),
-               dict(mix_bt=4, mix_warps=4), dict(mix_bt=2, mix_warps=2), dict(mix_bt=8, mix_warps=4), dict(parts=True),
-               dict(fused=True), dict(block_t=32), dict(sc=4)]
-    for T in S((64, 256), (5,)):
+    wide = dict(lanes=True, wide=True, mix_warps=4, sc=32)
+    P = dict(only_partial=True)
+    hc_vars = [dict(), dict(P), dict(wide), dict(wide, mix_bt=4), dict(wide, mix_warps=8, sc=64),
+               dict(P, block_t=64, split=128, block_k=128), dict(P, block_t=64, split=256, block_k=128),
+               dict(P, block_t=32, split=256, block_k=128), dict(P, block_t=16, split=256, block_k=128),
+               dict(P, block_t=16, split=128, block_k=64), dict(P, split=256),
+               dict(P, block_t=64, split=512, block_k=128, num_warps=8), dict(P, num_stages=2),
+               dict(P, num_stages=4), dict(P, fn_parts=True, block_t=64, split=256),
+               dict(wide, block_t=64, split=128, block_k=128), dict(wide, block_t=16, split=256, block_k=128),
+               dict(wide, block_t=64, split=128, block_k=128, mix_warps=8, sc=64),
+               dict(wide, split=256), dict(wide, fused=True), dict(wide, block_t=64, split=256, block_k=128, fused=True),
+               dict(lanes=True), dict(lanes=True, mix_bt=8)]
+    hc_vars_big = [dict(), dict(wide), dict(P), dict(P, block_t=64, split=256, block_k=128),
+                   dict(P, block_t=128, split=128, block_k=128, num_warps=8),
+                   dict(wide, block_t=128, split=128, block_k=128, num_warps=8, mix_warps=8, sc=64),
+                   dict(P, block_t=32, split=256, block_k=128), dict(P, block_t=64, split=512, block_k=128, num_warps=8),
+                   dict(wide, block_t=64, split=256, block_k=128), dict(wide, block_t=32, split=256, block_k=128),
+                   dict(wide, block_t=64, split=512, block_k=128, num_warps=8)]
+    for T in batches:
         nbytes = T * M * H * 2 + nz * M * H * 4
         nxt = rotating(lambda: hc_inputs(T, M, H), nbytes, l2)
         s = nxt()
         parts = hc_mix.split_fn_bf16(s[1])
-        for v in hc_vars:
+        for v in (hc_vars if T <= 64 else hc_vars_big):
             if _left() < 4:
                 emit("  sweep hc: stopped (time)")
                 break
             kw = dict(v)
-            if kw.pop("parts", False):
+            if kw.pop("fn_parts", False):
                 kw["fn_parts"] = parts
             try:
                 err = 0.0 if v.get("only_partial") else hc_err(s, **kw)
@@ -210,36 +337,13 @@ def sweep(bw, l2):
                 continue
             row("  sweep hc", f"T={T} {v}", t, None, nbytes, bw, f"err {err:.0e}; launch floor {one * 1e3:.1f} us")
     s = nxt = None
-    # --- MoE fp8 weights (toy shape: quick to time): widening dtype and tiles
-    H, F, E, K = TOY["H"], TOY["F"], TOY["E"], TOY["K"]
-    T = S(64, 5)
-    s, sc = fp8_inputs(T, H, F, E, K)
-    nb8, _ = moe_bytes(s)
-    nb8 += sum(x.numel() * 4 for x in sc)
-    for v in (dict(fp8_compute="bf16"), dict(fp8_compute="fp16"), dict(fp8_compute="fp16", block_k=256, block_n=64),
-              dict(fp8_compute="fp16", block_k=256, num_stages=4, block_n=64),
-              dict(fp8_compute="fp16", block_k=128, block_n=64, num_warps=4)):
-        if _left() < 0:
-            emit("  sweep moe: stopped (time)")
-            break
-        kw = dict(dict(scales=sc, tma=True, block_n=128, block_k=128, num_warps=8), **v)
-        try:
-            a = moe.moe_experts_triton(*s, **kw).float()
-            b = moe.moe_experts_torch(*s, scales=sc).float()
-            err = float((a - b).norm() / b.norm())
-            t = time_ms(lambda: moe.moe_experts_triton(*s, **kw))
-        except Exception as e:                          # noqa: BLE001
-            emit(f"  sweep moe fp8 {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
-            continue
-        row("  sweep moe fp8", f"toy T={T} {v}", t, None, nb8, bw, f"err {err:.0e}")
-    s = sc = a = b = None
 
 
 def compile_cases():
     """(name, kernel, extra pointer types, constexprs, warps) for kernels.py --compile-check."""
     desc_t = dict(w1_desc="constexpr", w3_desc="constexpr", w2_desc="constexpr")
-    hc = dict(M=4, NZP=32, PRECISION="ieee", UPCAST=False, ITERS=20, SC=16)
-    return [
+    hc = dict(M=4, NZP=32, PRECISION="ieee", UPCAST=False, ITERS=20, SC=16, LANES=False, WIDE=False)
+    cases = [
         ("moe align", moe._align_kernel, dict(ids_ptr="*i64", slot_pair_ptr="*i32", block_expert_ptr="*i32"),
          dict(BM=16, EP=64, CH=512), 4),
         ("moe gate/up pointers", moe._gate_up_kernel, dict(desc_t, slot_pair_ptr="*i32", block_expert_ptr="*i32"),
@@ -258,12 +362,95 @@ def compile_cases():
         ("moe down tma", moe._down_kernel, dict(y_ptr="*fp32", slot_pair_ptr="*i32", block_expert_ptr="*i32",
                                                 w2_desc="tensordesc<bf16[64,128]>"),
          dict(BM=16, BN=64, BK=128, F32=False, TMA=True, FP8=False), 4),
+        ("moe gate/up fp8 R=1", moe._gate_up_kernel, dict(slot_pair_ptr="*i32", block_expert_ptr="*i32",
+                                                         w1_desc="tensordesc<fp8e4nv[128,128]>",
+                                                         w3_desc="tensordesc<fp8e4nv[128,128]>", g1_ptr="*u8",
+                                                         g3_ptr="*u8"),
+         dict(BM=16, BN=128, BK=128, F32=False, TMA=True, FP8=True, CD=tl.float16, GS=True, GR=1), 8),
+        ("moe gate/up fp8 rows", moe._gate_up_kernel, dict(slot_pair_ptr="*i32", block_expert_ptr="*i32",
+                                                           w1_desc="tensordesc<fp8e4nv[128,128]>",
+                                                           w3_desc="tensordesc<fp8e4nv[128,128]>"),
+         dict(BM=16, BN=128, BK=128, F32=False, TMA=True, FP8=True, CD=tl.float16, GS=False, GR=1), 8),
+        ("moe down fp8 R=1", moe._down_kernel, dict(y_ptr="*fp32", slot_pair_ptr="*i32", block_expert_ptr="*i32",
+                                                    w2_desc="tensordesc<fp8e4nv[128,128]>", g2_ptr="*u8"),
+         dict(BM=16, BN=128, BK=128, F32=False, TMA=True, FP8=True, CD=tl.float16, GS=True, GR=1), 8),
+        ("moe gate/up fp8 R=1 gt", moe._gate_up_kernel, dict(slot_pair_ptr="*i32", block_expert_ptr="*i32",
+                                                            w1_desc="tensordesc<fp8e4nv[128,64]>",
+                                                            w3_desc="tensordesc<fp8e4nv[128,64]>", g1_ptr="*u8",
+                                                            g3_ptr="*u8", g1_desc="tensordesc<u8[2,128]>",
+                                                            g3_desc="tensordesc<u8[2,128]>"),
+         dict(BM=16, BN=128, BK=64, F32=False, TMA=True, FP8=True, CD=tl.float16, GS=True, GR=1, GT=True), 8),
+        ("moe down fp8 R=1 gt", moe._down_kernel, dict(y_ptr="*fp32", slot_pair_ptr="*i32", block_expert_ptr="*i32",
+                                                       w2_desc="tensordesc<fp8e4nv[128,64]>", g2_ptr="*u8",
+                                                       g2_desc="tensordesc<u8[2,128]>"),
+         dict(BM=16, BN=128, BK=64, F32=False, TMA=True, FP8=True, CD=tl.float16, GS=True, GR=1, GT=True), 8),
+        ("moe gate/up fp4 packed", moe._gate_up_kernel, dict(slot_pair_ptr="*i32", block_expert_ptr="*i32",
+                                                             w1_desc="tensordesc<u8[128,64]>",
+                                                             w3_desc="tensordesc<u8[128,64]>", g1_ptr="*u8",
+                                                             g3_ptr="*u8"),
+         dict(BM=16, BN=128, BK=128, F32=False, TMA=True, FP8=True, CD=tl.float16, GS=True, GR=1, W4=True), 8),
+        ("moe down fp4 packed", moe._down_kernel, dict(y_ptr="*fp32", slot_pair_ptr="*i32", block_expert_ptr="*i32",
+                                                       w2_desc="tensordesc<u8[128,64]>", g2_ptr="*u8"),
+         dict(BM=16, BN=128, BK=128, F32=False, TMA=True, FP8=True, CD=tl.float16, GS=True, GR=1, W4=True), 8),
         ("moe combine", moe._combine_kernel, dict(out_ptr="*bf16"), dict(K_TOP=6, BH=1024), 4),
         ("hc partial bf16x3", hc_mix._hc_partial_kernel, dict(r_ptr="*bf16", cnt_ptr="*i32"),
          dict(hc, BT=16, BK=64, SPLIT=512, MODE=1, FUSED=False), 4),
         ("hc fused bt64", hc_mix._hc_partial_kernel, dict(r_ptr="*bf16", cnt_ptr="*i32"),
          dict(hc, BT=64, BK=64, SPLIT=2048, MODE=1, FUSED=True), 8),
-        ("hc mix", hc_mix._hc_mix_kernel, {}, dict(M=4, NZP=32, BT=2, ITERS=20, SC=16), 1),
+        ("hc mix", hc_mix._hc_mix_kernel, {}, dict(M=4, NZP=32, BT=2, ITERS=20, SC=16, LANES=False, WIDE=False), 1),
+        ("hc mix lanes", hc_mix._hc_mix_kernel, {}, dict(M=4, NZP=32, BT=2, ITERS=20, SC=16, LANES=True, WIDE=False), 1),
+        ("hc mix lanes bt32", hc_mix._hc_mix_kernel, {}, dict(M=4, NZP=32, BT=32, ITERS=20, SC=16, LANES=True, WIDE=False), 1),
+        ("hc mix wide sc32 w4", hc_mix._hc_mix_kernel, {},
+         dict(M=4, NZP=32, BT=2, ITERS=20, SC=32, LANES=True, WIDE=True), 4),
+        ("hc fused lanes", hc_mix._hc_partial_kernel, dict(r_ptr="*bf16", cnt_ptr="*i32"),
+         dict(hc, BT=16, BK=64, SPLIT=512, MODE=1, FUSED=True, LANES=True), 4),
+        ("hc fused lanes wide", hc_mix._hc_partial_kernel, dict(r_ptr="*bf16", cnt_ptr="*i32"),
+         dict(hc, BT=16, BK=64, SPLIT=512, MODE=1, FUSED=True, LANES=True, WIDE=True), 4),
         ("hc post + pre", hc_mix._hc_post_kernel, dict(r_ptr="*bf16", y_ptr="*bf16", out_ptr="*bf16", x_ptr="*bf16"),
          dict(M=4, BH=512, PRE=True), 4),
     ]
+    # the grouped kernels' defaulted constexprs (block scales, packed FP4) must be given, or they become run-time
+    plain = dict(GS=False, GR=1, W4=False, GT=False)
+    descs = {moe._gate_up_kernel: dict(g1_desc=None, g3_desc=None), moe._down_kernel: dict(g2_desc=None)}
+    out = []
+    for n, k, x, c, w in cases:
+        if k in descs:                       # shift descriptors unused unless GT: constexpr None
+            c = dict(plain, **{d: v for d, v in descs[k].items() if d not in x}, **c)
+        out.append((n, k, x, c, w))
+    return out
+
+
+def quick_hc(seconds: float, bw: float = 4250.0):
+    """A short mHC tile sweep without the ceilings (bw: the copy bandwidth measured in the same round's main
+    run): the partial pass alone and whole, split over more programs, most informative first."""
+    global SWEEP_S, T_IMPORT
+    SWEEP_S, T_IMPORT = seconds + 4, time.time()
+    one, _ = (1.0, 1.0) if DRY else launch_floor()
+    M, H = 4, S(5120, 64)
+    nz = (2 + M) * M
+    P = dict(only_partial=True)
+    wide = dict(lanes=True, wide=True, mix_warps=8, sc=64)
+    for T, vs in ((S(64, 5), [dict(P, block_t=64, split=128, block_k=128), dict(P, split=256),
+                              dict(P, block_t=32, split=256, block_k=128), dict(P, block_t=64, split=256, block_k=128),
+                              dict(wide, split=256), dict(wide, block_t=64, split=128, block_k=128),
+                              dict(P, block_t=16, split=128, block_k=64), dict(P, num_stages=2)]),
+                  (S(256, 5), [dict(P), dict(P, block_t=64, split=256, block_k=128),
+                               dict(P, block_t=128, split=128, block_k=128, num_warps=8)])):
+        nbytes = T * M * H * 2 + nz * M * H * 4
+        nxt = rotating(lambda: hc_inputs(T, M, H), nbytes, 50 * 2**20)
+        for v in vs:
+            if _left() < 4:
+                emit("  quick hc: stopped (time)")
+                return
+            try:
+                err = 0.0 if v.get("only_partial") else hc_err(nxt(), **v)
+                t = time_ms(lambda: hc_mix.hc_mixes_triton(*nxt(), **v))
+            except Exception as e:                      # noqa: BLE001
+                emit(f"  quick hc T={T} {v}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                continue
+            row("  quick hc", f"T={T} {v}", t, None, nbytes, bw, f"err {err:.0e}; launch floor {one * 1e3:.1f} us")
+
+
+if __name__ == "__main__":          # python3 benchmarks/kernels_moe.py quick-hc SECONDS [--dry]
+    import sys
+    quick_hc(float(sys.argv[2]) if len(sys.argv) > 2 else 10.0)

@@ -6,24 +6,32 @@ shortest a one- or two-launch kernel can take), and a plain read pass over the s
 grid (one program per (row, 4096-token segment), a max per segment): the bandwidth a single read of the logits
 reaches at that shape. A sampling row's fraction of that read pass is its fraction of the achievable.
 
-H200 numbers (torch 2.11 / Triton 3.6; copy 4,275 GB/s; us, fraction of copy bandwidth):
+H200 numbers (torch 2.11 / Triton 3.6; copy 4,250 GB/s; us, fraction of copy bandwidth):
   floors                        empty launch 0.7, two launches 1.3; one read pass (max per 4096-token
-                                program) B=64 9.2 (84%), B=256 31.1 (100%)
-  before (session 1)            sample T=1 B=64 19 (41-45%), B=256 59 (53-59%); top-k50 p0.9 B=64 117.7;
-                                speculative accept 64 x 4 rows + probs 124 (31%)
-  round 1 (segment draw + lane scan + re-read, replaced): T=1 B=64 18.3 at 4 warps (42%), 12.6 at 2 warps
-                                (61%), 35.8 at 8 warps: latency-bound (~9 block reductions and a dependent
-                                re-read per program); greedy 13.5 (58%); top-k50 p0.9 115.9; spec 106.5
-  round 2 (per-lane draw, one block reduction per program; 2026-11-29):
-    sample T=1                  B=64: 13.7 at 2 warps (57%; 68% of the read-pass floor), 21.3 at 4 (36%), 45.1 at
-                                8; seg 8192 / 512 lanes at 4 warps 13.9 (56%); B=256 at 4 warps 68.6 (45%)
-    sample T=0.7 +mask (4 w)    B=64 24.3 (33%), B=256 78.4 (41%);  greedy (4 w) B=64 15.0 (52%)
-    top-k50 p0.9 B=64           112.5 = threshold 91.7 (hist 57.2, select 5.4, gather 16.8, tau 12.3) + pass
-    speculative accept (4 w)    119.2 (28% of logits once + p of rejecting rows; 32% of the old floor);
-                                with top-k50 p0.9 415 (thresholds on 256 rows)
-    Why warps matter: with 16-byte loads a warp covers 128 lanes; 2 warps hold a segment's 256 lanes, so each
-    lane's 16 tokens stay in one thread; at 4+ warps the lanes' tokens are split across warps and every per-lane
-    sum crosses warps (shared memory + barriers). Defaults are now 2 warps (round 3 confirms).
+                                program) B=64 9.1 (86%), B=256 30.5 (102%)
+  session 2 final (R3)          T=1 13.7 / 37.7 (57% / 83%); T=0.7 +mask 18.8 / 52.6; greedy 11.6 / 33.5;
+                                top-k50 p0.9 105 / 336; speculative accept 64 x 4 rows + probs 95
+  session 3 round 1 (2026-11-29; lane draw trimmed to ~3 instructions per token, ex2.approx.ftz; top-k rows
+  with 0 < k <= 64 on the new candidate path, before its stores went through inline PTX):
+    sample T=1 / greedy / T=0.7 +mask   B=64 12.1 / 11.4 / 16.6 (64% / 68% / 49%); B=256 34.5 / 33.5 / 45.4
+                                (90% / 93% / 71%); persistent P=1..4 programs per SM never faster (B=64 T=1
+                                21.8 / 14.0 / 13.8 / 12.5), one launch 13.3, 4 warps 18.8
+    top-k50 p0.9                B=64 67.6, B=256 184.8 (cand pass 31.6 / 108.5 of it: a [256, 16] layout
+                                conversion for the data-dependent candidate stores; merge 12.4 / 16.9;
+                                histogram kernels that only skip rows 12.2 / 23.8)
+    speculative accept          100.1 = expand 3.0 + thresholds that exit at once 29.6 + stats 39.9 + accept
+                                6.8 + residual 8.9 + finish 1.9 (the callers' host-known flags now skip the
+                                threshold launches)
+  round 2 (candidate stores through inline PTX, value bisection in the merge, vectorised ratio test):
+    sample T=1 / greedy / T=0.7 +mask   B=64 12.5 / 11.7 / 16.8, B=256 35.5 / 34.4 / 44.9 with the in-lane pick
+                                moved to the finish (late=True): no gain over the pick in the pass (12.2 / 35.1;
+                                mask 16.6 / 45.6), so the pass keeps it; ~2.5 us over the read-pass floor at B=64
+                                is latency (the last segments' loads land at the end of the read), not issue
+    top-k50 p0.9                B=64 48.1 (cand pass 25.1 + merge 12.3 + pass with tau + finish), B=256 138.3;
+                                the draw inside the merge (draw=True) 49.0 / 138.6: not kept
+    top-p0.95 (peaked rows)     B=64 69.0, B=256 191.2 (was 111 / 344: top-p alone now tries the 64 largest)
+    speculative accept          56.8 = expand 3.0 + thresholds 1.0 (host-known: none) + stats 37.9 + accept 4.8
+                                + residual 8.4 + finish 1.7 (55% of the floor)
 """
 import torch
 import triton
@@ -57,7 +65,8 @@ def bench_sampling(bw, l2, batches):
             nxt = rotating(lambda: (gen_rows(B), rand_bitmask(B) if masked else None), B * V * 4, l2)
             x, m = nxt()
             flt = kw["top_k"] > 0 or kw["top_p"] < 1         # known on the host, as sample_from_logits knows it
-            a = sampling.sample_triton(x, p, m, filters=flt)
+            hist = flt and not 0 < kw["top_k"] <= threshold.KMAX  # likewise: does a row need the histogram path
+            a = sampling.sample_triton(x, p, m, filters=flt, histogram=hist)
             b = sampling.sample_torch(x, p, m)
             note = f"tokens equal to twin: {float((a == b).float().mean()):.1%}"
             if flt:
@@ -68,7 +77,8 @@ def bench_sampling(bw, l2, batches):
                 fast = path > 0
                 cands = float(path[fast].float().mean()) if bool(fast.any()) else 0.0
                 note += f"; tau equal {tau_ok:.0%}; fast path {int(fast.sum())}/{B} rows, {cands:.0f} candidates"
-            t = time_ms(lambda: sampling.sample_triton(*(lambda s: (s[0], p, s[1]))(nxt()), filters=flt))
+            t = time_ms(lambda: sampling.sample_triton(*(lambda s: (s[0], p, s[1]))(nxt()), filters=flt,
+                                                       histogram=hist))
             tt = time_ms(lambda: sampling.sample_torch(*(lambda s: (s[0], p, s[1]))(nxt())), graph=False)
             row(name, f"B={B} V={V}", t, tt, B * V * 4 + (B * W * 4 if masked else 0), bw, note)
 
@@ -87,17 +97,20 @@ def bench_speculative(bw, l2):
     x, pr, d = nxt()
     # per-request tensors already on the device: nothing is copied from the host inside a CUDA-graph capture
     for label, top_k, top_p in (("probs", 0, 1.0), ("probs top-k50 p0.9", 50, 0.9)):
+        # what the caller knows on the host (the engine does): whether any request filters, and how
+        flags = dict(filters=top_k > 0 or top_p < 1, histogram=top_p < 1 and not 0 < top_k <= threshold.KMAX)
         kw = dict(temperature=torch.ones(B, device=DEV), top_k=torch.full((B,), top_k, dtype=torch.int64, device=DEV),
                   top_p=torch.full((B,), top_p, device=DEV), seed=torch.arange(B, device=DEV),
                   position=torch.arange(B, device=DEV))
-        a = speculative.speculative_accept(x, cu, d, pr, backend="triton", **kw)
+        a = speculative.speculative_accept(x, cu, d, pr, backend="triton", **kw, **flags)
         b = speculative.speculative_accept(x, cu, d, pr, backend="torch", **kw)
         agree = float((a.tokens == b.tokens).float().mean())
         acc = float(a.num_accepted.float().mean())
 
         def run(backend):
             s = nxt()
-            return speculative.speculative_accept(s[0], cu, s[2], s[1], backend=backend, **kw)
+            return speculative.speculative_accept(s[0], cu, s[2], s[1], backend=backend, **kw,
+                                                  **(flags if backend == "triton" else {}))
         t = time_ms(lambda: run("triton"))
         tt = time_ms(lambda: run("torch"), graph=False)
         # floor: every logits row once + the draft probabilities of the rows that need a residual (one per
@@ -141,43 +154,88 @@ def floors(bw, l2, batches):
 
 # ---------------------------------------------------------------------------------------------- sweep
 def sweep(bw, l2):
-    """Launch-parameter and layout variants of the sampling pass (segment, lanes, warps: other segment/lane
-    values draw other tokens, so these rows time the layouts only), the one-launch variant, masks, the floors and
-    the threshold stages. Round 1 (2026-11-29, segment draw with a lane scan + re-read, since replaced) and the
-    previous per-token Gumbel pass measured 18.3 / ~19 us at B=64."""
+    """Variants of the sampling pass (one program per (row, segment) vs the persistent pass with P programs per
+    SM that prefetches its next item; warps; one launch), for plain, greedy and masked rows, each checked against
+    the twin once; the floors; the speculative step's stages. Other segment/lane values draw other tokens, so
+    those rows time the layouts only."""
     batches = S([64, 256], [3])
     floors(bw, l2, batches)
+    cases = (("T=1", 1.0, False), ("greedy", 0.0, False), ("T=0.7 +mask", 0.7, True))
     for B in batches:
-        p = sampling.row_params(B, DEV, 1.0, 0, 1.0, seed=torch.arange(B, device=DEV), position=0)
-        nxt = rotating(lambda: torch.randn(B, V, device=DEV), B * V * 4, l2)
-        layouts = ((4096, 256, 4), (4096, 256, 8), (4096, 256, 2), (8192, 512, 4))
-        for seg, lanes, warps in layouts if B == batches[0] else layouts[:2]:
-            t = time_ms(lambda: sampling.sample_triton(nxt(), p, seg=seg, lanes=lanes, num_warps=warps,
-                                                       filters=False))
-            row("  sweep sample", f"B={B} seg={seg} lanes={lanes} w={warps}", t, None, B * V * 4, bw)
-        if B == batches[0]:
-            t = time_ms(lambda: sampling.sample_triton(nxt(), p, filters=False, one_launch=True))
-            row("  sweep sample 1-launch", f"B={B} seg=4096 lanes=256 w=4", t, None, B * V * 4, bw)
-        pm = sampling.row_params(B, DEV, 0.7, 0, 1.0, seed=torch.arange(B, device=DEV), position=0)
-        nxm = rotating(lambda: (torch.randn(B, V, device=DEV), rand_bitmask(B)), B * V * 4, l2)
-        t = time_ms(lambda: sampling.sample_triton(*(lambda s: (s[0], pm, s[1]))(nxm()), filters=False))
-        row("  sweep sample +mask", f"B={B} seg=4096 lanes=256 w=4", t, None, B * V * 4 + B * W * 4, bw)
+        for label, temp, masked in cases:
+            p = sampling.row_params(B, DEV, temp, 0, 1.0, seed=torch.arange(B, device=DEV), position=0)
+            nxt = rotating(lambda: (torch.randn(B, V, device=DEV) * 3, rand_bitmask(B) if masked else None),
+                           B * V * 4, l2)
+            nbytes = B * V * 4 + (B * W * 4 if masked else 0)
+            x, m = nxt()
+            want = sampling.sample_torch(x, p, m)
+            # round 1 (2026-11-29, this pass): persistent P=1/2/3/4 programs per SM never beat one program per
+            # item (B=64 T=1: 21.8/14.0/13.8/12.5 vs 12.1 us; B=256: 35.4 vs 34.5); one launch 13.3; 4 warps 18.8
+            variants = [("w=2 late pick", dict())]
+            if label != "greedy":
+                variants += [("w=2 pick in pass", dict(late=False))]
+            if label == "T=1" and B == batches[0]:
+                variants += [("persist P=4", dict(persistent=4)), ("1-launch w=2", dict(one_launch=True))]
+            for vname, kw in variants:
+                got = sampling.sample_triton(x, p, m, filters=False, **kw)
+                same = float((got == want).float().mean())
+                t = time_ms(lambda: sampling.sample_triton(*(lambda s: (s[0], p, s[1]))(nxt()), filters=False, **kw))
+                row(f"  sweep {label}", f"B={B} {vname}", t, None, nbytes, bw, f"equal to twin {same:.1%}")
     sweep_threshold(bw, l2)
+    sweep_speculative(bw, l2)
+
+
+def sweep_speculative(bw, l2):
+    """The speculative step's launches timed cumulatively (stages), to split its time."""
+    B, L = S(64, 3), 4
+    R = B * L
+    cu = torch.arange(B + 1, device=DEV) * L
+
+    def make():
+        logits = torch.randn(R, V, device=DEV) * 2
+        probs = torch.softmax(logits + 0.3 * torch.randn_like(logits), 1)
+        return logits, probs, torch.multinomial(probs, 1)[:, 0]
+    nxt = rotating(make, 2 * R * V * 4, l2)
+    req = sampling.row_params(B, DEV, torch.ones(B, device=DEV), torch.zeros(B, dtype=torch.int64, device=DEV),
+                              torch.ones(B, device=DEV), torch.arange(B, device=DEV), torch.arange(B, device=DEV))
+    seed, pos = torch.arange(B, device=DEV), torch.arange(B, device=DEV)
+    prev = 0.0
+    for stages, label in ((1, "expand"), (5, "+thresholds"), (6, "+stats"), (7, "+accept"), (8, "+residual"),
+                          (9, "+finish")):
+        def run():
+            s = nxt()
+            return speculative._accept_triton(s[0], cu, s[2], s[1], req, seed, pos, None, None, stages=stages,
+                                              filters=False)
+        t = time_ms(run)
+        row("  sweep spec", f"B={B}x{L} {label}", t, None, R * V * 4, bw, f"stage {(t - prev) * 1e3:.1f} us")
+        prev = t
 
 
 def sweep_threshold(bw, l2):
-    """The top-k/top-p threshold kernels alone (hist + select + gather + tau), to split a filtered row's time."""
-    B = S(64, 3)
-    p = sampling.row_params(B, DEV, 1.0, 50, 0.9, seed=torch.arange(B, device=DEV), position=0)
-    nxt = rotating(lambda: torch.randn(B, V, device=DEV) * 3, B * V * 4, l2)
-    prev = 0.0
-    for stages, label in ((1, "hist"), (2, "+select"), (3, "+gather"), (4, "+tau")):
-        t = time_ms(lambda: threshold.thresholds_and_paths(nxt(), p, None, None, stages=stages))
-        row("  sweep threshold", f"B={B} top-k50 p0.9 {label}", t, None, B * V * 4, bw,
-            f"stage {(t - prev) * 1e3:.1f} us")
-        prev = t
-    t = time_ms(lambda: threshold.thresholds_and_paths(nxt(), p, None, None, tau_warps=2))
-    row("  sweep threshold", f"B={B} top-k50 p0.9 tau warps=2", t, None, B * V * 4, bw)
+    """Top-k sampling by stages: the candidate pass, + its merge (tau), + the merge's draw, the whole sampling call
+    with the draw in the merge (default) and with the sampling pass drawing (draw=False), at B=64 and 256
+    (top-k50 p0.9 and top-k50 alone, flat rows)."""
+    for B in S([64, 256], [3]):
+        for k, top_p in ((50, 0.9), (50, 1.0)):
+            p = sampling.row_params(B, DEV, 1.0, k, top_p, seed=torch.arange(B, device=DEV), position=0)
+            nxt = rotating(lambda: torch.randn(B, V, device=DEV) * 3, B * V * 4, l2)
+            x = nxt()
+            want = sampling.sample_torch(x, p)
+            prev = 0.0
+            label = f"top-k{k} p{top_p}"
+            if top_p < 1:
+                for stages, draw, name in ((1, None, "cand pass"), (2, None, "+merge"), (2, (4096, 256), "+draw")):
+                    t = time_ms(lambda: threshold.thresholds_and_paths(nxt(), p, None, None, stages=stages,
+                                                                       histogram=False, draw=draw))
+                    row("  sweep threshold", f"B={B} {label} {name}", t, None, B * V * 4, bw,
+                        f"stage {(t - prev) * 1e3:.1f} us")
+                    prev = t
+            for draw in (True, False):
+                same = float((sampling.sample_triton(x, p, filters=True, histogram=False, draw=draw) == want)
+                             .float().mean())
+                t = time_ms(lambda: sampling.sample_triton(nxt(), p, filters=True, histogram=False, draw=draw))
+                row("  sweep top-k sample", f"B={B} {label} draw={'merge' if draw else 'pass'}", t, None,
+                    B * V * 4, bw, f"equal to twin {same:.1%}")
 
 
 def compile_cases():
@@ -186,6 +244,14 @@ def compile_cases():
     return [
         ("sample segment w8", sampling._segment_kernel, seg_types, dict(HAS_MASK=False, HAS_TAU=False, LANES=256,
                                                                         LW=16, ONE_LAUNCH=False, NCP=32, FAST=True), 8),
+        ("topk cand pass", threshold._cand_kernel, {"cnt_ptr": "*i32", "cid_ptr": "*i32", "greedy_ptr": "*i8"},
+         dict(HAS_MASK=True, LANES=256, LW=16, CAND=128, KMAX=64, STEPS=8, IDS=True, FAST=True), 2),
+        ("topk merge + draw", threshold._cand_tau_kernel, {"cnt_ptr": "*i32", "cid_ptr": "*i32", "path_ptr": "*i32",
+                                                           "sid_ptr": "*i32", "tok_ptr": "*i32", "greedy_ptr": "*i8"},
+         dict(HAS_MASK=True, NCP=32, CAND=128, KMAX=64, KP=128, JB=32, BLOCK=1024, DRAW=True, KD=64, SEG=4096,
+              LANES=256, FAST=True), 8),
+        ("sample persistent", sampling._segment_loop_kernel, {"greedy_ptr": "*i1"},
+         dict(HAS_MASK=True, HAS_TAU=True, LANES=256, LW=16, FAST=True), 2),
         ("threshold hist", threshold._hist_kernel, {}, dict(HAS_MASK=True, CHUNK=4096, NB=512, INV_W=32.0,
                                                             BIN_LIMIT=1 << 24), 8),
         ("threshold select", threshold._select_kernel, {}, dict(NCP=32, NB=512, INV_W=32.0, BIN_LIMIT=1 << 24,
@@ -200,8 +266,8 @@ def compile_cases():
         ("spec stats pass", speculative._stats_kernel, {"last_ptr": "*i8", "pack_ptr": "*i64"}, dict(HAS_MASK=True, LANES=256, LW=16,
                                                                                           FAST=True),
          4),
-        ("spec accept", speculative._accept_kernel, {"final_ptr": "*i64", "pack_ptr": "*i64"}, dict(HAS_MASK=True, HAS_PROBS=True,
-                                                                                NCP=32), 1),
+        ("spec accept", speculative._accept_kernel, {"final_ptr": "*i64", "pack_ptr": "*i64"},
+         dict(HAS_MASK=True, HAS_PROBS=True, NCP=32, NR=8), 1),
         ("spec residual pass", speculative._residual_kernel, {}, dict(HAS_MASK=True, HAS_PROBS=True, LANES=256,
                                                                       LW=16, FAST=True), 4),
     ]

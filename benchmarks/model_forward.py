@@ -5,13 +5,23 @@
     python benchmarks/model_forward.py --checkpoint DIR --device cuda --dtype bf16   # a write_checkpoint folder
 
 Per batch size: one prefill step (every sequence's random prompt), then `--decode` timed decode steps (after
-`--warmup` untimed ones) twice from the same caches: first the per-sequence reference path
+`--warmup` untimed ones; the median step is reported) per path from the same caches: first the per-sequence reference path
 (`model.fast_decode = False`), then, after rolling the caches back, the batched fast path with the kernels
 (`fast_decode = True`) fed the same tokens, so the two runs do the same work and their logits are compared
-(max |diff| / max |logit|). Printed per path: step time, tokens/s, the bytes one step must read (dense weights
+(max |diff| / max |logit|); then the same fast path with its dense segments as CUDA graphs (`cuda_graphs = True`,
+engine/step_graphs.py; the first warm-up step at a batch size runs eager, the second captures) compared with the
+eager fast path (max |diff|: "exact" when bit for bit equal); with --fused-mhc also the graphs path with the fused
+mHC kernels ("fused", compared with the reference). Printed per path: step time, tokens/s, the bytes one step must read (dense weights
 + the routed experts hit in that step + the KV caches) and the roofline = measured read bandwidth / bytes per
 step, i.e. the speed of a perfect memory-bound implementation; plus the fast path's speed-up.
 With OUT set, the table is also written to $OUT/model_forward.txt.
+
+`--profile` then looks at where one fast decode step's time goes, per batch size (fresh caches, after warm-up):
+host time (until forward_step returns) vs the whole step (after a device sync), the device's kernel busy time, the
+number of kernel launches, graph launches, host->device copies and synchronizations (torch.profiler, CPU + CUDA
+activity; tables sorted by self CPU time in $OUT/profile_B<batch>.txt), the synchronizing calls that
+`torch.cuda.set_sync_debug_mode("warn")` reports (with the Python line), and a cProfile of 3 steps
+($OUT/cprofile_B<batch>.txt).
 
 Random weights are built on the target device (no CPU-side init); Engram tables, which live on the host by
 design, are tiled from a small random block so building them stays fast.
@@ -19,8 +29,14 @@ design, are tiled from a small random block so building them stays fast.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import collections
+import io
 import os
+import pstats
+import statistics
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -137,7 +153,7 @@ def weight_bytes(model: Model) -> tuple[int, list[int]]:
 
 
 def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, warmup):
-    """Run the given token steps; -> (mean timed step s, mean bytes per step, logits of every step)."""
+    """Run the given token steps; -> (median timed step s, mean bytes per step, logits of every step)."""
     times, bytes_, logits = [], [], []
     for s, toks in enumerate(toks_per_step):
         counter.ids.clear(); _sync(dev)
@@ -150,7 +166,7 @@ def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, wa
             times.append(dt)
             bytes_.append(dense + sum(n * per_expert[i] for i, n in counter.hits().items())
                           + sum(c.nbytes() for c in caches))
-    return sum(times) / len(times), sum(bytes_) / len(bytes_), logits
+    return statistics.median(times), sum(bytes_) / len(bytes_), logits   # median: robust to a stray slow step
 
 
 def run(args):
@@ -171,9 +187,9 @@ def run(args):
         f"config {args.checkpoint or args.config}{' (no engram)' if args.no_engram else ''}: "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params, built in {build_s:.1f} s; "
         f"measured read bandwidth {bw / 1e9:.1f} GB/s; prompt {args.prompt}, {args.decode} timed decode steps "
-        f"after {args.warmup} warm-up")
+        f"after {args.warmup} warm-up; engine code in {Path(__import__('deepinfer_sg.engine.model').engine.model.__file__).parent}")
     say(f"{'phase':8} {'path':9} {'batch':>5} {'step ms':>9} {'tok/s':>9} {'MB/step':>9} {'roof tok/s':>11} "
-        f"{'of roof':>8} {'speed-up':>8} {'max rel diff':>12}")
+        f"{'of roof':>8} {'speed-up':>8} {'diff':>12}")
     g = torch.Generator().manual_seed(0)
     for B in args.batches:
         caches = [model.new_cache() for _ in range(B)]
@@ -185,27 +201,164 @@ def run(args):
         say(f"{'prefill':8} {'reference':9} {B:5d} {dt * 1e3:9.1f} {B * args.prompt / dt:9.1f}")
         toks = [torch.randint(0, V, (B,), generator=g).to(dev) for _ in range(steps)]
         results = {}
-        paths = ["fast"] if args.skip_reference else ["reference", "fast"]
+        has_graphs = hasattr(model, "cuda_graphs")
+        ref = not args.skip_reference and (args.reference_max_batch is None or B <= args.reference_max_batch)
+        paths = (["reference"] if ref else []) + ["fast"] + (["graphs"] if has_graphs else [])
+        if args.fused_mhc and hasattr(model, "fused_mhc"):
+            paths.append("fused")
         for path in paths:
-            model.fast_decode = path == "fast"
-            step_s, sb, logits = decode_run(model, caches, toks, dev, counter, dense, per_expert, args.warmup)
+            model.fast_decode = path != "reference"
+            if has_graphs:
+                model.cuda_graphs = path in ("graphs", "fused")
+            if hasattr(model, "fused_mhc"):
+                model.fused_mhc = path == "fused"
+            try:
+                step_s, sb, logits = decode_run(model, caches, toks, dev, counter, dense, per_expert, args.warmup)
+            except Exception as e:   # (the graphs path is last: report, then go on eager)
+                import traceback
+                say(f"{'decode':8} {path:9} {B:5d} FAILED: {e!r}")
+                _out_file(f"failed_{path}_B{B}.txt", traceback.format_exc())
+                if has_graphs:
+                    model.cuda_graphs = False
+                break
             for c in caches:
                 c.rollback(steps)
-            results[path] = (step_s, logits)
+            if path in ("graphs", "fused") and "fast" in results:
+                sb = results["fast"][2]   # graph replays run no Python hooks: the eager run's expert count (same tokens)
+            results[path] = (step_s, logits, sb)
             roof = B * bw / sb
             diff = ""
             speed = ""
-            if path == "fast" and "reference" in results:
-                ref_s, ref_logits = results["reference"]
-                d = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-                        for a, b in zip(logits, ref_logits))
-                diff = f"{d:12.2e}"
-                speed = f"{ref_s / step_s:7.1f}x"
+            # fast vs reference: relative (bf16 round-off can flip MoE routes); graphs vs fast: must be exactly 0
+            against = {"fast": "reference", "graphs": "fast", "fused": "reference"}.get(path)
+            if against in results:
+                ref_s, ref_logits, _ = results[against]
+                if path == "graphs":
+                    d = max((a - b).abs().max().item() for a, b in zip(logits, ref_logits))
+                    diff = f"abs {d:.1e}" if d else "exact"
+                else:
+                    d = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+                            for a, b in zip(logits, ref_logits))
+                    diff = f"{d:12.2e}"
+                speed = f"{results.get('reference', results['fast'])[0] / step_s:7.1f}x"
             say(f"{'decode':8} {path:9} {B:5d} {step_s * 1e3:9.2f} {B / step_s:9.1f} {sb / 1e6:9.1f} {roof:11.1f} "
                 f"{B / step_s / roof:8.1%} {speed:>8} {diff:>12}")
         model.fast_decode = True
+        if hasattr(model, "fused_mhc"):
+            model.fused_mhc = False
         del caches
+    if args.profile:
+        modes = ["graphs"] if hasattr(model, "cuda_graphs") else ["fast"]
+        for mode in modes:
+            if hasattr(model, "cuda_graphs"):
+                model.cuda_graphs = mode == "graphs"
+            for B in args.batches:
+                profile_fast(model, B, args, dev, mode)
     say(f"total {time.perf_counter() - t0:.1f} s")
+
+
+# ------------------------------------------------------------------------------------------------ --profile
+_LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel")
+_SYNC = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaStreamWaitEvent")
+
+
+def _out_file(name: str, text: str) -> None:
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
+        (Path(os.environ["OUT"]) / name).write_text(text)
+
+
+def profile_fast(model: Model, B: int, args, dev: torch.device, label: str = "fast") -> None:
+    """Where the time of one fast decode step goes at batch B (module docstring). Fresh caches, own prompt."""
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    caches = [model.new_cache() for _ in range(B)]
+    model.fast_decode = True
+    model.forward_step([StepChunk(c, torch.randint(0, V, (args.prompt,), generator=g).to(dev), 1) for c in caches])
+
+    def step():
+        toks = torch.randint(0, V, (B,), generator=g).to(dev)
+        return model.forward_step([StepChunk(c, toks[b:b + 1], 1) for b, c in enumerate(caches)])
+
+    for _ in range(args.warmup + 1):
+        step()
+    _sync(dev)
+    host, whole = [], []
+    for _ in range(3):
+        _sync(dev)
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        _sync(dev)
+        host.append(t1 - t0)
+        whole.append(time.perf_counter() - t0)
+    # synchronizing calls, with the Python line that made them
+    syncs = collections.Counter()
+    if dev.type == "cuda":
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as rec:
+                warnings.simplefilter("always")
+                step()
+                _sync(dev)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        for w in rec:
+            syncs[f"{Path(w.filename).name}:{w.lineno}: {str(w.message).splitlines()[0][:70]}"] += 1
+    # launches, copies, kernel time
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+        _sync(dev)
+    avgs = prof.key_averages()
+    count = collections.Counter()
+    kernel_us = 0.0
+    for e in avgs:
+        if e.key in _LAUNCH:
+            count["launch"] += e.count
+        elif e.key == "cudaGraphLaunch":
+            count["graph"] += e.count
+        elif e.key.startswith("cudaMemcpy"):
+            count["memcpy"] += e.count
+        elif e.key in _SYNC:
+            count["sync"] += e.count
+        elif not e.key.startswith("aten::") and e.device_type.name == "CPU":
+            pass
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            kernel_us += e.device_time   # per-event device time
+    n_aten = sum(1 for e in prof.events() if e.name.startswith("aten::")
+                 and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))   # top-level ops
+    tables = [f"batch {B}: one fast decode step, torch.profiler, sorted by self CPU time",
+              avgs.table(sort_by="self_cpu_time_total", row_limit=40)]
+    if dev.type == "cuda":
+        tables += ["sorted by device time", avgs.table(sort_by="self_device_time_total", row_limit=25)]
+    _out_file(f"profile_{label}_B{B}.txt", "\n".join(tables) + "\n")
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(3):
+        step()
+    _sync(dev)
+    pr.disable()
+    buf = io.StringIO()
+    st = pstats.Stats(pr, stream=buf)
+    st.sort_stats("tottime").print_stats(40)
+    st.sort_stats("cumulative").print_stats(40)
+    _out_file(f"cprofile_{label}_B{B}.txt", buf.getvalue())
+    top = io.StringIO()
+    pstats.Stats(pr, stream=top).sort_stats("tottime").print_stats(12)
+    say(f"profile {label} batch {B}: step {statistics.median(whole) * 1e3:.2f} ms, host returns after "
+        f"{statistics.median(host) * 1e3:.2f} ms; device kernel time {kernel_us / 1e3:.2f} ms; "
+        f"{count['launch']} kernel launches + {count['graph']} graph launches, {count['memcpy']} memcpy, "
+        f"{count['sync']} sync calls, {n_aten} aten ops")
+    for k, v in syncs.most_common(12):
+        say(f"  sync x{v}: {k}")
+    lines = [ln for ln in top.getvalue().splitlines() if ln.strip()]
+    start = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("ncalls")), 0)
+    for ln in lines[start:start + 9]:
+        say("  " + ln.rstrip()[:150])
+    del caches
 
 
 def main():
@@ -219,13 +372,18 @@ def main():
     ap.add_argument("--decode", type=int, default=8, help="timed decode steps per path")
     ap.add_argument("--warmup", type=int, default=2, help="untimed decode steps first (Triton compiles)")
     ap.add_argument("--skip-reference", action="store_true", help="time the fast path only")
+    ap.add_argument("--fused-mhc", action="store_true",
+                    help="also time the graphs path with the fused mHC kernels (model.fused_mhc), vs the reference")
+    ap.add_argument("--profile", action="store_true",
+                    help="then profile one fast decode step per batch size (module docstring)")
     ap.add_argument("--no-engram", action="store_true", help="drop the Engram layers from --config")
+    ap.add_argument("--reference-max-batch", type=int, default=None,
+                    help="run the (slow) reference path only for batches up to this size")
     ap.add_argument("--threads", type=int, default=None,
-                    help="torch CPU threads (default 1 on CPU: tiny ops lose to OpenMP spin contention)")
+                    help="torch CPU threads (default 1: the step's host-side ops are tiny and lose to OpenMP "
+                         "wake-ups and spin contention, on the CPU path and in the host work of a GPU step alike)")
     args = ap.parse_args()
-    threads = args.threads or (1 if args.device == "cpu" else None)
-    if threads:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(args.threads or 1)
     try:
         run(args)
     finally:

@@ -2,7 +2,9 @@
 
 One `SequenceCache` per sequence holds, per backbone layer, a `LayerCache`:
   * `win`      [m, D]  the last m window keys (= values), ending at position `length - 1`; kept to
-                        `sliding_window - 1 + max_rollback` rows so a rollback still leaves a full window;
+                        `sliding_window - 1 + max_rollback` rows so a rollback still leaves a full window
+                        (after a batched decode step: a view of the sequence's `WindowStack`, all layers in one
+                        tensor, itself a view of that step's window buffer shared by the step's sequences);
   * `comp`     CompressorState for kv-source layers (compressed entries + the open group's per-token projections);
   * `icomp`    CompressorState of V4's indexer compressor (index keys) on V4 indexer layers;
   * `ikeys`    [G, Di] index keys on V4.1 index-K source layers (one per compressed entry of the kv source).
@@ -12,6 +14,12 @@ that dspark.py may fill with its own state.
 
 `rollback(n)` forgets the last n tokens (n <= max_rollback): window rows and token projections are dropped,
 compressed entries whose group is no longer complete become invisible and are removed.
+
+Storage: the batched decode path (engine/batched.py) rebuilds every sequence's rows of one kind in ONE buffer per
+step, so the tensor attributes above (`tok_kv`, `tok_gate`, `entries`, `latents`, `ikeys`, `tokens`, the
+WindowStack) are stored as (buffer, first row, rows) and sliced only when read: updating a sequence is setting
+three numbers, and a rollback only shortens the row count. Caches of one step share those buffers (never
+written in place: a later step makes new ones), so a cache kept out of later steps holds its step's buffer alive.
 """
 from __future__ import annotations
 
@@ -20,43 +28,122 @@ from dataclasses import dataclass, field
 import torch
 
 
+def _rows_property(name: str, doc: str):
+    """A tensor attribute stored as (buffer, first row, rows): the batched decode path gives many states rows of
+    one shared buffer by setting three numbers (`set_rows`), and the slice is only made when the attribute is
+    read (the reference path, rollbacks, tests)."""
+    key = "_" + name
+
+    def get(self):
+        rows = getattr(self, key)
+        if rows is None:
+            return None
+        buf, off, n = rows
+        return buf if off == 0 and n == buf.shape[0] else buf[off:off + n]
+
+    def set(self, value):
+        setattr(self, key, None if value is None else (value, 0, value.shape[0]))
+    return property(get, set, doc=doc)
+
+
+class _RowsMixin:
+    def set_rows(self, name: str, buf: torch.Tensor, off: int, n: int) -> None:
+        """<name> = buf[off:off + n] without making the slice now."""
+        setattr(self, "_" + name, (buf, off, n))
+
+    def rows(self, name: str) -> int:
+        r = getattr(self, "_" + name)
+        return 0 if r is None else r[2]
+
+
 @dataclass
-class CompressorState:
+class CompressorState(_RowsMixin):
     ratio: int
     tok_start: int = 0                    # absolute position of tok_kv[0]
-    tok_kv: torch.Tensor | None = None    # [b, Dc] fp32 per-token kv projections (recent tokens)
-    tok_gate: torch.Tensor | None = None  # [b, Dc] fp32 per-token gate projections (None when ungated)
-    entries: torch.Tensor | None = None   # [G, D] compressed entries (post-norm, post-RoPE)
-    latents: torch.Tensor | None = None   # [G, D] pre-RoPE normalized latents (V4.1 index-K input)
+    _tok_kv: tuple | None = None          # (buffer, first row, rows) of the properties below (_rows_property)
+    _tok_gate: tuple | None = None
+    _entries: tuple | None = None
+    _latents: tuple | None = None
+
+    tok_kv = _rows_property("tok_kv", "[b, Dc] fp32 per-token kv projections (recent tokens)")
+    tok_gate = _rows_property("tok_gate", "[b, Dc] fp32 per-token gate projections (None when ungated)")
+    entries = _rows_property("entries", "[G, D] compressed entries (post-norm, post-RoPE)")
+    latents = _rows_property("latents", "[G, D] pre-RoPE normalized latents (V4.1 index-K input)")
 
     @property
     def n_entries(self) -> int:
-        return 0 if self.entries is None else self.entries.shape[0]
+        return self.rows("entries")
 
     def truncate(self, length: int) -> None:
         keep = length // self.ratio
-        if self.entries is not None:
-            self.entries = self.entries[:keep]
-        if self.latents is not None:
-            self.latents = self.latents[:keep]
-        if self.tok_kv is not None:
-            n = max(0, length - self.tok_start)
-            self.tok_kv = self.tok_kv[:n]
-            if self.tok_gate is not None:
-                self.tok_gate = self.tok_gate[:n]
+        for name, n in (("entries", keep), ("latents", keep), ("tok_kv", max(0, length - self.tok_start)),
+                        ("tok_gate", max(0, length - self.tok_start))):
+            r = getattr(self, "_" + name)
+            if r is not None:
+                setattr(self, "_" + name, (r[0], r[1], min(r[2], n)))
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.tok_kv, self.tok_gate, self.entries, self.latents)
-                   if t is not None)
+        n = 0
+        for name in ("tok_kv", "tok_gate", "entries", "latents"):
+            r = getattr(self, "_" + name)
+            if r is not None:
+                n += r[2] * (r[0][0].numel() if r[0].shape[0] else 0) * r[0].element_size()
+        return n
 
 
 @dataclass
-class LayerCache:
+class WindowStack:
+    """Every layer's window of one sequence as one tensor t [L, m, D] (layer k of the model = t[k]). The batched
+    decode path writes all layers' windows of all sequences in one buffer per step and points each sequence at its
+    part, t = buf[:, slot, lo:hi] (engine/batched.py), instead of one tensor per (sequence, layer); the slice is
+    made only when `t` is read. `attached` counts the layers whose `win` still reads from here (writing a layer's
+    `win` detaches that layer)."""
+    buf: torch.Tensor                     # [L, S, cap, D] a step's window buffer (or [L, m, D] when slot is None)
+    slot: int | None
+    lo: int
+    hi: int
+    attached: int = 0
+
+    @property
+    def t(self) -> torch.Tensor:
+        return self.buf[:, self.lo:self.hi] if self.slot is None else self.buf[:, self.slot, self.lo:self.hi]
+
+    @property
+    def m(self) -> int:
+        return self.hi - self.lo
+
+
+@dataclass
+class LayerCache(_RowsMixin):
     ratio: int = 0                        # compression ratio of the layer (for truncating ikeys)
-    win: torch.Tensor | None = None
     comp: CompressorState | None = None
     icomp: CompressorState | None = None
-    ikeys: torch.Tensor | None = None
+    _ikeys: tuple | None = None           # (buffer, first row, rows) of `ikeys`
+    _win: torch.Tensor | None = None      # own window (when not attached to a WindowStack)
+    _stack: WindowStack | None = None     # attached: the window is _stack.t[_k]
+    _k: int = 0
+
+    ikeys = _rows_property("ikeys", "[G, Di] index keys (V4.1 index-K source layers)")
+
+    @property
+    def win(self) -> torch.Tensor | None:
+        """[m, D] the last m window keys (= values) of this layer (see the module docstring)."""
+        return self._stack.t[self._k] if self._stack is not None else self._win
+
+    @win.setter
+    def win(self, value: torch.Tensor | None) -> None:
+        if self._stack is not None:
+            self._stack.attached -= 1
+            self._stack = None
+        self._win = value
+
+    def attach(self, stack: WindowStack, k: int) -> None:
+        """Read the window from stack.t[k] from now on."""
+        if self._stack is not stack:
+            self.win = None
+            self._stack, self._k = stack, k
+            stack.attached += 1
+        self._k = k
 
     def nbytes(self) -> int:
         n = 0
@@ -70,15 +157,18 @@ class LayerCache:
 
 
 @dataclass
-class SequenceCache:
+class SequenceCache(_RowsMixin):
     layers: list[LayerCache]
     max_rollback: int = 16
     length: int = 0
-    tokens: torch.Tensor | None = None   # recent token ids (last `keep_tokens`), ending at length - 1
+    _tokens: tuple | None = None         # (buffer, first row, rows) of `tokens`
     keep_tokens: int = 32
     drafter: object = None               # free slot for the DSpark drafter's own state
     floor: int = 0                       # earliest length a rollback may return to (data older is dropped)
     extra: dict = field(default_factory=dict)
+    windows: WindowStack | None = None   # the layers' windows as one tensor (batched decode path), if attached
+
+    tokens = _rows_property("tokens", "recent token ids (last `keep_tokens`), ending at length - 1")
 
     def recent_tokens(self) -> torch.Tensor:
         return self.tokens if self.tokens is not None else torch.zeros(0, dtype=torch.long)
@@ -93,8 +183,10 @@ class SequenceCache:
         if n == 0:
             return
         new_len = self.length - n
+        if self.windows is not None:      # every attached layer at once
+            self.windows.hi = max(self.windows.lo, self.windows.hi - n)
         for lc in self.layers:
-            if lc.win is not None:
+            if lc._stack is None and lc.win is not None:
                 lc.win = lc.win[: max(0, lc.win.shape[0] - n)]
             for s in (lc.comp, lc.icomp):
                 if s is not None:

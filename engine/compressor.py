@@ -22,6 +22,7 @@ from torch import nn
 
 from .cache import CompressorState
 from .norm import RMSNorm
+from .transfer import to_device
 
 
 class Compressor(nn.Module):
@@ -91,69 +92,118 @@ class Compressor(nn.Module):
 
     def step_many(self, states: list[CompressorState], x: torch.Tensor, spans: list[tuple[int, int, int]],
                   rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], keep_latents: bool,
-                  max_rollback: int) -> list[int]:
+                  max_rollback: int) -> tuple[list[int], torch.Tensor | None]:
         """Batched `step` for many sequences at once (the decode / verify fast path): same results.
 
         x [T, H] holds every sequence's new rows; spans[s] = (start position, row offset in x, rows) of
-        sequence s. The projections run once over all rows and every completed group of every sequence is
-        pooled, normalized and rotated in one go; only the per-sequence appends stay in a Python loop.
-        Returns the number of new entries per sequence."""
+        sequence s, with rows <= max_rollback. The projections run once over all rows, every completed group of
+        every sequence is pooled, normalized and rotated in one go, and the states' rows (token projections kept,
+        entries, latents) are rebuilt as one gather per tensor kind for all sequences: each state then points at
+        its rows of that buffer (CompressorState.set_rows; no per-sequence tensor operations).
+        Returns (new entries per sequence, the buffer holding every state's entries in order, i.e. the attention
+        pool of this layer, or None when no group completed)."""
         r, D = self.ratio, self.out_dim
+        ov = 1 if self.overlap else 0
         kv_all = self.wkv(x).float()
         gate_all = self.wgate(x).float() if self.gated else None
-        src_kv, src_g, cur, prev, has_prev, gpos, news, base = [], [], [], [], [], [], [], 0
+        dev = x.device
+        # 1. token rows still needed (for this step's groups or later ones / rollbacks), one gather from
+        #    [this step's rows, the states' current buffers]
+        src = Sources(kv_all.shape[0])
+        idx, cur, prev, has_prev, gpos, news, views = [], [], [], [], [], [], []
         for st, (start, off, n) in zip(states, spans):
-            kv = kv_all[off:off + n]
-            gate = gate_all[off:off + n] if gate_all is not None else None
-            if st.tok_kv is None or st.tok_kv.shape[0] == 0:
-                st.tok_start, st.tok_kv, st.tok_gate = start, kv, gate
-            else:
-                assert st.tok_start + st.tok_kv.shape[0] == start, "compressor state out of sync with the cache"
-                st.tok_kv = torch.cat([st.tok_kv, kv])
-                st.tok_gate = torch.cat([st.tok_gate, gate]) if gate is not None else None
-            g0, g1 = st.n_entries, (start + n) // r
+            old = st.rows("tok_kv")
+            tok_start = st.tok_start if old else start
+            assert not old or tok_start + old == start, "compressor state out of sync with the cache"
+            end = start + n
+            g0, g1 = st.n_entries, end // r
+            keep_from = max(tok_start, ((end - max_rollback) // r - ov) * r)
+            lo = min(keep_from, (g0 - ov) * r) if g1 > g0 else keep_from
+            lo = max(lo, tok_start)
+            b0 = len(idx)
+            if old and lo < start:
+                buf, o, _ = st._tok_kv
+                base = src.base(buf, st._tok_gate[0] if self.gated else None)
+                idx.extend(range(base + o + lo - tok_start, base + o + old))
+            idx.extend(range(off, off + n))
             news.append(max(g1 - g0, 0))
-            if g1 > g0:   # row numbers into the concatenation of the states that complete a group
-                src_kv.append(st.tok_kv)
-                src_g.append(st.tok_gate)
-                for g in range(g0, g1):
-                    rows = [base + g * r + j - st.tok_start for j in range(r)]
-                    cur.append(rows)
-                    prev.append([q - r for q in rows] if g > 0 else rows)
-                    has_prev.append(g > 0)
-                    gpos.append(g * r)
-                base += st.tok_kv.shape[0]
-        if cur:
-            dev = x.device
-            kv_src = torch.cat(src_kv)
-            g_src = torch.cat(src_g) if self.gated else None
-            cur_t = torch.tensor(cur, dtype=torch.long).to(dev)
-            ckv = kv_src[cur_t]                                                    # [G, r, W]
-            cg = g_src[cur_t] + (self.ape.float() if self.ape is not None else 0.0) if self.gated else None
-            if self.overlap:
-                prev_t = torch.tensor(prev, dtype=torch.long).to(dev)
-                hp = torch.tensor(has_prev).to(dev)[:, None, None]
-                pkv = torch.where(hp, kv_src[prev_t][..., :D], 0.0)
-                pg = torch.where(hp, g_src[prev_t][..., :D] + self.ape.float()[:, :D], float("-inf"))
-                ckv = torch.cat([pkv, ckv[..., D:]], dim=1)                        # [G, 2r, D]
-                cg = torch.cat([pg, cg[..., D:]], dim=1)
-            pooled = (ckv * cg.softmax(dim=1)).sum(dim=1) if self.gated else ckv.sum(dim=1)
-            latent = self.norm(pooled.to(x.dtype))
-            entries = rotate(latent, torch.tensor(gpos, dtype=torch.long).to(dev))
-            at = 0
-            for st, k in zip(states, news):
-                if k == 0:
-                    continue
-                e, lat = entries[at:at + k], latent[at:at + k]
-                at += k
-                st.entries = e if st.entries is None else torch.cat([st.entries, e])
-                if keep_latents:
-                    st.latents = lat if st.latents is None else torch.cat([st.latents, lat])
-        for st, (start, off, n) in zip(states, spans):
-            keep_from = max(0, ((start + n - max_rollback) // r - (1 if self.overlap else 0)) * r)
-            if keep_from > st.tok_start:
-                cut = keep_from - st.tok_start
-                st.tok_kv = st.tok_kv[cut:]
-                st.tok_gate = st.tok_gate[cut:] if st.tok_gate is not None else None
-                st.tok_start = keep_from
-        return news
+            for g in range(g0, g1):
+                rows = [b0 + g * r + j - lo for j in range(r)]
+                cur.append(rows)
+                prev.append([q - r for q in rows] if g > 0 else rows)
+                has_prev.append(g > 0)
+                gpos.append(g * r)
+            views.append((b0 + keep_from - lo, end - keep_from, keep_from))
+        idx_t = to_device(idx, dev)
+        kv_buf = src.cat(kv_all, 0)[idx_t]
+        g_buf = src.cat(gate_all, 1)[idx_t] if self.gated else None
+        for st, (o, m, tok_start) in zip(states, views):
+            st.tok_start = tok_start
+            st.set_rows("tok_kv", kv_buf, o, m)
+            if self.gated:
+                st.set_rows("tok_gate", g_buf, o, m)
+        if not cur:
+            return news, None
+        # 2. every completed group at once
+        cur_t = to_device(cur, dev)
+        ckv = kv_buf[cur_t]                                                    # [G, r, W]
+        cg = g_buf[cur_t] + (self.ape.float() if self.ape is not None else 0.0) if self.gated else None
+        if self.overlap:
+            prev_t = to_device(prev, dev)
+            hp = to_device(has_prev, dev, torch.bool)[:, None, None]
+            pkv = torch.where(hp, kv_buf[prev_t][..., :D], 0.0)
+            pg = torch.where(hp, g_buf[prev_t][..., :D] + self.ape.float()[:, :D], float("-inf"))
+            ckv = torch.cat([pkv, ckv[..., D:]], dim=1)                        # [G, 2r, D]
+            cg = torch.cat([pg, cg[..., D:]], dim=1)
+        pooled = (ckv * cg.softmax(dim=1)).sum(dim=1) if self.gated else ckv.sum(dim=1)
+        latent = self.norm(pooled.to(x.dtype))
+        entries = rotate(latent, to_device(gpos, dev))
+        # 3. appends: one gather per kind for all sequences
+        buf = append_rows(states, "entries", entries, news)
+        if keep_latents:
+            append_rows(states, "latents", latent, news)
+        return news, buf
+
+
+class Sources:
+    """The buffers a gather reads, after this step's new rows: each distinct (kv, gate) buffer pair once."""
+
+    def __init__(self, first_rows: int):
+        self.at, self.bases, self.bufs = first_rows, {}, []
+
+    def base(self, buf: torch.Tensor, gate: torch.Tensor | None) -> int:
+        """Row of buf[0] in the concatenation."""
+        b = self.bases.get(id(buf))
+        if b is None:
+            b = self.bases[id(buf)] = self.at
+            self.bufs.append((buf, gate))
+            self.at += buf.shape[0]
+        return b
+
+    def cat(self, new: torch.Tensor | None, which: int) -> torch.Tensor:
+        """[new (if given), each buffer] (kv buffers: which=0, gate buffers: which=1), one tensor."""
+        parts = ([] if new is None else [new]) + [pair[which] for pair in self.bufs]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def append_rows(states: list, name: str, new: torch.Tensor, news: list[int]) -> torch.Tensor:
+    """state.<name> += its news[s] rows of `new` (in state order), for every state with ONE gather; each state
+    then points at its rows of the result (set_rows). Returns the result: every state's rows in order."""
+    src = Sources(new.shape[0])
+    idx, views, at = [], [], 0
+    for st, k in zip(states, news):
+        b0 = len(idx)
+        old = st.rows(name)
+        if old:
+            buf, o, _ = getattr(st, "_" + name)
+            base = src.base(buf, None)
+            idx.extend(range(base + o, base + o + old))
+        if k:
+            idx.extend(range(at, at + k))
+            at += k
+        views.append((b0, old + k))
+    out = src.cat(new, 0)[to_device(idx, new.device)]
+    for st, (b0, m) in zip(states, views):
+        if m:
+            st.set_rows(name, out, b0, m)
+    return out

@@ -554,11 +554,25 @@ class Engram(nn.Module):
         return hash_rows(classes, self.multipliers, self.primes, self.offsets)
 
     def forward(self, residual: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+        return self.mix(residual, self.values(windows))
+
+    def values(self, windows: torch.Tensor, device=None) -> torch.Tensor:
+        """The looked-up table rows of every token, e [T, (N-1)*heads*head_dim] fp32 on `device` (default: the
+        windows' device). The host part of the block (the table lives on the host): the windows come to the host
+        (a sync if they are on the device), hashing and the table read run there, the rows go to the device in
+        one asynchronous copy. The model's fast path calls it for every Engram layer at the start of a step with
+        host windows, so no sync falls between the layers."""
         if self._table is None:
             raise RuntimeError(f"engram layer {self.layer_id}: no table loaded (set `.table`, see EngramTable)")
+        device = torch.device(windows.device if device is None else device)
+        rows = self.row_ids(windows.cpu())
+        e = self._table.lookup(rows).reshape(rows.shape[0], -1)
+        return e.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else e.to(device)
+
+    def mix(self, residual: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """The device part: project the rows e (from `values`) to keys / value and gate them into the streams."""
         t, m, h = residual.shape
-        rows = self.row_ids(windows)
-        e = self._table.lookup(rows).to(residual.device).reshape(t, -1)  # [T, (N-1)*heads*head_dim]
+        e = e.to(residual.device)
         # FP8-table values are exact in bf16, so the GEMM runs in the weight dtype (fp32 accumulation)
         # without materialising an fp32 copy of wkv (25600 x 6144 in the real model)
         kv = torch.nn.functional.linear(e.to(self.wkv.weight.dtype), self.wkv.weight).float()  # [T, (M+1)*H]

@@ -9,6 +9,12 @@ Stored formats (spec §5.4), converted exactly to the model's parameter dtype wh
 - bf16 / fp16 / fp32 tensors: copied (cast to the parameter's dtype);
 - FP8 E4M3 `X.weight` + UE8M0 `X.scale` (32x32 blocks, or the config's `weight_block_size`): dequantized;
 - FP4 routed experts: `int8 [out, in/2]` (low nibble first) + UE8M0 `[out, in/32]`: dequantized.
+Routed experts with `expert_dtype="fp8"` (opt-in; see CUDA_EXPERT_DTYPE): kept quantized instead, per layer, in
+kernels.moe's fp8 layout (engine/moe.py `KeptExperts`: e4m3 weights, fp32 row scales, uint8 block shifts; FP4
+repacked to e4m3 losslessly): about half the bytes of bf16 experts, and the grouped kernel's fp8 path.
+`expert_dtype="fp4"`: all-FP4 layers stay packed FP4 as stored (a quarter of bf16; decoded in the kernel's
+registers). A layer is kept only if all its routed experts are FP8/FP4 with UE8M0 scales; otherwise it is
+dequantized as above.
 
 Memory: the model is built once with parameter initialisation switched off (allocation only), then every
 tensor is read from its shard (memory-mapped), converted and copied into its parameter, and dropped before
@@ -32,9 +38,18 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .quant import dequantize_fp4_blocks, dequantize_fp8_blocks, FP4_GROUP, FP8_BLOCK
+from deepinfer_sg.kernels.moe import is_packed_fp4
+
+from .quant import dequantize_fp4_blocks, dequantize_fp8_blocks, expert_fp4_packed, expert_to_fp8, FP4_GROUP, FP8_BLOCK
 
 INDEX_FILE = "model.safetensors.index.json"
+EXPERT_DTYPES = ("bf16", "fp8", "fp4")     # routed experts: dequantized / kept as e4m3 / FP4 layers kept packed
+# load_model's choice on CUDA: "fp8" (e4m3 stacks: the kernel path measured at 95-97% of its bytes) until the
+# packed-FP4 path (half the bytes again) is measured faster on the H200
+# Kept-quantized experts stay opt-in: the per-row fp8 kernel path passes its compiled tests on the H200, but
+# the block-shift path (layers whose scales do not fold) and packed FP4 failed them there (misaligned address in
+# the shift loads, session 3), so the default stays the exact dequantizing load until they pass.
+CUDA_EXPERT_DTYPE = "bf16"
 
 
 class CheckpointError(ValueError):
@@ -46,6 +61,7 @@ class LoadReport:
     """What `load_weights` did: canonical names per category (for logs and tests)."""
     loaded: list[str] = field(default_factory=list)
     dequantized: dict[str, str] = field(default_factory=dict)   # name -> "fp8" | "fp4"
+    kept_quantized: dict[str, str] = field(default_factory=dict)  # routed experts kept in fp8: name -> stored kind
     engram_tables: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)            # stored names of known-unused tensors
 
@@ -139,6 +155,7 @@ class _Item:
     file: Path
     scale: tuple[str, Path] | None = None
     kind: str = "plain"   # "plain" | "fp8" | "fp4"
+    scale_dtype: str | None = None   # the scale's safetensors dtype (F8_E8M0 / U8: UE8M0 bytes; F32: floats)
 
 
 class _Handles:
@@ -241,7 +258,8 @@ def _check_shape(it: _Item, target: torch.Tensor, handles: _Handles, block: int)
     if it.scale is None:
         return [f"{it.stored!r} is stored as {dtype} ({kind}) but its scale '{it.target[:-len('weight')]}scale' "
                 f"is missing"]
-    sshape = list(handles(it.scale[1]).get_slice(it.scale[0]).get_shape())
+    ssl = handles(it.scale[1]).get_slice(it.scale[0])
+    sshape, it.scale_dtype = list(ssl.get_shape()), ssl.get_dtype()
     if len(want) != 2:
         return [f"{it.stored!r} is quantized ({dtype}) but the model parameter has shape {want}"]
     out_dim, in_dim = want
@@ -266,14 +284,53 @@ def _read(handle, name: str) -> torch.Tensor:
     return handle.get_tensor(name)
 
 
+_ROUTED = re.compile(r"^(.*\.ffn)\.experts\.(\d+)\.(w[123])\.weight$")
+_UE8M0_DTYPES = ("F8_E8M0", "U8")
+
+
+def _keep_experts(model: torch.nn.Module, items: list[_Item], block: int, expert_dtype: str) -> dict:
+    """Per MoE layer: keep its routed experts quantized (KeptExperts) when `expert_dtype` is "fp8" / "fp4" and
+    every one of them is stored FP8 (block x block, block 32) or FP4 with UE8M0 scales ("fp4": an all-FP4 layer
+    stays packed FP4, others go to e4m3); otherwise make sure they have real weights (meta-built layers are
+    materialized). -> {target name: (KeptExperts, "w1"|"w2"|"w3", expert, rows)}."""
+    from .moe import MoE
+    layers: dict[str, list] = {}
+    for it in items:
+        m = _ROUTED.match(it.target)
+        if m:
+            layers.setdefault(m.group(1), []).append((it, int(m.group(2)), m.group(3)))
+    kept = {}
+    for path, entries in layers.items():
+        moe = model.get_submodule(path)
+        if not isinstance(moe, MoE):
+            continue
+        device = moe.gate.weight.device
+        kinds = {it.kind for it, _, _ in entries}
+        keep = (expert_dtype in ("fp8", "fp4") and len(entries) == 3 * len(moe.experts) and kinds <= {"fp8", "fp4"}
+                and all(it.scale_dtype in _UE8M0_DTYPES for it, _, _ in entries)
+                and ("fp8" not in kinds or block == FP4_GROUP))
+        if not keep:
+            moe.materialize_experts(device)
+            continue
+        rows = block if kinds == {"fp8"} else 1
+        q = moe.keep_quantized(rows, device, packed=expert_dtype == "fp4" and kinds == {"fp4"})
+        for it, e, which in entries:
+            kept[it.target] = (q, which, e, rows)
+    return kept
+
+
 @torch.no_grad()
 def load_weights(model: torch.nn.Module, path: str | Path, strict: bool = True,
-                 block_size: int | None = None) -> LoadReport:
+                 block_size: int | None = None, expert_dtype: str = "bf16") -> LoadReport:
     """Copy a checkpoint's tensors into `model`'s parameters and persistent buffers, one tensor at a time.
 
     `strict=False` tolerates unexpected tensors (missing or mis-shaped ones always raise). `block_size`:
-    FP8 block edge (default: the checkpoint config's `weight_block_size`, else 32).
+    FP8 block edge (default: the checkpoint config's `weight_block_size`, else 32). `expert_dtype`: "bf16"
+    dequantizes FP8/FP4 routed experts into the model's dtype; "fp8" keeps them quantized (module doc).
     Cost: reads every tensor once; peak extra memory ~ one stored tensor plus its fp32 conversion."""
+    if expert_dtype not in EXPERT_DTYPES:
+        raise ValueError(f"expert_dtype must be 'bf16' (dequantize), 'fp8' or 'fp4' (keep quantized), got "
+                         f"{expert_dtype!r}")
     path = Path(path)
     files = checkpoint_files(path)
     block = block_size or _config_block_size(path) or FP8_BLOCK
@@ -282,9 +339,23 @@ def load_weights(model: torch.nn.Module, path: str | Path, strict: bool = True,
     report = LoadReport()
     try:
         items, tables, report.skipped = _plan(files, targets, handles, block, strict)
+        kept = _keep_experts(model, items, block, expert_dtype)
+        targets = dict(model.state_dict(keep_vars=True))        # materialized layers have new parameters
         # shard by shard, in file order, so each shard's pages are touched once
         for it in sorted(items, key=lambda i: (str(i.file), i.stored)):
             target = targets[it.target]
+            if it.target in kept:
+                q, which, e, rows = kept[it.target]
+                dev = q.w1.device
+                raw = _read(handles(it.file), it.stored).to(dev)
+                scale = _read(handles(it.scale[1]), it.scale[0]).to(dev)
+                parts = (expert_fp4_packed(raw, scale) if is_packed_fp4(q.w1) else
+                         expert_to_fp8(raw, scale, it.kind, rows, block))
+                q.store(which, e, *parts, from_fp8=it.kind == "fp8")
+                report.kept_quantized[it.target] = it.kind
+                report.loaded.append(it.target)
+                del raw, scale
+                continue
             raw = _read(handles(it.file), it.stored).to(target.device)
             if it.kind == "plain":
                 value = raw
@@ -299,6 +370,8 @@ def load_weights(model: torch.nn.Module, path: str | Path, strict: bool = True,
             target.copy_(value)
             report.loaded.append(it.target)
             del raw, value
+        for q in {id(v[0]): v[0] for v in kept.values()}.values():
+            q.finalize()
         for module_path, weight_name, f, scale in tables:
             _attach_engram_table(model, module_path, weight_name, f, scale)
             report.engram_tables.append(weight_name)
@@ -355,14 +428,25 @@ def skip_init(dtype: torch.dtype | None = None, device: str | torch.device | Non
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               strict: bool = True, **model_options):
+               strict: bool = True, expert_dtype: str | None = None, **model_options):
     """Build `Model(ModelConfig.from_json(path/config.json), **model_options)` on `device` and load its weights.
 
     Floating parameters are created in `dtype` (the model may keep some in fp32 on purpose); quantized
-    tensors are dequantized exactly. The model gets `tokenizer_path` (the folder's tokenizer.json or None)
-    and `load_report`. Raises `CheckpointError` naming missing / unexpected / mis-shaped tensors."""
+    tensors are dequantized exactly, except routed experts with `expert_dtype="fp8"` or "fp4" (None: the
+    CUDA_EXPERT_DTYPE on CUDA; "bf16" elsewhere, where the CPU twin would dequantize every used expert at every
+    step): kept quantized, see the module doc (their Linear weights are then meta placeholders, never
+    allocated in `dtype`). The model gets
+    `tokenizer_path` (the folder's tokenizer.json or None) and `load_report`. Raises `CheckpointError` naming
+    missing / unexpected / mis-shaped tensors."""
     from .config import ModelConfig
     from .model import Model
+    from .moe import routed_experts_on_meta
+
+    if expert_dtype is None:
+        expert_dtype = CUDA_EXPERT_DTYPE if torch.device(device).type == "cuda" else "bf16"
+    if expert_dtype not in EXPERT_DTYPES:
+        raise ValueError(f"expert_dtype must be 'bf16' (dequantize), 'fp8' or 'fp4' (keep quantized), got "
+                         f"{expert_dtype!r}")
 
     folder = Path(path)
     if folder.is_file():
@@ -370,10 +454,12 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     config = ModelConfig.from_json(folder / "config.json")
     # Parameters are allocated directly in `dtype` (default dtype during construction), so a bf16 load never
     # holds an fp32 copy of the model; buffers the model computes (RoPE frequencies) use explicit dtypes.
-    with skip_init(dtype=dtype if dtype.is_floating_point else None):
+    # routed experts start as meta placeholders when they may be kept quantized (a real V4.1's bf16 experts
+    # would not fit); the layers that are not kept get real weights before their data is read
+    with skip_init(dtype=dtype if dtype.is_floating_point else None), routed_experts_on_meta(expert_dtype != "bf16"):
         model = Model(config, dtype=dtype, device=device, **model_options)
     model.eval()
-    model.load_report = load_weights(model, path, strict=strict)
+    model.load_report = load_weights(model, path, strict=strict, expert_dtype=expert_dtype)
     tok = folder / "tokenizer.json"
     model.tokenizer_path = str(tok) if tok.exists() else None
     return model

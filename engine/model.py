@@ -9,7 +9,8 @@ One code path serves both entry points:
       - batched (decode / verify steps, engine/batched.py): attention of all rows in one
         `kernels.sparse_attention` call over gathered window + selected compressed keys, batched compressors
         and index scores, `kernels.hc_mixes` for the mHC mixes, `kernels.moe_experts` for the routed experts
-        (Triton on CUDA, the torch twins on CPU), one window append per sequence per step.
+        (Triton on CUDA, the torch twins on CPU); the dense work between attention cores runs as CUDA graphs per
+        token count (engine/step_graphs.py; `cuda_graphs`, on by default, bit-identical to eager).
   * `forward_logits(ids [B, S])`: fresh caches, one chunk per row (the full-sequence reference).
 
 V4 vs V4.1 is decided by config switches (see config.py): `hc_shifted`, `q_norm`, `compressor_style`, the
@@ -19,13 +20,15 @@ of DeepInfer's FP8/FP4 activations and caches, off by default) and `set_yoco(mod
 truncation of the decoder layers: "off" (default), "mask", "compact").
 
 Cost of a step: dense work O(T * active params); attention over <= W + index_topk keys per query (the reference
-path builds a dense [n, window + entries] bias per sequence, queries in blocks of 256). Host syncs per step: one
-(the token-id range check), plus whatever Engram's host-side table lookup needs.
+path builds a dense [n, window + entries] bias per sequence, queries in blocks of 256). Host syncs per step: the
+token-id range check (none when the ids come from the host) and, with Engram layers, one copy of the n-gram
+windows to the host; both at the start of the step, while the device is idle.
 
 state_dict keys are DeepSeek's tensor names without the `model.` prefix.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 from dataclasses import dataclass, field
@@ -38,12 +41,15 @@ from deepinfer_sg import kernels
 from . import batched
 from .attention import Attention
 from .cache import LayerCache, SequenceCache
+from .compressor import Sources
 from .config import LayerSpec, ModelConfig
 from .indexer import candidate_block_mask, topk_mask
 from .mhc import hc_head_collapse, hc_mixes, hc_post, hc_pre
 from .moe import MoE
 from .norm import RMSNorm
 from .rope import apply_rope, inv_freq, rope_cos_sin
+from .step_graphs import SegmentGraphs
+from .transfer import to_device
 
 # parameters kept in fp32 whatever the model dtype (DeepSeek ships them in F32)
 _FP32_SUFFIXES = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
@@ -101,6 +107,9 @@ class StepContext:
     windows: torch.Tensor | None = None        # engram token windows [T, N] (computed on first use)
     rows: torch.Tensor | None = None           # after YOCO compaction: kept rows' indices in the full batch
     plan: "batched.BatchPlan | None" = None    # set when the step takes the batched decode/verify path
+    engram_rows: dict = field(default_factory=dict)   # fast path: engram layer -> looked-up rows [T, ...]
+    graphs: SegmentGraphs | None = None        # fast path: runs the dense segments (eager / CUDA graphs)
+    graph_ids: torch.Tensor | None = None      # fast path: the token ids as the graph segments read them
 
 
 class Block(nn.Module):
@@ -171,6 +180,11 @@ class Model(nn.Module):
         # decode / verify steps (every chunk <= batched.MAX_FAST_ROWS rows) take the batched path with the
         # kernels; False forces the per-sequence reference path everywhere (same results to round-off)
         self.fast_decode = True
+        # on CUDA the fast path's dense segments run as CUDA graphs, one set per token count (step_graphs.py);
+        # False: always eager (same results bit for bit)
+        self.cuda_graphs = True
+        self._fused_mhc = False
+        self._graphs = SegmentGraphs()
         c = config
         with torch.device(device):
             self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
@@ -206,6 +220,7 @@ class Model(nn.Module):
 
     @quant_sim.setter
     def quant_sim(self, on: bool) -> None:
+        self.reset_graphs()
         for h in self._quant_hooks:
             h.remove()
         self._quant_hooks = []
@@ -233,8 +248,31 @@ class Model(nn.Module):
         self.yoco_mode, self.yoco_keep = mode, keep
         return self
 
+    @property
+    def fused_mhc(self) -> bool:
+        """Fast path: the fused mHC read-out / write-back kernels (kernels/hc_mix.py; same math up to fp32
+        summation order, so not bit-equal to the unfused path). Off by default."""
+        return self._fused_mhc
+
+    @fused_mhc.setter
+    def fused_mhc(self, on: bool) -> None:
+        if bool(on) != self._fused_mhc:
+            self.reset_graphs()       # the captured segments ran the other kernels
+        self._fused_mhc = bool(on)
+
+    def reset_graphs(self) -> None:
+        """Forget the captured CUDA graphs (they read the weights where they were at capture time): needed after
+        replacing parameters by other tensors; moving or casting the model (`to`, `set_dtype`) does it itself."""
+        if hasattr(self, "_graphs"):
+            self._graphs.reset()
+
+    def _apply(self, fn, *args, **kwargs):
+        self.reset_graphs()
+        return super()._apply(fn, *args, **kwargs)
+
     def set_dtype(self, dtype: torch.dtype) -> "Model":
         """Cast floating parameters to `dtype`, keeping the checkpoint's F32 tensors in fp32."""
+        self.reset_graphs()
         for name, p in self.named_parameters():
             want = torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype
             if p.dtype != want:
@@ -299,7 +337,9 @@ class Model(nn.Module):
         if not chunks:
             raise ValueError("forward_step needs at least one StepChunk")
         for ch in chunks:
-            t = ch.token_ids.long().reshape(-1)
+            t = ch.token_ids
+            if t.dtype != torch.long or t.dim() != 1:
+                t = t.long().reshape(-1)
             n = t.shape[0]
             if n == 0:
                 raise ValueError("StepChunk with no tokens")
@@ -309,20 +349,36 @@ class Model(nn.Module):
                 raise ValueError(f"logit_rows {ch.logit_rows} > {self.yoco_keep} rows kept by YOCO compaction")
             rect_lo = ch.cache.length + n - self.yoco_keep if self.yoco_mode != "off" else None
             seqs.append(_Seq(ch.cache, ch.cache.length, n, off, rect_lo))
-            pos.append(torch.arange(ch.cache.length, ch.cache.length + n))   # host-side: one copy below
-            ids.append(t.to(dev))
+            pos.extend(range(ch.cache.length, ch.cache.length + n))   # host-side: one copy below
+            ids.append(t)
             off += n
-        all_ids = torch.cat(ids)
-        if bool((all_ids < 0).any() | (all_ids >= c.vocab_size).any()):   # one check (one sync) per step
+        # ids given on the host are checked there and copied once (no sync); device ids cost one sync
+        on_host = all(t.device.type == "cpu" for t in ids)
+        all_ids = torch.cat(ids) if on_host or all(t.device == dev for t in ids) else torch.cat([t.to(dev) for t in ids])
+        if bool((all_ids < 0).any() | (all_ids >= c.vocab_size).any()):
             bad = next(k for k, t in enumerate(ids) if bool(((t < 0) | (t >= c.vocab_size)).any()))
             raise ValueError(f"token id outside 0..{c.vocab_size - 1} in chunk {bad}")
-        ctx = full_ctx = StepContext(seqs, torch.cat(pos).to(dev, non_blocking=True), all_ids)
+        if on_host:
+            all_ids = to_device(all_ids, dev)
+        ctx = full_ctx = StepContext(seqs, to_device(pos, dev), all_ids)
         if batched.usable(self, [s.n for s in seqs]):
             ctx.plan = batched.make_plan(seqs, ctx.positions, rect=self.yoco_mode != "off")
+            ctx.graphs = self._graphs
+            if self.cuda_graphs and not self.quant_sim:
+                self._graphs.begin_step(off, dev)
         for kind in ("main", "compress"):
             ctx.rope[kind] = rope_cos_sin(self._freqs(kind), ctx.positions)
         if c.engram_layer_ids:
             ctx.windows = self._token_windows(ctx)
+        if ctx.plan is not None:
+            g = self._graphs
+            ctx.rope = {k: (g.stage(f"cos_{k}", cs), g.stage(f"sin_{k}", sn)) for k, (cs, sn) in ctx.rope.items()}
+            ctx.graph_ids = g.stage("ids", all_ids)
+            # every Engram table read (a host round trip) now, while the device is idle, not between the layers
+            if c.engram_layer_ids:
+                host_windows = ctx.windows.cpu()
+                ctx.engram_rows = {i: blk.engram.values(host_windows, dev) for i, blk in enumerate(self.layers)
+                                   if hasattr(blk, "engram")}
 
         h = self.embed(ctx.token_ids)
         R = h.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()         # [T, M, H]
@@ -330,11 +386,19 @@ class Model(nn.Module):
         if c.hc_shifted:   # the first sub-layer reads stream 0
             a = torch.zeros(h.shape[0], c.hc_mult, device=dev)
             a[:, 0] = 1.0
-        for i, block in enumerate(self.layers):
-            if self.yoco_mode == "compact" and i == c.n_prefill_layer:
-                R, a, ctx = self._compact_layer(block, R, a, ctx)
+        try:
+            if ctx.plan is not None:
+                R, a = self._layers_fast(R, a, ctx)
             else:
-                R, a = self._layer(block, R, a, ctx)
+                for i, block in enumerate(self.layers):
+                    if self.yoco_mode == "compact" and i == c.n_prefill_layer:
+                        R, a, ctx = self._compact_layer(block, R, a, ctx)
+                    else:
+                        R, a = self._layer(block, R, a, ctx)
+        except BaseException:
+            self._graphs.abort_step()
+            raise
+        self._graphs.end_step()
         if ctx.plan is not None:
             batched.commit_windows(self, ctx, ctx.plan)
         if c.hc_shifted:
@@ -342,15 +406,16 @@ class Model(nn.Module):
         else:
             hfin = hc_head_collapse(R, self.hc_head_fn, self.hc_head_base, self.hc_head_scale,
                                     eps=c.rms_norm_eps, hc_eps=c.hc_eps)
-        rows = torch.cat([torch.arange(s.off + s.n - ch.logit_rows, s.off + s.n)
-                          for s, ch in zip(ctx.seqs, chunks)]).to(dev, non_blocking=True)
-        logits = self.head(self.norm(hfin[rows])).float()
+        if all(ch.logit_rows == s.n for s, ch in zip(ctx.seqs, chunks)):   # every row (decode, verify)
+            logits = self.head(self.norm(hfin)).float()
+        else:
+            rows = to_device(torch.cat([torch.arange(s.off + s.n - ch.logit_rows, s.off + s.n)
+                                        for s, ch in zip(ctx.seqs, chunks)]), dev)
+            logits = self.head(self.norm(hfin[rows])).float()
         # advance the sequences
+        self._advance_tokens(full_ctx)
         for s in full_ctx.seqs:
             cache = s.cache
-            new = full_ctx.token_ids[s.off:s.off + s.n]
-            toks = new if cache.tokens is None else torch.cat([cache.tokens, new])
-            cache.tokens = toks[-cache.keep_tokens:]
             cache.length += s.n
             cache.floor = max(cache.floor, cache.length - cache.max_rollback)
         feats = None
@@ -370,15 +435,37 @@ class Model(nn.Module):
         return R
 
     def _layer(self, block: Block, R: torch.Tensor, a, ctx: StepContext):
+        """One layer on the reference path."""
         c = self.config
         R = self._layer_input(block, R, ctx)
-        fast = ctx.plan is not None
-        pre, post, comb = block.mixes(R, "attn", fast)
+        pre, post, comb = block.mixes(R, "attn")
         x = hc_pre(R, a if c.hc_shifted else pre)
         y = self._attention(block.attn, block.attn_norm(x), ctx)
         R = hc_post(R, y, post, comb)
-        # the grouped expert kernel bypasses the experts' Linear modules, so not with quant_sim's input hooks
-        R, a = block.ffn_sublayer(R, pre, ctx.token_ids, fast=fast, fast_moe=fast and not self.quant_sim)
+        R, a = block.ffn_sublayer(R, pre, ctx.token_ids)
+        return R, a
+
+    def _layers_fast(self, R: torch.Tensor, a, ctx: StepContext):
+        """Every layer on the batched path: dense work, attention core (eager: it reads and grows the caches), dense
+        work. The dense work between two attention cores (layer i's output projection and MoE, layer i+1's mixes
+        and projections) is one segment, run through ctx.graphs: a CUDA graph on CUDA once the token count is warm
+        (L + 1 graph launches per step), else eager."""
+        g = ctx.graphs
+        layers = list(self.layers)
+        rope = [ctx.rope[blk.attn.spec.rope] for blk in layers]
+        outs = g.run(("pre", 0), functools.partial(batched.pre_attention, self, layers[0]), R, a, *rope[0],
+                     ctx.engram_rows.get(0))
+        for i, block in enumerate(layers):
+            R, pre, post, comb, xn, q, kv, iq, w, feat = outs
+            if feat is not None:
+                ctx.captures[i] = feat
+            o = batched.attention_core(self, block.attn, xn, q, kv, iq, w, ctx, ctx.plan)
+            if i + 1 < len(layers):
+                outs = g.run(("post_pre", i), functools.partial(batched.post_then_pre, self, block, layers[i + 1]),
+                             o, R, pre, post, comb, *rope[i], ctx.graph_ids, *rope[i + 1], ctx.engram_rows.get(i + 1))
+            else:
+                R, a = g.run(("post", i), functools.partial(batched.post_attention, self, block), o, R, pre, post,
+                             comb, *rope[i], ctx.graph_ids)
         return R, a
 
     def _compact_layer(self, block: Block, R: torch.Tensor, a, ctx: StepContext):
@@ -417,19 +504,42 @@ class Model(nn.Module):
         N = int(self.config.engram.get("max_ngram_size", 3))
         ids = ctx.token_ids
         T = ids.shape[0]
-        prevs = [s.cache.recent_tokens()[-(N - 1):] if N > 1 else ids[:0] for s in ctx.seqs]
-        base, parts = T, []
-        back = torch.arange(N)[None, :]
-        for s, prev in zip(ctx.seqs, prevs):
-            np_ = prev.shape[0]
-            r = torch.arange(s.n)[:, None] - back      # [n, N] relative position of the token k steps back
-            # a new token of this step / a cached token / before the sequence start (or beyond the kept ids)
-            parts.append(torch.where(r >= 0, s.off + r, torch.where(np_ + r >= 0, base + np_ + r, -1)))
-            base += np_
-        src = torch.cat([ids] + [p.to(ids.device) for p in prevs if p.shape[0]] + [ids.new_full((1,), -1)])
-        idx = torch.cat(parts)
-        idx = torch.where(idx >= 0, idx, torch.full_like(idx, src.shape[0] - 1)).to(ids.device, non_blocking=True)
-        return src[idx]
+        srcs = Sources(T)      # [this step's ids, the caches' token buffers, -1]
+        cached = []
+        for s in ctx.seqs:
+            tb = s.cache._tokens
+            m = 0 if tb is None else tb[2]
+            cached.append((srcs.base(tb[0], None) + tb[1] if m else 0, m))
+        pad = srcs.at
+        idx = []
+        for s, (base, m) in zip(ctx.seqs, cached):
+            for j in range(s.n):
+                # k steps back: a new token of this step / a cached token / before the sequence start (or
+                # beyond the kept ids)
+                idx.append([s.off + j - k if j >= k else (base + m + j - k if m + j >= k else pad) for k in range(N)])
+        src = torch.cat([srcs.cat(ids, 0), ids.new_full((1,), -1)])
+        return src[to_device(idx, ids.device)]
+
+    @staticmethod
+    def _advance_tokens(ctx: StepContext) -> None:
+        """cache.tokens += this step's ids (last keep_tokens kept) for every sequence with one gather; each cache
+        then points at its rows of the result (no per-sequence tensor operations)."""
+        ids = ctx.token_ids
+        srcs, idx, views = Sources(ids.shape[0]), [], []
+        for s in ctx.seqs:
+            cache = s.cache
+            b0 = len(idx)
+            tb = cache._tokens
+            m = 0 if tb is None else tb[2]
+            keep_old = min(m, max(0, cache.keep_tokens - s.n))
+            if keep_old:
+                base = srcs.base(tb[0], None) + tb[1]
+                idx.extend(range(base + m - keep_old, base + m))
+            idx.extend(range(s.off + max(0, s.n - cache.keep_tokens), s.off + s.n))
+            views.append((b0, len(idx) - b0))
+        out = srcs.cat(ids, 0)[to_device(idx, ids.device)]
+        for s, (b0, m) in zip(ctx.seqs, views):
+            s.cache.set_rows("tokens", out, b0, m)
 
     def _qdq(self, x: torch.Tensor, kind: str) -> torch.Tensor:
         if not self.quant_sim:

@@ -256,3 +256,82 @@ def qdq_fp4_ue8m0(x: torch.Tensor, group: int = 32) -> torch.Tensor:
     sf = _round_up_pow2(amax / FP4_MAX)
     q = e2m1_to_float(float_to_e2m1(g * (1.0 / sf)))
     return (q * sf).reshape(x.shape).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Routed experts kept quantized: the checkpoint's formats -> kernels.moe's fp8 layout (lossless)
+# ----------------------------------------------------------------------------------------------------------
+
+def fp4_to_fp8(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed FP4 ``int8 [out, in/2]`` + UE8M0 ``[out, in/32]`` -> (``float8_e4m3fn [out, in]``, exponent bytes
+    ``uint8 [out, in/32]``). Lossless: every E2M1 value (0, +-0.5 ... +-6) is an E4M3 value, and the scales stay
+    the same powers of two."""
+    rows, cols = packed.shape[0], 2 * packed.shape[1]
+    if tuple(scale.shape) != (rows, _cdiv(cols, FP4_GROUP)):
+        raise ValueError(f"FP4 weight {tuple(packed.shape)} needs a 1x{FP4_GROUP} scale of shape "
+                         f"{(rows, _cdiv(cols, FP4_GROUP))}, got {tuple(scale.shape)}")
+    return e2m1_to_float(unpack_fp4(packed)).to(torch.float8_e4m3fn), _scale_bytes(scale)
+
+
+def split_block_scales(exponents: torch.Tensor, rows_per_block: int, out_rows: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """UE8M0 exponent bytes ``[ceil(out/R), ceil(in/32)]`` (one per R x 32 block) -> (fp32 row scales ``[out]``,
+    shifts ``uint8 [ceil(in/32), ceil(out/R)]``, group-major as kernels.moe reads them) with block scale = row
+    scale * 2**-shift exactly: the row scale is its block row's largest scale, so every shift is >= 0. Shifts are capped at 126 (the kernel builds
+    2**-shift as an fp32 normal): a block more than 2**126 below its row's largest differs from its row by more
+    than fp32 can hold anyway (only all-zero blocks, whose scale does not matter, get there in practice)."""
+    e = exponents.to(torch.int32)
+    top = e.amax(dim=1)
+    row_scale = ue8m0_to_float(top.to(torch.uint8)).repeat_interleave(rows_per_block)[:out_rows]
+    return row_scale.contiguous(), (top[:, None] - e).clamp(max=126).to(torch.uint8).t().contiguous()
+
+
+def expert_to_fp8(raw: torch.Tensor, scale: torch.Tensor, kind: str, rows_per_block: int, block: int = FP8_BLOCK
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One stored routed-expert weight ("fp4": packed E2M1 with 1x32 scales, or "fp8": E4M3 with block x block
+    scales, UE8M0 bytes both) -> (e4m3 [out, in], fp32 row scales [out], uint8 shifts [out/R, in/32]) for
+    kernels.moe with shift_rows R = rows_per_block (1, or 32 for FP8 blocks of 32); shifts group-major
+    [in/32, out/R]. Exact (see the two above)."""
+    if kind == "fp4":
+        w8, exps = fp4_to_fp8(raw, scale)
+        if rows_per_block != 1:
+            raise ValueError("FP4 experts have one scale per row: rows_per_block must be 1")
+    elif kind == "fp8":
+        if block != FP4_GROUP:
+            raise ValueError(f"keeping FP8 experts quantized needs {FP4_GROUP}x{FP4_GROUP} blocks, got {block}")
+        w8, exps = raw, _scale_bytes(scale)
+        if rows_per_block == 1:                                   # per-row form (a layer that mixes FP4 and FP8)
+            exps = exps.repeat_interleave(block, 0)[: raw.shape[0]]
+        elif rows_per_block != block:
+            raise ValueError(f"FP8 {block}x{block} blocks cannot use rows_per_block {rows_per_block}")
+    else:
+        raise ValueError(f"unknown quantized expert kind {kind!r}")
+    row_scale, shift = split_block_scales(exps, rows_per_block, raw.shape[0])
+    return w8, row_scale, shift
+
+
+def fold_shifts(w8: torch.Tensor, shift: torch.Tensor, rows_per_block: int) -> torch.Tensor | None:
+    """e4m3 weights [out, in] times 2**-shift of their (R rows x 32 columns) block (shift [in/32, out/R]),
+    rounded to e4m3, if that is
+    EXACT for every element (then the row scale alone describes the weight: kernels.moe's fastest fp8 path);
+    None otherwise. E2M1 values (FP4 experts) stay exact for shifts up to 8 (their lowest bit is 2**-1 and e4m3
+    keeps bits down to 2**-9), so a typical FP4 checkpoint, whose 1x32 group scales within a row differ by a few
+    powers of two, folds completely; FP8 blocks rarely do."""
+    N, K = w8.shape
+    if int(shift.max()) == 0:
+        return w8
+    mult = torch.exp2(-shift.t().float()).repeat_interleave(rows_per_block, 0)[:N].repeat_interleave(32, 1)[:, :K]
+    want = w8.float() * mult
+    folded = want.to(torch.float8_e4m3fn)
+    return folded if torch.equal(folded.float(), want) else None
+
+
+def expert_fp4_packed(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A stored FP4 routed-expert weight kept as it is (``uint8 [out, in/2]``, half a byte per weight) with fp32
+    row scales ``[out]`` and shifts ``uint8 [in/32, out]``: kernels.moe's packed-FP4 path (decoded in registers)."""
+    rows, cols = packed.shape[0], 2 * packed.shape[1]
+    if tuple(scale.shape) != (rows, _cdiv(cols, FP4_GROUP)):
+        raise ValueError(f"FP4 weight {tuple(packed.shape)} needs a 1x{FP4_GROUP} scale of shape "
+                         f"{(rows, _cdiv(cols, FP4_GROUP))}, got {tuple(scale.shape)}")
+    row_scale, shift = split_block_scales(_scale_bytes(scale), 1, rows)
+    return packed.view(torch.uint8), row_scale, shift

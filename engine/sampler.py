@@ -344,7 +344,9 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[SamplingRow], masks: Optio
             mr = torch.full((len(rows),), -1, dtype=torch.int64)
             mr[torch.tensor(masks.rows, dtype=torch.long)] = torch.tensor(masks.rows, dtype=torch.int64)
             mask_rows = mr.to(dev)
-        out = _FUSED(logits.contiguous(), temperature.to(dev), top_k.to(dev), top_p.to(dev), seed.to(dev),
+        # temperature/top_k/top_p stay on the host: the kernel then knows there which rows filter (no threshold
+        # launches when none does; the top-k candidate path alone when every filter is a small top-k)
+        out = _FUSED(logits.contiguous(), temperature, top_k, top_p, seed.to(dev),
                      pos.to(dev), bitmask=bitmask, mask_rows=mask_rows).tolist()
         dead = [i for i, t in enumerate(out) if t < 0]
         if dead:

@@ -6,6 +6,7 @@ Compile = building one `LLMatcher` (lexer and grammar checks, bounded by `LLPars
 """
 from __future__ import annotations
 
+import json
 import threading
 from functools import lru_cache
 
@@ -23,20 +24,46 @@ INDENTED_WS = r"(\n[ ]{0,128})?"
 
 def json_options(spec: JsonSchema) -> dict:
     """llguidance JSON compile options (applied as overrides of any x-guidance in the schema)."""
-    opts = {"coerce_one_of": "oneOf-as-anyOf" in spec.approximations, "lenient": False}
-    if spec.whitespace == "compact":
-        opts.update(whitespace_flexible=False, item_separator=",", key_separator=":")
-    elif spec.whitespace == "indented":
-        opts.update(whitespace_flexible=True, whitespace_pattern=INDENTED_WS, item_separator=",", key_separator=": ")
-    else:
-        opts.update(whitespace_flexible=True, whitespace_pattern=BOUNDED_WS, item_separator=",", key_separator=":")
+    return dict(_shared_json_options(spec))
+
+
+def _shared_json_options(spec: JsonSchema) -> dict:
+    """json_options, built once per (whitespace, oneOf-as-anyOf) and shared (read-only: llguidance copies it)."""
+    key = (spec.whitespace, "oneOf-as-anyOf" in spec.approximations)
+    opts = _JSON_OPTIONS.get(key)
+    if opts is None:
+        whitespace, coerce_one_of = key
+        opts = {"coerce_one_of": coerce_one_of, "lenient": False}
+        if whitespace == "compact":
+            opts.update(whitespace_flexible=False, item_separator=",", key_separator=":")
+        elif whitespace == "indented":
+            opts.update(whitespace_flexible=True, whitespace_pattern=INDENTED_WS, item_separator=",", key_separator=": ")
+        else:
+            opts.update(whitespace_flexible=True, whitespace_pattern=BOUNDED_WS, item_separator=",", key_separator=":")
+        _JSON_OPTIONS[key] = opts
     return opts
+
+
+_JSON_OPTIONS: dict = {}
+_JSON_OPTIONS_TEXT: dict = {}
+
+
+def _options_json(spec: JsonSchema) -> str:
+    """json_options as JSON text (built once per option set)."""
+    key = (spec.whitespace, "oneOf-as-anyOf" in spec.approximations)
+    text = _JSON_OPTIONS_TEXT.get(key)
+    if text is None:
+        text = _JSON_OPTIONS_TEXT[key] = json.dumps(_shared_json_options(spec))
+    return text
 
 
 def default_limits() -> LLParserLimits:
     # Defaults from llguidance, but fewer lexer states: ~1-2 kB each, so 100k states caps one grammar's
     # lexer near 200 MB (a hostile schema fails with an error instead of eating the machine).
-    return LLParserLimits(max_lexer_states=100_000, verbose_errors=False)
+    return _LIMITS
+
+
+_LIMITS = LLParserLimits(max_lexer_states=100_000, verbose_errors=False)  # read-only: one shared instance
 
 
 def grammar_text(spec) -> str:
@@ -45,10 +72,18 @@ def grammar_text(spec) -> str:
         return LLMatcher.grammar_from_regex(spec.pattern)
     if isinstance(spec, JsonSchema):
         schema = spec.schema
-        if isinstance(schema, dict) and "x-guidance" in schema:
+        if isinstance(schema, dict) and "x-guidance" not in schema:
+            # The common case: our options go in as the schema's own "x-guidance" entry, spliced into the JSON text
+            # the spec already holds, so llguidance only wraps the text (with `overrides` it would parse the schema
+            # and write it out again: ~2x the Python-visible cost of this whole compile step).
+            text = spec.layout_key()
+            return LLMatcher.grammar_from_json_schema(
+                text[:-1] + (', "x-guidance": ' if schema else '"x-guidance": ') + _options_json(spec) + "}")
+        if not isinstance(schema, dict):
+            schema = {} if schema else {"not": {}}
+        else:  # our options, not the schema's
             schema = {k: v for k, v in schema.items() if k != "x-guidance"}
-        return LLMatcher.grammar_from_json_schema(schema if isinstance(schema, dict) else ({} if schema else {"not": {}}),
-                                                  overrides=json_options(spec))
+        return LLMatcher.grammar_from_json_schema(schema, overrides=_shared_json_options(spec))
     if isinstance(spec, Grammar):
         if spec.syntax == "lark":
             return LLMatcher.grammar_from_lark(spec.text)
@@ -90,7 +125,6 @@ class LLGuidanceCompiled:
         self.limits = limits
         self.template = template
         self.renewals = 0  # how many times an exhausted shared lexer was replaced
-        self._lock = threading.Lock()
         # Rough memory estimate for the byte-bounded cache: the serialized grammar and lexer tables.
         self.nbytes = 4 * len(grammar) + 64 * 1024
         self.added_ids = vocab.added_ids
@@ -108,10 +142,13 @@ class LLGuidanceCompiled:
         if self.template is not exhausted:
             return
         fresh = self.new_start()
-        with self._lock:
+        with _RENEW_LOCK:
             if self.template is exhausted:
                 self.template = fresh
                 self.renewals += 1
+
+
+_RENEW_LOCK = threading.Lock()  # renewals are rare: one lock for all compiled constraints
 
 
 def compile_spec(spec, vocab: TokenizerVocab, limits: LLParserLimits | None = None) -> LLGuidanceCompiled:

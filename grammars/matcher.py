@@ -5,6 +5,8 @@ word (id // 32) set = token allowed. Ids beyond the tokenizer (padding logits) a
 """
 from __future__ import annotations
 
+from itertools import accumulate
+from operator import countOf
 from typing import Protocol, Sequence, runtime_checkable
 
 import torch
@@ -102,58 +104,54 @@ def fill_masks(matchers: Sequence[Matcher], drafts: Sequence[Sequence[int]] | No
     """
     n = len(matchers)
     if drafts is None:
-        starts = list(range(n))
-        rows = n
+        starts, rows, lens = range(n), n, None
     else:
         if len(drafts) != n:
             raise ValueError(f"{n} matchers but {len(drafts)} draft lists")
-        starts = []
-        rows = 0
-        for d in drafts:
-            starts.append(rows)
-            rows += len(d) + 1
+        lens = list(map(len, drafts))
+        ends = list(accumulate(map((1).__add__, lens)))  # C-level loops: this runs every engine step
+        rows = ends[-1] if ends else 0
+        starts = [0, *ends]
+        starts.pop()
     words = (matchers[0].vocab_size + 31) // 32 if matchers else 1
     if out is None:
         out = torch.empty((rows, words), dtype=torch.int32)
     else:
-        check_bitmask(out, rows, words)
-    counts = [0] * n
+        _check_out(out, rows, words)
     failed: dict = {}
-    # Group by matcher class: a class with a `fill_batch(matchers, drafts, starts, out, errors) -> counts`
-    # static method fills its whole group in one call (llguidance: one call into its thread pool).
+    # A class with a `fill_batch(matchers, drafts, starts, out, errors) -> counts` static method fills its whole
+    # group in one call (llguidance: one call into its thread pool); the common case is one such group.
     cls = type(matchers[0]) if matchers else None
-    if cls is not None and len(set(map(type, matchers))) == 1:
-        groups = {cls: None}  # one group: everything, in order
+    fill_batch = getattr(cls, "fill_batch", None)
+    if fill_batch is not None and countOf(map(type, matchers), cls) == n:
+        counts = fill_batch(matchers, drafts, starts, out, failed)
     else:
-        groups = {}
+        counts = [0] * n
+        groups: dict = {}
         for i, m in enumerate(matchers):
             groups.setdefault(type(m), []).append(i)
-    for cls, idx in groups.items():
-        fill_batch = getattr(cls, "fill_batch", None)
-        if fill_batch is None:
-            for i in range(n) if idx is None else idx:
-                d = list(drafts[i]) if drafts is not None else []
-                try:
-                    counts[i] = _fill_one(matchers[i], d, out, starts[i])
-                except ConstraintError as e:
-                    out[starts[i]: starts[i] + len(d) + 1].zero_()
-                    failed[i] = str(e)
-            continue
-        group_errors: dict = {}
-        if idx is None:
-            counts = fill_batch(matchers, drafts, starts, out, group_errors)
-            failed.update(group_errors)
-        else:
+        for cls, idx in groups.items():
+            fill_batch = getattr(cls, "fill_batch", None)
+            if fill_batch is None:
+                for i in idx:
+                    d = list(drafts[i]) if drafts is not None else []
+                    try:
+                        counts[i] = _fill_one(matchers[i], d, out, starts[i])
+                    except ConstraintError as e:
+                        out[starts[i]: starts[i] + len(d) + 1].zero_()
+                        failed[i] = str(e)
+                continue
+            group_errors: dict = {}
             sub = fill_batch([matchers[i] for i in idx], None if drafts is None else [drafts[i] for i in idx],
                              [starts[i] for i in idx], out, group_errors)
             for i, c in zip(idx, sub):
                 counts[i] = c
             for k, msg in group_errors.items():
                 failed[idx[k]] = msg
-    if drafts is not None:
-        for i, d in enumerate(drafts):
-            if counts[i] < len(d):  # rows after the first ungrammatical draft token: nothing allowed
-                out[starts[i] + counts[i] + 1: starts[i] + len(d) + 1].zero_()
+    if lens is not None and counts != lens:
+        for i, d in enumerate(lens):
+            if counts[i] < d:  # rows after the first ungrammatical draft token: nothing allowed
+                out[starts[i] + counts[i] + 1: starts[i] + d + 1].zero_()
     if valid_counts is not None:
         valid_counts.extend(counts)
     if failed:
@@ -162,6 +160,22 @@ def fill_masks(matchers: Sequence[Matcher], drafts: Sequence[Sequence[int]] | No
             raise ConstraintError(f"matcher {i}: {failed[i]}")
         errors.update(failed)
     return out
+
+
+_checked_out = (None, 0, None)  # (tensor, data pointer, shape) of the last output bitmask check_bitmask passed
+
+
+def _check_out(out: torch.Tensor, rows: int, words: int) -> None:
+    """check_bitmask, skipped when `out` is the tensor last checked, unmoved and unresized (an engine passes the
+    same preallocated bitmask every step; the full check costs ~1 µs)."""
+    global _checked_out
+    last, ptr, shape = _checked_out
+    if out is last and out.data_ptr() == ptr and out.shape == shape:
+        if shape[0] < rows or shape[1] != words:
+            raise ValueError(f"bitmask shape {tuple(shape)} too small: need [{rows}, {words}]")
+        return
+    check_bitmask(out, rows, words)
+    _checked_out = (out, out.data_ptr(), out.shape)  # one tuple, one store: safe to race (worst case: re-checked)
 
 
 def _fill_one(m: Matcher, draft: list, out: torch.Tensor, start: int) -> int:

@@ -14,10 +14,12 @@ Grammar masks (bitmask.py; bitmask int32 [N, ceil(V/32)], bit set = allowed):
 Sampling (sampling.py; seeded, counter-based: a draw depends only on (seed, position, distribution)):
     sample_from_logits(logits[R, V], temperature, top_k, top_p, seed, position, bitmask=None, mask_rows=None)
         -> int64 [R]; per-row scalars or [R] tensors; T <= 0 greedy; top_k 0 / top_p 1 = off; -1 if nothing allowed.
+        Filters apply in the order temperature, top-k, then top-p over the renormalised top-k set (vLLM's order).
     processed_probs(logits[R, V], temperature, top_k, top_p, bitmask=None, mask_rows=None) -> fp32 [R, V]: that q
         (torch on any device), for drafters that must keep the exact p their drafts came from.
     speculative_accept(logits[R, V], cu_rows[B+1], draft_tokens[R], draft_probs[R, V] | None, temperature, top_k,
-                       top_p, seed, position, bitmask=None, mask_rows=None) -> AcceptResult(num_accepted [B],
+                       top_p, seed, position, bitmask=None, mask_rows=None, filters=None, histogram=None)
+                       -> AcceptResult(num_accepted [B],
                        tokens [R] packed committed tokens (-1 elsewhere), final_tokens [B])
 
 Model hot spots:
@@ -27,16 +29,20 @@ Model hot spots:
         -> (idx int64 [N, k], scores [N, k]): sum_h w * relu(q_h . k_g), top-k best first, ties -> lower entry id,
         -1 / -inf padded (CUDA: an exact select kernel, indexer.topk_select_triton, instead of torch.topk).
     moe_experts(x[T, H], ids[T, K], weights[T, K], w1[E, F, H], w3[E, F, H], w2[E, H, F], swiglu_limit=10.0,
-                scales=None) -> [T, H]: weighted sum of the routed SwiGLU experts (clamped), grouped by expert;
-        `scales` = per-row scales of FP8 weights (moe.quantize_fp8_rows) read at one byte per weight.
+                scales=None, shifts=None, shift_rows=None, fp8_compute=None) -> [T, H]: weighted sum of the routed
+        SwiGLU experts (clamped), grouped by expert; `scales` = per-row scales of FP8 weights (moe.quantize_fp8_rows)
+        read at one byte per weight, `shifts` = per-block power-of-two shifts (a checkpoint's block scales kept);
+        packed FP4 (uint8) weights are accepted and decoded in registers.
     hc_mixes(residual[T, M, H], fn[(2+M)M, MH], base[(2+M)M], scale[3], norm_eps=1e-20, hc_eps=1e-6, iters=20,
              post_mult=2.0) -> HcMixes(pre [T, M], post [T, M], comb [T, M, M]): mHC mixes with Sinkhorn
         (bf16 residual on CUDA: fp32-accurate bf16x3 products, two launches; fn is split to bf16 parts in
         registers at decode sizes, from a per-tensor cache above 256 tokens). hc_mix.hc_pre_apply / hc_post_apply
         (next_pre=) fuse the pre/post applications into one launch each.
-Top-k/top-p thresholds (threshold.py) run as histogram + candidate passes; sampling draws a lane of 16 tokens by
+Top-k/top-p thresholds (threshold.py): rows with 0 < top_k <= 64 take the candidate path (2 launches: per-segment
+candidates above a lane-maximum bound, then an exact per-row merge that also applies top-p), the other filters
+the histogram path; sampling draws a lane of 16 tokens by
 Gumbel-max over lane masses, then the token inside it by inverse CDF (exact; sampling.py says why);
-speculative_accept's Triton path is nine launches; sparse_attention runs one key split by default, all heads per
+speculative_accept's Triton path is up to 11 launches (5 when the host says no row filters); sparse_attention runs one key split by default, all heads per
 program from N >= 192 rows, and combines splits inside the launch when it splits.
 """
 from .bitmask import apply_token_bitmask_by_step_inplace, apply_token_bitmask_inplace, by_step_mask_rows

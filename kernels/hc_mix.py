@@ -28,6 +28,8 @@ import triton.language as tl
 
 from .backend import INTERPRETING, check, empty, use_triton
 
+_FAST_RCP = tl.constexpr(not INTERPRETING)      # hardware reciprocals in the per-lane Sinkhorn (not interpretable)
+
 
 @dataclass
 class HcMixes:
@@ -108,9 +110,92 @@ def _partial_z(r_ptr, fn_ptr, T, K, NZ, tb, sp, BT: tl.constexpr, NZP: tl.conste
 
 
 @triton.jit
+def _split4(x):
+    """[..., 2, 2] -> its four [...] slices in row-major order of the two last dims (x[.., 0, 0], x[.., 0, 1], ...)."""
+    lo, hi = tl.split(x)              # x[..., :, 0], x[..., :, 1]
+    a, c = tl.split(lo)
+    b, d = tl.split(hi)
+    return a, b, c, d
+
+
+@triton.jit
+def _rcp(x, FAST: tl.constexpr):
+    """1 / x; FAST: the hardware reciprocal (rcp.approx, within 1 ulp: one instruction instead of the ~6 of a
+    rounded division; the interpreter cannot run PTX, so it divides)."""
+    if FAST:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return 1.0 / x
+
+
+@triton.jit
+def _norm4(a, b, c, d, eps, FAST: tl.constexpr):
+    r = _rcp(a + b + c + d + eps, FAST)
+    return a * r, b * r, c * r, d * r
+
+
+@triton.jit
+def _softmax4(a, b, c, d, eps, FAST: tl.constexpr):
+    m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+    a = tl.exp(a - m)
+    b = tl.exp(b - m)
+    c = tl.exp(c - m)
+    d = tl.exp(d - m)
+    r = _rcp(a + b + c + d, FAST)
+    return a * r + eps, b * r + eps, c * r + eps, d * r + eps
+
+
+@triton.jit
+def _sinkhorn4_lanes(c, comb_ptr, toks, tok_ok, hc_eps, BT: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr):
+    """M = 4: the [BT, 4, 4] logits split once into 16 per-token values ([BT] each), so every token's softmax
+    and Sinkhorn steps run inside its own thread (no cross-lane sums per step); same arithmetic as the
+    [BT, M, M] form (one reciprocal per row / column, then products)."""
+    q0, q1, q2, q3 = _split4(tl.reshape(c, [BT, 4, 2, 2]))            # columns k: [BT, 4] over rows j
+    c00, c10, c20, c30 = _split4(tl.reshape(q0, [BT, 2, 2]))
+    c01, c11, c21, c31 = _split4(tl.reshape(q1, [BT, 2, 2]))
+    c02, c12, c22, c32 = _split4(tl.reshape(q2, [BT, 2, 2]))
+    c03, c13, c23, c33 = _split4(tl.reshape(q3, [BT, 2, 2]))
+    c00, c01, c02, c03 = _softmax4(c00, c01, c02, c03, hc_eps, FAST)
+    c10, c11, c12, c13 = _softmax4(c10, c11, c12, c13, hc_eps, FAST)
+    c20, c21, c22, c23 = _softmax4(c20, c21, c22, c23, hc_eps, FAST)
+    c30, c31, c32, c33 = _softmax4(c30, c31, c32, c33, hc_eps, FAST)
+    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps, FAST)
+    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps, FAST)
+    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps, FAST)
+    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps, FAST)
+    for _ in tl.static_range(ITERS - 1):
+        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, hc_eps, FAST)
+        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, hc_eps, FAST)
+        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, hc_eps, FAST)
+        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, hc_eps, FAST)
+        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps, FAST)
+        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps, FAST)
+        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps, FAST)
+        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps, FAST)
+    o = comb_ptr + toks * 16
+    tl.store(o + 0, c00, mask=tok_ok)
+    tl.store(o + 1, c01, mask=tok_ok)
+    tl.store(o + 2, c02, mask=tok_ok)
+    tl.store(o + 3, c03, mask=tok_ok)
+    tl.store(o + 4, c10, mask=tok_ok)
+    tl.store(o + 5, c11, mask=tok_ok)
+    tl.store(o + 6, c12, mask=tok_ok)
+    tl.store(o + 7, c13, mask=tok_ok)
+    tl.store(o + 8, c20, mask=tok_ok)
+    tl.store(o + 9, c21, mask=tok_ok)
+    tl.store(o + 10, c22, mask=tok_ok)
+    tl.store(o + 11, c23, mask=tok_ok)
+    tl.store(o + 12, c30, mask=tok_ok)
+    tl.store(o + 13, c31, mask=tok_ok)
+    tl.store(o + 14, c32, mask=tok_ok)
+    tl.store(o + 15, c33, mask=tok_ok)
+
+
+@triton.jit
 def _mix_block(z_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, n_split, norm_eps, hc_eps,
                post_mult, tb, M: tl.constexpr, NZP: tl.constexpr, BT: tl.constexpr, ITERS: tl.constexpr,
-               SC: tl.constexpr):
+               SC: tl.constexpr, LANES: tl.constexpr, WIDE: tl.constexpr):
     """Token block tb: add the split partials in split order (SC splits' loads issued together; the loads
     bypass L1 since other programs wrote them), then sigmoid / softmax / Sinkhorn in registers. (Loading the
     SC splits as one [SC, BT, M, M] block and summing it left the result in a layout replicated SC-fold, and
@@ -122,18 +207,35 @@ def _mix_block(z_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, 
     zp = tl.zeros([BT, M], tl.float32)
     zq = tl.zeros([BT, M], tl.float32)
     zc = tl.zeros([BT, M, M], tl.float32)
-    for s0 in range(0, n_split, SC):
-        for i in tl.static_range(SC):        # SC independent loads in flight, each in the accumulators' layout
-            s = s0 + i
-            ok = tok_ok & (s < n_split)
-            row = (s * T + toks).to(tl.int64)
-            sq += tl.load(sq_ptr + row, mask=ok, other=0.0, cache_modifier=".cg")
-            zrow = row * NZP
-            zp += tl.load(z_ptr + zrow[:, None] + j[None, :], mask=ok[:, None], other=0.0, cache_modifier=".cg")
-            zq += tl.load(z_ptr + zrow[:, None] + M + j[None, :], mask=ok[:, None], other=0.0,
-                          cache_modifier=".cg")
-            zc += tl.load(z_ptr + zrow[:, None, None] + 2 * M + j[None, :, None] * M + j[None, None, :],
-                          mask=ok[:, None, None], other=0.0, cache_modifier=".cg")
+    if WIDE:                                 # SC splits as one [SC, BT, ...] block over all the program's
+        ss = tl.arange(0, SC)                # threads, summed across them (a fixed tree: deterministic)
+        for s0 in range(0, n_split, SC):
+            sp = s0 + ss
+            ok2 = (sp[:, None] < n_split) & tok_ok[None, :]
+            row2 = (sp[:, None] * T + toks[None, :]).to(tl.int64)
+            sq += tl.sum(tl.load(sq_ptr + row2, mask=ok2, other=0.0, cache_modifier=".cg"), 0)
+            zrow2 = row2 * NZP
+            zp += tl.sum(tl.load(z_ptr + zrow2[:, :, None] + j[None, None, :], mask=ok2[:, :, None], other=0.0,
+                                 cache_modifier=".cg"), 0)
+            zq += tl.sum(tl.load(z_ptr + zrow2[:, :, None] + M + j[None, None, :], mask=ok2[:, :, None],
+                                 other=0.0, cache_modifier=".cg"), 0)
+            zc += tl.sum(tl.load(z_ptr + zrow2[:, :, None, None] + 2 * M + j[None, None, :, None] * M
+                                 + j[None, None, None, :], mask=ok2[:, :, None, None], other=0.0,
+                                 cache_modifier=".cg"), 0)
+    else:
+        for s0 in range(0, n_split, SC):
+            for i in tl.static_range(SC):    # SC independent loads in flight, each in the accumulators' layout
+                s = s0 + i
+                ok = tok_ok & (s < n_split)
+                row = (s * T + toks).to(tl.int64)
+                sq += tl.load(sq_ptr + row, mask=ok, other=0.0, cache_modifier=".cg")
+                zrow = row * NZP
+                zp += tl.load(z_ptr + zrow[:, None] + j[None, :], mask=ok[:, None], other=0.0,
+                              cache_modifier=".cg")
+                zq += tl.load(z_ptr + zrow[:, None] + M + j[None, :], mask=ok[:, None], other=0.0,
+                              cache_modifier=".cg")
+                zc += tl.load(z_ptr + zrow[:, None, None] + 2 * M + j[None, :, None] * M + j[None, None, :],
+                              mask=ok[:, None, None], other=0.0, cache_modifier=".cg")
     inv_rms = 1.0 / tl.sqrt(sq / K + norm_eps)
     s0 = tl.load(scale_ptr)
     s1 = tl.load(scale_ptr + 1)
@@ -141,18 +243,21 @@ def _mix_block(z_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, 
     pre = tl.sigmoid(zp * inv_rms[:, None] * s0 + tl.load(base_ptr + j)[None, :]) + hc_eps
     post = tl.sigmoid(zq * inv_rms[:, None] * s1 + tl.load(base_ptr + M + j)[None, :]) * post_mult
     c = zc * inv_rms[:, None, None] * s2 + tl.load(base_ptr + 2 * M + j[:, None] * M + j[None, :])[None, :, :]
-    # one reciprocal per row / column and products (not 16 divisions per token per step): within a few ulps
-    # of the twin's divisions, far inside the fp32 tolerance after 20 steps
-    c = tl.exp(c - tl.max(c, 2)[:, :, None])
-    c = c * (1.0 / tl.sum(c, 2))[:, :, None] + hc_eps
-    c = c * (1.0 / (tl.sum(c, 1) + hc_eps))[:, None, :]
-    for _ in tl.static_range(ITERS - 1):
-        c = c * (1.0 / (tl.sum(c, 2) + hc_eps))[:, :, None]
-        c = c * (1.0 / (tl.sum(c, 1) + hc_eps))[:, None, :]
     tl.store(pre_ptr + toks[:, None] * M + j[None, :], pre, mask=tok_ok[:, None])
     tl.store(post_ptr + toks[:, None] * M + j[None, :], post, mask=tok_ok[:, None])
-    tl.store(comb_ptr + toks[:, None, None] * (M * M) + j[None, :, None] * M + j[None, None, :], c,
-             mask=tok_ok[:, None, None])
+    if LANES:
+        _sinkhorn4_lanes(c, comb_ptr, toks, tok_ok, hc_eps, BT, ITERS, _FAST_RCP)
+    else:
+        # one reciprocal per row / column and products (not 16 divisions per token per step): within a few
+        # ulps of the twin's divisions, far inside the fp32 tolerance after 20 steps
+        c = tl.exp(c - tl.max(c, 2)[:, :, None])
+        c = c * (1.0 / tl.sum(c, 2))[:, :, None] + hc_eps
+        c = c * (1.0 / (tl.sum(c, 1) + hc_eps))[:, None, :]
+        for _ in tl.static_range(ITERS - 1):
+            c = c * (1.0 / (tl.sum(c, 2) + hc_eps))[:, :, None]
+            c = c * (1.0 / (tl.sum(c, 1) + hc_eps))[:, None, :]
+        tl.store(comb_ptr + toks[:, None, None] * (M * M) + j[None, :, None] * M + j[None, None, :], c,
+                 mask=tok_ok[:, None, None])
 
 
 @triton.jit
@@ -160,7 +265,7 @@ def _hc_partial_kernel(r_ptr, fn_ptr, z_ptr, sq_ptr, cnt_ptr, base_ptr, scale_pt
                        T, K, NZ, n_split, norm_eps, hc_eps, post_mult, M: tl.constexpr, BT: tl.constexpr,
                        NZP: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
                        PRECISION: tl.constexpr, UPCAST: tl.constexpr, FUSED: tl.constexpr, ITERS: tl.constexpr,
-                       SC: tl.constexpr):
+                       SC: tl.constexpr, LANES: tl.constexpr = False, WIDE: tl.constexpr = False):
     """Program (token block, split of M*H): partial z = r . fn and sum of r^2 over the split's columns, stored
     per split. FUSED: the whole op in this one launch: each program then takes a ticket on its token block's
     counter, and the last to arrive (every partial of the block is written) adds them up in split order and
@@ -179,16 +284,16 @@ def _hc_partial_kernel(r_ptr, fn_ptr, z_ptr, sq_ptr, cnt_ptr, base_ptr, scale_pt
         if ticket == n_split - 1:
             tl.atomic_xchg(cnt_ptr + tb, 0, sem="relaxed", scope="gpu")
             _mix_block(z_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, n_split, norm_eps,
-                       hc_eps, post_mult, tb, M, NZP, BT, ITERS, SC)
+                       hc_eps, post_mult, tb, M, NZP, BT, ITERS, SC, LANES, WIDE)
 
 
 @triton.jit
 def _hc_mix_kernel(z_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, n_split, norm_eps,
                    hc_eps, post_mult, M: tl.constexpr, NZP: tl.constexpr, BT: tl.constexpr, ITERS: tl.constexpr,
-                   SC: tl.constexpr):
+                   SC: tl.constexpr, LANES: tl.constexpr = False, WIDE: tl.constexpr = False):
     """Second launch of the two-launch form: one program per token block."""
     _mix_block(z_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, n_split, norm_eps, hc_eps,
-               post_mult, tl.program_id(0), M, NZP, BT, ITERS, SC)
+               post_mult, tl.program_id(0), M, NZP, BT, ITERS, SC, LANES, WIDE)
 
 
 def split_fn_bf16(fn: torch.Tensor) -> torch.Tensor:
@@ -200,6 +305,12 @@ def split_fn_bf16(fn: torch.Tensor) -> torch.Tensor:
     lo = (rest - mid.float()).to(torch.bfloat16)
     return torch.stack([hi, mid, lo]).contiguous()
 
+
+# M = 4: each token's Sinkhorn inside its own thread (16 per-token values) instead of a [BT, 4, 4] block whose row
+# and column sums cross lanes at every step. H200 (session 3, T=64): 14.8 us against 14.7 with the block form, so
+# off: the mixing launch is bound by reading the split partials, not by the Sinkhorn arithmetic. The wide split
+# reduce (wide=True: [sc, tokens, ...] blocks over all the program's threads) measured 15.8-18.5 us: also off.
+LANES_DEFAULT = False
 
 _COUNTERS: dict = {}    # device -> int32 zeros: the FUSED launch's per-token-block tickets (reset by the kernel)
 
@@ -225,7 +336,8 @@ def hc_mixes_triton(residual, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iter
                     block_t: int | None = None, block_k: int | None = None, split: int | None = None,
                     only_partial: bool = False, precision: str | None = None, fn_parts: torch.Tensor | None = None,
                     num_warps: int | None = None, fused: bool | None = None, sc: int = 16, mix_bt: int = 2,
-                    mix_warps: int = 1) -> HcMixes:
+                    mix_warps: int = 1, num_stages: int | None = None, lanes: bool | None = None,
+                    wide: bool = False) -> HcMixes:
     """precision: None picks "bf16x3" for bf16 residuals (three bf16 tensor-core products against a hi/mid/lo
     split of fn made in registers from the fp32 fn; with fn_parts = split_fn_bf16(fn) given, the parts are read
     instead) and "ieee" otherwise; "ieee"/"tf32x3"/"tf32" force the one-dot fp32 path. fused=True: one
@@ -278,18 +390,21 @@ def hc_mixes_triton(residual, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iter
     comb = empty((T, M, M), torch.float32, dev)
     base, scale = base.float().contiguous(), scale.float().contiguous()
     fused = fused and not only_partial
+    lanes = (LANES_DEFAULT if lanes is None else lanes) and M == 4
     cnt = _counters(dev, n_tb) if fused else z
     _hc_partial_kernel[(n_tb, n_split)](r, w, z, sq, cnt, base, scale, pre, post, comb, T, K, NZ, n_split, norm_eps,
                                         hc_eps, post_mult, M=M, BT=block_t, NZP=NZP, BK=block_k, SPLIT=split,
                                         MODE=mode, PRECISION="ieee" if split_fn else precision,
-                                        UPCAST=INTERPRETING, FUSED=fused, ITERS=iters, SC=sc,
-                                        num_warps=num_warps or (8 if block_t >= (32 if split_fn else 64) else 4))
+                                        UPCAST=INTERPRETING, FUSED=fused, ITERS=iters, SC=sc, LANES=lanes,
+                                        WIDE=wide,
+                                        num_warps=num_warps or (8 if block_t >= (32 if split_fn else 64) else 4),
+                                        **({} if num_stages is None else dict(num_stages=num_stages)))
     if only_partial:            # (benchmark: time the streaming pass alone)
         return None
     if not fused:
         _hc_mix_kernel[(triton.cdiv(T, mix_bt),)](z, sq, base, scale, pre, post, comb, T, K, n_split, norm_eps,
                                                   hc_eps, post_mult, M=M, NZP=NZP, BT=mix_bt, ITERS=iters, SC=sc,
-                                                  num_warps=mix_warps)
+                                                  LANES=lanes, WIDE=wide, num_warps=mix_warps)
     return HcMixes(pre, post, comb)
 
 

@@ -8,16 +8,25 @@ doc leaves ties open; the engine's stable `topk_mask` fixes them this way, and r
 Shapes: iq [N, Hi, Di], w [N, Hi] (fp32), index_keys [P, Di] (a pool; row n's entries are
 index_keys[key_start[n] + g] for g < key_len[n]), k int. Returns (idx int64 [N, k] entry numbers g, -1 padded;
 scores fp32 [N, k], -inf padded), best first.
-Triton, two launches:
-  * the score kernel (grid rows x entry blocks; per program one [Hi, Di] x [Di, BLOCK_G] product, relu and the
-    head-weighted sum in registers) writes scores [N, max_len] (fp32: 64 KB a row at 16384 entries, L2-resident);
-  * `topk_select_triton` (one program per row): the exact k-th best order key found bit by bit (32 counting
-    reductions over the register-resident row), a compaction of the winners in entry order, then an in-register
-    sort best first.
-    It replaces torch.topk (77 us of the 166 us at N=64, L=16384, k=512 on an H200).
+Triton, three launches:
+  * the score kernel (grid rows x chunks of blocks_per_program * BLOCK_G entries; per block one
+    [Hi, Di] x [Di, BLOCK_G] product, relu and the head-weighted sum in registers; the row's queries loaded once
+    per program, the key loads pipelined) writes scores [N, max_len] (fp32: 64 KB a row at 16384 entries,
+    L2-resident);
+  * `topk_select_triton`, exact, two launches for long rows: each chunk of a row (`default_chunks`) picks its
+    own exact top-k in its own program (the k-th best order key found two bits per counting reduction over the
+    register-resident chunk, then a compaction in entry order), then one program per row picks the top-k of
+    those chunks * k candidates (the row's top-k is among them: an entry beaten by k entries of its own chunk
+    is beaten by k in the row), optionally sorted best first in registers. One program per row was 41 us at
+    N=64, L=16384, k=512 on an H200 (64 of 132 SMs busy; torch.topk 77 us).
+  `indexer_topk_fused` folds the first select stage into the score kernel (each program selects its chunk after
+  writing its scores): 99 us against 100 us unfused on the H200 at N=64, L=16384, k=512, so it is not the
+  default (select="fused" picks it). H200 numbers: scores 69 us (92% of copy bandwidth), select 28-31 us, both
+  100 us (63%); benchmarks/kernels_attention.py has the sweeps.
 The candidate-block restriction of layers 24/28/... is expressed by the caller through key_start/key_len of a
 gathered pool, or by -inf scores (not selectable).
-Cost: N * max_len * Di * bytes(keys) read once, + N * max_len * 4 written and re-read from L2 by the select.
+Cost: N * max_len * Di * bytes(keys) read once, + N * max_len * 4 written and re-read from L2 by the select,
++ N * chunks * k * 12 bytes of candidates (L2).
 """
 import torch
 import triton
@@ -69,42 +78,58 @@ def indexer_topk_torch(iq, w, keys, key_start, key_len, k, max_len=None):
 
 # ---------------------------------------------------------------------------------------------- Triton
 @triton.jit
+def _score_block(q, w, keys_ptr, start, g, visible, DI: tl.constexpr, F32: tl.constexpr):
+    """Scores of entries g (visible ones; -inf elsewhere): sum_h w_h relu(q_h . k_g)."""
+    d = tl.arange(0, DI)
+    kt = tl.load(keys_ptr + (start + g[None, :]) * DI + d[:, None], mask=visible[None, :], other=0.0)
+    if F32:
+        s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")    # [HP, BLOCK_G]
+    else:
+        s = tl.dot(q.to(kt.dtype), kt)
+    score = tl.sum(tl.maximum(s, 0.0) * w[:, None], 0)
+    return tl.where(visible, score, float("-inf"))
+
+
+@triton.jit
 def _indexer_score_kernel(iq_ptr, w_ptr, keys_ptr, start_ptr, len_ptr, out_ptr, max_len, HI,
-                          HP: tl.constexpr, DI: tl.constexpr, BLOCK_G: tl.constexpr, F32: tl.constexpr):
+                          HP: tl.constexpr, DI: tl.constexpr, BLOCK_G: tl.constexpr, F32: tl.constexpr,
+                          BPP: tl.constexpr):
+    """Program (row, chunk of BPP blocks of BLOCK_G entries): the row's queries are loaded once per program;
+    BPP > 1 loops over the blocks (the key loads pipelined by num_stages)."""
     n = tl.program_id(0).to(tl.int64)
-    gb = tl.program_id(1)
-    g = gb * BLOCK_G + tl.arange(0, BLOCK_G)
+    g0 = tl.program_id(1) * (BPP * BLOCK_G)
     n_keys = tl.load(len_ptr + n)
     start = tl.load(start_ptr + n).to(tl.int64)
-    visible = g < n_keys
-    score = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    if gb * BLOCK_G < n_keys:
-        h = tl.arange(0, HP)
-        d = tl.arange(0, DI)
-        q = tl.load(iq_ptr + (n * HI + h[:, None]) * DI + d[None, :], mask=h[:, None] < HI, other=0.0)
-        kt = tl.load(keys_ptr + (start + g[None, :]) * DI + d[:, None], mask=visible[None, :], other=0.0)
-        if F32:
-            s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")    # [HP, BLOCK_G]
-        else:
-            s = tl.dot(q.to(kt.dtype), kt)
+    h = tl.arange(0, HP)
+    if g0 < n_keys:
+        q = tl.load(iq_ptr + (n * HI + h[:, None]) * DI + tl.arange(0, DI)[None, :], mask=h[:, None] < HI,
+                    other=0.0)
         w = tl.load(w_ptr + n * HI + h, mask=h < HI, other=0.0).to(tl.float32)
-        score = tl.sum(tl.maximum(s, 0.0) * w[:, None], 0)
-        score = tl.where(visible, score, float("-inf"))
-    tl.store(out_ptr + n * max_len + g, score, mask=g < max_len)
+        for b in range(0, BPP):
+            g = g0 + b * BLOCK_G + tl.arange(0, BLOCK_G)
+            score = _score_block(q, w, keys_ptr, start, g, g < n_keys, DI, F32)
+            tl.store(out_ptr + n * max_len + g, score, mask=g < max_len)
+    else:
+        for b in range(0, BPP):
+            g = g0 + b * BLOCK_G + tl.arange(0, BLOCK_G)
+            tl.store(out_ptr + n * max_len + g, tl.full([BLOCK_G], float("-inf"), tl.float32), mask=g < max_len)
 
 
-def indexer_scores_triton(iq, w, keys, key_start, key_len, max_len, block_g: int = 128, num_warps: int = 8):
-    """The score kernel alone: fp32 [N, max_len], -inf where not visible. Defaults: the H200 round-1 sweep
-    (N=64, L=16384: block_g 128 with 8 warps 76 us = 84% of copy bandwidth; 4 warps 77 us; 64 82 us; 256 85 us)."""
+def indexer_scores_triton(iq, w, keys, key_start, key_len, max_len, block_g: int = 128, num_warps: int = 4,
+                          blocks_per_program: int = 4, num_stages: int = 3):
+    """The score kernel alone: fp32 [N, max_len], -inf where not visible. blocks_per_program > 1: each program
+    loops over that many blocks (queries loaded once, key loads pipelined by num_stages). Defaults: the H200
+    sweeps (N=64, L=16384: 128-entry blocks, 4 per program, 4 warps, 3 stages 68-70 us = 92-94% of copy
+    bandwidth; one block per program with 8 warps, the session-2 form, 74-77 us)."""
     N, Hi, Di = iq.shape
     scores = empty((N, max_len), torch.float32, iq.device)
     if max_len > 0:
-        grid = (N, triton.cdiv(max_len, block_g))
+        grid = (N, triton.cdiv(max_len, block_g * blocks_per_program))
         _indexer_score_kernel[grid](iq.contiguous(), w.contiguous(), keys.contiguous(),
                                     key_start.to(torch.int64).contiguous(), key_len.to(torch.int64).contiguous(),
                                     scores, max_len, Hi, HP=max(16, triton.next_power_of_2(Hi)), DI=Di,
                                     BLOCK_G=block_g, F32=keys.dtype == torch.float32 or INTERPRETING,
-                                    num_warps=num_warps)
+                                    BPP=blocks_per_program, num_warps=num_warps, num_stages=num_stages)
     return scores
 
 
@@ -137,124 +162,225 @@ def _count_at_least(scores_ptr, row, L, keys, t, offs, BLOCK: tl.constexpr, RESI
 
 
 @triton.jit
+def _add_pair(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
 def _count3(scores_ptr, row, L, keys, t1, t2, t3, offs, BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
-    """Counts of keys >= t1, >= t2, >= t3 in ONE reduction (three 21-bit fields of an int64: a row has < 2**21
-    entries on this path, checked by the caller)."""
+    """Counts of keys >= t1, >= t2, >= t3 in ONE reduction. Resident (< 2**16 entries): two int32 sums reduced
+    together (t1 and t2 counts as 16-bit fields of one word: the fewest instructions per entry); streamed (a row
+    of < 2**21 entries, checked by the caller): three 21-bit fields of an int64."""
     if RESIDENT:
-        packed = tl.sum((keys >= t1).to(tl.int64) + ((keys >= t2).to(tl.int64) << 21)
-                        + ((keys >= t3).to(tl.int64) << 42), 0)
+        lo = tl.where(keys >= t1, 1, 0) + tl.where(keys >= t2, 65536, 0)
+        hi = tl.where(keys >= t3, 1, 0)
+        s_lo, s_hi = tl.reduce((lo, hi), 0, _add_pair)
+        return s_lo & 0xFFFF, s_lo >> 16, s_hi
     else:
         packed = tl.zeros([], tl.int64)
         for start in range(0, L, BLOCK):
             kb = _load_keys(scores_ptr, row, start + offs, L)
             packed += tl.sum((kb >= t1).to(tl.int64) + ((kb >= t2).to(tl.int64) << 21)
                              + ((kb >= t3).to(tl.int64) << 42), 0)
-    return packed & 0x1FFFFF, (packed >> 21) & 0x1FFFFF, packed >> 42
+        return packed & 0x1FFFFF, (packed >> 21) & 0x1FFFFF, packed >> 42
 
 
 @triton.jit
-def _topk_select_kernel(scores_ptr, L, k, idx_ptr, val_ptr, BLOCK: tl.constexpr, RESIDENT: tl.constexpr,
-                        SORTED: tl.constexpr, KP: tl.constexpr):
-    """Program = one row of scores [N, L]: the exact k best (ties: lower id). The k-th best order key T is found
-    two bits at a time (16 counting reductions: T = the largest t with count(keys >= t) >= k; only sum
-    reductions over a register-resident row; an H200 run of a 4-pass tl.histogram radix select took 173 us for
-    64 rows of 16384, slower than torch.topk), then one compaction pass in entry order takes every key > T and the
-    lowest-id keys == T. RESIDENT (L <= BLOCK): the row is loaded once and stays in registers; otherwise every
-    pass streams it (from L2 at decode sizes). SORTED: the k winners are re-ordered best first by one in-register
-    sort of (key, -id) (KP = next pow2 of k)."""
-    row = tl.program_id(0).to(tl.int64)
+def _select_chunk(base, n, k, idx_ptr, val_ptr, out, map_base, seg0, BLOCK: tl.constexpr, RESIDENT: tl.constexpr,
+                  SORTED: tl.constexpr, KP: tl.constexpr, MAP: tl.constexpr):
+    """The exact k best of the n scores at `base` (ties: lower id) -> idx/val slots out .. out + k (-1 / -inf
+    padded). The k-th best order key T is found two bits at a time (16 counting reductions: T = the largest t
+    with count(keys >= t) >= k; only sum reductions over a register-resident chunk), then one compaction pass in
+    entry order takes every key > T and the lowest-id keys == T. RESIDENT (n <= BLOCK): the scores are loaded
+    once and stay in registers; otherwise every pass streams them (from L2 at decode sizes). SORTED: the winners
+    are re-ordered best first by one in-register sort of (key, -id) (KP = next pow2 of k). Ids written: seg0 +
+    the entry's position, or map_base[position] when MAP."""
     offs = tl.arange(0, BLOCK)
     keys = tl.zeros([BLOCK], tl.uint32)
     if RESIDENT:
-        keys = _load_keys(scores_ptr, row, offs, L)
-    n_take = tl.minimum(_count_at_least(scores_ptr, row, L, keys, 1, offs, BLOCK, RESIDENT), k)
+        keys = _load_keys(base, 0, offs, n)
+    n_take = tl.minimum(_count_at_least(base, 0, n, keys, 1, offs, BLOCK, RESIDENT), k)
     prefix = tl.zeros([], tl.uint32)
     for b in tl.static_range(16):                       # two bits of T per reduction
         lo = 30 - 2 * b
         t1 = prefix | (1 << lo)
         t2 = prefix | (2 << lo)
         t3 = prefix | (3 << lo)
-        c1, c2, c3 = _count3(scores_ptr, row, L, keys, t1, t2, t3, offs, BLOCK, RESIDENT)
+        c1, c2, c3 = _count3(base, 0, n, keys, t1, t2, t3, offs, BLOCK, RESIDENT)
         prefix = tl.where(c3 >= n_take, t3, tl.where(c2 >= n_take, t2, tl.where(c1 >= n_take, t1, prefix)))
     # prefix = the n_take-th largest key; take every key above it and the `rem` lowest-id keys equal to it
-    rem = n_take - _count_at_least(scores_ptr, row, L, keys, prefix + 1, offs, BLOCK, RESIDENT)
+    rem = n_take - _count_at_least(base, 0, n, keys, prefix + 1, offs, BLOCK, RESIDENT)
     if RESIDENT:
         eq = (keys == prefix) & (keys != 0)
         sel = ((keys > prefix) | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= rem))) & (n_take > 0)
         pos = tl.cumsum(sel.to(tl.int32), 0) - 1
-        tl.store(idx_ptr + row * k + pos, offs.to(tl.int64), mask=sel)
+        tl.store(idx_ptr + out + pos, offs.to(tl.int64), mask=sel)
     else:
         taken_eq = tl.zeros([], tl.int32)
-        out = tl.zeros([], tl.int32)
-        for start in range(0, L, BLOCK):
-            kb = _load_keys(scores_ptr, row, start + offs, L)
+        cnt = tl.zeros([], tl.int32)
+        for start in range(0, n, BLOCK):
+            kb = _load_keys(base, 0, start + offs, n)
             eq = (kb == prefix) & (kb != 0)
             sel = ((kb > prefix) | (eq & (tl.cumsum(eq.to(tl.int32), 0) + taken_eq <= rem))) & (n_take > 0)
-            pos = out + tl.cumsum(sel.to(tl.int32), 0) - 1
-            tl.store(idx_ptr + row * k + pos, (start + offs).to(tl.int64), mask=sel)
+            pos = cnt + tl.cumsum(sel.to(tl.int32), 0) - 1
+            tl.store(idx_ptr + out + pos, (start + offs).to(tl.int64), mask=sel)
             taken_eq += tl.sum(eq.to(tl.int32), 0)
-            out += tl.sum(sel.to(tl.int32), 0)
+            cnt += tl.sum(sel.to(tl.int32), 0)
     at = tl.arange(0, KP)                              # k <= KP: the output row in one block
-    tl.store(idx_ptr + row * k + at, -1, mask=(at >= n_take) & (at < k))     # padding after the winners
+    tl.store(idx_ptr + out + at, -1, mask=(at >= n_take) & (at < k))     # padding after the winners
     tl.debug_barrier()                                 # this program's index stores are visible to all its threads
     got = at < n_take
-    gi = tl.load(idx_ptr + row * k + at, mask=got, other=0)
-    v = tl.load(scores_ptr + row * L + gi, mask=got, other=float("-inf"))
+    gi = tl.load(idx_ptr + out + at, mask=got, other=0)                 # positions in this chunk
+    v = tl.load(base + gi, mask=got, other=float("-inf"))
     if SORTED:
         # (key, -id) as one int64: key ^ 0x80000000 read as int32 keeps the order, the low word orders ids
         kv = _order_key(v)
         comp = ((kv ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64) << 32) | (0xFFFFFFFF - gi)
         comp = tl.sort(tl.where(got, comp, -9223372036854775807), descending=True)
         gi = 0xFFFFFFFF - (comp & 0xFFFFFFFF)
-        v = tl.load(scores_ptr + row * L + gi, mask=got, other=float("-inf"))
-        tl.debug_barrier()                             # every thread has read the unsorted ids before any store
-        tl.store(idx_ptr + row * k + at, gi, mask=got)
-    tl.store(val_ptr + row * k + at, v, mask=at < k)
+        v = tl.load(base + gi, mask=got, other=float("-inf"))
+    if MAP:
+        ids = tl.load(map_base + gi, mask=got, other=-1)
+    else:
+        ids = seg0 + gi
+    tl.debug_barrier()                                 # every thread has read the unsorted ids before any store
+    tl.store(idx_ptr + out + at, ids, mask=got)
+    tl.store(val_ptr + out + at, v, mask=at < k)
+
+
+@triton.jit
+def _topk_select_kernel(scores_ptr, L, CL, k, idx_ptr, val_ptr, map_ptr, BLOCK: tl.constexpr,
+                        RESIDENT: tl.constexpr, SORTED: tl.constexpr, KP: tl.constexpr, MAP: tl.constexpr):
+    """Program (row, chunk): `_select_chunk` over entries [c * CL, c * CL + CL) of row `row` of scores [N, L],
+    written to output slots (row * chunks + c) * k... With MAP (the second stage of the chunked select) the row
+    holds the first stage's candidates, whose positions increase with the original ids (so position ties are id
+    ties), and map [N, L] their ids."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    seg0 = c * CL
+    _select_chunk(scores_ptr + row * L + seg0, tl.minimum(CL, L - seg0), k, idx_ptr, val_ptr,
+                  (row * tl.num_programs(1) + c) * k, map_ptr + row * L + seg0, seg0, BLOCK, RESIDENT, SORTED, KP,
+                  MAP)
+
+
+@triton.jit
+def _score_select_kernel(iq_ptr, w_ptr, keys_ptr, start_ptr, len_ptr, out_ptr, max_len, HI, k, idx_ptr, val_ptr,
+                         HP: tl.constexpr, DI: tl.constexpr, BLOCK_G: tl.constexpr, F32: tl.constexpr,
+                         BPP: tl.constexpr, KP: tl.constexpr):
+    """The score kernel fused with the first select stage: program (row, chunk of BPP * BLOCK_G entries) writes
+    its scores, then (barrier: its own stores are visible to all its threads) picks the chunk's exact top-k into
+    the candidate slots (row * chunks + chunk) * k (ids = entry numbers in the row)."""
+    n = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    CL: tl.constexpr = BPP * BLOCK_G
+    g0 = c * CL
+    n_keys = tl.load(len_ptr + n)
+    start = tl.load(start_ptr + n).to(tl.int64)
+    h = tl.arange(0, HP)
+    q = tl.load(iq_ptr + (n * HI + h[:, None]) * DI + tl.arange(0, DI)[None, :], mask=h[:, None] < HI, other=0.0)
+    w = tl.load(w_ptr + n * HI + h, mask=h < HI, other=0.0).to(tl.float32)
+    for b in range(0, BPP):
+        g = g0 + b * BLOCK_G + tl.arange(0, BLOCK_G)
+        score = _score_block(q, w, keys_ptr, start, g, g < n_keys, DI, F32)
+        tl.store(out_ptr + n * max_len + g, score, mask=g < max_len)
+    tl.debug_barrier()
+    _select_chunk(out_ptr + n * max_len + g0, tl.minimum(CL, max_len - g0), k, idx_ptr, val_ptr,
+                  (n * tl.num_programs(1) + c) * k, out_ptr, g0, CL, True, False, KP, False)
 
 
 SELECT_BLOCK = 4096      # entries per streamed block; rows up to RESIDENT_MAX stay in registers
-RESIDENT_MAX = 16384
+RESIDENT_MAX = 16384     # < 2**16: `_count3`'s 16-bit fields
 SORT_MAX = 4096          # largest k ordered in-kernel (a bitonic sort in registers); larger k: torch.sort after
 KMAX = 1 << 16           # the output row is one register block
 
 
-def topk_select_triton(scores: torch.Tensor, k: int, sorted: bool = True, block: int | None = None,
-                       num_warps: int | None = None):
-    """Exact top-k of fp32 scores [N, L] (-inf = not selectable) -> (idx int64 [N, k], val fp32 [N, k]), -1 / -inf
-    padded; the same selection as the stable-sort twin `_select` (ties: lower id). sorted=False: winners in
-    ascending entry order (what a mask needs), one launch. Cost: the row is read once when L <= RESIDENT_MAX
-    (34 times, from L2 at decode sizes, when longer) plus k * 12 bytes written; one program per row."""
-    check(scores.dim() == 2 and scores.dtype == torch.float32, f"scores must be fp32 [rows, entries], got "
-          f"{scores.dtype} {tuple(scores.shape)}")
-    check(k >= 1, f"top-k must be >= 1, got {k}")
+def _select_launch(scores, k, chunks, sorted, block, num_warps, id_map=None):
+    """One launch of `_topk_select_kernel` over [N, L] scores in `chunks` chunks per row -> (idx, val) [N, chunks
+    * k] (each chunk's k slots; ids from id_map when given)."""
     N, L = scores.shape
-    scores = scores.contiguous()
-    idx = empty((N, k), torch.int64, scores.device)
-    val = empty((N, k), torch.float32, scores.device)
-    if N == 0:
-        return idx, val
-    resident = L <= RESIDENT_MAX if block is None else L <= block
-    block = block or (max(16, triton.next_power_of_2(L)) if resident else SELECT_BLOCK)
+    cl = triton.cdiv(L, chunks)
+    idx = empty((N, chunks * k), torch.int64, scores.device)
+    val = empty((N, chunks * k), torch.float32, scores.device)
+    resident = cl <= RESIDENT_MAX if block is None else cl <= block
+    block = block or (max(16, triton.next_power_of_2(cl)) if resident else SELECT_BLOCK)
     kp = max(16, triton.next_power_of_2(k))
-    check(kp <= KMAX, f"top-k of at most {KMAX} entries per row, got {k}")
-    check(L < 1 << 21, f"at most {(1 << 21) - 1} entries per row, got {L}")
     in_kernel_sort = sorted and kp <= SORT_MAX
-    _topk_select_kernel[(N,)](scores, L, k, idx, val, BLOCK=block, RESIDENT=resident, SORTED=in_kernel_sort,
-                              KP=kp, num_warps=num_warps or (16 if block >= 8192 else 8))
+    _topk_select_kernel[(N, chunks)](scores, L, cl, k, idx, val, scores if id_map is None else id_map,
+                                     BLOCK=block, RESIDENT=resident, SORTED=in_kernel_sort, KP=kp,
+                                     MAP=id_map is not None,
+                                     num_warps=num_warps or (16 if block >= 8192 else 8 if block >= 2048 else 4))
     if sorted and not in_kernel_sort:
         val, order = val.sort(dim=1, descending=True, stable=True)
         idx = idx.gather(1, order)
     return idx, val
 
 
+def default_chunks(L: int, k: int) -> int:
+    """Chunks per row for the first select stage: rows much longer than k are split so that many programs share
+    the row (H200, N=64, L=16384, k=512: 4 chunks 27.5 us, 8 chunks 31-32, 2 chunks 29-34, one program per row
+    36-41)."""
+    return max(1, min(16, L // (8 * k)))
+
+
+def topk_select_triton(scores: torch.Tensor, k: int, sorted: bool = True, block: int | None = None,
+                       num_warps: int | None = None, chunks: int | None = None, num_warps2: int | None = None):
+    """Exact top-k of fp32 scores [N, L] (-inf = not selectable) -> (idx int64 [N, k], val fp32 [N, k]), -1 / -inf
+    padded; the same selection as the stable-sort twin `_select` (ties: lower id). sorted=False: winners in
+    ascending entry order (what a mask needs). chunks > 1 (default `default_chunks`): two launches, each chunk's
+    exact top-k by its own program, then the top-k of those chunks * k candidates per row (they contain the row's
+    top-k: an entry beaten by k entries of its own chunk is beaten by k in the row). Cost: the row read once
+    (L2 at decode sizes) + chunks * k * 12 bytes of candidates written and read back, plus k * 12 written."""
+    check(scores.dim() == 2 and scores.dtype == torch.float32, f"scores must be fp32 [rows, entries], got "
+          f"{scores.dtype} {tuple(scores.shape)}")
+    check(k >= 1, f"top-k must be >= 1, got {k}")
+    N, L = scores.shape
+    check(max(16, triton.next_power_of_2(k)) <= KMAX, f"top-k of at most {KMAX} entries per row, got {k}")
+    check(L < 1 << 21, f"at most {(1 << 21) - 1} entries per row, got {L}")
+    scores = scores.contiguous()
+    if N == 0:
+        return empty((N, k), torch.int64, scores.device), empty((N, k), torch.float32, scores.device)
+    chunks = default_chunks(L, k) if chunks is None else max(1, min(chunks, triton.cdiv(L, k)))
+    if chunks == 1:
+        return _select_launch(scores, k, 1, sorted, block, num_warps)
+    cand_idx, cand_val = _select_launch(scores, k, chunks, False, block, num_warps)
+    return _select_launch(cand_val, k, 1, sorted, None, num_warps2, id_map=cand_idx)
+
+
+def indexer_topk_fused(iq, w, keys, key_start, key_len, k, max_len=None, block_g: int = 128, bpp: int = 16,
+                       num_warps: int = 8, num_stages: int = 3, sorted: bool = True, num_warps2: int | None = None):
+    """Scores fused with the first select stage (`_score_select_kernel`: chunks of bpp * block_g entries), then
+    the second stage over the rows' candidates. Same result as `indexer_topk_triton`; two launches."""
+    _check(iq, w, keys, key_start, key_len, k)
+    N, Hi, Di = iq.shape
+    max_len = int(key_len.max()) if max_len is None else max_len
+    cl = block_g * bpp
+    chunks = triton.cdiv(max_len, cl)
+    if max_len == 0 or cl < k:
+        return indexer_topk_triton(iq, w, keys, key_start, key_len, k, max_len, select="kernel")
+    scores = empty((N, max_len), torch.float32, iq.device)
+    cand_idx = empty((N, chunks * k), torch.int64, iq.device)
+    cand_val = empty((N, chunks * k), torch.float32, iq.device)
+    _score_select_kernel[(N, chunks)](iq.contiguous(), w.contiguous(), keys.contiguous(),
+                                      key_start.to(torch.int64).contiguous(), key_len.to(torch.int64).contiguous(),
+                                      scores, max_len, Hi, k, cand_idx, cand_val,
+                                      HP=max(16, triton.next_power_of_2(Hi)), DI=Di, BLOCK_G=block_g,
+                                      F32=keys.dtype == torch.float32 or INTERPRETING, BPP=bpp,
+                                      KP=max(16, triton.next_power_of_2(k)), num_warps=num_warps,
+                                      num_stages=num_stages)
+    return _select_launch(cand_val, k, 1, sorted, None, num_warps2, id_map=cand_idx)
+
+
 def indexer_topk_triton(iq, w, keys, key_start, key_len, k, max_len=None, block_g: int = 128,
                         select: str = "kernel"):
-    """select: "kernel" (`topk_select_triton`, exact, ties -> lower id) or "topk" (torch.topk: the previous
-    path, kept for the benchmark's before/after; its ties are unspecified)."""
+    """select: "kernel" (scores, then `topk_select_triton`: exact, ties -> lower id), "fused"
+    (`indexer_topk_fused`: the same result) or "topk" (torch.topk: the session-1 path, kept for the benchmark's
+    before/after; its ties are unspecified)."""
     _check(iq, w, keys, key_start, key_len, k)
     N, Hi, Di = iq.shape
     check(Di >= 16 and Di & (Di - 1) == 0, f"index head dim must be a power of two >= 16, got {Di}")
     max_len = int(key_len.max()) if max_len is None else max_len
+    if select == "fused":
+        return indexer_topk_fused(iq, w, keys, key_start, key_len, k, max_len, block_g=block_g)
     scores = indexer_scores_triton(iq, w, keys, key_start, key_len, max_len, block_g)
     if select == "topk":
         kk = min(k, max_len)

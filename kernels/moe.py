@@ -14,10 +14,17 @@ of a token are summed in a fixed order, so results are deterministic (no atomics
 Cost at decode sizes: every touched expert's W1, W3, W2 read once per block of its pairs: memory-bound.
 
 FP8 weights (optional, `scales=(s1 [E, F], s3 [E, F], s2 [E, H])` fp32 with float8_e4m3fn w1/w3/w2; made by
-quantize_fp8_rows): weights are read at 1 byte, widened to bf16 in registers, and each output channel's
-scale applied to the fp32 accumulator (weights-only quantization, activations stay bf16). Per-row scales,
-not the checkpoint's 32-element blocks: the engine's loader dequantizes to bf16 today, so this path is for the
-benchmark until the loader keeps FP8.
+quantize_fp8_rows or, from a checkpoint, by engine/quant.py's expert_to_fp8): weights are read at 1 byte, widened to fp16
+(or bf16) in registers, and each output channel's scale applied to the fp32 accumulator (weights-only
+quantization, activations stay bf16).
+Block scales (the checkpoint's: 1x32 groups along the input dim for FP4 experts, 32x32 blocks for FP8 ones):
+`shifts=(g1, g3, g2)` uint8 [E, ceil(K / 32), ceil(N / shift_rows)] (group-major, so a tile's shifts are
+contiguous runs, loaded through a tensor descriptor when shift_rows is 1) with the row scale the row's LARGEST
+block scale, so block (r, k) scales by row_scale * 2**-shift. The kernel multiplies each widened 32-wide group by
+2**-shift in registers: exact in fp16 while shift <= 15 (an e4m3 value's lowest bit is 2**-9 and fp16 keeps bits
+down to 2**-24; <= 23 for e2m1 values), exact in bf16 for any shift <= 126 (the engine's KeptExperts.finalize
+picks fp8_compute from the largest shift).
+Extra bytes: 1 per 32 weights (shift_rows 1) or per 1024 (32).
 """
 import torch
 import triton
@@ -26,22 +33,45 @@ import triton.language as tl
 from .backend import empty, INTERPRETING, check, use_triton
 
 
-def _check(x, ids, weights, w1, w3, w2, scales=None):
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def is_packed_fp4(w: torch.Tensor) -> bool:
+    """Expert weights given as packed FP4 bytes (two E2M1 codes per byte, element 2i in the low nibble)."""
+    return w.dtype in (torch.uint8, torch.int8)
+
+
+def _check(x, ids, weights, w1, w3, w2, scales=None, shifts=None, shift_rows=1):
     check(x.dim() == 2, f"x must be [tokens, hidden], got {tuple(x.shape)}")
     T, H = x.shape
     check(ids.dim() == 2 and ids.shape[0] == T, f"expert ids must be [{T}, k], got {tuple(ids.shape)}")
     check(weights.shape == ids.shape, f"routing weights must be {tuple(ids.shape)}, got {tuple(weights.shape)}")
-    check(w1.dim() == 3 and w1.shape[2] == H, f"w1 must be [experts, inter, {H}], got {tuple(w1.shape)}")
+    packed = is_packed_fp4(w1)
+    c = 2 if packed else 1                   # packed FP4: the input dim holds two weights per byte
+    what = " (packed FP4: in/2 bytes)" if packed else ""
+    check(w1.dim() == 3 and w1.shape[2] * c == H, f"w1 must be [experts, inter, {H // c}]{what}, got {tuple(w1.shape)}")
     E, F, _ = w1.shape
-    check(w3.shape == (E, F, H), f"w3 must be {(E, F, H)}, got {tuple(w3.shape)}")
-    check(w2.shape == (E, H, F), f"w2 must be {(E, H, F)}, got {tuple(w2.shape)}")
-    fp8 = w1.dtype == torch.float8_e4m3fn
-    check(fp8 == (scales is not None), "float8_e4m3fn expert weights need scales=(s1, s3, s2), and only they")
+    check(w3.shape == (E, F, H // c) and w3.dtype == w1.dtype, f"w3 must be {w1.dtype} {(E, F, H // c)}{what}, got "
+          f"{w3.dtype} {tuple(w3.shape)}")
+    check(w2.shape == (E, H, F // c) and F % c == 0 and w2.dtype == w1.dtype,
+          f"w2 must be {w1.dtype} {(E, H, F // c)}{what}, got {w2.dtype} {tuple(w2.shape)}")
+    fp8 = w1.dtype == torch.float8_e4m3fn or packed
+    check(fp8 == (scales is not None), "float8_e4m3fn (or packed FP4) expert weights need scales=(s1, s3, s2), "
+          "and only they")
+    check(not packed or shifts is not None, "packed FP4 expert weights need their group shifts (shifts=...)")
     if fp8:
         s1, s3, s2 = scales
         check(s1.shape == (E, F) and s3.shape == (E, F) and s2.shape == (E, H),
               f"fp8 scales must be [{E}, {F}], [{E}, {F}], [{E}, {H}], got "
               f"{tuple(s1.shape)}, {tuple(s3.shape)}, {tuple(s2.shape)}")
+    if shifts is not None:
+        check(fp8, "block-scale shifts need float8_e4m3fn (or packed FP4) weights with row scales")
+        R = shift_rows
+        for name, g, (n, k) in zip(("w1", "w3", "w2"), shifts, ((F, H), (F, H), (H, F))):
+            want = (E, _cdiv(k, 32), _cdiv(n, R))
+            check(g.dtype == torch.uint8 and tuple(g.shape) == want,
+                  f"{name} block-scale shifts must be uint8 {want} (shift_rows {R}), got {g.dtype} {tuple(g.shape)}")
 
 
 def quantize_fp8_rows(w: torch.Tensor):
@@ -57,20 +87,40 @@ def _expert(x, w1, w3, w2, limit):
 
 
 # ---------------------------------------------------------------------------------------------- torch twin
-def moe_experts_torch(x, ids, weights, w1, w3, w2, swiglu_limit=10.0, scales=None):
-    _check(x, ids, weights, w1, w3, w2, scales)
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_expert(w: torch.Tensor, row_scale: torch.Tensor, shift: torch.Tensor | None = None,
+                      shift_rows: int = 1) -> torch.Tensor:
+    """One expert's fp8 weight [N, K] (or packed FP4 [N, K/2]) with its row scales [N] (and block shifts
+    [K/32, N/R], group-major) -> fp32 [N, K]."""
+    if is_packed_fp4(w):
+        b = w.view(torch.uint8).to(torch.int64)
+        codes = torch.stack((b & 15, b >> 4), dim=-1).reshape(w.shape[0], 2 * w.shape[1])
+        w = torch.tensor(_E2M1, dtype=torch.float32, device=w.device)[codes]
+    out = w.float() * row_scale.float()[:, None]
+    if shift is not None:
+        N, K = w.shape
+        mult = torch.exp2(-shift.t().float()).repeat_interleave(shift_rows, 0)[:N].repeat_interleave(32, 1)[:, :K]
+        out = out * mult
+    return out
+
+
+def moe_experts_torch(x, ids, weights, w1, w3, w2, swiglu_limit=10.0, scales=None, shifts=None, shift_rows=1):
+    _check(x, ids, weights, w1, w3, w2, scales, shifts, shift_rows)
     if scales is not None:                   # fp8 weights: dequantize per touched expert (below)
         s1, s3, s2 = scales
-        deq = lambda w, sc, e: w[e].float() * sc[e].float()[:, None]          # noqa: E731
+        g1, g3, g2 = shifts if shifts is not None else (None, None, None)
+        deq = lambda w, sc, g, e: dequantize_expert(w[e], sc[e], None if g is None else g[e], shift_rows)  # noqa: E731
     else:
-        s1 = s3 = s2 = None
-        deq = lambda w, sc, e: w[e].float()                                  # noqa: E731
+        s1 = s3 = s2 = g1 = g3 = g2 = None
+        deq = lambda w, sc, g, e: w[e].float()                               # noqa: E731
     T, K = ids.shape
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     xf = x.float()
     for e in torch.unique(ids).tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
-        y = _expert(xf[tok], deq(w1, s1, e), deq(w3, s3, e), deq(w2, s2, e), swiglu_limit)
+        y = _expert(xf[tok], deq(w1, s1, g1, e), deq(w3, s3, g3, e), deq(w2, s2, g2, e), swiglu_limit)
         out.index_add_(0, tok, y * weights[tok, slot].float()[:, None])
     return out.to(x.dtype)
 
@@ -151,9 +201,55 @@ def align_pairs_triton(ids: torch.Tensor, n_experts: int, block_m: int):
 
 
 @triton.jit
+def _e2m1_half(nib):
+    """E2M1 codes (int32, 0..15) -> fp16 holding value * 2**-14: sign to bit 15, the exponent and mantissa bits
+    (e e m) to bits 11..9, so the fp16 exponent field is e (bias 15 against E2M1's 1) and e = 0 lands on fp16
+    subnormals exactly like E2M1's (0.5 * 2**-14 = 2**-15). Four integer operations, no table."""
+    bits = ((nib & 8) << 12) | ((nib & 7) << 9)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _shift_tile(g_ptr, g_desc, e, n, nt, k0, N, K, BN: tl.constexpr, BK: tl.constexpr, GR: tl.constexpr,
+                GT: tl.constexpr):
+    """Block-scale shifts of the weight tile (rows n = nt*BN.., columns k0..k0+BK) -> int32 [BN, BK/32], from
+    g [E, ceil(K/32), ceil(N/GR)] (group-major: a tile's shifts are BK/32 runs of contiguous rows). GT: through
+    a tensor descriptor over g as [E*ceil(K/32), N] (GR = 1), so the copy engine pipelines them with the weights."""
+    KG = (K + 31) // 32
+    if GT:
+        d = tl.trans(g_desc.load([e * KG + k0 // 32, nt * BN])).to(tl.int32)
+    else:
+        kg = k0 // 32 + tl.arange(0, BK // 32)
+        d = tl.load(g_ptr + (e.to(tl.int64) * KG + kg[None, :]) * ((N + GR - 1) // GR) + (n // GR)[:, None],
+                    mask=(n[:, None] < N) & (kg[None, :] < KG), other=0).to(tl.int32)
+    return tl.minimum(d, 126)      # (past the expert's last group the descriptor reads the next expert's)
+
+
+@triton.jit
+def _widen(wt, d, BN: tl.constexpr, BK: tl.constexpr, GS: tl.constexpr, CD: tl.constexpr, W4: tl.constexpr = False):
+    """Weight tile -> CD [BN, BK]: fp8 [BN, BK] widened, or W4: packed FP4 bytes [BN, BK/2] (element 2i in the
+    low nibble) decoded. GS: each 32-wide group times 2**-shift, d [BN, BK/32] (built from exponent bits: exact)."""
+    if W4:
+        b = wt.to(tl.int32) & 0xFF
+        w = tl.reshape(tl.join(_e2m1_half(b & 0xF), _e2m1_half(b >> 4)), [BN, BK]).to(CD)
+        up = 14                                  # _e2m1_half's 2**-14, folded into the group multiplier
+    else:
+        w = wt.to(CD)
+        up = 0
+    if GS:
+        m = ((127 + up - d) << 23).to(tl.float32, bitcast=True).to(CD)
+        w = tl.reshape(tl.reshape(w, [BN, BK // 32, 32]) * m[:, :, None], [BN, BK])
+    elif W4:
+        w = w * 16384.0
+    return w
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, s1_ptr, s3_ptr, h_ptr, slot_pair_ptr, block_expert_ptr,
-                    H, F, K_TOP, limit, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr,
-                    TMA: tl.constexpr, FP8: tl.constexpr, CD: tl.constexpr = tl.bfloat16):
+                    H, F, K_TOP, limit, g1_ptr, g3_ptr, g1_desc, g3_desc, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, F32: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr,
+                    CD: tl.constexpr = tl.bfloat16, GS: tl.constexpr = False, GR: tl.constexpr = 1,
+                    W4: tl.constexpr = False, GT: tl.constexpr = False):
     """Program (block of one expert's pairs, F tile): h = silu(min(x W1^T, L)) * clamp(x W3^T, -L, L).
     TMA: the weight tiles come through tensor descriptors over w [E*F, H] (Hopper's bulk copy engine)."""
     b = tl.program_id(0)
@@ -171,19 +267,39 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, s1_ptr, s3_ptr, h_p
             kk = k0 + tl.arange(0, BK)
             xt = tl.load(x_ptr + tok[:, None] * H + kk[None, :], mask=(pair[:, None] >= 0) & (kk[None, :] < H),
                          other=0.0)
-            if TMA:
+            if TMA and W4:                       # packed FP4: [BN, BK/2] bytes
+                w1t = w1_desc.load([e * F + nt * BN, k0 // 2])
+                w3t = w3_desc.load([e * F + nt * BN, k0 // 2])
+            elif TMA:
                 w1t = w1_desc.load([e * F + nt * BN, k0])                                      # [BN, BK]
                 w3t = w3_desc.load([e * F + nt * BN, k0])
+            elif W4:
+                kh = k0 // 2 + tl.arange(0, BK // 2)
+                wm = (n[:, None] < F) & (kh[None, :] < H // 2)
+                w1t = tl.load(w1_ptr + wbase // 2 + n[:, None] * (H // 2) + kh[None, :], mask=wm, other=0)
+                w3t = tl.load(w3_ptr + wbase // 2 + n[:, None] * (H // 2) + kh[None, :], mask=wm, other=0)
             else:
                 wm = (n[:, None] < F) & (kk[None, :] < H)
                 w1t = tl.load(w1_ptr + wbase + n[:, None] * H + kk[None, :], mask=wm, other=0.0)
                 w3t = tl.load(w3_ptr + wbase + n[:, None] * H + kk[None, :], mask=wm, other=0.0)
+            if GS:
+                d1 = _shift_tile(g1_ptr, g1_desc, e, n, nt, k0, F, H, BN, BK, GR, GT)
+                d3 = _shift_tile(g3_ptr, g3_desc, e, n, nt, k0, F, H, BN, BK, GR, GT)
+            else:
+                d1 = 0
+                d3 = 0
+            if FP8 and F32:
+                w1t = _widen(w1t, d1, BN, BK, GS, tl.float32, W4)
+                w3t = _widen(w3t, d3, BN, BK, GS, tl.float32, W4)
+            elif FP8:                            # widened to CD (bf16, or fp16: one cvt from e4m3)
+                w1t = _widen(w1t, d1, BN, BK, GS, CD, W4)
+                w3t = _widen(w3t, d3, BN, BK, GS, CD, W4)
             if F32:
                 acc1 += tl.dot(xt.to(tl.float32), tl.trans(w1t.to(tl.float32)), input_precision="ieee")
                 acc3 += tl.dot(xt.to(tl.float32), tl.trans(w3t.to(tl.float32)), input_precision="ieee")
-            elif FP8:                            # widened to CD (bf16, or fp16: one cvt from e4m3)
-                acc1 += tl.dot(xt.to(CD), tl.trans(w1t.to(CD)))
-                acc3 += tl.dot(xt.to(CD), tl.trans(w3t.to(CD)))
+            elif FP8:
+                acc1 += tl.dot(xt.to(CD), tl.trans(w1t))
+                acc3 += tl.dot(xt.to(CD), tl.trans(w3t))
             else:
                 acc1 += tl.dot(xt.to(w1t.dtype), tl.trans(w1t))
                 acc3 += tl.dot(xt.to(w3t.dtype), tl.trans(w3t))
@@ -198,9 +314,10 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, s1_ptr, s3_ptr, h_p
 
 
 @triton.jit
-def _down_kernel(h_ptr, w2_ptr, w2_desc, s2_ptr, y_ptr, wts_ptr, slot_pair_ptr, block_expert_ptr, H, F,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, TMA: tl.constexpr,
-                 FP8: tl.constexpr, CD: tl.constexpr = tl.bfloat16):
+def _down_kernel(h_ptr, w2_ptr, w2_desc, s2_ptr, y_ptr, wts_ptr, slot_pair_ptr, block_expert_ptr, H, F, g2_ptr,
+                 g2_desc, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, TMA: tl.constexpr,
+                 FP8: tl.constexpr, CD: tl.constexpr = tl.bfloat16, GS: tl.constexpr = False, GR: tl.constexpr = 1,
+                 W4: tl.constexpr = False, GT: tl.constexpr = False):
     """Program (block of one expert's pairs, H tile): y[pair] = weight[pair] * (h W2^T), one row per pair."""
     b = tl.program_id(0)
     nt = tl.program_id(1)
@@ -215,15 +332,26 @@ def _down_kernel(h_ptr, w2_ptr, w2_desc, s2_ptr, y_ptr, wts_ptr, slot_pair_ptr, 
             kk = k0 + tl.arange(0, BK)
             ht = tl.load(h_ptr + slots[:, None].to(tl.int64) * F + kk[None, :],
                          mask=(pair[:, None] >= 0) & (kk[None, :] < F), other=0.0)
-            if TMA:
+            if TMA and W4:
+                w2t = w2_desc.load([e * H + nt * BN, k0 // 2])                                 # [BN, BK/2]
+            elif TMA:
                 w2t = w2_desc.load([e * H + nt * BN, k0])                                      # [BN, BK]
+            elif W4:
+                kh = k0 // 2 + tl.arange(0, BK // 2)
+                w2t = tl.load(w2_ptr + wbase // 2 + n[:, None] * (F // 2) + kh[None, :],
+                              mask=(n[:, None] < H) & (kh[None, :] < F // 2), other=0)
             else:
                 w2t = tl.load(w2_ptr + wbase + n[:, None] * F + kk[None, :],
                               mask=(n[:, None] < H) & (kk[None, :] < F), other=0.0)
+            d2 = _shift_tile(g2_ptr, g2_desc, e, n, nt, k0, H, F, BN, BK, GR, GT) if GS else 0
+            if FP8 and F32:
+                w2t = _widen(w2t, d2, BN, BK, GS, tl.float32, W4)
+            elif FP8:
+                w2t = _widen(w2t, d2, BN, BK, GS, CD, W4)
             if F32:
                 acc += tl.dot(ht.to(tl.float32), tl.trans(w2t.to(tl.float32)), input_precision="ieee")
             elif FP8:
-                acc += tl.dot(ht.to(CD), tl.trans(w2t.to(CD)))
+                acc += tl.dot(ht.to(CD), tl.trans(w2t))
             else:
                 acc += tl.dot(ht.to(w2t.dtype), tl.trans(w2t))
         if FP8:
@@ -244,6 +372,12 @@ def _combine_kernel(y_ptr, out_ptr, H, K_TOP: tl.constexpr, BH: tl.constexpr):
     tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=h < H)
 
 
+# fp8 weights: gate/up tiles (H200 round 2 sweep: 128-wide N tiles over 128-wide K tiles, 8 warps, TMA loads).
+# With block shifts, 64-wide K tiles (session 3 round 1, V4.1 T=64: 2.79 ms against 3.23 with 128; per-row
+# scales 2.14 ms, which is why the loader folds the shifts into the e4m3 values whenever that is exact)
+FP8_TILES = dict(block_n=128, block_k=128, num_warps=8)
+FP8_SHIFT_TILES = dict(block_n=128, block_k=64, num_warps=8)
+
 # Tensor-descriptor weight loads by default (when the shapes allow). H200 round 1: as fast as the pointer loads
 # (200 vs 202 us at T=64), and their sm_90 build does not spill (the pointer build spills 808 B per thread).
 TMA_DEFAULT = True
@@ -263,7 +397,7 @@ def _tma_ok(*ws) -> bool:
 
 def moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit=10.0, block_m=None, block_n=64, block_k=128,
                        num_warps=None, num_stages=3, down=None, tma=None, align="triton", scales=None,
-                       fp8_compute="fp16"):
+                       fp8_compute="fp16", shifts=None, shift_rows=1, shift_tma=None):
     """block_m None: default_block_m. (block_n, block_k, num_warps, num_stages) tile the gate/up kernel; `down`
     (same 4-tuple, None: the same) the down kernel; num_warps None: 4 for 16-row blocks, else 8 (sm_90 builds
     without spills). tma (None: TMA_DEFAULT): weight tiles through tensor descriptors when the shapes allow;
@@ -271,8 +405,10 @@ def moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit=10.0, block_m=N
     (and spill at bk=128).
     align: "triton" (one launch) or "torch" (align_pairs). scales: fp8 weights' per-row scales (module doc);
     fp8_compute: "fp16" or "bf16", the dtype the fp8 weights (and the activations) are widened to for the dot
-    (H200 round 2, toy T=64: fp16 120 us, bf16 172 us: e4m3 -> fp16 is one conversion instruction)."""
-    _check(x, ids, weights, w1, w3, w2, scales)
+    (H200 round 2, toy T=64: fp16 120 us, bf16 172 us: e4m3 -> fp16 is one conversion instruction).
+    shifts / shift_rows: the block scales' shifts (module doc); the K tiles are then multiples of 32;
+    shift_tma (None: when TMA is on and shift_rows is 1): shift tiles through tensor descriptors too."""
+    _check(x, ids, weights, w1, w3, w2, scales, shifts, shift_rows)
     T, H = x.shape
     K = ids.shape[1]
     E, F, _ = w1.shape
@@ -281,6 +417,8 @@ def moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit=10.0, block_m=N
     block_m = block_m or default_block_m(T, K, E)
     num_warps = num_warps or (4 if block_m <= 16 else 8)
     dn, dk, dw, ds = down or (block_n, block_k, num_warps, num_stages)
+    gs = shifts is not None
+    check(not gs or (block_k % 32 == 0 and dk % 32 == 0), f"block scales need K tiles of 32s, got {block_k}, {dk}")
     slot_pair, block_expert = (align_pairs_triton if align == "triton" else align_pairs)(ids, E, block_m)
     n_blocks = block_expert.numel()
     fp8 = scales is not None
@@ -290,26 +428,43 @@ def moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit=10.0, block_m=N
         s1, s3, s2 = (sc.float().contiguous() for sc in scales)
     else:
         s1 = s3 = s2 = x
+    g1, g3, g2 = (g.contiguous() for g in shifts) if gs else (x, x, x)
+    gd1 = gd3 = gd2 = None
     w1, w3, w2 = w1.contiguous(), w3.contiguous(), w2.contiguous()
+    w4 = is_packed_fp4(w1)
+    c = 2 if w4 else 1
+    if w4:                                    # uint8 bytes (an int8 view would sign-extend: masked anyway)
+        w1, w3, w2 = w1.view(torch.uint8), w3.view(torch.uint8), w2.view(torch.uint8)
     tma = (TMA_DEFAULT if tma is None else bool(tma)) and _tma_ok(w1, w3, w2)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
-        d1 = TensorDescriptor.from_tensor(w1.view(E * F, H), [block_n, block_k])
-        d3 = TensorDescriptor.from_tensor(w3.view(E * F, H), [block_n, block_k])
-        d2 = TensorDescriptor.from_tensor(w2.view(E * H, F), [dn, dk])
+        d1 = TensorDescriptor.from_tensor(w1.view(E * F, H // c), [block_n, block_k // c])
+        d3 = TensorDescriptor.from_tensor(w3.view(E * F, H // c), [block_n, block_k // c])
+        d2 = TensorDescriptor.from_tensor(w2.view(E * H, F // c), [dn, dk // c])
+        gt = gs and shift_rows == 1 and _tma_ok(g1, g3, g2) and min(block_k, dk) >= 32
+        if gt:                                # shifts [E, K/32, N] as [E*K/32, N]: [BK/32, BN] tiles
+            gd1 = TensorDescriptor.from_tensor(g1.view(-1, F), [block_k // 32, block_n])
+            gd3 = TensorDescriptor.from_tensor(g3.view(-1, F), [block_k // 32, block_n])
+            gd2 = TensorDescriptor.from_tensor(g2.view(-1, H), [dk // 32, dn])
     else:
         d1 = d3 = d2 = None
+        gt = False
+    if shift_tma is not None:
+        gt = gt and shift_tma
     h_dtype = torch.float32 if w1.dtype == torch.float32 else (torch.bfloat16 if fp8 else w1.dtype)
     h = empty((n_blocks * block_m, F), h_dtype, x.device)
     y = empty((T * K, H), torch.float32, x.device)
     x = x.contiguous()
     _gate_up_kernel[(n_blocks, triton.cdiv(F, block_n))](x, w1, w3, d1, d3, s1, s3, h, slot_pair, block_expert, H,
-                                                         F, K, float(swiglu_limit), BM=block_m, BN=block_n,
-                                                         BK=block_k, F32=f32, TMA=tma, FP8=fp8, CD=cd,
-                                                         num_warps=num_warps, num_stages=num_stages)
+                                                         F, K, float(swiglu_limit), g1, g3, gd1, gd3, BM=block_m,
+                                                         BN=block_n, BK=block_k, F32=f32, TMA=tma, FP8=fp8, CD=cd,
+                                                         GS=gs, GR=shift_rows, W4=w4, GT=gt, num_warps=num_warps,
+                                                         num_stages=num_stages)
     _down_kernel[(n_blocks, triton.cdiv(H, dn))](h, w2, d2, s2, y, weights.float().contiguous(), slot_pair,
-                                                 block_expert, H, F, BM=block_m, BN=dn, BK=dk, F32=f32, TMA=tma,
-                                                 FP8=fp8, CD=cd, num_warps=dw, num_stages=ds)
+                                                 block_expert, H, F, g2, gd2, BM=block_m, BN=dn, BK=dk, F32=f32,
+                                                 TMA=tma, FP8=fp8, CD=cd, GS=gs, GR=shift_rows, W4=w4, GT=gt,
+                                                 num_warps=dw,
+                                                 num_stages=ds)
     out = empty((T, H), x.dtype, x.device)
     bh = min(1024, triton.next_power_of_2(H))
     _combine_kernel[(T, triton.cdiv(H, bh))](y, out, H, K_TOP=K, BH=bh, num_warps=4)
@@ -317,8 +472,13 @@ def moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit=10.0, block_m=N
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-                w2: torch.Tensor, swiglu_limit: float = 10.0, scales=None) -> torch.Tensor:
-    """Weighted sum of each token's routed experts (module docstring); scales: fp8 weights' per-row scales."""
+                w2: torch.Tensor, swiglu_limit: float = 10.0, scales=None, shifts=None, shift_rows: int = 1,
+                fp8_compute: str = "fp16") -> torch.Tensor:
+    """Weighted sum of each token's routed experts (module docstring); scales: fp8 weights' per-row scales;
+    shifts / shift_rows: their block scales (module doc); fp8_compute: "bf16" where fp16 would not be exact."""
     if use_triton(x):
-        return moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit, scales=scales)
-    return moe_experts_torch(x, ids, weights, w1, w3, w2, swiglu_limit, scales=scales)
+        kw = (FP8_SHIFT_TILES if shifts is not None else FP8_TILES) if scales is not None else {}
+        return moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit, scales=scales, shifts=shifts,
+                                  shift_rows=shift_rows, fp8_compute=fp8_compute, **kw)
+    return moe_experts_torch(x, ids, weights, w1, w3, w2, swiglu_limit, scales=scales, shifts=shifts,
+                             shift_rows=shift_rows)

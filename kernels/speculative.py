@@ -39,9 +39,10 @@ import triton.language as tl
 from . import rng
 from .backend import INTERPRETING, check, empty, use_triton
 from .sampling import (LANES, LOG2E, NEG_INF, NEG_INF_KEY, SEG, RowParams, check_logits_and_mask,
-                       default_mask_rows, kept_z_torch, lane_draw_torch, lane_gumbel_torch, lane_pick,
+                       default_mask_rows, exp2_w, kept_z_torch, lane_draw_torch, lane_gumbel_torch, lane_pick,
                        lane_score, lane_scores_torch, lanes_view, masked_z_torch, pack_lanes, pick_lane, segment_block,
-                       thresholds_torch, thresholds_triton)
+                       may_filter, thresholds_torch, thresholds_triton)
+from .threshold import needs_histogram_path
 
 
 _NEG_INF_KEY = tl.constexpr(NEG_INF_KEY)
@@ -182,7 +183,7 @@ def _stats_body(logits_ptr, mc_ptr, sc_ptr, pack_ptr, inv_t_ptr, greedy_ptr, tau
                                        HAS_MASK, True, FULL, LANES, LW)
     ml = tl.max(z, 1)                                              # per lane, in-thread
     ref = tl.where(ml > float("-inf"), ml, 0.0) * 1.4426950408889634
-    w = tl.exp2(z * 1.4426950408889634 - ref[:, None])
+    w = exp2_w(z * 1.4426950408889634 - ref[:, None], FAST)
     m = tl.max(ml, 0)
     packed = pack_lanes(tl.full([LANES], float("-inf"), tl.float32), start + lane)
     if greedy:
@@ -238,7 +239,7 @@ def _residual_body(logits_ptr, probs_ptr, rows_ptr, drafts_ptr, residual_ptr, ke
                                            V, HAS_MASK, True, FULL, LANES, LW)
         ml = tl.max(z, 1)                                          # per lane, in-thread
         live = ml > float("-inf")
-        w = tl.exp2(z * 1.4426950408889634 - (tl.where(live, ml, 0.0) * 1.4426950408889634)[:, None])
+        w = exp2_w(z * 1.4426950408889634 - (tl.where(live, ml, 0.0) * 1.4426950408889634)[:, None], FAST)
         kl = tl.where(live, tl.exp2((ml - tl.load(m_ptr + row)) * 1.4426950408889634) / tl.load(s_ptr + row), 0.0)
         if HAS_PROBS:
             if FULL:
@@ -298,11 +299,13 @@ def _merge(mc_ptr, sc_ptr, pack_ptr, ro, n_seg, NCP: tl.constexpr):
 def _accept_kernel(logits_ptr, probs_ptr, drafts_ptr, cu_ptr, seed_ptr, pos_ptr, inv_t_ptr, greedy_ptr, tau_ptr,
                    mc_ptr, sc_ptr, pack_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_seg,
                    m_ptr, s_ptr, n_acc_ptr, rows_f_ptr, draft_f_ptr, residual_ptr, keys_f_ptr, tokens_ptr, final_ptr,
-                   C_VERIFY, C_RESIDUAL, HAS_MASK: tl.constexpr, HAS_PROBS: tl.constexpr, NCP: tl.constexpr):
-    """Program (request): merge each row's segment statistics, run the ratio test row by row up to the first
-    rejection, write the accepted drafts (-1 on the other rows). A request that needs no residual (all drafts
-    accepted: the bonus draw of its last row; greedy: the argmax of its final row) gets its final token here;
-    the others get the residual pass's inputs."""
+                   C_VERIFY, C_RESIDUAL, HAS_MASK: tl.constexpr, HAS_PROBS: tl.constexpr, NCP: tl.constexpr,
+                   NR: tl.constexpr):
+    """Program (request): merge its rows' segment statistics and run the ratio test of NR rows at a time (all
+    their loads in flight together; the rows of a chunk are independent), up to the first rejection; write the
+    accepted drafts (-1 on the other rows). A request that needs no residual (all drafts accepted: the bonus
+    draw of its last row; greedy: the argmax of its final row) gets its final token here; the others get the
+    residual pass's inputs."""
     b = tl.program_id(0)
     start = tl.load(cu_ptr + b)
     n = tl.load(cu_ptr + b + 1) - start
@@ -311,34 +314,45 @@ def _accept_kernel(logits_ptr, probs_ptr, drafts_ptr, cu_ptr, seed_ptr, pos_ptr,
     inv_t = tl.load(inv_t_ptr + b)
     greedy = tl.load(greedy_ptr + b) != 0
     n_acc = n - 1
-    for j in range(0, n):
+    jj = tl.arange(0, NR)
+    c = tl.arange(0, NCP)
+    for j0 in range(0, n, NR):
+        j = j0 + jj
+        live = j < n
         r = start + j
         ro = r.to(tl.int64)
-        m, s, best = _merge(mc_ptr, sc_ptr, pack_ptr, ro, n_seg, NCP)
-        tl.store(m_ptr + r, m)
-        tl.store(s_ptr + r, s)
-        if (j < n_acc) & (j < n - 1):                 # still accepting: test this row's draft
-            d = tl.load(drafts_ptr + r)
-            dc = tl.minimum(tl.maximum(d, 0), V - 1)
-            z = tl.load(logits_ptr + ro * V + dc).to(tl.float32) * inv_t
-            if HAS_MASK:
-                mrow = tl.load(mask_rows_ptr + r)
-                w = tl.load(bitmask_ptr + tl.maximum(mrow, 0) * bitmask_stride + dc // 32)
-                z = tl.where((((w >> (dc % 32).to(tl.int32)) & 1) != 0) | (mrow < 0), z, float("-inf"))
-            kept = (z >= tl.load(tau_ptr + r)) & (z > float("-inf"))
-            q = tl.where(kept, tl.exp(z - m) / s, 0.0)
-            amax = 4294967295 - (best & 4294967295)        # greedy rows: the first maximum
-            q = tl.where(greedy, tl.where((dc == amax) & ((best >> 32) > _NEG_INF_KEY), 1.0, 0.0), q)
-            p = 1.0
-            if HAS_PROBS:
-                p = tl.load(probs_ptr + ro * V + dc).to(tl.float32)
-            u = rng.uniform_tl(rng.row_key_tl(seed, pos0 + j, C_VERIFY), pos0 * 0)        # id 0, as the twin
-            if (d < 0) | (d >= V) | (u * p >= q):
-                n_acc = n_acc * 0 + j
-    for j in range(0, n):
-        r = start + j
-        d = tl.load(drafts_ptr + r)
-        tl.store(tokens_ptr + r, tl.where(j < n_acc, d, -1))
+        o = ro[:, None] * n_seg + c[None, :]
+        okc = live[:, None] & (c[None, :] < n_seg)
+        mc = tl.load(mc_ptr + o, mask=okc, other=float("-inf"))
+        sc = tl.load(sc_ptr + o, mask=okc, other=0.0)
+        best = tl.max(tl.load(pack_ptr + o, mask=okc, other=-9223372036854775807), 1)
+        m = tl.max(mc, 1)
+        s = tl.sum(tl.where(mc > float("-inf"), sc * tl.exp2((mc - tl.where(m > float("-inf"), m, 0.0)[:, None])
+                                                               * 1.4426950408889634), 0.0), 1)
+        tl.store(m_ptr + r, m, mask=live)
+        tl.store(s_ptr + r, s, mask=live)
+        test = live & (j < n - 1)                                  # rows that verify a draft
+        d = tl.load(drafts_ptr + r, mask=test, other=-1)
+        dc = tl.minimum(tl.maximum(d, 0), V - 1)
+        z = tl.load(logits_ptr + ro * V + dc, mask=test, other=0.0).to(tl.float32) * inv_t
+        if HAS_MASK:
+            mrow = tl.load(mask_rows_ptr + r, mask=test, other=-1)
+            w = tl.load(bitmask_ptr + tl.maximum(mrow, 0) * bitmask_stride + dc // 32, mask=test, other=-1)
+            z = tl.where((((w >> (dc % 32).to(tl.int32)) & 1) != 0) | (mrow < 0), z, float("-inf"))
+        kept = (z >= tl.load(tau_ptr + r, mask=test, other=0.0)) & (z > float("-inf"))
+        q = tl.where(kept, tl.exp(z - m) / s, 0.0)
+        amax = 4294967295 - (best & 4294967295)                    # greedy rows: the first maximum
+        q = tl.where(greedy, tl.where((dc == amax) & ((best >> 32) > _NEG_INF_KEY), 1.0, 0.0), q)
+        p = tl.full([NR], 1.0, tl.float32)
+        if HAS_PROBS:
+            p = tl.load(probs_ptr + ro * V + dc, mask=test, other=1.0).to(tl.float32)
+        u = rng.uniform_tl(rng.row_key_tl(seed, pos0 + j, C_VERIFY), jj * 0)               # id 0, as the twin
+        reject = test & ((d < 0) | (d >= V) | (u * p >= q))
+        n_acc = tl.minimum(n_acc, tl.min(tl.where(reject, j, n - 1), 0))
+    for j0 in range(0, n, NR):
+        j = j0 + jj
+        d = tl.load(drafts_ptr + start + j, mask=j < n, other=-1)
+        tl.store(tokens_ptr + start + j, tl.where(j < n_acc, d, -1), mask=j < n)
     rows_f = start + n_acc
     residual = (n_acc < n - 1) & (not greedy)
     tl.store(n_acc_ptr + b, n_acc.to(tl.int64))
@@ -372,11 +386,12 @@ def _finish_residual_kernel(res_ptr, q_ptr, rows_f_ptr, residual_ptr, final_ptr,
 
 
 def _accept_triton(logits, cu_rows, draft_tokens, draft_probs, req: RowParams, seed, position, bitmask, mrows,
-                   num_warps=2):
+                   num_warps=2, stages=9, filters=None, histogram=None):
     """The whole acceptance step in nine launches (four of them the top-k/top-p threshold, which exits at once on
     rows without filters) and no host synchronisation: expand parameters to rows, thresholds, one statistics
     pass over all rows (with the last rows' bonus draws), the per-request ratio test, the residual pass over the
-    final rows that rejected, the residual finish."""
+    final rows that rejected, the residual finish. stages < 9 stops after that many launches (benchmarks time
+    the stages by differences; the result is then unfinished)."""
     R, V = logits.shape
     B = cu_rows.numel() - 1
     dev = logits.device
@@ -388,7 +403,14 @@ def _accept_triton(logits, cu_rows, draft_tokens, draft_probs, req: RowParams, s
     _expand_rows_kernel[(B,)](cu_rows, req.inv_temperature, greedy, req.top_k, req.top_p, seed, position,
                               rng.stream_constant(rng.FRESH), rows.inv_temperature, rows.greedy, rows.top_k,
                               rows.top_p, rows.keys, last, num_warps=1)
-    tau = thresholds_triton(logits, rows, bitmask, mrows)
+    if stages < 2:
+        return None
+    if filters is False:             # the host knows no row filters: no threshold launches (grids that would exit)
+        tau = torch.full((R,), NEG_INF, dtype=torch.float32, device=dev)
+    else:
+        tau = thresholds_triton(logits, rows, bitmask, mrows, histogram=histogram)
+    if stages < 6:
+        return None
     seg, lanes = LAYOUT
     n_seg = triton.cdiv(V, seg)
     mc = torch.empty((R, n_seg), dtype=torch.float32, device=dev)
@@ -401,6 +423,8 @@ def _accept_triton(logits, cu_rows, draft_tokens, draft_probs, req: RowParams, s
     _stats_kernel[(R, n_seg)](logits, mc, sc, pack, rows.inv_temperature, rows.greedy, tau, rows.keys, last, bm, mr,
                               stride, V, n_seg, HAS_MASK=has_mask, LANES=lanes, LW=seg // lanes, FAST=not INTERPRETING,
                               num_warps=num_warps)
+    if stages < 7:
+        return None
     m = torch.empty(R, dtype=torch.float32, device=dev)
     s = torch.empty_like(m)
     n_acc = empty((B,), torch.int64, dev)
@@ -415,13 +439,17 @@ def _accept_triton(logits, cu_rows, draft_tokens, draft_probs, req: RowParams, s
                          req.inv_temperature, greedy, tau, mc, sc, pack, bm, mr, stride, V, n_seg, m, s,
                          n_acc, rows_f, draft_f, residual, keys_f, tokens, final, rng.stream_constant(rng.VERIFY),
                          rng.stream_constant(rng.RESIDUAL), HAS_MASK=has_mask, HAS_PROBS=has_probs, NCP=ncp,
-                         num_warps=1)
+                         NR=8, num_warps=1)
+    if stages < 8:
+        return None
     res_c = torch.empty((B, n_seg), dtype=torch.int64, device=dev)
     q_c = torch.empty_like(res_c)
     _residual_kernel[(B, n_seg)](
         logits, draft_probs if has_probs else logits, rows_f, draft_f, residual, keys_f, rows.inv_temperature, tau,
         m, s, mc, bm, mr, stride, V, n_seg, res_c, q_c, HAS_MASK=has_mask, HAS_PROBS=has_probs, LANES=lanes,
         LW=seg // lanes, FAST=not INTERPRETING, num_warps=num_warps)
+    if stages < 9:
+        return None
     _finish_residual_kernel[(B,)](res_c, q_c, rows_f, residual, final, tokens, n_seg, BLOCK=ncp, num_warps=1)
     return AcceptResult(n_acc, tokens, final)
 
@@ -429,14 +457,18 @@ def _accept_triton(logits, cu_rows, draft_tokens, draft_probs, req: RowParams, s
 # ---------------------------------------------------------------------------------------------- dispatch
 def speculative_accept(logits: torch.Tensor, cu_rows: torch.Tensor, draft_tokens: torch.Tensor,
                        draft_probs: torch.Tensor | None, temperature, top_k, top_p, seed, position,
-                       bitmask: torch.Tensor | None = None, mask_rows=None, backend: str = "auto") -> AcceptResult:
+                       bitmask: torch.Tensor | None = None, mask_rows=None, backend: str = "auto",
+                       filters: bool | None = None, histogram: bool | None = None) -> AcceptResult:
     """Verify packed draft rows for a batch of requests (module docstring has the exact rule).
 
     logits fp32 [R, V] (packed rows); cu_rows int64 [B+1] (cu_rows[0] = 0, cu_rows[B] = R, every request >= 1
     row); draft_tokens int64 [R] (entries on fresh rows ignored); draft_probs [R, V] fp32 or None (one-hot
     drafts); temperature/top_k/top_p/seed/position: scalars or [B] (position: of the token row 0 predicts);
     bitmask/mask_rows as in sample_from_logits (per row; e.g. kernels.bitmask.by_step_mask_rows). backend:
-    "auto" (Triton on CUDA), "triton" or "torch".
+    "auto" (Triton on CUDA), "triton" or "torch". filters: whether any request uses top-k/top-p, when the caller
+    knows it but passes the parameters as device tensors (host values are inspected here; device tensors
+    otherwise mean "maybe": the threshold kernels then run and exit on rows without filters, ~30 us at 256 rows);
+    histogram likewise: whether some request filters by top-p alone or top_k > threshold.KMAX.
     """
     check_logits_and_mask(logits, bitmask, mask_rows)
     R, V = logits.shape
@@ -458,8 +490,13 @@ def speculative_accept(logits: torch.Tensor, cu_rows: torch.Tensor, draft_tokens
         # device tensors stay where they are (no host copies: the step can be captured in a CUDA graph)
         seed = _per_row(seed, B, torch.int64, logits.device, "seed")
         position = _per_row(position, B, torch.int64, logits.device, "position")
+        if not any(isinstance(x, torch.Tensor) and x.is_cuda for x in (temperature, top_k, top_p)):
+            host = row_params(B, "cpu", temperature, top_k, top_p, 0, 0)
+            filters = may_filter(host, V) if filters is None else filters
+            histogram = needs_histogram_path(host, V) if histogram is None else histogram
         req = row_params(B, logits.device, temperature, top_k, top_p, seed, position)      # validates shapes
-        return _accept_triton(logits, cu_rows, draft_tokens, draft_probs, req, seed, position, bitmask, mrows)
+        return _accept_triton(logits, cu_rows, draft_tokens, draft_probs, req, seed, position, bitmask, mrows,
+                              filters=filters, histogram=histogram)
     rows = _rows(cu_rows, R, temperature, top_k, top_p, seed, position)
     tau, m, s, argmax = _stats_torch(logits, rows.params, bitmask, mrows)
     n_acc = _accept_and_finalise(logits, rows, tau, m, s, argmax, draft_tokens, draft_probs, bitmask, mrows, B)

@@ -100,9 +100,11 @@ def _close(a, b, what):
         assert (a.float() - b.float()).abs().max() <= 1e-5 * b.float().abs().max() + 1e-6, what
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["mhc", "fused-mhc"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_fast_path_equals_reference_path(name, monkeypatch):
+def test_fast_path_equals_reference_path(name, fused, monkeypatch):
     m = MODELS[name]()
+    m.fused_mhc = fused   # the fused mHC read-out / write-back kernels (their torch twins here)
     caches, ref = _run_both(m, monkeypatch, m.config.vocab_size)
     for c, r in zip(caches, ref):   # the caches advanced identically (windows, compressed state, index keys)
         assert c.length == r.length and torch.equal(c.tokens, r.tokens)

@@ -206,3 +206,65 @@ def test_qdq_fp4_e4m3():
     assert not torch.equal(got, quant.qdq_fp4_ue8m0(x, group=16))
     with pytest.raises(ValueError, match="multiple of the group"):
         quant.qdq_fp4_e4m3(torch.zeros(3, 10))
+
+
+# ---------------------------------------------------------------- routed experts kept in fp8 (loader)
+
+def test_fp4_to_fp8_is_lossless_by_hand():
+    """Every E2M1 code becomes the same value in E4M3 (decoded by hand), the scale bytes pass through, and the
+    kept form (row scale * 2**-shift per group) reproduces the FP4 dequantization exactly."""
+    from deepinfer_sg.kernels.moe import dequantize_expert
+    g = torch.Generator().manual_seed(7)
+    rows, cols = 5, 96
+    codes = torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.uint8)
+    codes[0, :16] = torch.arange(16, dtype=torch.uint8)                 # every code at least once
+    e = torch.randint(110, 135, (rows, cols // 32), generator=g, dtype=torch.uint8)
+    packed = quant.pack_fp4(codes)
+    w8, exps = quant.fp4_to_fp8(packed, e.view(torch.float8_e8m0fnu))
+    assert w8.dtype == torch.float8_e4m3fn and torch.equal(exps, e)
+    for i in range(rows):
+        for j in range(cols):
+            assert w8[i, j].float().item() == e2m1_by_hand(int(codes[i, j]))
+    w8b, rs, sh = quant.expert_to_fp8(packed, e.view(torch.float8_e8m0fnu), "fp4", 1)
+    assert torch.equal(w8b.float(), w8.float())
+    for i in range(rows):
+        top = int(e[i].max())
+        assert rs[i].item() == 2.0 ** (top - 127)
+        assert sh[:, i].tolist() == [top - int(x) for x in e[i]]                   # group-major shifts
+    ref = quant.dequantize_fp4_blocks(packed, e.view(torch.float8_e8m0fnu))
+    assert torch.equal(dequantize_expert(w8b, rs, sh, 1), ref)
+
+
+@pytest.mark.parametrize("rows_per_block", [32, 1])
+def test_fp8_expert_kept_blocks_equal_dequantization(rows_per_block):
+    """FP8 32x32 blocks kept as (row scale, shift per 32x32 block) or expanded per row: exact, partial blocks
+    included (70 x 100 weights)."""
+    from deepinfer_sg.kernels.moe import dequantize_expert
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(70, 100, generator=g) * torch.exp2(torch.randint(-6, 6, (70, 100), generator=g).float())
+    q, s = quant.quantize_fp8_blocks(w)
+    w8, rs, sh = quant.expert_to_fp8(q, s, "fp8", rows_per_block)
+    assert tuple(sh.shape) == (4, -(-70 // rows_per_block)) and int(sh.min()) == 0
+    assert torch.equal(dequantize_expert(w8, rs, sh, rows_per_block), quant.dequantize_fp8_blocks(q, s))
+    with pytest.raises(ValueError, match="rows_per_block"):
+        quant.expert_to_fp8(q, s, "fp8", 16)
+
+
+def test_split_block_scales_by_hand():
+    exps = torch.tensor([[130, 127, 128], [1, 200, 3]], dtype=torch.uint8)
+    rs, sh = quant.split_block_scales(exps, 2, 3)
+    assert rs.tolist() == [8.0, 8.0, 2.0 ** 73]
+    assert sh.tolist() == [[0, 126], [3, 0], [2, 126]]        # group-major; 199 and 197 capped at 126
+
+
+def test_fold_shifts_exact_or_refused():
+    """Shifts folded into e4m3 values only when exact: E2M1 values survive shifts up to 8 (0.5 * 2**-8 = 2**-9,
+    e4m3's smallest subnormal); a shift of 9 on a 0.5 is refused; 1.0 and larger still fold at 9."""
+    vals = torch.tensor([[0.5, 1.5, 6.0, -3.0] * 8 + [1.0] * 32], dtype=torch.float32)
+    w8 = vals.to(torch.float8_e4m3fn)
+    ok = quant.fold_shifts(w8, torch.tensor([[8], [0]], dtype=torch.uint8), 1)      # [in/32, out]
+    assert ok is not None and torch.equal(ok[0, :32].float(), vals[0, :32] * 2.0 ** -8)
+    assert torch.equal(ok[0, 32:].float(), vals[0, 32:])
+    assert quant.fold_shifts(w8, torch.tensor([[9], [0]], dtype=torch.uint8), 1) is None
+    assert quant.fold_shifts(w8, torch.tensor([[0], [9]], dtype=torch.uint8), 1) is not None   # 1.0 * 2**-9
+    assert quant.fold_shifts(w8, torch.zeros(2, 1, dtype=torch.uint8), 1) is w8

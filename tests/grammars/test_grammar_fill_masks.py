@@ -90,3 +90,42 @@ def test_fill_masks_triggered_and_regex(compiler, ds_tokenizer):
     expected, ok = sequential_rows(m, draft)
     assert counts == [ok] and ok == len(draft)
     assert torch.equal(out, expected)
+
+
+def test_fill_masks_with_finished_matchers(compiler, ds_tokenizer, raw_lltokenizer):
+    """Finished matchers (EOS accepted) in a batch get exactly the EOS bit (hand-computed row); the others get raw
+    llguidance's own mask at the same text; rolled back over EOS, a matcher is live again."""
+    from llguidance import LLMatcher
+
+    ids = encode(ds_tokenizer, '{"n": 3, "s": "abc"}')
+    comp = compiler.compile(JsonSchema(SCHEMA))
+    matchers, raws = [], []
+    for i in range(8):
+        m, r = comp.matcher(), LLMatcher(raw_lltokenizer, comp.grammar, log_level=0)
+        k = len(ids) if i % 3 == 0 else i
+        for t in ids[:k]:
+            assert m.accept(t) and r.consume_token(t)
+        if i % 3 == 0:
+            assert m.accept(EOS) and m.is_terminated()
+        matchers.append(m)
+        raws.append(r)
+    eos_row = torch.zeros((DEEPSEEK_VOCAB + 31) // 32, dtype=torch.int32)
+    eos_row[EOS // 32] = 1 << (EOS % 32)
+    want = allocate_bitmask(1, DEEPSEEK_VOCAB)
+    for drafts in (None, [[] if i % 3 else [EOS] for i in range(8)]):
+        out = fill_masks(matchers, drafts)
+        row = 0
+        for i, (m, r) in enumerate(zip(matchers, raws)):
+            if i % 3 == 0:
+                assert torch.equal(out[row], eos_row)
+            else:
+                r.unsafe_compute_mask_ptr(want.data_ptr(), want.shape[1] * 4)
+                assert torch.equal(out[row], want[0])
+            n = 1 if drafts is None else len(drafts[i]) + 1
+            assert not out[row + 1: row + n].any()  # nothing is grammatical after EOS
+            row += n
+    m = matchers[0]
+    m.rollback(1)  # over EOS: live again, at the end of the instance
+    out = fill_masks([m, matchers[1]])
+    raws[0].unsafe_compute_mask_ptr(want.data_ptr(), want.shape[1] * 4)
+    assert not m.is_terminated() and torch.equal(out[0], want[0])

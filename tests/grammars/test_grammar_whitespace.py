@@ -39,3 +39,16 @@ def test_compact_allows_no_whitespace(compiler, ds_tokenizer):
 def test_indented_accepts_json_dumps_indent(compiler, ds_tokenizer):
     assert accepts(compiler, ds_tokenizer, "indented", json.dumps(VALUE, indent=2))
     assert not accepts(compiler, ds_tokenizer, "indented", '{"a":\t[1]}')
+
+
+def test_our_whitespace_options_win_over_the_schemas_own(compiler, ds_tokenizer):
+    """The options reach llguidance as the schema's "x-guidance" entry: a schema's own entry (here asking for
+    flexible whitespace) is replaced, and the empty schema (no other keys) gets them too."""
+    own = dict(SCHEMA, **{"x-guidance": {"whitespace_flexible": True, "lenient": True}})
+    m = compiler.compile(JsonSchema(own, whitespace="compact")).matcher()
+    assert not accepts_text(m, ds_tokenizer, json.dumps(VALUE), EOS)
+    m = compiler.compile(JsonSchema(own, whitespace="compact")).matcher()
+    assert accepts_text(m, ds_tokenizer, json.dumps(VALUE, separators=(",", ":")), EOS)
+    for text, ok in ((json.dumps(VALUE, separators=(",", ":")), True), (json.dumps(VALUE), False)):
+        m = compiler.compile(JsonSchema({}, whitespace="compact")).matcher()
+        assert accepts_text(m, ds_tokenizer, text, EOS) == ok, text

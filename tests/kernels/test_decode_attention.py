@@ -131,3 +131,40 @@ def test_all_heads_program_matches_formula():
                                   num_warps=8, splits=1).cpu()
     assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
     assert out[4].abs().max() == 0
+
+
+@pytest.mark.parametrize("dv_half,splits,block_k,bf16_partials,lazy", [
+    (False, 1, 16, False, False), (True, 1, 16, False, False), (False, 3, 16, False, False),
+    (True, 4, 32, False, False), (True, 3, 16, True, False), (False, 1, 16, False, True), (True, 3, 16, False, True)])
+def test_tensor_core_form_matches_formula(dv_half, splits, block_k, bf16_partials, lazy):
+    """`sparse_attention_tc` (all heads of a row per program, one loop over window + compressed keys, D split over
+    two programs for P@V, fused key splits, lazy rescaling) against the float64 formula: a row whose later keys
+    are all padding, a row with no keys at all, 20 heads in a 64-head tile, a row with large scores (its running
+    max jumps by more than the lazy threshold); also without compressed keys."""
+    from deepinfer_sg.kernels.decode_attention import sparse_attention_tc
+    gen = torch.Generator().manual_seed(90 + splits + 2 * dv_half)
+    q, win_kv, win_idx, cmp_kv, cmp_idx, sink = _inputs(gen, N=5, H=20, D=32, Kw=40, Kc=33)
+    win_idx[2, 10:] = -1
+    win_idx[4], cmp_idx[4] = -1, -1
+    q[1] *= 12.0
+    tol = 1e-2 if bf16_partials else 1e-5
+    for with_cmp in (True, False):
+        ci = cmp_idx if with_cmp else torch.full_like(cmp_idx, -1)
+        ref = _naive(q, win_kv, win_idx, cmp_kv, ci, sink)
+        args = (q, win_kv, win_idx, sink) + ((cmp_kv, cmp_idx) if with_cmp else (None, None))
+        out = sparse_attention_tc(*on_dev(args), block_k=block_k, dv=16 if dv_half else None, splits=splits,
+                                  bf16_partials=bf16_partials, lazy=lazy).cpu().double()
+        assert torch.isfinite(out).all()
+        assert float((out - ref).norm() / ref.norm()) < tol
+        assert out[4].abs().max() == 0
+
+
+def test_tensor_core_form_two_head_blocks():
+    """80 heads: two 64-head tiles per row (the second with 48 masked rows), with key splits and D split."""
+    from deepinfer_sg.kernels.decode_attention import sparse_attention_tc
+    gen = torch.Generator().manual_seed(80)
+    q, win_kv, win_idx, cmp_kv, cmp_idx, sink = _inputs(gen, N=5, H=80, D=32, Kw=20, Kc=17)
+    ref = _naive(q, win_kv, win_idx, cmp_kv, cmp_idx, sink)
+    out = sparse_attention_tc(*on_dev((q, win_kv, win_idx, sink, cmp_kv, cmp_idx)), block_k=16, dv=16,
+                              splits=2).cpu().double()
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)

@@ -76,6 +76,23 @@ def test_triton_matches_twin(T, M, H, dtype, iters):
         assert torch.allclose(a, b, atol=2e-5, rtol=1e-4), (a - b).abs().max()
 
 
+@pytest.mark.parametrize("T,mix_bt,fused,wide,sc", [(37, 2, False, False, 16), (5, 8, False, False, 16),
+                                                    (37, 16, True, False, 16), (37, 2, False, True, 4),
+                                                    (21, 4, True, True, 2)])
+def test_per_lane_sinkhorn_matches_twin(T, mix_bt, fused, wide, sc):
+    """M = 4 with the Sinkhorn split into 16 per-token values (lanes=True), in the two-launch and the one-launch
+    form, on a token count that leaves partial blocks; wide: the split partials summed as [sc, tokens, ...]
+    blocks (6 splits: a partial last chunk)."""
+    gen = torch.Generator().manual_seed(T + mix_bt)
+    x = _params(gen, T, 4, 48, torch.bfloat16)
+    ref = hc_mixes_torch(*x)
+    out = hc_mixes_triton(*on_dev(x), block_t=16, block_k=32, split=32, lanes=True, mix_bt=mix_bt, fused=fused,
+                          wide=wide, sc=sc, mix_warps=2 if wide else 1)
+    for a, b in zip(to_cpu((out.pre, out.post, out.comb)), (ref.pre, ref.post, ref.comb)):
+        assert torch.allclose(a, b, atol=2e-5, rtol=1e-4), (a - b).abs().max()
+    assert torch.allclose(to_cpu(out.comb).sum(1), torch.ones(T, 4), atol=1e-4)
+
+
 def test_bad_shapes_raise():
     gen = torch.Generator().manual_seed(1)
     residual, fn, base, scale = _params(gen, 2, 4, 8)

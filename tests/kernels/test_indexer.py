@@ -121,3 +121,62 @@ def test_engine_topk_mask_through_the_kernel(monkeypatch):
     monkeypatch.setattr(kindexer, "use_triton", lambda t: True)         # the CUDA branch, interpreted
     got = batched._topk_mask(on_dev(s), on_dev(allowed), k).cpu()
     assert torch.equal(got, topk_mask(s, allowed, k))
+
+
+@pytest.mark.parametrize("N,L,k,chunks,block", [(3, 700, 20, 4, None), (3, 1000, 50, 7, None), (3, 333, 16, 16, None),
+                                                (2, 900, 30, 3, 128), (3, 64, 5, 13, None)])
+@pytest.mark.parametrize("sorted_", [True, False])
+def test_chunked_select_matches_stable_sort(N, L, k, chunks, block, sorted_):
+    """The two-launch select (each chunk's exact top-k, then the top-k of the candidates, ids mapped back) picks
+    exactly what a stable sort picks: ties spread over chunk boundaries (rounded scores, a constant row, zeros and
+    -0.0), a row whose selectable entries all sit in its last chunk, chunks with nothing selectable."""
+    from deepinfer_sg.kernels.indexer import topk_select_triton
+    gen = torch.Generator().manual_seed(N * L + k + chunks)
+    s = torch.randn(N, L, generator=gen).round()                 # many ties, across chunks
+    s[1] = 2.0                                                   # one value everywhere: the lowest ids win
+    s[1, : L - L // 5] = float("-inf")                           # ... among the last entries only
+    s[-1] = torch.where(torch.rand(L, generator=gen) < 0.5, torch.zeros(L), s[-1] * 0.0)  # +0.0 and -0.0 only
+    s[-1, ::3] = float("-inf")
+    ref_i, ref_v = _stable_topk(s, k)
+    i, v = to_cpu(topk_select_triton(on_dev(s), k, sorted=sorted_, block=block, chunks=chunks))
+    if not sorted_:
+        key = torch.where(ref_i >= 0, ref_i, L)
+        order = key.argsort(1)
+        ref_i, ref_v = ref_i.gather(1, order), ref_v.gather(1, order)
+    assert torch.equal(i, ref_i)
+    assert torch.equal(v, ref_v)
+
+
+@pytest.mark.parametrize("block_g,bpp", [(16, 3), (32, 2)])
+def test_looped_score_kernel_matches_twin(block_g, bpp):
+    """Score programs that loop over several entry blocks (queries loaded once): same scores as the twin, -inf
+    past each row's length (a row of length 0, rows ending inside and past a program's blocks)."""
+    from deepinfer_sg.kernels.indexer import indexer_scores_triton
+    gen = torch.Generator().manual_seed(block_g + bpp)
+    iq, w, keys, start, length = _inputs(gen)
+    ref = indexer_scores_torch(iq, w, keys, start, length, 70)
+    got = indexer_scores_triton(*on_dev((iq, w, keys, start, length)), 70, block_g=block_g,
+                                blocks_per_program=bpp).cpu()
+    assert torch.equal(torch.isinf(got), torch.isinf(ref))
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_g,bpp,k,sorted_", [(16, 2, 10, True), (16, 4, 33, False), (32, 1, 8, True)])
+def test_fused_score_select_matches_stable_sort(block_g, bpp, k, sorted_):
+    """Scores fused with the first select stage (chunks of block_g * bpp entries), then the candidates' top-k:
+    exactly the stable-sort selection over the twin's scores (rows of length 0, shorter than a chunk, longer than
+    several), ties included (keys rounded so that scores repeat)."""
+    from deepinfer_sg.kernels.indexer import indexer_topk_fused
+    gen = torch.Generator().manual_seed(block_g * bpp + k)
+    iq, w, keys, start, length = _inputs(gen, lens=(0, 7, 150, 33))
+    iq, w, keys = iq.round(), w.round(), keys.round()                 # integer scores: exact, many ties
+    ref = indexer_scores_torch(iq, w, keys, start, length, 150)
+    ref_i, ref_v = _stable_topk(ref, k)
+    i, v = to_cpu(indexer_topk_fused(*on_dev((iq, w, keys, start, length)), k, max_len=150, block_g=block_g,
+                                     bpp=bpp, sorted=sorted_))
+    if not sorted_:
+        key = torch.where(ref_i >= 0, ref_i, 150)
+        order = key.argsort(1)
+        ref_i, ref_v = ref_i.gather(1, order), ref_v.gather(1, order)
+    assert torch.equal(i, ref_i)
+    assert torch.allclose(v, ref_v, rtol=1e-6, atol=1e-6)

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from deepinfer_sg.kernels.moe import (align_pairs, align_pairs_triton, default_block_m, moe_experts, moe_experts_torch,
-                                      moe_experts_triton, quantize_fp8_rows)
+from deepinfer_sg.kernels.moe import (align_pairs, align_pairs_triton, default_block_m, dequantize_expert, moe_experts,
+                                      moe_experts_torch, moe_experts_triton, quantize_fp8_rows)
 from helpers import on_dev
 
 
@@ -112,6 +112,96 @@ def test_fp8_weights_match_dequantized_twin(tma, compute):
     assert (out.float() - ref16).norm() / ref16.norm() < 2e-2
     with pytest.raises(ValueError, match="scales"):
         moe_experts(x, ids, wts, q1, q3, q2)
+
+
+def _block_scaled(gen, E, N, K, R, max_shift):
+    """fp8 weights with block scales as the loader keeps them: row scale 2**r (the row's largest block scale) and
+    per-(R rows x 32 columns) shifts in [0, max_shift], every shift value present."""
+    w = (torch.randn(E, N, K, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    kg = -(-K // 32)
+    ng = -(-N // R)
+    shift = torch.randint(0, max_shift + 1, (E, kg, ng), generator=gen, dtype=torch.int64)   # group-major
+    shift.view(-1)[: max_shift + 1] = torch.arange(max_shift + 1)
+    shift[:, 0, :] = 0                                           # the row's largest scale has shift 0
+    row = torch.exp2(torch.randint(-14, -8, (E, ng), generator=gen).float()).repeat_interleave(R, 1)[:, :N]
+    return w, row.contiguous(), shift.to(torch.uint8)
+
+
+# e4m3 values stay exact in fp16 only up to shift 15 (the loader picks bf16 beyond): the fp16 cases stay inside it
+@pytest.mark.parametrize("R,max_shift,compute,tma", [(1, 15, "fp16", True), (32, 15, "fp16", False),
+                                                     (1, 40, "bf16", True), (32, 15, "bf16", True)])
+def test_block_scaled_fp8_matches_hand_dequantization(R, max_shift, compute, tma):
+    """Block scales (FP4 experts' 1x32 groups as R=1, FP8 experts' 32x32 blocks as R=32): the twin equals the
+    formula on weights dequantized here by hand (w8 * row scale * 2**-shift of the element's block), and the
+    kernel equals the twin. Shapes leave partial 32-blocks (F=48); shifts up to the fp16-exact limit."""
+    gen = torch.Generator().manual_seed(R + max_shift)
+    T, H, F, E, K = 23, 64, 48, 5, 2
+    x, ids, wts, _, _, _ = _inputs(gen, T, H, F, E, K)
+    ws = [_block_scaled(gen, E, n, k, R, max_shift) for n, k in ((F, H), (F, H), (H, F))]
+    hand = []
+    for w, row, shift in ws:
+        full = torch.empty(w.shape)
+        for e in range(E):
+            for i in range(w.shape[1]):
+                for j in range(w.shape[2]):
+                    full[e, i, j] = float(w[e, i, j].float()) * float(row[e, i]) * 2.0 ** -int(shift[e, j // 32, i // R])
+        hand.append(full)
+    assert torch.equal(dequantize_expert(ws[2][0][1], ws[2][1][1], ws[2][2][1], R), hand[2][1])
+    kw = dict(scales=tuple(w[1] for w in ws), shifts=tuple(w[2] for w in ws), shift_rows=R)
+    q = tuple(w[0] for w in ws)
+    ref = moe_experts_torch(x, ids, wts, *q, swiglu_limit=4.0, **kw)
+    assert torch.allclose(ref, moe_experts_torch(x, ids, wts, *hand, swiglu_limit=4.0), atol=1e-5, rtol=1e-5)
+    x16 = x.to(torch.bfloat16)
+    ref16 = moe_experts_torch(x16.float(), ids, wts, *q, swiglu_limit=4.0, **kw)
+    out = moe_experts_triton(*on_dev((x16, ids, wts) + q), swiglu_limit=4.0, block_n=32, block_k=32, tma=tma,
+                             fp8_compute=compute, **on_dev(kw)).cpu()
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - ref16).norm() / ref16.norm() < 1e-2
+    with pytest.raises(ValueError, match="shifts must be uint8"):
+        moe_experts_torch(x, ids, wts, *q, scales=kw["scales"], shifts=(kw["shifts"][0].int(),) + kw["shifts"][1:],
+                          shift_rows=R)
+
+
+def _e2m1_by_hand(code: int) -> float:
+    s, e, m = (code >> 3) & 1, (code >> 1) & 3, code & 1
+    mag = m * 0.5 if e == 0 else 2.0 ** (e - 1) * (1 + m / 2)
+    return -mag if s else mag
+
+
+@pytest.mark.parametrize("tma,compute", [(True, "fp16"), (False, "fp16"), (True, "bf16")])
+def test_packed_fp4_weights(tma, compute):
+    """Packed FP4 experts (two E2M1 codes a byte, low nibble first) with 1x32 group shifts up to 23: the twin
+    decodes them as the bit formula says; the kernel decodes them in registers and equals both the twin and the
+    same weights repacked to fp8 (the same values: e2m1 is a subset of e4m3)."""
+    gen = torch.Generator().manual_seed(11)
+    T, H, F, E, K = 19, 64, 64, 4, 2
+    x, ids, wts, _, _, _ = _inputs(gen, T, H, F, E, K)
+    packed, fp8, scales, shifts = [], [], [], []
+    for n, k in ((F, H), (F, H), (H, F)):
+        codes = torch.randint(0, 16, (E, n, k), generator=gen, dtype=torch.uint8)
+        codes.view(-1)[:16] = torch.arange(16, dtype=torch.uint8)
+        packed.append((codes[..., 0::2] | (codes[..., 1::2] << 4)).view(torch.int8))
+        fp8.append(torch.tensor([_e2m1_by_hand(c) for c in range(16)])[codes.long()].to(torch.float8_e4m3fn))
+        g = torch.randint(0, 24, (E, k // 32, n), generator=gen, dtype=torch.uint8)
+        g[:, 0, :] = 0
+        shifts.append(g)
+        scales.append(torch.exp2(torch.randint(-12, -6, (E, n), generator=gen).float()))
+    kw = dict(scales=tuple(scales), shifts=tuple(shifts), shift_rows=1)
+    e, r, c = 2, 5, 7                                                    # one weight decoded by hand
+    code = (int(packed[2][e, r, c // 2].view(torch.uint8)) >> (4 * (c % 2))) & 15
+    assert dequantize_expert(packed[2][e], scales[2][e], shifts[2][e])[r, c].item() == \
+        _e2m1_by_hand(code) * float(scales[2][e, r]) * 2.0 ** -int(shifts[2][e, c // 32, r])
+    ref = moe_experts_torch(x, ids, wts, *packed, swiglu_limit=4.0, **kw)
+    assert torch.equal(ref, moe_experts_torch(x, ids, wts, *fp8, swiglu_limit=4.0, **kw))
+    x16 = x.to(torch.bfloat16)
+    ref16 = moe_experts_torch(x16.float(), ids, wts, *packed, swiglu_limit=4.0, **kw)
+    common = dict(swiglu_limit=4.0, block_n=32, block_k=64, tma=tma, fp8_compute=compute, **on_dev(kw))
+    out = moe_experts_triton(*on_dev((x16, ids, wts) + tuple(packed)), **common).cpu()
+    out8 = moe_experts_triton(*on_dev((x16, ids, wts) + tuple(fp8)), **common).cpu()
+    assert (out.float() - ref16).norm() / ref16.norm() < 1e-2
+    assert torch.equal(out, out8)
+    with pytest.raises(ValueError, match="group shifts"):
+        moe_experts_torch(x, ids, wts, *packed, scales=kw["scales"])
 
 
 def test_bad_shapes_raise():

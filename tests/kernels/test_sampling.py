@@ -41,10 +41,12 @@ def _hand_q(logits_row, temperature, top_k, top_p, allowed):
     m = max(z[v] for v in live)
     e = {v: math.exp(z[v] - m) for v in live}
     total = sum(e.values())
+    top = [v for v in live if top_k == 0 or len([u for u in live if z[u] > z[v]]) < top_k]    # top-k first
+    total = sum(e[v] for v in top)                                                              # renormalised
     kept = []
-    for v in live:
+    for v in top:
         greater = [u for u in live if z[u] > z[v]]
-        if (top_k == 0 or len(greater) < top_k) and sum(e[u] for u in greater) / total < top_p:
+        if sum(e[u] for u in greater) / total < top_p:
             kept.append(v)
     s = sum(e[v] for v in kept)
     return torch.tensor([e[v] / s if v in kept else 0.0 for v in range(len(z))], dtype=torch.float64)
@@ -211,3 +213,32 @@ def test_unit_and_gumbel_from_bits_match_twin_bit_for_bit():
     assert torch.equal(u.cpu(), rng.unit_from_hash(h))
     ref = rng.gumbel(keys, torch.arange(4096))
     assert torch.allclose(g.cpu(), ref, rtol=1e-6, atol=1e-6) and float(ref.max()) > 5   # reached the series region
+
+
+@pytest.mark.parametrize("seg,lanes", [(64, 4), (4096, 256)])
+def test_top_k_rows_drawn_by_the_merge_match_twin_and_pass(seg, lanes):
+    """draw=True: rows with 0 < top_k <= 64 get their token from the top-k merge (the lane rule on the kept tokens
+    alone, lane-mates found by pairs); late=True: the in-lane pick runs in the finish for the winning lane. On a
+    layout where kept tokens share lanes (64 lanes of 16 for 1000 tokens) and on the default one, with masks and
+    temperatures: the same tokens as the twin and as the default pass with tau."""
+    from deepinfer_sg.kernels.threshold import thresholds_and_paths
+    gen = torch.Generator().manual_seed(31 + seg)
+    R, vocab = 12, 1000
+    logits = torch.randn(R, vocab, generator=gen) * 2
+    bm = random_bitmask(R, vocab, gen, density=0.8)
+    mrows = torch.arange(R)
+    mrows[::5] = -1
+    top_k = torch.randint(1, 65, (R,), generator=gen)
+    top_k[3] = 0                                                     # one row on the histogram path
+    top_p = torch.where(torch.rand(R, generator=gen) < 0.5, torch.rand(R, generator=gen) * 0.9 + 0.05,
+                        torch.ones(R))
+    temperature = torch.rand(R, generator=gen) + 0.5
+    p = row_params(R, "cpu", temperature, top_k, top_p, seed=torch.arange(R) * 17 + 2, position=21)
+    want = sample_torch(logits, p, None if lanes < 32 else bm, None if lanes < 32 else mrows, seg=seg, lanes=lanes)
+    masks = () if lanes < 32 else (on_dev(bm), on_dev(mrows))
+    merged = sample_triton(on_dev(logits), params_on_dev(p), *masks, seg=seg, lanes=lanes, draw=True).cpu()
+    passed = sample_triton(on_dev(logits), params_on_dev(p), *masks, seg=seg, lanes=lanes).cpu()
+    late = sample_triton(on_dev(logits), params_on_dev(p), *masks, seg=seg, lanes=lanes, late=True).cpu()
+    assert torch.equal(merged, want) and torch.equal(passed, want) and torch.equal(late, want)
+    drawn = thresholds_and_paths(on_dev(logits), params_on_dev(p), *(masks or (None, None)), draw=(seg, lanes))[2]
+    assert int((drawn.cpu() != -2).sum()) == R - 1                  # every top-k row came from the merge

@@ -1,5 +1,6 @@
 """The top-k/top-p threshold kernels (kernels/threshold.py) against the definition, computed by brute force in
-float64 (every token's count and mass of strictly larger z), on both the fast path and the bisection fallback."""
+float64 (every token's count and mass of strictly larger z; top-p on the renormalised top-k set), on both the fast
+path and the bisection fallback."""
 import torch
 
 from deepinfer_sg.kernels.sampling import masked_z_torch, row_params, sample_torch, sample_triton
@@ -16,9 +17,10 @@ def _brute_tau(z: torch.Tensor, top_k: int, top_p: float, greedy: bool) -> float
     e = torch.exp(z64 - z64.max())
     gt = z64[None, :] > z64[:, None]                      # gt[v, u]: z_u > z_v
     count = gt.sum(1)
-    mass = (gt * e[None, :]).sum(1) / e.sum()
     k = top_k if top_k > 0 else V + 1
-    keep = (count < k) & (mass < top_p) & (z64 > -torch.inf)
+    in_k = (count < k) & (z64 > -torch.inf)               # the top-k set; top-p acts on it, renormalised
+    mass = (gt * e[None, :]).sum(1) / e[in_k].sum()
+    keep = in_k & ((mass < top_p) | (top_p >= 1))        # p = 1: top-p off (even where float masses saturate)
     return float(z[keep].min())
 
 
@@ -58,8 +60,13 @@ def test_fallback_rows_flat_and_huge_logits():
     logits = torch.randn(R, V, generator=gen) * 0.3        # flat: top-p 0.9 needs hundreds of candidates
     logits[2] = logits[2] * 1e7                            # beyond the bin grid: must fall back
     logits[3] = torch.randn(V, generator=gen) * 4
-    path = _check(logits, 1.0, torch.tensor([0, 0, 7, 6]), torch.tensor([0.9, 0.5, 1.0, 1.0]), cmax=64, chunk=128)
-    assert int(path[0]) == -1 and int(path[2]) == -1 and int(path[3]) > 0
+    path = _check(logits, 1.0, torch.tensor([0, 0, 0, 6]), torch.tensor([0.9, 0.5, 0.7, 1.0]), cmax=64, chunk=128)
+    # flat rows with top-p alone: the candidates carry too little mass, the histogram path's fallback decides;
+    # huge logits with top-p alone: one token carries the mass, the candidate path (no bin grid) decides
+    assert int(path[0]) == -1 and int(path[2]) > 0 and int(path[3]) > 0
+    # huge logits on the candidate path (no bin grid there): top-k 7, with and without top-p
+    path = _check(logits[2:3].repeat(2, 1), 1.0, 7, torch.tensor([1.0, 0.5]), chunk=128)
+    assert (path > 0).all()
 
 
 def test_sampling_with_filters_matches_twin_tokens():
@@ -74,3 +81,57 @@ def test_sampling_with_filters_matches_twin_tokens():
     a = sample_torch(logits, p)
     b = sample_triton(on_dev(logits), params_on_dev(p)).cpu()
     assert torch.equal(a, b)
+
+
+def test_top_p_acts_on_the_renormalised_top_k_set():
+    """Top-k, then top-p relative to the mass of the top-k set (the engine's order): on these rows that keeps
+    fewer tokens than top-p over the whole row would, on the fast path and on the fallback."""
+    gen = torch.Generator().manual_seed(24)
+    R, V = 4, 500
+    logits = torch.randn(R, V, generator=gen) * 0.5
+    logits[:, :6] = torch.tensor([6.0, 5.8, 5.6, 5.4, 5.2, 5.0])     # six leaders over a wide flat tail
+    path = _check(logits, 1.0, torch.tensor([4, 4, 6, 3]), torch.tensor([0.7, 0.7, 0.6, 0.9]), chunk=128)
+    # the histogram path (kmax below every k) with its fallback, and the candidate path's overflow fallback
+    path_fb = _check(logits, 1.0, torch.tensor([4, 4, 6, 3]), torch.tensor([0.7, 0.7, 0.6, 0.9]), cmax=4, chunk=128,
+                     kmax=2)
+    path_ov = _check(logits, 1.0, torch.tensor([4, 4, 6, 3]), torch.tensor([0.7, 0.7, 0.6, 0.9]), chunk=128, cand=2)
+    assert (path > 0).all() and (path_fb == -1).any() and (path_ov == -1).all()
+    # the old rule (mass over the whole row) keeps all k tokens here: the tail carries most of the mass
+    p = row_params(R, "cpu", 1.0, torch.tensor([4, 4, 6, 3]), torch.tensor([0.7, 0.7, 0.6, 0.9]), 0, 0)
+    tau = thresholds_and_paths(on_dev(logits), params_on_dev(p), None, None)[0].cpu()
+    kept = masked_z_torch(logits, p.inv_temperature) >= tau[:, None]
+    assert kept.sum(1).tolist() != [4, 4, 6, 3]
+
+
+def test_candidate_path_overflow_ties_and_masks():
+    """The candidate path (0 < top_k <= kmax) against the definition on its awkward rows: a segment with more
+    candidates than it may keep (the row's exact fallback), a top-k set larger than the all-pairs block (200 tied
+    leaders: the bisection), rows whose mask leaves fewer than k lanes alive, and k at the limit."""
+    gen = torch.Generator().manual_seed(25)
+    R, V = 6, 1500
+    logits = torch.randn(R, V, generator=gen) * 2
+    logits[1, 100:300] = 9.0                               # 200 tied leaders: |K| > KP
+    logits[2, :] = (logits[2] * 4).round() / 4             # ties everywhere
+    bm = random_bitmask(R, V, gen, density=0.7)
+    bm[3] = 0
+    bm[3, :2] = -1                                         # 64 allowed tokens, all in segment 0: few live lanes
+    top_k = torch.tensor([8, 50, 30, 40, 64, 3])
+    top_p = torch.tensor([0.9, 0.8, 1.0, 0.7, 0.95, 1.0])
+    path = _check(logits, 0.8, top_k, top_p, bm, chunk=256)
+    assert (path >= 1).all()
+    path = _check(logits, 0.8, top_k, top_p, bm, chunk=256, cand=16)      # segments overflow: the fallback
+    assert (path == -1).any() and (path >= 1).any()
+
+
+def test_top_p_alone_on_the_candidate_path_when_the_leaders_carry_the_mass():
+    """Top-p without top-k first tries the 64 largest: exact when they carry at least p of the row's mass (peaked
+    rows, as LLM logits are), else the histogram path decides (flat rows)."""
+    gen = torch.Generator().manual_seed(26)
+    R, V = 4, 3000
+    logits = torch.randn(R, V, generator=gen)
+    logits[:2, :30] += 9.0                                 # 30 leaders carry almost all the mass
+    path = _check(logits, 1.0, 0, torch.tensor([0.95, 0.5, 0.9, 0.6]), chunk=512)
+    assert (path[:2] > 0).all()
+    p = row_params(R, "cpu", 1.0, 0, torch.tensor([0.95, 0.5, 0.9, 0.6]), seed=torch.arange(R), position=3)
+    cand_only = thresholds_and_paths(on_dev(logits), params_on_dev(p), None, None, chunk=512, histogram=False)[1]
+    assert cand_only.cpu().tolist()[2:] == [-3, -3]          # left to the histogram path

@@ -1,0 +1,190 @@
+"""CUDA graphs for the dense segments of the batched decode / verify step (engine/batched.py).
+
+Why: a fast decode step of the mid-size model launches thousands of small kernels (projections, norms, RoPE, mHC
+mixes, MoE), each costing the host a few microseconds of Python and launch work, so the step was bound by the
+host, not by the GPU. A graph replays a whole segment with one launch.
+
+What is captured: the dense work between two attention cores (`batched.pre_attention` of layer 0, then per layer
+`batched.post_then_pre`: layer i's output projection + MoE sub-layer and layer i+1's mixes + projections, and the
+last layer's `batched.post_attention`; L + 1 segments): pure functions of their input tensors and of the model's
+weights. The attention cores (caches, compressors, index top-k, the sparse attention kernel) stay eager: their
+shapes change every step.
+
+Contract:
+  * graphs are keyed by the step's token count T (no padding: a padded T would change GEMM shapes and so the
+    round-off, and replays must equal eager bit for bit);
+  * the first `warm` steps with a new T run eager (the first compiles / autotunes the kernels; waiting for a
+    second keeps one-off sizes, common with speculative verify rows, from paying a capture), the next captures
+    every segment (capture, then replay to compute), later ones replay; at most `max_sizes` token counts are kept
+    (least recently used dropped, and counted as new again);
+  * inputs: a tensor that is an output of an earlier graph of the same T, or a buffer from `stage()`, is read in
+    place; any other input is copied into the graph's own input buffer before each replay (one copy launch);
+  * outputs are the graph's own buffers, overwritten by the next replay of that segment: callers must copy what
+    they keep beyond the step (the model's caches only ever store fresh tensors made from them);
+  * weights must not move after capture: `reset()` drops every graph (the model calls it from `set_dtype`).
+Cost: capture ~ one eager step plus a device sync per segment, once per T; replay: one graph launch per segment
+plus one copy per non-chained input.
+
+`emulate=True` (tests, any device): a "graph" is the function itself re-run on the captured input buffers, its
+results copied into the captured output buffers, so the same buffer discipline (inputs copied in, outputs
+overwritten by every replay) can be checked on the CPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class _Segment:
+    graph: "torch.cuda.CUDAGraph"
+    inputs: list            # the captured input tensors (None where the input was None)
+    outputs: tuple
+
+
+@dataclass
+class _Size:
+    """Everything captured for one token count."""
+    pool: object
+    segments: dict = field(default_factory=dict)    # key -> _Segment
+    static: dict = field(default_factory=dict)      # data_ptr -> (shape, stride) of in-place-readable tensors
+    staged: dict = field(default_factory=dict)      # name -> persistent input buffer
+    complete: bool = False
+
+
+def _signature(t: torch.Tensor):
+    return (tuple(t.shape), t.stride(), t.dtype)
+
+
+class _EmulatedGraph:
+    """Stands in for torch.cuda.CUDAGraph on any device: replay = re-run, results copied into the outputs."""
+
+    def __init__(self, fn, inputs, outputs):
+        self.fn, self.inputs, self.outputs = fn, inputs, outputs
+
+    def replay(self) -> None:
+        for have, new in zip(self.outputs, self.fn(*self.inputs)):
+            if have is not None:
+                have.copy_(new)
+
+
+class SegmentGraphs:
+    def __init__(self, max_sizes: int = 8, warm: int = 2, emulate: bool = False):
+        self.emulate = emulate
+        self.max_sizes = max_sizes
+        self.warm = warm                 # eager steps at a new T before it is captured
+        self._sizes: dict[int, _Size] = {}
+        self._seen: dict[int, int] = {}
+        self.mode = "eager"              # this step: "eager" | "capture" | "replay"
+        self._cur: _Size | None = None
+        self.captures = 0                # segments captured so far (for benchmarks / tests)
+
+    def reset(self) -> None:
+        """Drop every graph (weights moved, dtype changed, ...)."""
+        self._sizes.clear()
+        self._seen.clear()
+        self.mode, self._cur = "eager", None
+
+    # ------------------------------------------------------------------------------------------ per step
+    def begin_step(self, T: int, device: torch.device) -> str:
+        """Pick this step's mode for T tokens (module docstring) and return it."""
+        self.mode, self._cur = "eager", None
+        if device.type != "cuda" and not self.emulate:
+            return self.mode
+        size = self._sizes.get(T)
+        if size is not None and size.complete:
+            self._sizes[T] = self._sizes.pop(T)          # most recently used last
+            self.mode, self._cur = "replay", size
+            return self.mode
+        seen = self._seen.get(T, 0)
+        if seen < self.warm:
+            self._seen[T] = seen + 1
+            return self.mode
+        while len(self._sizes) >= self.max_sizes:
+            old = next(iter(self._sizes))
+            del self._sizes[old]
+            self._seen[old] = 0          # an evicted size must be warm again before it is recaptured (no thrash)
+        self._sizes[T] = self._cur = _Size(pool=None if self.emulate else torch.cuda.graph_pool_handle())
+        self.mode = "capture"
+        return self.mode
+
+    def end_step(self) -> None:
+        if self.mode == "capture" and self._cur is not None:
+            self._cur.complete = True
+        self.mode, self._cur = "eager", None
+
+    def abort_step(self) -> None:
+        """The step failed midway: a half-captured size is dropped (its graphs may be missing segments)."""
+        if self.mode == "capture":
+            self._sizes = {t: s for t, s in self._sizes.items() if s is not self._cur}
+        self.mode, self._cur = "eager", None
+
+    def stage(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A per-step input (positions' cos/sin, token ids) copied into a persistent buffer that every graph of
+        this T reads in place (one copy per step instead of one per graph). Eager steps: `t` itself."""
+        size = self._cur
+        if size is None:
+            return t
+        buf = size.staged.get(name)
+        if buf is None:
+            buf = size.staged[name] = t.clone()
+            size.static[buf.data_ptr()] = _signature(buf)
+        else:
+            buf.copy_(t)
+        return buf
+
+    # ------------------------------------------------------------------------------------------ segments
+    def run(self, key, fn: Callable[..., tuple], *inputs) -> tuple:
+        """fn(*inputs) -> tuple of tensors (or None), eagerly, by capture + replay, or by replay (this step's
+        mode). Same values in every mode."""
+        size = self._cur
+        if size is None:
+            return fn(*inputs)
+        seg = size.segments.get(key)
+        if seg is None:
+            if self.mode != "capture":      # a segment this size never saw: stay exact, run it eagerly
+                return fn(*inputs)
+            seg = size.segments[key] = self._capture(size, fn, inputs)
+            self.captures += 1
+        else:
+            for have, given in zip(seg.inputs, inputs):
+                if have is None or given is None:
+                    if (have is None) != (given is None):
+                        raise RuntimeError(f"graph segment {key}: an input became {'None' if given is None else 'set'}")
+                    continue
+                if given.data_ptr() != have.data_ptr() or _signature(given) != _signature(have):
+                    if given.shape != have.shape:
+                        raise RuntimeError(f"graph segment {key}: input shape {tuple(given.shape)} != captured "
+                                           f"{tuple(have.shape)}")
+                    have.copy_(given)
+        seg.graph.replay()
+        return seg.outputs
+
+    def _capture(self, size: _Size, fn, inputs) -> _Segment:
+        static_in = []
+        for t in inputs:
+            if t is None or size.static.get(t.data_ptr()) == _signature(t):
+                static_in.append(t)
+            else:
+                static_in.append(t.clone())
+        if self.emulate:
+            out = tuple(fn(*static_in))
+            for t in out:
+                if t is not None:
+                    size.static[t.data_ptr()] = _signature(t)
+            return _Segment(_EmulatedGraph(fn, static_in, out), static_in, out)
+        # warm up on a side stream first (the PyTorch recipe: lazy handles / workspaces are made outside capture)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn(*static_in)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=size.pool):
+            out = fn(*static_in)
+        for t in out:
+            if t is not None:
+                size.static[t.data_ptr()] = _signature(t)
+        return _Segment(graph, static_in, tuple(out))

@@ -1,0 +1,146 @@
+"""The fast path's dense segments run through step_graphs.SegmentGraphs: replays must equal eager bit for bit.
+
+On CUDA the segments are captured as CUDA graphs (checked on the H200 by benchmarks/model_forward.py --graphs,
+which prints the max |diff| between graph replays and eager steps). Here the graphs are EMULATED on the CPU:
+capture keeps the segment's input buffers, every replay re-runs the segment on them and copies its results into
+the same output buffers. That keeps CUDA graphs' buffer discipline (inputs copied in, outputs overwritten by the
+next replay), so any cache or output that kept a reference to a segment's buffer instead of a copy would change
+under the next replay and show here. Oracle: the same model and caches run eagerly (graphs off).
+"""
+import copy
+
+import pytest
+import torch
+
+from deepinfer_sg.engine import testing
+from deepinfer_sg.engine.model import Model, StepChunk
+from deepinfer_sg.engine.step_graphs import SegmentGraphs
+
+from test_model_batched import _random_model
+
+MODELS = {
+    "v4": lambda: _random_model(testing.tiny_v4_config(hc_mult=4, index_n_heads=2), seed=1),
+    "v41": lambda: _random_model(testing.tiny_v41_config(), seed=2),
+}
+PROMPTS = [3, 9, 30, 45]
+# rows per sequence per step (the token count T repeats, so sizes get captured, then replayed), rollbacks after
+SCHEDULE = [
+    ([1, 1, 1, 1], None), ([1, 1, 1, 1], None), ([1, 1, 1, 1], None),       # T=4: eager, capture, replay
+    ([3, 1, 2, 1], [2, 0, 1, 0]), ([3, 1, 2, 1], [1, 1, 0, 0]),             # T=7 verify rows: eager, capture
+    ([1, 1, 1, 1], None), ([3, 1, 2, 1], [0, 0, 2, 1]),                     # replays of both sizes
+    ([1, 0, 1, 1], None), ([1, 0, 1, 1], None), ([1, 1, 1, 1], None),       # T=3 and T=4 again
+]
+
+
+def _state(cache) -> list:
+    """Every tensor and length of a SequenceCache (the state a later step reads)."""
+    out = [cache.length, cache.tokens]
+    for lc in cache.layers:
+        out += [lc.win, lc.ikeys]
+        for st in (lc.comp, lc.icomp):
+            if st is not None:
+                out += [st.tok_start, st.tok_kv, st.tok_gate, st.entries, st.latents]
+    return out
+
+
+def _same(a, b, what):
+    assert len(a) == len(b), what
+    for k, (x, y) in enumerate(zip(a, b)):
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            assert x is not None and y is not None and torch.equal(x, y), f"{what}: item {k} differs"
+        else:
+            assert x == y, f"{what}: item {k}: {x} != {y}"
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_emulated_graph_replays_equal_eager_steps(name):
+    m = MODELS[name]()
+    vocab = m.config.vocab_size
+    g = torch.Generator().manual_seed(3)
+    caches = [m.new_cache() for _ in PROMPTS]
+    m.forward_step([StepChunk(c, torch.randint(0, vocab, (n,), generator=g), 1) for c, n in zip(caches, PROMPTS)])
+    eager = copy.deepcopy(caches)
+    m._graphs = graphs = SegmentGraphs(emulate=True, warm=1)
+    modes = []
+    for rows, back in SCHEDULE:
+        chunks = [(i, torch.randint(0, vocab, (n,), generator=g)) for i, n in enumerate(rows) if n]
+        outs = {}
+        for use_graphs, cs in ((True, caches), (False, eager)):
+            m.cuda_graphs = use_graphs
+            if use_graphs:
+                mode = {"n": None}
+                begin = graphs.begin_step
+
+                def spy(T, dev, begin=begin, mode=mode):
+                    mode["n"] = begin(T, dev)
+                    return mode["n"]
+                graphs.begin_step = spy
+            outs[use_graphs] = m.forward_step([StepChunk(cs[i], t, t.shape[0]) for i, t in chunks])
+            if use_graphs:
+                del graphs.begin_step
+                modes.append(mode["n"])
+        a, b = outs[True], outs[False]
+        assert torch.equal(a.logits, b.logits), f"step {len(modes)} ({modes[-1]}): logits differ"
+        assert torch.equal(a.hidden, b.hidden)
+        assert (a.draft_features is None) == (b.draft_features is None)
+        if a.draft_features is not None:
+            assert torch.equal(a.draft_features, b.draft_features)
+        for k, (x, y) in enumerate(zip(caches, eager)):
+            _same(_state(x), _state(y), f"step {len(modes)} ({modes[-1]}), cache {k}")
+        if back:
+            for k, n in enumerate(back):
+                caches[k].rollback(n)
+                eager[k].rollback(n)
+    # the schedule exercised every mode, and replays of one size after steps of another
+    assert modes[:3] == ["eager", "capture", "replay"] and modes[5] == "replay" and modes[6] == "replay"
+    assert modes.count("capture") == 3 and graphs.captures == 3 * (m.config.num_layers + 1)
+
+
+def test_graphs_are_dropped_when_the_weights_move_or_the_kernels_change():
+    m = _random_model(testing.tiny_v41_config(), seed=2)
+    m._graphs = SegmentGraphs(emulate=True, warm=1)
+    c = m.new_cache()
+    m.forward_step([StepChunk(c, torch.arange(5), 1)])
+    for _ in range(3):
+        m.forward_step([StepChunk(c, torch.tensor([7]), 1)])
+    assert m._graphs._sizes, "size 1 should have been captured"
+    m.set_dtype(torch.float32)
+    assert not m._graphs._sizes
+    for _ in range(2):
+        m.forward_step([StepChunk(c, torch.tensor([7]), 1)])
+    m.to("cpu")
+    assert not m._graphs._sizes
+    for _ in range(2):
+        m.forward_step([StepChunk(c, torch.tensor([7]), 1)])
+    assert m._graphs._sizes
+    m.fused_mhc = True        # the segments would run other kernels: recapture
+    assert not m._graphs._sizes
+
+
+def test_a_segment_input_of_another_shape_is_refused():
+    graphs = SegmentGraphs(emulate=True, warm=0)
+    graphs.begin_step(2, torch.device("cpu"))
+    x = torch.randn(2, 3)
+    (y,) = graphs.run("double", lambda t: (t * 2,), x)
+    assert torch.equal(y, x * 2)
+    graphs.end_step()
+    graphs.begin_step(2, torch.device("cpu"))
+    x2 = torch.randn(2, 3)
+    (y2,) = graphs.run("double", lambda t: (t * 2,), x2)
+    assert y2 is y and torch.equal(y2, x2 * 2)       # replay: the same output buffer, new values
+    with pytest.raises(RuntimeError, match="input shape"):
+        graphs.run("double", lambda t: (t * 2,), torch.randn(3, 3))
+
+
+def test_a_size_is_captured_on_its_third_step_by_default_and_old_sizes_are_dropped():
+    graphs = SegmentGraphs(emulate=True, max_sizes=2)
+    cpu = torch.device("cpu")
+    modes = []
+    for T in (4, 4, 4, 4, 5, 5, 5, 6, 6, 6, 4, 4, 4):
+        modes.append(graphs.begin_step(T, cpu))
+        graphs.run("id", lambda t: (t + 1,), torch.zeros(T))
+        graphs.end_step()
+    assert modes[:4] == ["eager", "eager", "capture", "replay"]
+    assert modes[4:7] == ["eager", "eager", "capture"]
+    assert modes[7:10] == ["eager", "eager", "capture"]     # size 4 (least recently used) dropped here
+    assert modes[10:] == ["eager", "eager", "capture"] and sorted(graphs._sizes) == [4, 6]   # warm again first
