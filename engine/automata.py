@@ -81,12 +81,9 @@ def automaton_key(spec) -> Optional[tuple]:
 def index_transitions(regex: str, vocab, limits: AutomatonLimits):
     """outlines-core's token transitions of `regex` over `vocab` (grammars TokenizerVocab), built in a bounded
     child process: (transitions, initial, finals), or (None, reason) when it failed or would not fit."""
+    from deepinfer_sg.grammars.backend_outlines import vocabulary_table
     from .token_automaton import table_byte_costs
-    eos = vocab.eos_token_ids[0]
-    table: dict = {}
-    for i, b in enumerate(vocab.token_bytes):
-        if b and i not in vocab.eos_token_ids:
-            table.setdefault(b, []).append(i)
+    eos, table = vocabulary_table(vocab)
     per_state, per_edge = table_byte_costs(vocab.vocab_size)
     payload = pickle.dumps((regex, eos, table, per_state, per_edge, limits.max_bytes))
     try:

@@ -2,35 +2,32 @@
 
 The reference path (model.py) runs attention per sequence with a dense [n, keys] bias. For decode and
 speculative verification (every chunk a few rows) that is Python-bound, so here one step's sequences are
-batched per layer, and each layer is split in three:
-  * `pre_attention` (dense: Engram mix, mHC mixes + read-out, norm, q / kv / index-query projections) and
-    `post_attention` (output projection, mHC write-back, the MoE sub-layer): pure functions of their inputs, run
-    (as `post_then_pre` between two layers) through step_graphs.SegmentGraphs: CUDA graphs on CUDA once a token
-    count is warm, eager otherwise;
-  * `attention_core` in between, eager because it reads and grows the caches:
-      - window keys: one buffer per step, win_all [L, S, cap, D] (prepare_windows: every sequence's cached
-        windows, stacked once for all layers, plus room for the new rows, which each layer writes in place);
-        an index tensor [T, W] per row (-1 = no key) built once per step from host-side lengths; after the
-        step each sequence's WindowStack becomes a view of that buffer (commit_windows: no copies);
-      - compressed entries / index keys: one pool per source layer (concatenated once per step, after the
-        source layer's compressor ran), with per-row start and count;
-      - index scores for every row at once over its padded [T, G] entries, then the top-k with the reference's
-        tie rule (ties go to the lower entry id; relu makes exact-zero ties common, so selection must not depend
-        on an unstable top-k): on CUDA the exact radix-select kernel `kernels.indexer.topk_select_triton` (the
-        same selection as the reference's stable sort), elsewhere the reference's `topk_mask`; candidate blocks
-        with the reference's `candidate_block_mask`;
-      - `deepinfer_sg.kernels.sparse_attention` (Triton on CUDA, its torch twin on CPU) over the gathered keys;
-      - compressors: one projection over all rows, every completed group pooled in one batch, and the states'
-        rows (token projections, entries, latents, index keys) rebuilt by one gather per kind (step_many,
-        compressor.append_rows); the appended entries are the layer's pool for the step.
-Per-sequence work is host-side integer bookkeeping only: caches point at their rows of shared step buffers
-(cache.py's lazily sliced rows, WindowStack), so no tensor is made per sequence. Results equal the reference
-path to round-off (tests compare logits and cache states); host->device index copies go through pinned memory;
-no host syncs here.
+batched per layer, and each layer is split in three: `pre_attention` (dense: Engram mix, mHC mixes + read-out,
+norm, q / kv / index-query projections), the attention core, `post_attention` (output projection, mHC write-back,
+the MoE sub-layer). Caches live at fixed addresses (engine/arena.py): the window keys of every layer in the model's
+window slab [L, slots, cap, D], compressed entries / latents / index keys in per-layer arenas [slots, cap, D]; a
+step writes its new rows in place and each sequence's cache points at its slot (cache.py's (buffer, first row,
+rows) storage and WindowStack), so no tensor is made per sequence and nothing is rebuilt per step.
+Per layer:
+  * eager, only on layers that grow caches by host-decided amounts (`grows`, `update_compressed`): compressors
+    (one projection over all rows, every completed group pooled in one batch, token projections kept by one
+    gather, new entries / latents appended into the arenas: step_many) and V4.1 index keys of the new entries;
+  * everything else inside a segment (`span`, with inputs `span_inputs` made before it from host-side lengths):
+    the dense parts, the index selection (`select_ids`: scores for every row at once over its index pool, padded
+    to a power of two, then the top-k with the reference's tie rule (ties go to the lower entry id; relu makes
+    exact-zero ties common, so selection must not depend on an unstable top-k): on CUDA the exact select kernel
+    `kernels.indexer.topk_select_triton`, its winners sorted to ids (`topk_ids`), elsewhere the reference's
+    `topk_mask`; candidate blocks with the reference's `candidate_block_mask`), then `attend`: write the window
+    rows, `deepinfer_sg.kernels.sparse_attention` (Triton on CUDA, its torch twin on CPU) over the window rows
+    [T, W] and the selected entries' rows [T, bucket] (`entry_rows`; -1 = no key, padded to a power of two so
+    shapes hold for many steps).
+Everything between two eager cache updates is one pure function (`span`), run through step_graphs.SegmentGraphs: a CUDA
+graph on CUDA once a token count is warm, eager otherwise (same results bit for bit). Results equal the reference
+path to round-off (tests compare logits and cache states); host->device index copies go through pinned memory,
+several per copy; no host syncs here.
 
-Cost per layer: O(T * (W + k) * D) attention reads; per step O(sum of cached window rows * L * D) to copy the
-windows into the step's buffer once, O(sum of entries * D) per source layer to rebuild the compressed pool (and
-its index keys). A paged / slab cache for the compressed entries (appends in place) would remove that copy.
+Cost per layer: O(T * (W + k) * D) attention reads; per step O(T * D) cache writes per layer, plus moving rows
+into a slot when a sequence arrives from the reference path or its window reaches the end of its slot.
 """
 from __future__ import annotations
 
@@ -41,11 +38,12 @@ import torch
 import deepinfer_sg.kernels.indexer as _kindexer
 from deepinfer_sg.kernels import sparse_attention
 
-from .compressor import Sources, append_rows
+from .arena import arena_for
+from .compressor import Sources
 from .indexer import candidate_block_mask, topk_mask
 from .mhc import hc_pre, hc_post
 from .rope import apply_rope
-from .transfer import to_device
+from .transfer import to_device, to_device_many
 
 MAX_FAST_ROWS = 16   # chunks up to this many rows use the batched path (decode, verify); longer ones: reference
 
@@ -61,18 +59,18 @@ class BatchPlan:
     rect_lo: list[int] | None = None  # YOCO mask mode: decoder windows start no earlier than this
     windows: dict = field(default_factory=dict)   # (past lengths, decoder) -> win_idx [T, W]
     pools: dict = field(default_factory=dict)     # (kind, layer) -> (pool, start [T], count [T], G)
-    topk: dict = field(default_factory=dict)      # index-source layer -> bool [T, G]
+    topk: dict = field(default_factory=dict)      # eager index-source layer -> entry ids [T, k'] ascending, -1
+                                                  # padded (None: empty pool)
     cand: dict = field(default_factory=dict)      # candidate-source layer -> bool [T, G]
-    topk_idx: dict = field(default_factory=dict)  # (index-source layer, G) -> entry ids [T, k'] of its top-k mask
-    cmp_idx: dict = field(default_factory=dict)   # (kv source, index source, ratio, G) -> pool rows [T, k']
-    visible: dict = field(default_factory=dict)   # (pool kind, source, ratio) -> bool [T, G] visible entries
-    # this step's window buffer (prepare_windows): win_all [L, S, cap, D]; sequence s's rows before this step end
-    # at win_m[s] (each layer's window right-aligned there), its new rows follow; win_lens[s] = per-layer past
+    # the window slab (prepare_windows, engine/arena.py): win_all [L, slots, cap, D]; sequence s's slot win_slot[s]
+    # holds its past rows up to row win_end[s] (win_m[s] rows), its new rows follow; win_lens[s] = per-layer past
     # window lengths, or None when all L layers hold win_m[s] rows (the sequence's WindowStack)
     win_all: torch.Tensor | None = None
+    win_slot: list = field(default_factory=list)
+    win_end: list = field(default_factory=list)
     win_m: list = field(default_factory=list)
     win_lens: list = field(default_factory=list)
-    win_new_rows: torch.Tensor | None = None      # [T] row of each new token in win_all[layer].view(S * cap, D)
+    win_new_rows: torch.Tensor | None = None      # [T] row of each new token in win_all[layer].view(slots * cap, D)
     win_uniform: bool = False                     # every win_lens entry is None
 
     @property
@@ -80,9 +78,9 @@ class BatchPlan:
         """(start position, row offset, rows) per sequence (the compressors' input layout)."""
         return list(zip(self.starts, self.offs, self.ns))
 
-    def per_row(self, per_seq: list[int], device) -> torch.Tensor:
-        """A per-sequence host list spread to a per-row int64 tensor on `device` (one host->device copy)."""
-        return to_device([per_seq[s] for s in self.row_seq], device)
+    def per_row(self, per_seq: list[list[int]], device) -> list[torch.Tensor]:
+        """Per-sequence host lists spread to per-row int64 tensors on `device` (one host->device copy)."""
+        return to_device_many([[ps[s] for s in self.row_seq] for ps in per_seq], device)
 
 
 def make_plan(seqs, positions: torch.Tensor, rect: bool) -> BatchPlan:
@@ -99,16 +97,16 @@ def usable(model, chunks_rows: list[int]) -> bool:
 
 # ------------------------------------------------------------------------------------------------ index tensors
 def window_index(plan: BatchPlan, past_lens: list[int], W: int, decoder: bool, device) -> torch.Tensor:
-    """win_idx [T, W] into the flat window buffer win_all[layer].view(S * cap, D); -1 = no key.
+    """win_idx [T, W] into the flat window pool win_all[layer].view(slots * cap, D); -1 = no key.
 
-    Sequence s's key at position kp sits at row s * cap + win_m[s] + (kp - start_s). A row at position p sees
-    key positions p-W+1 .. p that still exist (>= start - past_lens[s]) and, for YOCO decoder layers, are
+    Sequence s's key at position kp sits at row slot_s * cap + win_end[s] + (kp - start_s). A row at position p
+    sees key positions p-W+1 .. p that still exist (>= start - past_lens[s]) and, for YOCO decoder layers, are
     >= rect_lo."""
     key = (tuple(past_lens), decoder)
     if key in plan.windows:
         return plan.windows[key]
     cap = plan.win_all.shape[2]
-    base = [s * cap + plan.win_m[s] - plan.starts[s] for s in range(len(past_lens))]
+    base = [plan.win_slot[s] * cap + plan.win_end[s] - plan.starts[s] for s in range(len(past_lens))]
     lo = [plan.starts[s] - past_lens[s] for s in range(len(past_lens))]
     if decoder:
         lo = [max(x, r) for x, r in zip(lo, plan.rect_lo)]
@@ -126,72 +124,73 @@ def _kernel_index(idx: torch.Tensor) -> torch.Tensor:
 
 
 def prepare_windows(model, ctx, plan: BatchPlan, like: torch.Tensor) -> None:
-    """Build this step's window buffer win_all [L, S, cap, D] (dtype/device of `like`): every sequence's cached
-    windows (one stacked copy for the sequences whose layers all read from their WindowStack, per layer for the
-    rest), room for the new rows, and the new rows' positions in it. Once per step."""
+    """Place this step's sequences in the model's window slab (engine/arena.py; dtype/device of `like`) and record
+    where their rows go. A sequence whose stack already lives in its slot costs nothing (unless its rows must move
+    to the slot's start: once every ~cap - keep steps); windows from elsewhere (the reference path, a copy) are
+    copied in, right-aligned at the same row for every layer. Once per step."""
+    from .arena import window_slab
     L = len(model.layers)
-    seqs = ctx.seqs
-    ms, lens, groups = [], [], {}
-    for b, s in enumerate(seqs):
+    slab = window_slab(model, like, MAX_FAST_ROWS)
+    ends, ms, lens, slots = [], [], [], []
+    for s in ctx.seqs:
+        slot = slab.slot(s.cache)          # (may grow the slab: look at slab.data only after this loop)
+        slots.append(slot)
+    data, cap = slab.data, slab.cap
+    for s, slot in zip(ctx.seqs, slots):
         st = s.cache.windows
         if st is not None and st.attached == L:
             m = st.m
+            if st.buf is data and st.slot == slot:
+                end = st.hi
+                if end + s.n > cap:        # move the kept rows to the slot's start
+                    data[:, slot, :m] = data[:, slot, st.lo:st.hi].clone()
+                    st.lo, st.hi = 0, m
+                    end = m
+            else:                          # a stack in another buffer
+                if m:
+                    data[:, slot, :m] = st.t
+                end = m
             lens.append(None)
-            if m:   # stacks in one earlier buffer at the same rows: one copy per group
-                groups.setdefault((id(st.buf), st.slot is None, st.lo, st.hi), []).append(b)
-        else:
+        else:                              # per-layer windows (possibly of different lengths)
             ls = [0 if lc.win is None else lc.win.shape[0] for lc in s.cache.layers]
-            m = max(ls)
+            m = end = max(ls)
+            for k, lc in enumerate(s.cache.layers):
+                if ls[k]:
+                    data[k, slot, m - ls[k]:m] = lc.win.clone()   # (clone: it may be a view of this slot)
             lens.append(ls)
+        ends.append(end)
         ms.append(m)
-    cap = max(m + s.n for m, s in zip(ms, seqs))
-    S = len(seqs)
-    win = torch.empty((L, S, cap, like.shape[-1]), dtype=like.dtype, device=like.device)
-    for (_, own, lo, hi), idx in groups.items():
-        m = hi - lo
-        first = seqs[idx[0]].cache.windows
-        if own:                                   # (a stack with its own tensor)
-            for b in idx:
-                win[:, b, :m] = seqs[b].cache.windows.t
-            continue
-        slots = [seqs[b].cache.windows.slot for b in idx]
-        if len(idx) == S and slots == idx and first.buf.shape[1] == S:   # the same sequences as that step
-            win[:, :, :m] = first.buf[:, :, lo:hi]
-        else:
-            win[:, to_device(idx, like.device), :m] = first.buf[:, to_device(slots, like.device), lo:hi]
-    for b, (s, ls) in enumerate(zip(seqs, lens)):
-        if ls is None:
-            continue
-        for k, lc in enumerate(s.cache.layers):
-            if ls[k]:
-                win[k, b, ms[b] - ls[k]:ms[b]] = lc.win
-    plan.win_all, plan.win_m, plan.win_lens = win, ms, lens
+    plan.win_all, plan.win_slot, plan.win_end, plan.win_m, plan.win_lens = data, slots, ends, ms, lens
     plan.win_uniform = all(ls is None for ls in lens)
-    plan.win_new_rows = to_device([b * cap + ms[b] + j for b, s in enumerate(seqs) for j in range(s.n)], like.device)
+    plan.win_new_rows = to_device([slot * cap + e + j for slot, e, s in zip(slots, ends, ctx.seqs)
+                                   for j in range(s.n)], like.device)
 
 
-def _layer_tensor(cache, kind: str, layer: int):
-    lc = cache.layers[layer]
-    if kind == "comp":
-        return lc.comp.entries
-    if kind == "icomp":
-        return lc.icomp.entries
-    return lc.ikeys
+_POOL_STATES = {   # pool kind -> (the arena's part name, the row attribute, the state holding it)
+    "comp": ("comp", "entries", lambda lc: lc.comp),
+    "icomp": ("icomp", "entries", lambda lc: lc.icomp),
+    "ikeys": ("layer", "ikeys", lambda lc: lc),
+}
 
 
-def pool(plan: BatchPlan, seqs, kind: str, layer: int, device, dtype=None):
-    """(pool [P, D] | None, start [T], count [T], G = largest count) of one per-sequence tensor list, cached."""
+def pool(model, plan: BatchPlan, seqs, kind: str, layer: int, device, dtype=None):
+    """(pool [P, D] | None, start [T], count [T], G = largest count) of one per-sequence row kind, cached: the
+    layer's arena (engine/arena.py) as it is. Rows that live elsewhere (fresh from the reference path, before the
+    layer's first append on this path) are moved into the arena first, so a pool keeps its address from step to
+    step (CUDA graphs read it in place)."""
     key = (kind, layer)
     if key not in plan.pools:
-        ts = [_layer_tensor(s.cache, kind, layer) for s in seqs]
-        counts = [0 if t is None else t.shape[0] for t in ts]
-        starts, acc = [], 0
-        for n in counts:
-            starts.append(acc)
-            acc += n
+        part, name, state_of = _POOL_STATES[kind]
+        states = [state_of(s.cache.layers[layer]) for s in seqs]
+        tups = [getattr(st, "_" + name) for st in states]
+        counts = [0 if t is None else t[2] for t in tups]
         G = max(counts)
-        P = torch.cat([t for t in ts if t is not None and t.shape[0]]) if G else None
-        plan.pools[key] = (P, plan.per_row(starts, device), plan.per_row(counts, device), G)
+        if G == 0:
+            P, starts = None, [0] * len(seqs)
+        else:
+            like = next(t[0] for t in tups if t is not None and t[2])
+            P, starts = arena_for(model, layer, part, name, like).append(states, like[:0], [0] * len(states))
+        plan.pools[key] = (P, *plan.per_row([starts, counts], device), G)
     P, start, count, G = plan.pools[key]
     if P is not None and dtype is not None and P.dtype != dtype:
         P = P.to(dtype)
@@ -202,8 +201,6 @@ def forget(plan: BatchPlan, layer: int) -> None:
     """A layer's compressor / index keys changed: drop its cached pools."""
     for kind in ("comp", "icomp", "ikeys"):
         plan.pools.pop((kind, layer), None)
-    plan.cmp_idx.clear()
-    plan.visible.clear()
 
 
 # ------------------------------------------------------------------------------------------------ layer parts
@@ -216,18 +213,23 @@ def update_compressed(model, attn, x: torch.Tensor, ctx, plan: BatchPlan) -> Non
     rot = model._rotator(spec.rope)
     R = model.max_rollback
     spans = plan.spans
-    fresh = {}
+    fresh = {}     # kind -> (arena, each sequence's first row in it, counts): this step's pools
+
+    def arena(part):
+        return lambda name, like: arena_for(model, i, part, name, like)
     if hasattr(attn, "compressor"):
         states = [s.cache.layers[i].comp for s in ctx.seqs]
-        _, buf = attn.compressor.step_many(states, x, spans, lambda lat, p: model._qdq(rot(lat, p), "compressed"),
-                                           c.compressor_style == "v41", R)
-        fresh["comp"] = (buf, states)
+        _, got = attn.compressor.step_many(states, x, spans, lambda lat, p: model._qdq(rot(lat, p), "compressed"),
+                                           c.compressor_style == "v41", R, arena("comp"))
+        if got is not None:
+            fresh["comp"] = (*got, [st.n_entries for st in states])
     idx_mod = getattr(attn, "indexer", None)
     if idx_mod is not None and hasattr(idx_mod, "compressor"):
         states = [s.cache.layers[i].icomp for s in ctx.seqs]
-        _, buf = idx_mod.compressor.step_many(states, x, spans, lambda lat, p: model._qdq(rot(lat, p), "index"),
-                                              False, R)
-        fresh["icomp"] = (buf, states)
+        _, got = idx_mod.compressor.step_many(states, x, spans, lambda lat, p: model._qdq(rot(lat, p), "index"),
+                                              False, R, arena("icomp"))
+        if got is not None:
+            fresh["icomp"] = (*got, [st.n_entries for st in states])
     if idx_mod is not None and hasattr(idx_mod, "wk"):   # V4.1 index keys of the new entries, all sequences at once
         rows, gs, news, lcs, srcs = [], [], [], [], Sources(0)
         for s in ctx.seqs:
@@ -242,36 +244,27 @@ def update_compressed(model, attn, x: torch.Tensor, ctx, plan: BatchPlan) -> Non
                 rows.extend(range(base + o + have, base + o + total))
                 gs.extend(range(have, total))
         if rows:
-            p = to_device(gs, x.device) * spec.ratio
-            lat = srcs.cat(None, 0)[to_device(rows, x.device)]
-            ik = model._qdq(rot(idx_mod.k_norm(idx_mod.wk(lat)), p), "index")
-            fresh["ikeys"] = (append_rows(lcs, "ikeys", ik, news), None)
+            gs_t, rows_t = to_device_many([gs, rows], x.device)
+            lat = srcs.cat(None, 0)[rows_t]
+            ik = model._qdq(rot(idx_mod.k_norm(idx_mod.wk(lat)), gs_t * spec.ratio), "index")
+            fresh["ikeys"] = (*arena_for(model, i, "layer", "ikeys", ik).append(lcs, ik, news),
+                              [lc.rows("ikeys") for lc in lcs])
     if hasattr(attn, "compressor") or (idx_mod is not None and hasattr(idx_mod, "compressor")
                                        or hasattr(idx_mod, "wk")):
         forget(plan, i)
-    for kind, (buf, states) in fresh.items():   # the appended buffers are this step's pools (no second copy)
-        if buf is None:
-            continue
-        if kind == "ikeys":
-            counts = [s.cache.layers[i].rows("ikeys") for s in ctx.seqs]
-        else:
-            counts = [st.n_entries for st in states]
-        starts, acc = [], 0
-        for n in counts:
-            starts.append(acc)
-            acc += n
-        plan.pools[(kind, i)] = (buf, plan.per_row(starts, x.device), plan.per_row(counts, x.device), max(counts))
+    for kind, (buf, starts, counts) in fresh.items():   # the arenas are this step's pools (no copy)
+        plan.pools[(kind, i)] = (buf, *plan.per_row([starts, counts], x.device), max(counts))
 
 
 def _index_scores(idx_mod, iq: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, start: torch.Tensor,
                   count: torch.Tensor, G: int) -> torch.Tensor:
     """I [T, G] fp32 = sum_h w * Di^-0.5 * relu(iq_h . ik_g) over each row's entries start..start+G (padded
-    columns hold -inf or whatever the clamped gather gives: callers mask them).
+    columns hold -inf or whatever the clamped gather gives: callers mask them). w as `pre_attention` made it (when
+    the Triton kernel runs, already fp32 times Di^-0.5).
 
     On CUDA the score kernel of deepinfer_sg.kernels.indexer reads the keys in place (no [T, G, Di] gather)."""
-    if _kindexer.use_triton(iq):
-        return _kindexer.indexer_scores_triton(iq, (w.float() * idx_mod.idx_dim ** -0.5).contiguous(), keys,
-                                               start, count, G)
+    if _kindexer.use_triton(iq):    # w came scaled from pre_attention (inside the graph segment)
+        return _kindexer.indexer_scores_triton(iq, w, keys, start, count, G)
     g = torch.arange(G, device=iq.device)
     rows = (start[:, None] + g[None, :]).clamp(max=keys.shape[0] - 1)
     k = keys[rows].float()                                                          # [T, G, Di]
@@ -279,48 +272,45 @@ def _index_scores(idx_mod, iq: torch.Tensor, w: torch.Tensor, keys: torch.Tensor
     return (s * w.unsqueeze(-1)).sum(dim=1)
 
 
-def select_entries(model, attn, iq: torch.Tensor, w: torch.Tensor, ctx, plan) -> None:
-    """Index-source layer: top-k mask [T, G] (and candidate blocks on the candidate-source layer) from the index
-    queries iq [T, Hi, Di] (rotated) and head weights w [T, Hi] (`pre_attention` makes them)."""
+def index_pool(model, attn, ctx, plan):
+    """(keys, start [T], count [T], G) the layer's index selection reads: G padded to a power of two (scores past
+    a row's count are masked), so a graph segment holding the selection keeps its shapes for many steps."""
     c = model.config
-    i = attn.layer_id
     spec = attn.spec
-    idx_mod = attn.indexer
-    dev = iq.device
-    plan.topk_idx = {key: v for key, v in plan.topk_idx.items() if key[0] != i}   # this layer's mask changes
-    plan.cmp_idx.clear()
-    kind, src = ("icomp", i) if c.compressor_style == "v4" else ("ikeys", spec.index_k_source)
-    keys, start, count, G = pool(plan, ctx.seqs, kind, src, dev)
-    vkey = (kind, src, spec.ratio)              # index layers reading one pool share the visibility mask
-    visible = plan.visible.get(vkey)
-    if visible is None:
-        g = torch.arange(G, device=dev)
-        visible = plan.visible[vkey] = ((g[None, :] < ((plan.positions + 1) // spec.ratio)[:, None])
-                                        & (g[None, :] < count[:, None]))
-    if G == 0:
-        plan.topk[i] = visible
-        if i == c.candidate_source_layer_id:
-            plan.cand[i] = visible
-        return
+    kind, src = ("icomp", attn.layer_id) if c.compressor_style == "v4" else ("ikeys", spec.index_k_source)
+    keys, start, count, G = pool(model, plan, ctx.seqs, kind, src, plan.positions.device)
+    return keys, start, count, (_bucket(G, None) if G else 0)
+
+
+def select_ids(idx_mod, iq, w, keys, start, count, positions, ratio: int, G: int, k: int, cand=None):
+    """Every row's index selection, as a pure function (eager, or inside a graph segment): the k best entries
+    (ties -> lower id) among each row's visible ones, start..start + count of `keys` that its position can see
+    (g < (p + 1) // ratio), and `cand` [T, G] where given. -> (ids [T, min(k, G)] ascending, -1 padded; visible
+    [T, G]; scores [T, G])."""
+    g = torch.arange(G, device=iq.device)[None, :]
+    visible = (g < ((positions + 1) // ratio)[:, None]) & (g < count[:, None])
     scores = _index_scores(idx_mod, iq, w, keys, start, count, G)
-    allowed = visible
-    if spec.candidate_source is not None:
-        allowed = visible & _fit(plan.cand[spec.candidate_source], G)
-    plan.topk[i] = _topk_mask(scores, allowed, c.index_topk)
-    if i == c.candidate_source_layer_id:
-        plan.cand[i] = candidate_block_mask(scores, visible, c.candidate_block_size, c.candidate_topk_blocks)
+    return topk_ids(scores, visible if cand is None else visible & cand, k), visible, scores
 
 
-def _topk_mask(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
-    """`topk_mask` (the k best allowed entries, ties -> lower id); on CUDA by the select kernel, which picks the
-    same entries as the stable sort (allowed scores are finite; disallowed ones become -inf, never selected)."""
-    if not _kindexer.use_triton(scores):
-        return topk_mask(scores, allowed, k)
-    T, G = scores.shape
+def entry_rows(ids: torch.Tensor, start: torch.Tensor, count: torch.Tensor, k: int) -> torch.Tensor:
+    """Entry ids [T, w] (-1 = none) -> rows of the kv pool [T, bucket] for the attention kernel (-1 = no key;
+    ids past a row's count dropped), padded with -1 to a power of two (at most k) so shapes hold for many steps."""
+    ent = torch.nn.functional.pad(ids, (0, _bucket(ids.shape[1], k) - ids.shape[1]), value=-1)
+    return _kernel_index(torch.where((ent >= 0) & (ent < count[:, None]), ent + start[:, None], -1))
+
+
+def topk_ids(scores: torch.Tensor, allowed: torch.Tensor, k: int, triton: bool | None = None) -> torch.Tensor:
+    """The entries of `topk_mask(scores, allowed, k)` (the k best allowed ones, ties -> lower id) as ids [T, min(k, G)]
+    ascending, -1 padded (what the attention kernel reads). triton (default: on CUDA): the select kernel, which
+    picks the same entries as the stable sort (allowed scores are finite; disallowed ones become -inf, never
+    selected), its winners sorted here (4 launches instead of the mask's 6 + 5 to turn it into ids)."""
+    if not (_kindexer.use_triton(scores) if triton is None else triton):
+        return _mask_to_index(topk_mask(scores, allowed, k), k)
+    G = scores.shape[1]
     idx, _ = _kindexer.topk_select_triton(scores.masked_fill(~allowed, float("-inf")), k, sorted=False)
-    sel = torch.zeros((T, G + 1), dtype=torch.bool, device=scores.device)      # column G absorbs the -1 padding
-    sel.scatter_(1, torch.where(idx >= 0, idx, G), True)
-    return sel[:, :G] & allowed
+    key = torch.where(idx >= 0, idx, G).sort(dim=1).values[:, :min(k, G)]
+    return torch.where(key < G, key, -1)
 
 
 def _fit(mask: torch.Tensor, G: int) -> torch.Tensor:
@@ -357,6 +347,8 @@ def pre_attention(model, block, R: torch.Tensor, a, cos: torch.Tensor, sin: torc
     if attn.spec.index_source == i:
         iq, w = attn.indexer.queries(qr, xn)
         iq = model._qdq(apply_rope(iq, cos, sin), "index")
+        if _kindexer.use_triton(iq):    # the score kernel's head weights: fp32, times Di^-0.5 (_index_scores)
+            w = (w.float() * attn.indexer.idx_dim ** -0.5).contiguous()
     return R, pre, post, comb, xn, q, kv, iq, w, feat
 
 
@@ -379,94 +371,179 @@ def post_attention(model, block, o: torch.Tensor, R: torch.Tensor, pre: torch.Te
     return hc_post(R, y, post_f, comb_f, fast=True), pre_f
 
 
-def post_then_pre(model, block, nxt, o, R, pre, post, comb, cos, sin, token_ids, ncos, nsin, e):
-    """`post_attention` of `block`, then `pre_attention` of the next layer `nxt` (one graph segment)."""
-    R, a = post_attention(model, block, o, R, pre, post, comb, cos, sin, token_ids)
-    return pre_attention(model, nxt, R, a, ncos, nsin, e)
+def core_kind(attn) -> str:
+    """What a layer's attention reads besides its window: "window" (nothing), "select" (entries it selects itself
+    from its index pool), "consumer" (entries an earlier layer selected), "all" (every visible entry)."""
+    spec, i = attn.spec, attn.layer_id
+    if spec.ratio == 0:
+        return "window"
+    if spec.index_source is None:
+        return "all"
+    return "select" if spec.index_source == i else "consumer"
 
 
-def attention_core(model, attn, xn: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, iq, w, ctx,
-                   plan: BatchPlan) -> torch.Tensor:
-    """The cache-dependent middle of a layer: compressors, index top-k, window / compressed key pools and the
-    sparse attention kernel. xn [T, H] attn-norm output, q [T, nh, D], kv [T, D] -> o [T, nh, D]."""
+def grows(attn) -> bool:
+    """Whether a layer's core grows caches by host-known amounts (a compressor, index keys, an index compressor):
+    that part (`update_compressed`) runs eagerly between two graph segments."""
+    idx = getattr(attn, "indexer", None)
+    return hasattr(attn, "compressor") or (idx is not None and (hasattr(idx, "compressor") or hasattr(idx, "wk")))
+
+
+def eager_layers(model) -> list[int]:
+    return [i for i, blk in enumerate(model.layers) if grows(blk.attn)]
+
+
+def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv, iq, w, cos_m, sin_m, cos_c, sin_c,
+         token_ids, positions, win_all, new_rows, *per):
+    """The work between two eager cache updates, as one pure function of its inputs (a CUDA-graph segment, see
+    step_graphs.py): the rest of layer `prev_e` (its selection / attention over q, kv, iq, w and the MoE; None: the
+    embedding instead), every layer of `full` whole, then `pre_attention` of layer `next_e` (None: the final
+    collapse, norm and, with every_row, the head). meta[k] = (core kind, index G) and per[k] = ENTRY_INPUTS of
+    each layer with a core here ([prev_e] + full), then next_e's engram rows.
+    -> (pre_attention's outputs of next_e, or (hidden, logits or None)), then per core layer its DSpark features
+    (None for prev_e), its selected ids and candidate blocks (None where it has none)."""
+    rope = {"main": (cos_m, sin_m), "compress": (cos_c, sin_c)}
+    layers = model.layers
+    c = model.config
+    n = len(ENTRY_INPUTS)
+    ids_of, cand_of, extra = {}, {}, []
+
+    def core(k, j, q, kv, iq, w):
+        e, win_idx, kv_pool, kv_start, kv_count, ids, keys, kstart, kcount, cand = per[n * k:n * k + n]
+        kind, G = meta[k]
+        attn = layers[j].attn
+        spec = attn.spec
+        cand_j = None
+        if kind == "select":
+            ids = None
+            if G:
+                if spec.candidate_source is not None and cand is None:
+                    cand = _fit(cand_of[spec.candidate_source], G)
+                ids, visible, scores = select_ids(attn.indexer, iq, w, keys, kstart, kcount, positions, spec.ratio, G,
+                                                  c.index_topk, cand)
+                if j == c.candidate_source_layer_id:
+                    cand_j = candidate_block_mask(scores, visible, c.candidate_block_size, c.candidate_topk_blocks)
+            elif j == c.candidate_source_layer_id:
+                cand_j = torch.zeros((q.shape[0], 0), dtype=torch.bool, device=q.device)
+            ids_of[j], cand_of[j] = ids, cand_j
+        elif kind == "consumer" and ids is None:
+            ids = ids_of.get(spec.index_source)
+        elif kind == "all" and kv_pool is not None:
+            g = torch.arange(G, device=q.device)[None, :]
+            ids = torch.where(g < ((positions + 1) // spec.ratio)[:, None], g.expand(q.shape[0], -1), -1)
+        cmp_idx = None if kv_pool is None or ids is None else entry_rows(ids, kv_start, kv_count,
+                                                                         c.index_topk if kind != "all" else G)
+        extra.extend([ids if kind == "select" else None, cand_j])
+        return attend(attn, q, kv, win_all, new_rows, win_idx, None if cmp_idx is None else kv_pool, cmp_idx)
+
+    feats = []
+    if prev_e is None:
+        R, a = model.embed_streams(token_ids)
+    else:
+        blk = layers[prev_e]
+        o = core(0, prev_e, q, kv, iq, w)
+        feats.append(None)
+        R, a = post_attention(model, blk, o, R, pre, post, comb, *rope[blk.attn.spec.rope], token_ids)
+    first = 0 if prev_e is None else 1
+    for k, j in enumerate(full, start=first):
+        blk = layers[j]
+        cs = rope[blk.attn.spec.rope]
+        R, pre, post, comb, xn, q, kv, iq, w, feat = pre_attention(model, blk, R, a, *cs, per[n * k])
+        feats.append(feat)
+        o = core(k, j, q, kv, iq, w)
+        R, a = post_attention(model, blk, o, R, pre, post, comb, *cs, token_ids)
+    tail = [t for f, i2, c2 in zip(feats, extra[0::2], extra[1::2]) for t in (f, i2, c2)]
+    if next_e is None:
+        hfin = model.collapse_streams(R, a)
+        return (hfin, model.head(model.norm(hfin)).float() if every_row else None, *tail)
+    blk = layers[next_e]
+    return (*pre_attention(model, blk, R, a, *rope[blk.attn.spec.rope], per[-1]), *tail)
+
+
+# a layer's inputs to `span`: engram rows, window rows, kv pool + each row's start / count in it, the ids of an
+# index source selected before the segment, and for a "select" layer its index keys + start / count + the
+# candidate mask when its candidate source selected before the segment
+ENTRY_INPUTS = ("e", "win_idx", "kv_pool", "kv_start", "kv_count", "ids", "keys", "kstart", "kcount", "cand")
+
+
+def span_inputs(model, attn, ctx, plan):
+    """The host side of one layer's core in a `span`: its ENTRY_INPUTS (device tensors made from host-side lengths
+    and this step's earlier selections, plan.topk / plan.cand, when made before this segment; None where the layer
+    has none) and its meta (core kind, G of its index pool or of its all-visible entries)."""
+    j, spec = attn.layer_id, attn.spec
+    kind = core_kind(attn)
+    dev = plan.positions.device
+    got = dict.fromkeys(ENTRY_INPUTS)
+    got["e"] = ctx.engram_rows.get(j)
+    got["win_idx"] = window_rows(model, attn, plan)
+    G = 0
+    if kind != "window":
+        P, start, count, Gk = pool(model, plan, ctx.seqs, "comp", spec.kv_source, dev, plan.win_all.dtype)
+        if Gk:
+            got.update(kv_pool=P, kv_start=start, kv_count=count)
+        if kind == "consumer":
+            got["ids"] = plan.topk.get(spec.index_source)
+        elif kind == "all":
+            G = _bucket(Gk, None) if Gk else 0
+        elif kind == "select":
+            keys, kstart, kcount, G = index_pool(model, attn, ctx, plan)
+            got.update(keys=keys, kstart=kstart, kcount=kcount)
+            if G and spec.candidate_source is not None and spec.candidate_source in plan.cand:
+                got["cand"] = _fit(plan.cand[spec.candidate_source], G)
+    return [got[n] for n in ENTRY_INPUTS], (kind, G)
+
+
+def attend(attn, q: torch.Tensor, kv: torch.Tensor, win_all: torch.Tensor, new_rows: torch.Tensor,
+           win_idx: torch.Tensor, cmp_pool, cmp_idx) -> torch.Tensor:
+    """Write this step's window rows kv [T, D] into the slab (rows new_rows of layer attn.layer_id) and attend:
+    q [T, nh, D] over win_idx's window keys and cmp_idx's compressed entries of cmp_pool -> [T, nh, D]."""
+    _, S, cap, D = win_all.shape
+    win_pool = win_all[attn.layer_id].view(S * cap, D)
+    win_pool.index_copy_(0, new_rows, kv.to(win_pool.dtype))
+    return sparse_attention(q, win_pool, win_idx, attn.attn_sink, cmp_pool, cmp_idx, scale=attn.scale)
+
+
+def window_rows(model, attn, plan: BatchPlan) -> torch.Tensor:
+    """win_idx [T, W] of the layer (`window_index`: shared by the layers with the same past lengths)."""
     c = model.config
     i = attn.layer_id
-    spec = attn.spec
-    dev = xn.device
-    update_compressed(model, attn, xn, ctx, plan)
-    if spec.index_source == i:
-        select_entries(model, attn, iq, w, ctx, plan)
-    # window keys: this step's buffer (cached windows + the new rows written in place) and indices into it
-    if plan.win_all is None:
-        prepare_windows(model, ctx, plan, kv)
-    _, S, cap, D = plan.win_all.shape
-    win_pool = plan.win_all[i].view(S * cap, D)
-    win_pool.index_copy_(0, plan.win_new_rows, kv.to(win_pool.dtype))
     if plan.win_uniform:      # every sequence's layers hold win_m rows: the same list for all layers
         past_lens = plan.win_m
     else:
         past_lens = [m if ls is None else ls[i] for m, ls in zip(plan.win_m, plan.win_lens)]
     decoder = model.yoco_mode != "off" and c.n_prefill_layer is not None and i >= c.n_prefill_layer
-    win_idx = window_index(plan, past_lens, c.sliding_window, decoder, dev)
-    # compressed entries
-    cmp_pool = cmp_idx = None
-    if spec.ratio > 0:
-        P, start, count, G = pool(plan, ctx.seqs, "comp", spec.kv_source, dev, win_pool.dtype)
-        if G > 0:
-            cmp_pool = P
-            # layers reading the same pool through the same selection share the indices (until a source changes)
-            ckey = (spec.kv_source, spec.index_source, spec.ratio, G)
-            cmp_idx = plan.cmp_idx.get(ckey)
-            if cmp_idx is None:
-                if spec.index_source is None:
-                    g = torch.arange(G, device=dev)[None, :]
-                    vis = (g < ((plan.positions + 1) // spec.ratio)[:, None]) & (g < count[:, None])
-                    ent = torch.where(vis, g.expand(vis.shape[0], -1), -1)
-                else:
-                    key = (spec.index_source, G)       # consumer layers of one index source share the ids
-                    if key not in plan.topk_idx:
-                        plan.topk_idx[key] = _mask_to_index(_fit(plan.topk[spec.index_source], G), c.index_topk)
-                    ent = plan.topk_idx[key]
-                cmp_idx = plan.cmp_idx[ckey] = _kernel_index(
-                    torch.where(ent >= 0, ent + start[:, None], torch.full_like(ent, -1)))
-    return sparse_attention(q, win_pool, win_idx, attn.attn_sink, cmp_pool, cmp_idx, scale=attn.scale)
+    return window_index(plan, past_lens, c.sliding_window, decoder, plan.positions.device)
 
 
-def attention(model, attn, x: torch.Tensor, ctx, plan: BatchPlan) -> torch.Tensor:
-    """Batched `Model._attention` for short chunks: x [T, H] (attn-norm output) -> [T, H] (projections, core,
-    output projection; the model's fast layer runs the same pieces as graph segments around the core)."""
-    spec = attn.spec
-    cos, sin = ctx.rope[spec.rope]
-    q, qr = attn.project_q(x, cos, sin)
-    kv = model._qdq(attn.project_kv(x, cos, sin), "window")
-    iq = w = None
-    if spec.index_source == attn.layer_id:
-        iq, w = attn.indexer.queries(qr, x)
-        iq = model._qdq(apply_rope(iq, cos, sin), "index")
-    return attn.output(attention_core(model, attn, x, q, kv, iq, w, ctx, plan), cos, sin)
+def _bucket(n: int, cap: int | None) -> int:
+    """n rounded up to a power of two (>= 16), at most cap (when n <= cap)."""
+    b = 16
+    while b < n:
+        b *= 2
+    return b if cap is None or n > cap else min(b, cap)
 
 
 def commit_windows(model, ctx, plan: BatchPlan) -> None:
-    """Advance every sequence's windows to the end of this step: its WindowStack becomes a view of this step's
-    buffer (one view per sequence for all layers, no copy). A sequence whose layers held windows of different
-    lengths (after a YOCO-compacted prefill) gets one view per layer instead."""
+    """Advance every sequence's windows to the end of this step: its WindowStack points at its slab slot (rows
+    written in place this step; no copies). A sequence whose layers held windows of different lengths (after a
+    YOCO-compacted prefill) gets one view per layer instead."""
     if plan.win_all is None:
         return
     from .cache import WindowStack
     keep = model.config.sliding_window - 1 + model.max_rollback
     win = plan.win_all
     for b, s in enumerate(ctx.seqs):
-        end = plan.win_m[b] + s.n
-        ls = plan.win_lens[b]
-        if ls is None:
-            st = s.cache.windows
-            st.buf, st.slot, st.lo, st.hi = win, b, max(0, end - keep), end
-        elif len(set(ls)) == 1:
-            st = WindowStack(win, b, max(0, end - min(keep, ls[0] + s.n)), end)
+        slot, end, ls = plan.win_slot[b], plan.win_end[b] + s.n, plan.win_lens[b]
+        st = s.cache.windows
+        if ls is None and st is not None and st.buf is win and st.slot == slot:
+            st.lo, st.hi = max(st.lo, end - keep), end
+        elif ls is None or len(set(ls)) == 1:
+            m = plan.win_m[b] if ls is None else ls[0]
+            st = WindowStack(win, slot, max(0, end - min(keep, m + s.n)), end)
             for k, lc in enumerate(s.cache.layers):
                 lc.attach(st, k)
             s.cache.windows = st
         else:
             for k, lc in enumerate(s.cache.layers):
-                lc.win = win[k, b, end - min(keep, ls[k] + s.n):end]
+                lc.win = win[k, slot, end - min(keep, ls[k] + s.n):end]
             s.cache.windows = None

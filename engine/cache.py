@@ -15,11 +15,13 @@ that dspark.py may fill with its own state.
 `rollback(n)` forgets the last n tokens (n <= max_rollback): window rows and token projections are dropped,
 compressed entries whose group is no longer complete become invisible and are removed.
 
-Storage: the batched decode path (engine/batched.py) rebuilds every sequence's rows of one kind in ONE buffer per
-step, so the tensor attributes above (`tok_kv`, `tok_gate`, `entries`, `latents`, `ikeys`, `tokens`, the
-WindowStack) are stored as (buffer, first row, rows) and sliced only when read: updating a sequence is setting
-three numbers, and a rollback only shortens the row count. Caches of one step share those buffers (never
-written in place: a later step makes new ones), so a cache kept out of later steps holds its step's buffer alive.
+Storage: the batched decode path (engine/batched.py) keeps every sequence's rows of one kind at fixed addresses
+(engine/arena.py: a window slab, per-layer arenas), so the tensor attributes above (`tok_kv`, `tok_gate`,
+`entries`, `latents`, `ikeys`, `tokens`, the WindowStack) are stored as (buffer, first row, rows) and sliced only
+when read: updating a sequence is setting three numbers, and a rollback only shortens the row count. The slab
+and arenas are written in place (a sequence's rows past its count belong to it and are overwritten by its next
+step), so a slice read from a cache is valid until that sequence's next fast step; the reference path never
+writes into them (it makes new tensors).
 """
 from __future__ import annotations
 

@@ -15,14 +15,17 @@ Cost per token: two H x (D or 2D) projections; per entry O(r * D).
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
 from .cache import CompressorState
 from .norm import RMSNorm
-from .transfer import to_device
+from .transfer import to_device, to_device_many
+
+if TYPE_CHECKING:
+    from .arena import RowArena
 
 
 class Compressor(nn.Module):
@@ -92,16 +95,18 @@ class Compressor(nn.Module):
 
     def step_many(self, states: list[CompressorState], x: torch.Tensor, spans: list[tuple[int, int, int]],
                   rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], keep_latents: bool,
-                  max_rollback: int) -> tuple[list[int], torch.Tensor | None]:
+                  max_rollback: int, arena: Callable[[str, torch.Tensor], "RowArena"]
+                  ) -> tuple[list[int], tuple[torch.Tensor, list[int]] | None]:
         """Batched `step` for many sequences at once (the decode / verify fast path): same results.
 
         x [T, H] holds every sequence's new rows; spans[s] = (start position, row offset in x, rows) of
         sequence s, with rows <= max_rollback. The projections run once over all rows, every completed group of
-        every sequence is pooled, normalized and rotated in one go, and the states' rows (token projections kept,
-        entries, latents) are rebuilt as one gather per tensor kind for all sequences: each state then points at
-        its rows of that buffer (CompressorState.set_rows; no per-sequence tensor operations).
-        Returns (new entries per sequence, the buffer holding every state's entries in order, i.e. the attention
-        pool of this layer, or None when no group completed)."""
+        every sequence is pooled, normalized and rotated in one go; the token projections kept are rebuilt as one
+        gather for all sequences (each state then points at its rows of that buffer: CompressorState.set_rows, no
+        per-sequence tensor operations), the new entries / latents are written in place into the arenas
+        `arena(name, like)` gives (engine/arena.py).
+        Returns (new entries per sequence, (the entries arena: this layer's attention pool, each state's first row
+        in it), or None when no group completed)."""
         r, D = self.ratio, self.out_dim
         ov = 1 if self.overlap else 0
         kv_all = self.wkv(x).float()
@@ -110,59 +115,59 @@ class Compressor(nn.Module):
         # 1. token rows still needed (for this step's groups or later ones / rollbacks), one gather from
         #    [this step's rows, the states' current buffers]
         src = Sources(kv_all.shape[0])
-        idx, cur, prev, has_prev, gpos, news, views = [], [], [], [], [], [], []
-        for st, (start, off, n) in zip(states, spans):
-            old = st.rows("tok_kv")
+        idx, cur, prev, gpos, news, views = [], [], [], [], [], []
+        for st, (start, off, n) in zip(states, spans):   # (attributes read directly: B states per layer)
+            tk, en = st._tok_kv, st._entries
+            old = 0 if tk is None else tk[2]
             tok_start = st.tok_start if old else start
             assert not old or tok_start + old == start, "compressor state out of sync with the cache"
             end = start + n
-            g0, g1 = st.n_entries, end // r
+            g0, g1 = (0 if en is None else en[2]), end // r
             keep_from = max(tok_start, ((end - max_rollback) // r - ov) * r)
             lo = min(keep_from, (g0 - ov) * r) if g1 > g0 else keep_from
             lo = max(lo, tok_start)
             b0 = len(idx)
             if old and lo < start:
-                buf, o, _ = st._tok_kv
-                base = src.base(buf, st._tok_gate[0] if self.gated else None)
-                idx.extend(range(base + o + lo - tok_start, base + o + old))
+                base = src.base(tk[0], st._tok_gate[0] if self.gated else None)
+                idx.extend(range(base + tk[1] + lo - tok_start, base + tk[1] + old))
             idx.extend(range(off, off + n))
             news.append(max(g1 - g0, 0))
             for g in range(g0, g1):
-                rows = [b0 + g * r + j - lo for j in range(r)]
+                rows = list(range(b0 + g * r - lo, b0 + g * r - lo + r))
                 cur.append(rows)
-                prev.append([q - r for q in rows] if g > 0 else rows)
-                has_prev.append(g > 0)
+                if ov:
+                    prev.append([q - r for q in rows] if g > 0 else rows)
                 gpos.append(g * r)
             views.append((b0 + keep_from - lo, end - keep_from, keep_from))
-        idx_t = to_device(idx, dev)
+        if cur:   # every index list of the step in one copy
+            idx_t, cur_t, gpos_t, *prev_t = to_device_many([idx, cur, gpos] + ([prev] if self.overlap else []), dev)
+        else:
+            idx_t = to_device(idx, dev)
         kv_buf = src.cat(kv_all, 0)[idx_t]
         g_buf = src.cat(gate_all, 1)[idx_t] if self.gated else None
         for st, (o, m, tok_start) in zip(states, views):
             st.tok_start = tok_start
-            st.set_rows("tok_kv", kv_buf, o, m)
+            st._tok_kv = (kv_buf, o, m)
             if self.gated:
-                st.set_rows("tok_gate", g_buf, o, m)
+                st._tok_gate = (g_buf, o, m)
         if not cur:
             return news, None
         # 2. every completed group at once
-        cur_t = to_device(cur, dev)
         ckv = kv_buf[cur_t]                                                    # [G, r, W]
         cg = g_buf[cur_t] + (self.ape.float() if self.ape is not None else 0.0) if self.gated else None
         if self.overlap:
-            prev_t = to_device(prev, dev)
-            hp = to_device(has_prev, dev, torch.bool)[:, None, None]
-            pkv = torch.where(hp, kv_buf[prev_t][..., :D], 0.0)
-            pg = torch.where(hp, g_buf[prev_t][..., :D] + self.ape.float()[:, :D], float("-inf"))
+            hp = (gpos_t > 0)[:, None, None]                                   # group g > 0 has a previous one
+            pkv = torch.where(hp, kv_buf[prev_t[0]][..., :D], 0.0)
+            pg = torch.where(hp, g_buf[prev_t[0]][..., :D] + self.ape.float()[:, :D], float("-inf"))
             ckv = torch.cat([pkv, ckv[..., D:]], dim=1)                        # [G, 2r, D]
             cg = torch.cat([pg, cg[..., D:]], dim=1)
         pooled = (ckv * cg.softmax(dim=1)).sum(dim=1) if self.gated else ckv.sum(dim=1)
         latent = self.norm(pooled.to(x.dtype))
-        entries = rotate(latent, to_device(gpos, dev))
-        # 3. appends: one gather per kind for all sequences
-        buf = append_rows(states, "entries", entries, news)
+        entries = rotate(latent, gpos_t)
+        # 3. appends, in place
         if keep_latents:
-            append_rows(states, "latents", latent, news)
-        return news, buf
+            arena("latents", latent).append(states, latent, news)
+        return news, arena("entries", entries).append(states, entries, news)
 
 
 class Sources:
@@ -184,26 +189,3 @@ class Sources:
         """[new (if given), each buffer] (kv buffers: which=0, gate buffers: which=1), one tensor."""
         parts = ([] if new is None else [new]) + [pair[which] for pair in self.bufs]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def append_rows(states: list, name: str, new: torch.Tensor, news: list[int]) -> torch.Tensor:
-    """state.<name> += its news[s] rows of `new` (in state order), for every state with ONE gather; each state
-    then points at its rows of the result (set_rows). Returns the result: every state's rows in order."""
-    src = Sources(new.shape[0])
-    idx, views, at = [], [], 0
-    for st, k in zip(states, news):
-        b0 = len(idx)
-        old = st.rows(name)
-        if old:
-            buf, o, _ = getattr(st, "_" + name)
-            base = src.base(buf, None)
-            idx.extend(range(base + o, base + o + old))
-        if k:
-            idx.extend(range(at, at + k))
-            at += k
-        views.append((b0, old + k))
-    out = src.cat(new, 0)[to_device(idx, new.device)]
-    for st, (b0, m) in zip(states, views):
-        if m:
-            st.set_rows(name, out, b0, m)
-    return out

@@ -42,6 +42,10 @@ class EngineConfig:
     eos_token_id: Optional[int] = None         # default: the tokenizer's <｜end▁of▁sentence｜> (id 1)
     fused_sampler: Optional[bool] = None       # None: kernels' fused sampler on CUDA, torch path on CPU
     speculative: Any = None                    # engine.spec_decode.SpecConfig: decode steps go through spec_decode
+    # torch's intra-op CPU threads when the model runs on a GPU: the host work of a step is small ops that threads
+    # only slow down, and they contend with the mask workers (decode step, mid-size V4.1 on an H200, batch 64:
+    # 21.4 ms with 1 thread vs 31.3 with 4 and 29.3 with 16; benchmarks/model_forward.py --threads). None: untouched.
+    gpu_host_threads: Optional[int] = 1
 
 
 def _model_vocab_size(model) -> int:
@@ -50,6 +54,11 @@ def _model_vocab_size(model) -> int:
         if v:
             return int(v)
     raise ValueError("cannot find the model's vocab_size (model.vocab_size or model.config.vocab_size)")
+
+
+def _takes_host_ids(model) -> bool:
+    from .model import Model
+    return isinstance(model, Model)
 
 
 def _tokenizer_eos(tokenizer) -> Optional[int]:
@@ -74,6 +83,11 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.device = model_device(model)
+        if self.device.type == "cuda" and self.config.gpu_host_threads:
+            torch.set_num_threads(self.config.gpu_host_threads)
+        # the V4 model checks and uploads host token ids itself, with the positions, in one pinned async copy; ids
+        # already on the device would cost a synchronisation for its range check
+        self._ids_on_host = self.device.type == "cuda" and _takes_host_ids(model)
         self.vocab_size = _model_vocab_size(model)
         self.eos_token_id = self.config.eos_token_id if self.config.eos_token_id is not None else _tokenizer_eos(tokenizer)
         cfg = getattr(model, "config", None)
@@ -260,7 +274,9 @@ class LLMEngine:
 
     def _model_chunks(self, batch: ScheduledBatch) -> list:
         """The model's StepChunks of a batch: one host-to-device copy for the whole step, a view per chunk."""
-        flat = torch.tensor([t for c in batch.chunks for t in c.token_ids], dtype=torch.long).to(self.device)
+        flat = torch.tensor([t for c in batch.chunks for t in c.token_ids], dtype=torch.long)
+        if not self._ids_on_host:
+            flat = flat.to(self.device)
         chunks, start = [], 0
         for c in batch.chunks:
             chunks.append(self.chunk_type(c.request.cache, flat[start:start + len(c.token_ids)], 1 if c.samples else 0))

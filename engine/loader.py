@@ -9,7 +9,7 @@ Stored formats (spec §5.4), converted exactly to the model's parameter dtype wh
 - bf16 / fp16 / fp32 tensors: copied (cast to the parameter's dtype);
 - FP8 E4M3 `X.weight` + UE8M0 `X.scale` (32x32 blocks, or the config's `weight_block_size`): dequantized;
 - FP4 routed experts: `int8 [out, in/2]` (low nibble first) + UE8M0 `[out, in/32]`: dequantized.
-Routed experts with `expert_dtype="fp8"` (opt-in; see CUDA_EXPERT_DTYPE): kept quantized instead, per layer, in
+Routed experts with `expert_dtype="fp8"` (the CUDA default; see CUDA_EXPERT_DTYPE): kept quantized instead, per layer, in
 kernels.moe's fp8 layout (engine/moe.py `KeptExperts`: e4m3 weights, fp32 row scales, uint8 block shifts; FP4
 repacked to e4m3 losslessly): about half the bytes of bf16 experts, and the grouped kernel's fp8 path.
 `expert_dtype="fp4"`: all-FP4 layers stay packed FP4 as stored (a quarter of bf16; decoded in the kernel's
@@ -44,12 +44,12 @@ from .quant import dequantize_fp4_blocks, dequantize_fp8_blocks, expert_fp4_pack
 
 INDEX_FILE = "model.safetensors.index.json"
 EXPERT_DTYPES = ("bf16", "fp8", "fp4")     # routed experts: dequantized / kept as e4m3 / FP4 layers kept packed
-# load_model's choice on CUDA: "fp8" (e4m3 stacks: the kernel path measured at 95-97% of its bytes) until the
-# packed-FP4 path (half the bytes again) is measured faster on the H200
-# Kept-quantized experts stay opt-in: the per-row fp8 kernel path passes its compiled tests on the H200, but
-# the block-shift path (layers whose scales do not fold) and packed FP4 failed them there (misaligned address in
-# the shift loads, session 3), so the default stays the exact dequantizing load until they pass.
-CUDA_EXPERT_DTYPE = "bf16"
+# load_model's choice on CUDA: "fp8" (e4m3 stacks, FP4 repacked losslessly: the kernel's per-row path measured
+# at 96-99% of its bytes, 1.75-1.84x the bf16 experts at V4.1's shape; a real V4.1-Flash does not fit with bf16
+# experts). Every kept path passes its compiled tests on the H200 (session 4: the block-shift path's faults were
+# 32-byte tensor-descriptor boxes, see kernels.moe.tma_ok), and a checkpoint loaded kept gives the logits of the
+# dequantizing load. Packed FP4 ("fp4": half the bytes again) stays opt-in until it is measured faster than fp8.
+CUDA_EXPERT_DTYPE = "fp8"
 
 
 class CheckpointError(ValueError):
@@ -351,7 +351,7 @@ def load_weights(model: torch.nn.Module, path: str | Path, strict: bool = True,
                 scale = _read(handles(it.scale[1]), it.scale[0]).to(dev)
                 parts = (expert_fp4_packed(raw, scale) if is_packed_fp4(q.w1) else
                          expert_to_fp8(raw, scale, it.kind, rows, block))
-                q.store(which, e, *parts, from_fp8=it.kind == "fp8")
+                q.store(which, e, *parts)
                 report.kept_quantized[it.target] = it.kind
                 report.loaded.append(it.target)
                 del raw, scale

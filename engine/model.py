@@ -9,8 +9,9 @@ One code path serves both entry points:
       - batched (decode / verify steps, engine/batched.py): attention of all rows in one
         `kernels.sparse_attention` call over gathered window + selected compressed keys, batched compressors
         and index scores, `kernels.hc_mixes` for the mHC mixes, `kernels.moe_experts` for the routed experts
-        (Triton on CUDA, the torch twins on CPU); the dense work between attention cores runs as CUDA graphs per
-        token count (engine/step_graphs.py; `cuda_graphs`, on by default, bit-identical to eager).
+        (Triton on CUDA, the torch twins on CPU); caches at fixed addresses (engine/arena.py), everything but the
+        compressors' cache updates runs as CUDA graphs per token count (engine/step_graphs.py; `cuda_graphs`, on
+        by default, bit-identical to eager).
   * `forward_logits(ids [B, S])`: fresh caches, one chunk per row (the full-sequence reference).
 
 V4 vs V4.1 is decided by config switches (see config.py): `hc_shifted`, `q_norm`, `compressor_style`, the
@@ -49,7 +50,7 @@ from .moe import MoE
 from .norm import RMSNorm
 from .rope import apply_rope, inv_freq, rope_cos_sin
 from .step_graphs import SegmentGraphs
-from .transfer import to_device
+from .transfer import to_device, to_device_many
 
 # parameters kept in fp32 whatever the model dtype (DeepSeek ships them in F32)
 _FP32_SUFFIXES = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
@@ -359,8 +360,10 @@ class Model(nn.Module):
             bad = next(k for k, t in enumerate(ids) if bool(((t < 0) | (t >= c.vocab_size)).any()))
             raise ValueError(f"token id outside 0..{c.vocab_size - 1} in chunk {bad}")
         if on_host:
-            all_ids = to_device(all_ids, dev)
-        ctx = full_ctx = StepContext(seqs, to_device(pos, dev), all_ids)
+            all_ids, pos_t = to_device_many([all_ids, pos], dev)
+        else:
+            pos_t = to_device(pos, dev)
+        ctx = full_ctx = StepContext(seqs, pos_t, all_ids)
         if batched.usable(self, [s.n for s in seqs]):
             ctx.plan = batched.make_plan(seqs, ctx.positions, rect=self.yoco_mode != "off")
             ctx.graphs = self._graphs
@@ -377,38 +380,31 @@ class Model(nn.Module):
             # every Engram table read (a host round trip) now, while the device is idle, not between the layers
             if c.engram_layer_ids:
                 host_windows = ctx.windows.cpu()
-                ctx.engram_rows = {i: blk.engram.values(host_windows, dev) for i, blk in enumerate(self.layers)
+                ctx.engram_rows = {i: blk.engram.packed_values(host_windows, dev) for i, blk in enumerate(self.layers)
                                    if hasattr(blk, "engram")}
 
-        h = self.embed(ctx.token_ids)
-        R = h.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()         # [T, M, H]
-        a = None
-        if c.hc_shifted:   # the first sub-layer reads stream 0
-            a = torch.zeros(h.shape[0], c.hc_mult, device=dev)
-            a[:, 0] = 1.0
+        every_row = all(ch.logit_rows == s.n for s, ch in zip(ctx.seqs, chunks))   # decode, verify
+        logits = None
         try:
             if ctx.plan is not None:
-                R, a = self._layers_fast(R, a, ctx)
+                hfin, logits = self._layers_fast(ctx, every_row)
             else:
+                R, a = self.embed_streams(ctx.token_ids)
                 for i, block in enumerate(self.layers):
                     if self.yoco_mode == "compact" and i == c.n_prefill_layer:
                         R, a, ctx = self._compact_layer(block, R, a, ctx)
                     else:
                         R, a = self._layer(block, R, a, ctx)
+                hfin = self.collapse_streams(R, a)
         except BaseException:
             self._graphs.abort_step()
             raise
         self._graphs.end_step()
         if ctx.plan is not None:
             batched.commit_windows(self, ctx, ctx.plan)
-        if c.hc_shifted:
-            hfin = hc_pre(R, a)
-        else:
-            hfin = hc_head_collapse(R, self.hc_head_fn, self.hc_head_base, self.hc_head_scale,
-                                    eps=c.rms_norm_eps, hc_eps=c.hc_eps)
-        if all(ch.logit_rows == s.n for s, ch in zip(ctx.seqs, chunks)):   # every row (decode, verify)
+        if logits is None and every_row:
             logits = self.head(self.norm(hfin)).float()
-        else:
+        elif logits is None:
             rows = to_device(torch.cat([torch.arange(s.off + s.n - ch.logit_rows, s.off + s.n)
                                         for s, ch in zip(ctx.seqs, chunks)]), dev)
             logits = self.head(self.norm(hfin[rows])).float()
@@ -423,6 +419,26 @@ class Model(nn.Module):
             feats = torch.cat([ctx.captures[i] if ctx.rows is None or ctx.captures[i].shape[0] == ctx.rows.shape[0]
                                else ctx.captures[i][ctx.rows] for i in c.dspark_target_layer_ids], dim=-1)
         return StepOutput(logits=logits, draft_features=feats, hidden=hfin)
+
+    def embed_streams(self, ids: torch.Tensor):
+        """Token ids [T] -> (R [T, M, H] every stream the embedding, a: the first sub-layer's read-out weights
+        (shifted mHC: stream 0) or None)."""
+        c = self.config
+        h = self.embed(ids)
+        R = h.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()         # [T, M, H]
+        a = None
+        if c.hc_shifted:   # the first sub-layer reads stream 0
+            a = torch.zeros(h.shape[0], c.hc_mult, device=h.device)
+            a[:, 0] = 1.0
+        return R, a
+
+    def collapse_streams(self, R: torch.Tensor, a) -> torch.Tensor:
+        """The streams after the last layer -> the final hidden [T, H] (before the final norm)."""
+        c = self.config
+        if c.hc_shifted:
+            return hc_pre(R, a)
+        return hc_head_collapse(R, self.hc_head_fn, self.hc_head_base, self.hc_head_scale,
+                                eps=c.rms_norm_eps, hc_eps=c.hc_eps)
 
     # ------------------------------------------------------------------ one layer
     def _layer_input(self, block: Block, R: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -445,28 +461,72 @@ class Model(nn.Module):
         R, a = block.ffn_sublayer(R, pre, ctx.token_ids)
         return R, a
 
-    def _layers_fast(self, R: torch.Tensor, a, ctx: StepContext):
-        """Every layer on the batched path: dense work, attention core (eager: it reads and grows the caches), dense
-        work. The dense work between two attention cores (layer i's output projection and MoE, layer i+1's mixes
-        and projections) is one segment, run through ctx.graphs: a CUDA graph on CUDA once the token count is warm
-        (L + 1 graph launches per step), else eager."""
+    def _layers_fast(self, ctx: StepContext, every_row: bool):
+        """Every layer on the batched path -> (final hidden [T, H], fp32 logits [T, V] when `every_row`, else None).
+
+        Only the cache updates whose sizes the host decides (compressors, index keys: batched.update_compressed on
+        the layers batched.eager_layers names) run eagerly; everything between two of them is one segment
+        (batched.span): the rest of the previous such layer (its index selection and attention), every layer in
+        between whole, the projections of the next one. The caches sit at fixed addresses (engine/arena.py), and
+        the index tensors a segment reads are made before it from host-side lengths. Segments run through
+        ctx.graphs: CUDA graphs on CUDA once the token count is warm, else eager. The first segment starts at the
+        embedding, the last one ends with the head; outputs that outlive the step are copied out of the graph's
+        buffers."""
         g = ctx.graphs
+        plan = ctx.plan
+        c = self.config
         layers = list(self.layers)
-        rope = [ctx.rope[blk.attn.spec.rope] for blk in layers]
-        outs = g.run(("pre", 0), functools.partial(batched.pre_attention, self, layers[0]), R, a, *rope[0],
-                     ctx.engram_rows.get(0))
-        for i, block in enumerate(layers):
-            R, pre, post, comb, xn, q, kv, iq, w, feat = outs
+        batched.prepare_windows(self, ctx, plan, self.embed.weight.new_empty((0, c.head_dim)))
+        common = [*ctx.rope["main"], *ctx.rope["compress"], ctx.graph_ids, g.stage("pos", plan.positions),
+                  g.fixed(plan.win_all), g.stage("win_rows", plan.win_new_rows)]
+        staged = {}
+
+        def stage(t):   # each per-step tensor once, named by order of appearance and shape
+            if t is None:
+                return None
+            if id(t) not in staged:
+                staged[id(t)] = g.stage(f"in{len(staged)}_{tuple(t.shape)}_{t.dtype}", t)
+            return staged[id(t)]
+        chain = [None] * 8          # R, pre, post, comb, q, kv, iq, w of the layer updated last
+        prev = None
+        for nxt in batched.eager_layers(self) + [None]:
+            full = list(range(0 if prev is None else prev + 1, len(layers) if nxt is None else nxt))
+            cores = ([] if prev is None else [prev]) + full
+            per, meta = [], []
+            for j in cores:
+                (e, win_idx, kv_pool, kv_start, kv_count, ids, keys, kstart, kcount, cand), m = \
+                    batched.span_inputs(self, layers[j].attn, ctx, plan)
+                per += [e if j != prev else None, stage(win_idx), None if kv_pool is None else g.fixed(kv_pool),
+                        stage(kv_start), stage(kv_count), ids, None if keys is None else g.fixed(keys),
+                        stage(kstart), stage(kcount), cand]
+                meta.append(m)
+            if nxt is not None:
+                per.append(ctx.engram_rows.get(nxt))
+            shapes = tuple(None if t is None else tuple(t.shape) for t in per)
+            key = ("span", prev, nxt, every_row if nxt is None else None, tuple(meta), shapes)
+            outs = g.run(key, functools.partial(batched.span, self, prev, full, nxt, every_row, tuple(meta)),
+                         *chain, *common, *per)
+            head, tail = outs[:len(outs) - 3 * len(cores)], outs[len(outs) - 3 * len(cores):]
+            for j, (feat, ids, cand) in zip(cores, zip(tail[0::3], tail[1::3], tail[2::3])):
+                if feat is not None:
+                    ctx.captures[j] = feat
+                if batched.core_kind(layers[j].attn) == "select":
+                    plan.topk[j] = ids
+                if cand is not None:
+                    plan.cand[j] = cand
+            if nxt is None:
+                hfin, logits = head
+                break
+            R, pre, post, comb, xn, q, kv, iq, w, feat = head
             if feat is not None:
-                ctx.captures[i] = feat
-            o = batched.attention_core(self, block.attn, xn, q, kv, iq, w, ctx, ctx.plan)
-            if i + 1 < len(layers):
-                outs = g.run(("post_pre", i), functools.partial(batched.post_then_pre, self, block, layers[i + 1]),
-                             o, R, pre, post, comb, *rope[i], ctx.graph_ids, *rope[i + 1], ctx.engram_rows.get(i + 1))
-            else:
-                R, a = g.run(("post", i), functools.partial(batched.post_attention, self, block), o, R, pre, post,
-                             comb, *rope[i], ctx.graph_ids)
-        return R, a
+                ctx.captures[nxt] = feat
+            batched.update_compressed(self, layers[nxt].attn, xn, ctx, plan)
+            chain = [R, pre, post, comb, q, kv, iq, w]
+            prev = nxt
+        if g.mode != "eager":    # graph buffers: the next replay overwrites them
+            hfin = hfin.clone()
+            logits = logits.clone() if logits is not None else None
+        return hfin, logits
 
     def _compact_layer(self, block: Block, R: torch.Tensor, a, ctx: StepContext):
         """The first decoder layer in YOCO `compact` mode: its compressed KV and index keys are built from every
@@ -586,8 +646,6 @@ class Model(nn.Module):
 
     def _attention(self, attn: Attention, x: torch.Tensor, ctx: StepContext,
                    compressed_done: bool = False) -> torch.Tensor:
-        if ctx.plan is not None and not compressed_done:
-            return batched.attention(self, attn, x, ctx, ctx.plan)
         c = self.config
         i = attn.layer_id
         spec = attn.spec

@@ -38,8 +38,8 @@ def routed_experts_on_meta(on: bool = True):
 @dataclass
 class KeptExperts:
     """One layer's routed experts in kernels.moe's fp8 layout. `rows`: rows per block-scale shift (1: FP4
-    experts' 1x32 groups, 32: FP8 experts' 32x32 blocks). `compute`: "fp16" when every shift keeps the kernel's
-    fp16 widening exact (<= 15 for e4m3 weights, <= 23 when all came from e2m1), else "bf16" (set by `finalize`)."""
+    experts' 1x32 groups, 32: FP8 experts' 32x32 blocks). The kernel widens the weights to fp16 (exact for e4m3
+    and e2m1 values) and applies the shifts to fp32 partial products, so no shift calls for bf16 widening."""
     w1: torch.Tensor    # float8_e4m3fn [E, F, H] (packed FP4: uint8 [E, F, H/2], two E2M1 codes a byte)
     w3: torch.Tensor    # float8_e4m3fn [E, F, H]
     w2: torch.Tensor    # float8_e4m3fn [E, H, F] (packed: uint8 [E, H, F/2])
@@ -50,8 +50,6 @@ class KeptExperts:
     g3: torch.Tensor | None  # (None once finalize() found every shift folded into the e4m3 values)
     g2: torch.Tensor | None  # uint8 [E, ceil(F / 32), ceil(H / rows)]
     rows: int
-    compute: str = "fp16"
-    from_fp8: bool = False     # some weight came from an FP8 (not FP4) tensor: fp16 is exact up to shift 15 only
 
     @classmethod
     def empty(cls, n_experts: int, hidden: int, inter: int, rows: int, device, packed: bool = False
@@ -73,8 +71,7 @@ class KeptExperts:
         i = which[1]
         return getattr(self, "w" + i), getattr(self, "s" + i), getattr(self, "g" + i)
 
-    def store(self, which: str, e: int, w8: torch.Tensor, row_scale: torch.Tensor, shift: torch.Tensor,
-              from_fp8: bool) -> None:
+    def store(self, which: str, e: int, w8: torch.Tensor, row_scale: torch.Tensor, shift: torch.Tensor) -> None:
         """Expert e's weight (e4m3 [out, in], or packed FP4 bytes [out, in/2]) with its row scales [out] and
         shifts [in/32, out/rows]. e4m3 weights whose shifts fold into the values exactly (quant.fold_shifts)
         are stored folded with zero shifts."""
@@ -87,16 +84,13 @@ class KeptExperts:
         w[e].copy_(w8)
         s[e].copy_(row_scale)
         g[e].copy_(shift)
-        self.from_fp8 = self.from_fp8 or from_fp8
 
     def finalize(self) -> None:
         """Drop the shifts when every one is zero (the row scales then say it all: the kernel's per-row path,
-        measured 1.5x faster than the block-scaled one at the V4.1 shape); else pick the widening dtype from
-        the largest shift (module doc of kernels.moe)."""
+        measured 1.5x faster than the block-scaled one at the V4.1 shape). Packed FP4 always keeps them."""
         top = max(int(g.max()) for g in (self.g1, self.g3, self.g2))
         if top == 0 and self.w1.dtype == torch.float8_e4m3fn:
             self.g1 = self.g3 = self.g2 = None
-        self.compute = "fp16" if top <= (15 if self.from_fp8 else 23) else "bf16"
 
     def shifts(self):
         """(g1, g3, g2) for kernels.moe, or None when the shifts were folded away."""
@@ -248,8 +242,7 @@ class MoE(nn.Module):
         q = self.kept
         if q is not None:
             out = moe_experts(x, idx, weights, q.w1, q.w3, q.w2, swiglu_limit=self.experts[0].limit,
-                              scales=(q.s1, q.s3, q.s2), shifts=q.shifts(), shift_rows=q.rows,
-                              fp8_compute=q.compute)
+                              scales=(q.s1, q.s3, q.s2), shifts=q.shifts(), shift_rows=q.rows)
         else:
             w1, w3, w2 = self.stacked_weights()
             out = moe_experts(x, idx, weights, w1, w3, w2, swiglu_limit=self.experts[0].limit)
@@ -276,7 +269,7 @@ def quantize_routed_experts(model: nn.Module, expert_dtype: str = "fp8") -> int:
                 packed, scale = quantize_fp4_blocks(w)
                 parts = expert_fp4_packed(packed, scale) if expert_dtype == "fp4" else \
                     expert_to_fp8(packed, scale, "fp4", 1)
-                q.store(which, e, *parts, from_fp8=False)
+                q.store(which, e, *parts)
         q.finalize()
         n += 1
     return n

@@ -1,29 +1,31 @@
-"""CUDA graphs for the dense segments of the batched decode / verify step (engine/batched.py).
+"""CUDA graphs for the segments of the batched decode / verify step (engine/batched.py).
 
 Why: a fast decode step of the mid-size model launches thousands of small kernels (projections, norms, RoPE, mHC
-mixes, MoE), each costing the host a few microseconds of Python and launch work, so the step was bound by the
-host, not by the GPU. A graph replays a whole segment with one launch.
+mixes, MoE, attention), each costing the host a few microseconds of Python and launch work, so the step was bound
+by the host, not by the GPU. A graph replays a whole segment with one launch.
 
-What is captured: the dense work between two attention cores (`batched.pre_attention` of layer 0, then per layer
-`batched.post_then_pre`: layer i's output projection + MoE sub-layer and layer i+1's mixes + projections, and the
-last layer's `batched.post_attention`; L + 1 segments): pure functions of their input tensors and of the model's
-weights. The attention cores (caches, compressors, index top-k, the sparse attention kernel) stay eager: their
-shapes change every step.
+What is captured: everything between two eager cache updates (`batched.span`: the rest of one layer (its index
+selection and attention), every layer in between whole, and the next layer's projections; the first segment
+starts at the embedding, the last ends with the head). The caches sit at fixed addresses (engine/arena.py). The
+eager updates (compressors and index keys: they grow the caches by amounts the host decides) stay outside.
 
 Contract:
   * graphs are keyed by the step's token count T (no padding: a padded T would change GEMM shapes and so the
-    round-off, and replays must equal eager bit for bit);
+    round-off, and replays must equal eager bit for bit), then by the segment's key (which includes the shapes of
+    its index inputs: a key this size never saw is captured when it first comes, also in a replay step);
   * the first `warm` steps with a new T run eager (the first compiles / autotunes the kernels; waiting for a
     second keeps one-off sizes, common with speculative verify rows, from paying a capture), the next captures
     every segment (capture, then replay to compute), later ones replay; at most `max_sizes` token counts are kept
     (least recently used dropped, and counted as new again);
-  * inputs: a tensor that is an output of an earlier graph of the same T, or a buffer from `stage()`, is read in
-    place; any other input is copied into the graph's own input buffer before each replay (one copy launch);
+  * inputs: a tensor that is an output of an earlier graph of the same T, a buffer from `stage()` or a tensor
+    marked `fixed()` (the caches' slab and arenas, written in place by the graphs) is read in place; any other
+    input is copied into the graph's own input buffer before each replay (one copy launch);
   * outputs are the graph's own buffers, overwritten by the next replay of that segment: callers must copy what
-    they keep beyond the step (the model's caches only ever store fresh tensors made from them);
-  * weights must not move after capture: `reset()` drops every graph (the model calls it from `set_dtype`).
-Cost: capture ~ one eager step plus a device sync per segment, once per T; replay: one graph launch per segment
-plus one copy per non-chained input.
+    they keep beyond the step;
+  * weights and fixed tensors must not move after capture: `reset()` drops every graph (the model calls it from
+    `set_dtype`, the slab and arenas when they grow).
+Cost: capture ~ one eager step plus a device sync per segment, once per T (measured by benchmarks/model_forward.py:
+its warm-up steps); replay: one graph launch per segment plus one copy per non-chained input.
 
 `emulate=True` (tests, any device): a "graph" is the function itself re-run on the captured input buffers, its
 results copied into the captured output buffers, so the same buffer discipline (inputs copied in, outputs
@@ -129,11 +131,19 @@ class SegmentGraphs:
             return t
         buf = size.staged.get(name)
         if buf is None:
-            buf = size.staged[name] = t.clone()
+            with torch.inference_mode(False):   # a normal tensor: copied into by later steps in either mode
+                buf = size.staged[name] = t.clone()
             size.static[buf.data_ptr()] = _signature(buf)
         else:
             buf.copy_(t)
         return buf
+
+    def fixed(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor that keeps its address across steps (the window slab, the entries arenas: engine/arena.py)
+        read and written in place by the graphs of this T; its owner calls `reset()` when the address changes."""
+        if self._cur is not None:
+            self._cur.static[t.data_ptr()] = _signature(t)
+        return t
 
     # ------------------------------------------------------------------------------------------ segments
     def run(self, key, fn: Callable[..., tuple], *inputs) -> tuple:
@@ -143,9 +153,7 @@ class SegmentGraphs:
         if size is None:
             return fn(*inputs)
         seg = size.segments.get(key)
-        if seg is None:
-            if self.mode != "capture":      # a segment this size never saw: stay exact, run it eagerly
-                return fn(*inputs)
+        if seg is None:      # (also in a replay step: a segment key this size never saw, e.g. a new index bucket)
             seg = size.segments[key] = self._capture(size, fn, inputs)
             self.captures += 1
         else:
@@ -168,7 +176,8 @@ class SegmentGraphs:
             if t is None or size.static.get(t.data_ptr()) == _signature(t):
                 static_in.append(t)
             else:
-                static_in.append(t.clone())
+                with torch.inference_mode(False):   # (copied into by later replays, in either mode)
+                    static_in.append(t.clone())
         if self.emulate:
             out = tuple(fn(*static_in))
             for t in out:

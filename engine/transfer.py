@@ -13,3 +13,19 @@ def to_device(data, device, dtype=torch.long) -> torch.Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def to_device_many(parts: list, device) -> list[torch.Tensor]:
+    """Several int64 host lists (rectangular nested lists allowed) / CPU int64 tensors on `device` in ONE copy:
+    concatenated on the host, copied once (as `to_device`), returned as views of the device buffer in the parts'
+    shapes. Why: every pinned copy costs the host a pinned-block allocation and a launch (~40-80 us measured on
+    the H200 host), and a decode step made ~40 of them."""
+    ts = [p if isinstance(p, torch.Tensor) else torch.tensor(p, dtype=torch.long) for p in parts]
+    flat = torch.cat([t.reshape(-1) for t in ts]) if len(ts) > 1 else ts[0].reshape(-1)
+    buf = to_device(flat, device)
+    out, at = [], 0
+    for t in ts:
+        n = t.numel()
+        out.append(buf[at:at + n].view(t.shape))
+        at += n
+    return out

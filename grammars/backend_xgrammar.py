@@ -11,7 +11,7 @@ import threading
 import torch
 import xgrammar as xgr
 
-from .matcher import bitmask_rows, check_draft_on_fork, set_only
+from .matcher import check_draft_on_fork, row_address, set_only
 from .specs import ConstraintError, Grammar, JsonSchema, Regex
 from .vocab import TokenizerVocab
 
@@ -88,19 +88,16 @@ class XGrammarMatcher:
         self._rows = 0
 
     def fill_mask(self, bitmask: torch.Tensor, row: int = 0) -> None:
+        # xgrammar checks dtype, width and row itself, but not contiguity (it writes a strided view as if it were
+        # dense): our check, once per tensor, the same as the llguidance matcher's
+        if not (bitmask is self._bm and 0 <= row < self._rows and bitmask.data_ptr() == self._ptr):
+            row_address(self, bitmask, row)
         try:
-            ptr = bitmask.data_ptr()
-        except AttributeError:
-            raise ValueError(f"bitmask must be a torch.int32 tensor, got {type(bitmask).__name__}") from None
-        if bitmask is not self._bm or ptr != self._ptr:
-            self._rows = bitmask_rows(bitmask, self._words)
-            self._bm, self._ptr = bitmask, ptr
-        if not 0 <= row < self._rows:
-            raise ValueError(f"bitmask row {row} out of range for {self._rows} rows")
-        if self.m.is_terminated():
+            self.m.fill_next_token_bitmask(bitmask, row)
+        except RuntimeError:  # xgrammar refuses a mask after the stop token (checked before writing anything)
+            if not self.m.is_terminated():
+                raise
             set_only(bitmask, row, self.vocab.eos_token_ids)
-            return
-        self.m.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token_id: int) -> bool:
         if self.m.is_terminated() or not 0 <= token_id < self.vocab_size:

@@ -8,7 +8,9 @@ the process. The cache is keyed by (spec, its property order, tokenizer fingerpr
 in bytes (LRU eviction), unlike xgrammar's default unbounded cache (CVE-2025-32381).
 Cost of a cache miss beyond the backend's own compile: one scan of the schema (schema_support.scan: value
 checks, ~0.1 µs per keyword); only a schema with keywords to rewrite or refuse (1 in 3 MaskBench schemas)
-also pays the exact rewrites (schema_support.prepare, tens to hundreds of µs); plus the worker-thread hand-off
+also pays the exact rewrites (schema_support.prepare, tens to hundreds of µs; its working copy parsed from the
+spec's JSON text, and the refusal walk and the draft 4-7 `$ref` walk skipped when scan saw nothing for them, which
+halved this path's Python); plus the worker-thread hand-off
 (tens of µs) where one is used. JSON schemas reach llguidance as JSON text, which it parses ~3x faster than it
 converts a dict.
 """
@@ -180,7 +182,8 @@ class ConstraintCompiler:
         return _backend_module(self.backend).compile_spec(spec, self.vocab)
 
     def _compile_json(self, spec: JsonSchema, inline: bool = False):
-        found = schema_support.scan(spec.schema)  # one cheap walk: value checks + is there anything to rewrite
+        # one cheap walk: value checks + is there anything to rewrite (+ which of the full path's walks can go)
+        found, has_unsupported, ref_siblings = schema_support.scan_details(spec.schema)
         if found == schema_support.SCAN_AS_IS and self.backend in ("auto", "llguidance"):
             # The common case: valid, nothing to rewrite or refuse, so llguidance gets the schema as given; the
             # full path below runs only if llguidance refuses it.
@@ -188,14 +191,15 @@ class ConstraintCompiler:
                 return backend_llguidance.compile_spec(spec, self.vocab)
             except ConstraintError as llg_error:
                 return self._json_fallback(self._prepare(spec, checked=True), llg_error, inline)
-        prepared = self._prepare(spec, checked=found != schema_support.SCAN_INVALID)
+        prepared = self._prepare(spec, checked=found != schema_support.SCAN_INVALID, ref_siblings=ref_siblings)
         if self.backend in ("xgrammar", "outlines"):
             bad = schema_support.unsupported(prepared.schema, self.backend)
             if bad:
                 raise schema_support.refuse(*bad[0], why=f"{self.backend} does not implement it exactly")
             return _backend_module(self.backend).compile_spec(prepared, self.vocab)
         try:
-            bad = schema_support.unsupported(prepared.schema, "llguidance")
+            # (prepare() never introduces a keyword llguidance lacks: with none in the input, nothing to look for)
+            bad = schema_support.unsupported(prepared.schema, "llguidance") if has_unsupported else ()
             if bad:
                 raise schema_support.refuse(*bad[0])
             return backend_llguidance.compile_spec(prepared, self.vocab)
@@ -203,12 +207,13 @@ class ConstraintCompiler:
             return self._json_fallback(prepared, llg_error, inline)
 
     @staticmethod
-    def _prepare(spec: JsonSchema, checked: bool) -> JsonSchema:
+    def _prepare(spec: JsonSchema, checked: bool, ref_siblings: bool = True) -> JsonSchema:
         """The exact rewrites (schema_support.prepare); check_schema first (ConstraintError with the pointer)
         unless scan() already checked every value."""
         if not checked:
             schema_support.check_schema(spec.schema)
-        return spec.with_schema(schema_support.prepare(spec.schema, spec.approximations))
+        return spec.with_schema(schema_support.prepare(spec.schema, spec.approximations, ref_siblings,
+                                                       spec.layout_key()))
 
     def _json_fallback(self, prepared: JsonSchema, llg_error: ConstraintError, inline: bool):
         """llguidance refused `prepared`: try xgrammar when backend="auto" and it is exact, else re-raise with a pointer."""

@@ -8,19 +8,21 @@ from __future__ import annotations
 
 import threading
 from array import array
-from operator import attrgetter
+from operator import attrgetter, countOf
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from llguidance import LLExecutor, LLMatcher
 
-from .matcher import bitmask_rows, set_only
+from .matcher import row_address, set_only
 from .specs import ConstraintError
 
 if TYPE_CHECKING:
     from .backend_llguidance import LLGuidanceCompiled
 
 HISTORY_CHUNK = 64  # matcher history: ids per frozen chunk (a fork copies at most this many)
+EOS_FILTER_MIN = 96  # batches this large look for failed matchers among the rows that allow EOS only
 
 
 def clean_error(msg: str) -> str:
@@ -36,17 +38,19 @@ def _replay(m: LLMatcher, tokens: list) -> bool:
 class LLGuidanceMatcher:
     """Matcher protocol over an `LLMatcher` (see matcher.Matcher).
 
-    Keeps the accepted tokens (4 bytes each: a short list, then frozen `array("i")` chunks of
-    HISTORY_CHUNK ids shared by forks, so a fork copies at most HISTORY_CHUNK ids and the history adds no
-    garbage-collected objects per token) so that a backend failure can be repaired by rebuilding the state
-    from the start: llguidance 1.9.1 cannot roll back some token pairs (`"<"` then the DSML special token, with a
-    mask computed in between: "rollback: too many bytes 11 > 10"), and a lexer whose fuel another sequence
-    exhausted fails every copy sharing it. Repairs cost one replay of the history (plus one compile for a
-    lexer of its own); the normal path pays nothing for them but one `is_error()` call per mask (~50 ns).
+    Keeps the accepted tokens so that a backend failure can be repaired by rebuilding the state from the start:
+    llguidance 1.9.1 cannot roll back some token pairs (`"<"` then the DSML special token, with a mask computed in
+    between: "rollback: too many bytes 11 > 10"), and a lexer whose fuel another sequence exhausted fails every
+    copy sharing it. The history costs one list append per accept and one pop per rollback(1): the newest ids sit
+    in a list of this matcher's own; fork() freezes them into `array("i")` chunks (4 bytes an id, no
+    garbage-collected object per token) shared with the fork, merging a short newest chunk so chunks stay near
+    HISTORY_CHUNK ids, so a fork copies at most about HISTORY_CHUNK + the ids accepted since the last fork.
+    Repairs cost one replay of the history (plus one compile for a lexer of its own); the normal path pays nothing
+    for them but one `is_error()` call per mask (~40 ns).
     """
 
     __slots__ = ("m", "c", "vocab", "vocab_size", "_base", "_private", "_tail", "_chunks", "_frozen", "_done",
-                 "_eos", "_added", "_words", "_nbytes", "_bm", "_ptr", "_rows")
+                 "_eos", "_added", "_words", "_nbytes", "_bm", "_ptr", "_rows", "_live")
 
     def __init__(self, m: LLMatcher, compiled: "LLGuidanceCompiled", base: LLMatcher, done: bool = False,
                  tail=(), chunks=None, frozen: int = 0, private: bool = False):
@@ -57,11 +61,15 @@ class LLGuidanceMatcher:
         self._base = base  # the start-state matcher `m` was copied from (shares m's lexer)
         self._private = private  # True once this matcher runs on a lexer of its own
         # accepted tokens except EOS: older ones in frozen chunks (array, (older chunk, ...)) or None, the
-        # newest (< HISTORY_CHUNK) in a list of this matcher's own
+        # newest in a list of this matcher's own
         self._tail = list(tail)
         self._chunks = chunks
         self._frozen = frozen  # how many ids the chunks hold
         self._done = done  # EOS accepted
+        # `m` while the matcher is live, None once it accepted EOS: fill_batch hands `_live` of every matcher to
+        # llguidance's executor, whose own type check then rejects a batch holding a finished matcher (or another
+        # backend's), so a batch needs no class-uniformity pass of its own
+        self._live = None if done else m
         self._eos = vocab.eos_token_ids
         self._added = compiled.added_ids
         self._words = vocab.bitmask_words
@@ -72,69 +80,60 @@ class LLGuidanceMatcher:
             self.__class__ = FinishedLLGuidanceMatcher
 
     def fill_mask(self, bitmask: torch.Tensor, row: int = 0) -> None:
-        # The hot path (every token): its checks are a tensor-identity test and a row bound; a finished
-        # matcher is another class (FinishedLLGuidanceMatcher), so there is no EOS-flag test here.
-        try:
-            ptr = bitmask.data_ptr()
-        except AttributeError:
-            raise ValueError(f"bitmask must be a torch.int32 tensor, got {type(bitmask).__name__}") from None
-        if bitmask is not self._bm or ptr != self._ptr:
-            self._rows = bitmask_rows(bitmask, self._words)
-            self._bm, self._ptr = bitmask, ptr
-        if not 0 <= row < self._rows:
-            raise ValueError(f"bitmask row {row} out of range for {self._rows} rows")
-        m, nbytes = self.m, self._nbytes
+        # The hot path (every token): a tensor-identity test, its address and a row bound; a finished matcher is
+        # another class (FinishedLLGuidanceMatcher), so there is no EOS-flag test here.
+        nbytes = self._nbytes
+        if not (bitmask is self._bm and 0 <= row < self._rows and bitmask.data_ptr() == self._ptr):
+            row_address(self, bitmask, row)  # a new tensor (or one re-pointed in place): validate it, or raise
+        ptr = self._ptr
+        m = self.m
         m.unsafe_compute_mask_ptr(ptr + row * nbytes, nbytes)
         if m.is_error():
             self._recover(m.get_error())
-            self.m.unsafe_compute_mask_ptr(ptr + row * self._nbytes, self._nbytes)
+            self.m.unsafe_compute_mask_ptr(ptr + row * nbytes, nbytes)
             if self.m.is_error():
                 raise self._too_complex(self.m.get_error())
 
     def accept(self, token_id: int) -> bool:
-        if not 0 <= token_id < self.vocab_size:  # (a finished matcher is another class: it accepts nothing)
-            return False
+        # (a finished matcher is another class: it accepts nothing)
         if token_id in self._eos:
-            if self.m.is_accepting():
-                self._done = True
-                self.__class__ = FinishedLLGuidanceMatcher  # see that class
+            return self._accept_eos(token_id)
+        try:
+            if self.m.try_consume_tokens((token_id,)) == 1:
+                self._tail.append(token_id)
                 return True
-            return self._rejected(token_id)
-        if self.m.try_consume_tokens((token_id,)) == 1:
-            tail = self._tail
-            tail.append(token_id)
-            if len(tail) == HISTORY_CHUNK:
-                self._chunks = (array("i", tail), self._chunks)
-                self._frozen += HISTORY_CHUNK
-                self._tail = []
+        except OverflowError:  # a negative id, or one past 32 bits
+            return False
+        return self._rejected(token_id)
+
+    def _accept_eos(self, token_id: int) -> bool:
+        if self.m.is_accepting():
+            self._done = True
+            self._live = None
+            _live_changed()
+            self.__class__ = FinishedLLGuidanceMatcher  # see that class
             return True
         return self._rejected(token_id)
 
     def rollback(self, n: int) -> None:
         tail = self._tail
-        if 0 < n <= len(tail) and not self._done:  # the common case: within the unfrozen tail
-            if n == 1:
-                unsafe = tail.pop() in self._added
-            else:
-                added = self._added
-                unsafe = any(t in added for t in tail[-n:])
-                del tail[-n:]
+        if n == 1 and tail:  # the common case: one id of the unfrozen tail
+            # llguidance 1.9.1 rolls back wrongly over added tokens (`｜DSML｜` after "<", with a mask computed in
+            # between): either it fails ("rollback: too many bytes 11 > 10") or it silently lands one token too
+            # far back. Over those tokens, and whenever its rollback fails, rebuild from the history instead.
+            if tail.pop() in self._added or not self.m.rollback(1):
+                self._recover(self.m.get_error() or "rollback over an added token")
+            return
+        if n <= 0:
+            return
+        if n > self._frozen + len(tail):
+            raise ValueError(f"cannot roll back {n} tokens: only {self._frozen + len(tail)} accepted")
+        added = self._added
+        if n <= len(tail):
+            unsafe = not added.isdisjoint(tail[-n:])
+            del tail[-n:]
         else:
-            if n <= 0:
-                return
-            if n > self._frozen + len(tail) + self._done:
-                raise ValueError(f"cannot roll back {n} tokens: only {self._frozen + len(tail) + self._done} accepted")
-            if self._done:  # EOS is our flag, not llguidance's state
-                self._done = False
-                self.__class__ = LLGuidanceMatcher
-                n -= 1
-                if not n:
-                    return
-            added = self._added
-            unsafe = any(t in added for t in self._pop(n))
-        # llguidance 1.9.1 rolls back wrongly over added tokens (`｜DSML｜` after "<", with a mask computed in
-        # between): either it fails ("rollback: too many bytes 11 > 10") or it silently lands one token too
-        # far back. Over those tokens, and whenever its rollback fails, rebuild from the history instead.
+            unsafe = not added.isdisjoint(self._pop(n))
         if unsafe or not self.m.rollback(n):
             self._recover(self.m.get_error() or "rollback over an added token")
 
@@ -165,8 +164,21 @@ class LLGuidanceMatcher:
         return n
 
     def fork(self) -> "LLGuidanceMatcher":
-        return LLGuidanceMatcher(self.m.deep_copy(), self.c, self._base, self._done, self._tail, self._chunks,
+        if self._tail:
+            self._freeze()
+        return LLGuidanceMatcher(self.m.deep_copy(), self.c, self._base, self._done, (), self._chunks,
                                  self._frozen, self._private)
+
+    def _freeze(self) -> None:
+        """Move the tail into the shared chunks (merged with a newest chunk shorter than HISTORY_CHUNK)."""
+        tail, chunks = self._tail, self._chunks
+        if chunks is not None and len(chunks[0]) < HISTORY_CHUNK:
+            chunks = (chunks[0] + array("i", tail), chunks[1])
+        else:
+            chunks = (array("i", tail), chunks)
+        self._chunks = chunks
+        self._frozen += len(tail)
+        self._tail = []
 
     def history(self) -> list:
         """The accepted tokens, oldest first (EOS excluded). O(length)."""
@@ -201,6 +213,10 @@ class LLGuidanceMatcher:
         silently when the lexer runs out of fuel, and flags that only on the next mask. Compute one mask
         (tens of µs, rejections only) to tell the two apart, then repair and retry once."""
         m = self.m
+        if not 0 <= token_id < self.vocab_size:  # llguidance flags an out-of-range id as an error: undo that
+            if m.is_error():
+                self._recover(m.get_error())
+            return False
         if not m.is_error():
             m.compute_bitmask()
             if not m.is_error():
@@ -218,7 +234,9 @@ class LLGuidanceMatcher:
         base = self._base if self._private else self.c.template
         m = base.deep_copy()
         if _replay(m, tokens):
-            self.m, self._base = m, base
+            self.m = self._live = m
+            self._base = base
+            _live_changed()
             return
         reason = m.get_error() or reason
         if self._private:
@@ -228,7 +246,9 @@ class LLGuidanceMatcher:
         m = base.deep_copy()
         if not _replay(m, tokens):
             raise self._too_complex(m.get_error() or reason)
-        self.m, self._base, self._private = m, base, True
+        self.m = self._live = m
+        self._base, self._private = base, True
+        _live_changed()
 
     def _too_complex(self, reason: str) -> ConstraintError:
         reason = clean_error(reason) or "the matcher failed"
@@ -239,8 +259,9 @@ class LLGuidanceMatcher:
                                f"not be rebuilt, so this request is refused")
 
     @staticmethod
-    def fill_batch(matchers, drafts, starts, out: torch.Tensor, errors: dict) -> list:
-        """fill_masks for a group of llguidance matchers (drafts None: no draft rows) -> counts."""
+    def fill_batch(matchers, drafts, starts, out: torch.Tensor, errors: dict):
+        """fill_masks for llguidance matchers (drafts None: no draft rows) -> counts, or None when `matchers` are
+        not all live llguidance matchers (fill_masks then groups them by class)."""
         return (_EXECUTOR or _executor()).fill_batch(matchers, drafts, starts, out, errors)
 
 
@@ -249,55 +270,95 @@ class _LLGuidanceBatch:
 
     def __init__(self, num_threads=None):
         self.executor = LLExecutor(num_threads=num_threads)
+        # (matchers, _EPOCH then, their `_live`, work list, shared EOS) of the last no-draft batch filled at rows
+        # 0..n-1: an engine's batch is usually the same sequences step after step, so its work list is reused
+        self._last_work = ((), -1, (), (), None)
 
-    def fill_batch(self, matchers, drafts, starts, out: torch.Tensor, errors: dict) -> list:
-        """Rows the executor fills: each matcher's mask now and after each grammatical draft prefix. The
-        executor walks drafts on the matchers themselves (consume, then roll back); a matcher left in an
-        error state (llguidance's rollback bug, an exhausted lexer) is rebuilt from its history and its
-        rows redone one by one. errors[k] = message for matcher k whose constraint failed.
-        Python cost: ~0.1 µs per matcher without drafts (C-level maps and zips only), ~0.5 µs with drafts
-        (one validate_tokens call each); the masks run in parallel."""
+    def fill_batch(self, matchers, drafts, starts, out: torch.Tensor, errors: dict):
+        """Rows the executor fills: each matcher's mask now and after each grammatical draft prefix; counts of
+        grammatical drafts, or None (nothing written) unless every matcher is a live LLGuidanceMatcher.
+        The executor walks drafts on the matchers themselves (consume, then roll back); a matcher left in an
+        error state (llguidance's rollback bug, an exhausted lexer) is rebuilt from its history and its rows
+        redone one by one. errors[k] = message for matcher k whose constraint failed.
+        Python cost without drafts, when the batch is the previous call's (the usual engine step): one list
+        comparison, and the failure check: llguidance reports a failed mask only through is_error() (~40-70 ns a
+        call) and writes the row of a failed matcher allowing EOS alone (which would silently end the output), so
+        small batches call is_error() on every matcher, large ones only on the rows that allow EOS (one numpy
+        pass). A new batch adds C-level passes (each matcher's `_live`, the work list); the batch's type check is
+        the executor's own. With drafts ~0.5 µs per matcher (one validate_tokens call each). The masks run in
+        parallel."""
         rows, words = out.shape
         nbytes, ptr = words * 4, out.data_ptr()
-        raw = list(map(_RAW, matchers))
-        slow, copies, drafted = [], (), ()
-        if drafts is None:  # the common no-draft step (no matcher here is finished: see FinishedLLGuidanceMatcher)
-            counts = [0] * len(raw)
-            plain = list(zip(raw, starts))
-        else:  # (no matcher here is finished either: fill_masks groups by exact class)
-            counts, plain, drafted, copies = [], [], [], []
-            for k, m in enumerate(matchers):
-                draft, mm = drafts[k], raw[k]
-                if not draft:
-                    c = 0
-                else:
-                    if draft.__class__ is not list:
-                        draft = list(draft)
-                    c = mm.validate_tokens(draft)
-                    if c < len(draft) and draft[c] in m._eos:
-                        c = m.check_draft(draft)  # EOS inside the draft (rare): our rule for it
-                counts.append(c)
-                if not c:
-                    plain.append((mm, starts[k]))
-                elif draft[c - 1] in m._eos:
-                    slow.append(k)  # EOS inside the draft: our flag, not llguidance's state
-                elif m._added.isdisjoint(draft):
-                    drafted.append((mm, starts[k], draft if c == len(draft) else draft[:c]))
-                else:
-                    # The executor rolls its draft walk back, wrongly over added tokens (see rollback()):
-                    # walk such drafts on a copy.
-                    walker = mm.deep_copy()
-                    drafted.append((walker, starts[k], draft[:c]))
-                    copies.append((k, walker))
+        if drafts is None:  # the common no-draft step
+            last, epoch, live, work, eos = self._last_work
+            # The previous step's work list when the batch is the same matchers (list equality: identity per item)
+            # and no matcher's `_live` changed since (a global count of such changes: they are rare): no pass of
+            # ours over the batch at all.
+            if starts.__class__ is not range or epoch != _EPOCH or matchers != last:
+                epoch = _EPOCH
+                try:
+                    live = list(map(_LIVE, matchers))
+                except AttributeError:  # another backend's matcher
+                    return None
+                work = list(zip(live, starts))
+                eos = _shared_eos(matchers)
+                if starts.__class__ is range:  # one tuple, one store: safe to race (worst case: rebuilt)
+                    self._last_work = (list(matchers), epoch, live, work, eos)
+            try:
+                self.executor.unsafe_compute_mask_ptr(work, ptr, nbytes, rows)
+            except TypeError:  # a finished matcher (`_live` None) or another backend's: rejected before any mask
+                return None
+            # A matcher that failed (before or during this fill) gets a row allowing EOS alone, so only rows that
+            # allow EOS need the is_error() look: one numpy pass (~5 µs) instead of a call per matcher (~70 ns
+            # each), worth it from about 100 matchers on.
+            suspects = live if eos is None or len(live) < EOS_FILTER_MIN else \
+                map(live.__getitem__, _rows_allowing(out, starts, *eos))
+            if True in map(_IS_ERROR, suspects):  # repair whatever the executor left broken (rare)
+                self._repair(matchers, None, starts, [0] * len(live), out, errors, [], ())
+            return [0] * len(live)
+        try:
+            live = list(map(_LIVE, matchers))
+        except AttributeError:  # another backend's matcher
+            return None
+        if None in live:
+            return None
+        slow, counts, plain, drafted, copies = [], [], [], [], []
+        for k, m in enumerate(matchers):
+            draft, mm = drafts[k], live[k]
+            if not draft:
+                c = 0
+            else:
+                if draft.__class__ is not list:
+                    draft = list(draft)
+                c = mm.validate_tokens(draft)
+                if c < len(draft) and draft[c] in m._eos:
+                    c = m.check_draft(draft)  # EOS inside the draft (rare): our rule for it
+            counts.append(c)
+            if not c:
+                plain.append((mm, starts[k]))
+            elif draft[c - 1] in m._eos:
+                slow.append(k)  # EOS inside the draft: our flag, not llguidance's state
+            elif m._added.isdisjoint(draft):
+                drafted.append((mm, starts[k], draft if c == len(draft) else draft[:c]))
+            else:
+                # The executor rolls its draft walk back, wrongly over added tokens (see rollback()):
+                # walk such drafts on a copy.
+                walker = mm.deep_copy()
+                drafted.append((walker, starts[k], draft[:c]))
+                copies.append((k, walker))
         if plain:
             self.executor.unsafe_compute_mask_ptr(plain, ptr, nbytes, rows)
         if drafted:
             self.executor.unsafe_compute_mask_ptr_with_draft_token(drafted, ptr, nbytes, rows)
-        if True in map(_IS_ERROR, raw):  # repair whatever the executor left broken (rare)
-            slow.extend(k for k, r in enumerate(raw) if r.is_error() and k not in slow)
-        for k, walker in copies:
-            if walker.is_error() and k not in slow:
-                slow.append(k)
+        if slow or copies or True in map(_IS_ERROR, live):
+            self._repair(matchers, drafts, starts, counts, out, errors, slow, copies)
+        return counts
+
+    @staticmethod
+    def _repair(matchers, drafts, starts, counts, out, errors, slow, copies) -> None:
+        """Redo one by one the rows of matchers the executor left broken, or that it cannot walk (`slow`)."""
+        slow.extend(k for k, m in enumerate(matchers) if m.m.is_error() and k not in slow)
+        slow.extend(k for k, walker in copies if walker.is_error() and k not in slow)
         for k in slow:
             m, start, c = matchers[k], starts[k], counts[k]
             try:
@@ -311,33 +372,76 @@ class _LLGuidanceBatch:
             except ConstraintError as e:
                 out[start: start + c + 1].zero_()
                 errors[k] = str(e)
-        return counts
 
 
-_RAW = attrgetter("m")
+_LIVE = attrgetter("_live")
+_EPOCH = 0  # how many times some matcher's `_live` changed (finished, live again, rebuilt): see fill_batch
+
+
+def _live_changed() -> None:
+    global _EPOCH
+    _EPOCH += 1  # (a racing lost increment still changes the value: enough for fill_batch's test)
+_EOS = attrgetter("_eos")
 _IS_ERROR = LLMatcher.is_error
+
+
+def _shared_eos(matchers) -> tuple | None:
+    """(word, bit value) of the EOS id every matcher shares, or None (several EOS ids, or not all the same)."""
+    eos = matchers[0]._eos if matchers else ()
+    if len(eos) != 1 or countOf(map(_EOS, matchers), eos) != len(matchers):
+        return None
+    word, bit = divmod(eos[0], 32)
+    return word, np.int32(np.uint32(1 << bit).view(np.int32))
+
+
+_view = (None, 0, None)  # (tensor, data pointer, numpy view) of the last output bitmask (re-made if resized)
+
+
+def _rows_allowing(out: torch.Tensor, starts, word: int, bit) -> list:
+    """Indices k whose row starts[k] of `out` has `bit` set in `word` (a numpy view of `out`, kept per tensor)."""
+    global _view
+    last, ptr, view = _view
+    if out is not last or out.data_ptr() != ptr or view.shape != out.shape:
+        view = out.numpy()
+        _view = (out, out.data_ptr(), view)
+    rows = slice(starts.start, starts.stop, starts.step) if starts.__class__ is range else np.asarray(starts, np.int64)
+    col = view[rows, word]
+    return np.flatnonzero(col & bit).tolist()
 
 
 class FinishedLLGuidanceMatcher(LLGuidanceMatcher):
     """An LLGuidanceMatcher that has accepted EOS: a matcher's class while its `_done` flag is set (accept() and
-    rollback() switch it). Why a class: fill_masks already checks that a batch is all one matcher type, so
-    finished matchers land in their own group with no per-matcher flag test in LLGuidanceMatcher.fill_batch (a
-    whole pass over the batch every engine step, ~5% of a B=64 mask fill)."""
+    rollback() switch it; `_live` is None meanwhile, which llguidance's executor refuses, so a batch holding one
+    falls back to fill_masks' per-class groups). Why a class: no per-matcher "finished?" test on the hot paths
+    (fill_mask, accept, the batch fill: a whole pass over the batch every engine step)."""
 
     __slots__ = ()
 
     def fill_mask(self, bitmask: torch.Tensor, row: int = 0) -> None:
-        bitmask_rows(bitmask, self._words)
-        if not 0 <= row < bitmask.shape[0]:
-            raise ValueError(f"bitmask row {row} out of range for {bitmask.shape[0]} rows")
+        row_address(self, bitmask, row)  # validates the tensor and the row
         set_only(bitmask, row, self._eos)
 
     def accept(self, token_id: int) -> bool:
         return False
 
+    def rollback(self, n: int) -> None:
+        if n <= 0:
+            return
+        if n > self._frozen + len(self._tail) + 1:
+            raise ValueError(f"cannot roll back {n} tokens: only {self._frozen + len(self._tail) + 1} accepted")
+        self._done = False  # EOS is our flag, not llguidance's state
+        self._live = self.m
+        _live_changed()
+        self.__class__ = LLGuidanceMatcher
+        if n > 1:
+            self.rollback(n - 1)
+
     @staticmethod
-    def fill_batch(matchers, drafts, starts, out: torch.Tensor, errors: dict) -> list:
-        """EOS-only rows (no draft token is grammatical after EOS: fill_masks zeroes their rows)."""
+    def fill_batch(matchers, drafts, starts, out: torch.Tensor, errors: dict):
+        """EOS-only rows (no draft token is grammatical after EOS: fill_masks zeroes their rows); None unless
+        every matcher is finished."""
+        if countOf(map(type, matchers), FinishedLLGuidanceMatcher) != len(matchers):
+            return None
         for m, start in zip(matchers, starts):
             m.fill_mask(out, start)
         return [0] * len(matchers)

@@ -10,13 +10,18 @@ Cost: linear in the schema size (a walk per call).
 """
 from __future__ import annotations
 
+import json
+
 from .specs import ConstraintError
 
 # Subschema-holding keywords: value is a schema, a list of schemas, or a map name -> schema.
-SCHEMA_KEYS = ("additionalProperties", "items", "contains", "not", "if", "then", "else", "propertyNames",
-               "unevaluatedItems", "unevaluatedProperties", "contentSchema", "additionalItems")
-SCHEMA_LIST_KEYS = ("allOf", "anyOf", "oneOf", "prefixItems")
-SCHEMA_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# (frozensets: every walk tests each key of each subschema against them, ~10x cheaper than tuple scans)
+SCHEMA_KEYS = frozenset({"additionalProperties", "items", "contains", "not", "if", "then", "else", "propertyNames",
+                         "unevaluatedItems", "unevaluatedProperties", "contentSchema", "additionalItems"})
+SCHEMA_LIST_KEYS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems"})
+SCHEMA_MAP_KEYS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+_SUBSCHEMA_KEYS = SCHEMA_KEYS | SCHEMA_LIST_KEYS  # a schema or a list of schemas
+_MAP_OR_DEPENDENCIES = SCHEMA_MAP_KEYS | {"dependencies"}  # name -> schema (dependencies: -> schema or names)
 
 # Keywords with no effect on validity (draft 2020-12 annotations, and `format` values nobody asserts).
 ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
@@ -69,7 +74,7 @@ def _collect(node, path, out) -> None:
             if isinstance(value, list):
                 for i, sub in enumerate(value):
                     _collect(sub, (i, here), out)
-        elif key in SCHEMA_MAP_KEYS or key == "dependencies":
+        elif key in _MAP_OR_DEPENDENCIES:
             if isinstance(value, dict):
                 for name, sub in value.items():
                     _collect(sub, (name, here), out)
@@ -125,13 +130,16 @@ def unsupported(schema, backend: str) -> list:
     return out
 
 
-def prepare(schema, approximations=frozenset()):
-    """An equivalent schema (same valid instances) that backends support more often; never loosens."""
+def prepare(schema, approximations=frozenset(), ref_siblings: bool = True, text: str | None = None):
+    """An equivalent schema (same valid instances) that backends support more often; never loosens.
+    ref_siblings=False: the caller knows (scan_details) that no draft 4-7 `$ref` has siblings (skips that walk).
+    text: the schema as JSON text, if the caller has it (JsonSchema.layout_key()): the working copy is then parsed
+    from it (C speed, ~40% less than copying the dict in Python)."""
     if isinstance(schema, bool):
         return schema
-    schema = _copy_json(schema)
+    schema = _copy_json(schema) if text is None else json.loads(text)
     declared = str(schema.get("$schema", ""))
-    if any(d in declared for d in ("draft-04", "draft-06", "draft-07")):
+    if ref_siblings and any(d in declared for d in ("draft-04", "draft-06", "draft-07")):
         _drop_ref_siblings(schema)
     _rewrite(schema, "ignore-format" in approximations, schema)
     return schema
@@ -156,9 +164,9 @@ def _drop_ref_siblings(s) -> None:
     if not isinstance(s, dict):
         return
     for key, value in list(s.items()):
-        if key in SCHEMA_KEYS or key in SCHEMA_LIST_KEYS:
+        if key in _SUBSCHEMA_KEYS:
             _drop_ref_siblings(value)
-        elif (key in SCHEMA_MAP_KEYS or key == "dependencies") and isinstance(value, dict):
+        elif key in _MAP_OR_DEPENDENCIES and isinstance(value, dict):
             for sub in value.values():
                 _drop_ref_siblings(sub)
     if "$ref" in s:
@@ -171,20 +179,28 @@ def _rewrite(s, ignore_format: bool, root) -> None:
         for sub in s:
             _rewrite(sub, ignore_format, root)
         return
-    if not isinstance(s, dict):
-        return
+    if isinstance(s, dict):
+        _rewrite_node(s, ignore_format, root)
+
+
+def _rewrite_node(s: dict, ignore_format: bool, root) -> None:
+    """_rewrite of one subschema (a plain dict: prepare's working copy holds only plain dicts and lists), its
+    subschemas first; children that are not dicts are looked at only where they are (no call per leaf)."""
     for key, value in s.items():  # (children are rewritten in place; this node's keys change only below)
-        if key in SCHEMA_KEYS or key in SCHEMA_LIST_KEYS:
-            _rewrite(value, ignore_format, root)
-        elif key in SCHEMA_MAP_KEYS and isinstance(value, dict):
+        if key in _SUBSCHEMA_KEYS:
+            if value.__class__ is dict:
+                _rewrite_node(value, ignore_format, root)
+            elif value.__class__ is list:
+                for sub in value:
+                    if sub.__class__ is dict:
+                        _rewrite_node(sub, ignore_format, root)
+        elif key in _MAP_OR_DEPENDENCIES and value.__class__ is dict:
             for sub in value.values():
-                _rewrite(sub, ignore_format, root)
-        elif key == "dependencies" and isinstance(value, dict):
-            for sub in value.values():
-                _rewrite(sub, ignore_format, root)
+                if sub.__class__ is dict:
+                    _rewrite_node(sub, ignore_format, root)
     keys = s.keys()
     if not keys.isdisjoint(ANNOTATIONS):
-        for key in [k for k in s if k in ANNOTATIONS and k != "$schema"]:
+        for key in keys & _DROPPED_ANNOTATIONS:  # (the order of deletion does not change the dict's order)
             del s[key]
     if keys.isdisjoint(_REWRITTEN_KEYS) and not isinstance(s.get("items"), list):
         return  # most nodes: nothing below applies (saves ~20 dict operations per node)
@@ -239,10 +255,9 @@ def _rewrite(s, ignore_format: bool, root) -> None:
                    for name, req in deps.items() if req]
         if clauses:
             s.setdefault("allOf", []).extend(clauses)
-    applicators = {"allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas", "$dynamicRef", "not"}
-    if "unevaluatedProperties" in s and not applicators & s.keys() and "additionalProperties" not in s:
+    if "unevaluatedProperties" in s and keys.isdisjoint(_APPLICATORS) and "additionalProperties" not in s:
         s["additionalProperties"] = s.pop("unevaluatedProperties")
-    if "unevaluatedItems" in s and not applicators & s.keys() and "items" not in s and "contains" not in s:
+    if "unevaluatedItems" in s and keys.isdisjoint(_APPLICATORS) and "items" not in s and "contains" not in s:
         s["items"] = s.pop("unevaluatedItems")
     if "if" in s and "then" not in s and "else" not in s:
         del s["if"]  # `if` alone asserts nothing
@@ -262,6 +277,10 @@ def _rewrite(s, ignore_format: bool, root) -> None:
             s["anyOf"] = branches
 
 
+_DROPPED_ANNOTATIONS = frozenset(ANNOTATIONS - {"$schema"})  # prepare() keeps `$schema` (the draft it names)
+# Keywords that evaluate properties/items in place: with any of them beside `unevaluated*`, it is not plain
+# `additional*`/`items`.
+_APPLICATORS = frozenset({"allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas", "$dynamicRef", "not"})
 # The keys _rewrite() acts on beyond annotations (a node with none of them, and no tuple-form `items`, is left as is).
 _REWRITTEN_KEYS = frozenset({"minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
                              "minContains", "maxContains", "uniqueItems", "format", "contains", "dependencies",
@@ -459,8 +478,6 @@ def _values(s):
 
 
 def _canon(v) -> str:
-    import json
-
     if isinstance(v, bool) or v is None or isinstance(v, str):
         return json.dumps(v)
     if isinstance(v, (int, float)):
@@ -472,17 +489,36 @@ def disjoint(a, b, root, depth=0) -> bool:
     """True only if provably no instance is valid under both a and b."""
     if depth > 8:
         return False
-    a, b = _deref(a, root), _deref(b, root)
+    return _disjoint(_facts(a, root), _facts(b, root), root, depth)
+
+
+def _facts(s, root) -> list:
+    """[s dereferenced, its _types, its _values, their canonical texts]; the last three filled on first use (by
+    _disjoint), so a schema compared with many others (a oneOf's branches, pairwise) is analysed once."""
+    return [_deref(s, root), None, None, None]
+
+
+def _disjoint(fa: list, fb: list, root, depth: int) -> bool:
+    a, b = fa[0], fb[0]
     if a is False or b is False:
         return True
     if not isinstance(a, dict) or not isinstance(b, dict):
         return False
-    ta, tb = _types(a, root), _types(b, root)
+    for f in (fa, fb):
+        if f[1] is None:
+            f[1] = _types(f[0], root)
+    ta, tb = fa[1], fb[1]
     if not ta & tb:
         return True
-    va, vb = _values(a), _values(b)
-    if va is not None and vb is not None and not {_canon(v) for v in va} & {_canon(v) for v in vb}:
-        return True
+    for f in (fa, fb):
+        if f[2] is None:
+            f[2] = (_values(f[0]),)
+    if fa[2][0] is not None and fb[2][0] is not None:
+        for f in (fa, fb):
+            if f[3] is None:
+                f[3] = {_canon(v) for v in f[2][0]}
+        if not fa[3] & fb[3]:
+            return True
     if ta | tb <= {"object"}:
         ra, rb = set(a.get("required", []) or []), set(b.get("required", []) or [])
         pa, pb = a.get("properties", {}) or {}, b.get("properties", {}) or {}
@@ -505,7 +541,8 @@ def _forbids(s, name) -> bool:
 def _pairwise_disjoint(branches, root) -> bool:
     if len(branches) > 64:
         return False  # quadratic check; large oneOfs are left to the backend
-    return all(disjoint(branches[i], branches[j], root) for i in range(len(branches)) for j in range(i + 1, len(branches)))
+    facts = [_facts(b, root) for b in branches]  # each branch analysed once, not once per pair
+    return all(_disjoint(facts[i], facts[j], root, 0) for i in range(len(facts)) for j in range(i + 1, len(facts)))
 
 
 def refuse(keyword: str, pointer: str, why: str = "no backend implements it exactly") -> ConstraintError:
@@ -582,15 +619,25 @@ def scan(schema) -> int:
     keywords to rewrite or refuse (check_schema can be skipped). SCAN_INVALID: run check_schema, which names the
     keyword and its pointer. Cost: ~0.1 µs per keyword (no copy, no pointers: a fraction of check_schema +
     prepare + unsupported, which it lets the common schema skip)."""
+    return scan_details(schema)[0]
+
+
+def scan_details(schema) -> tuple:
+    """scan(schema), plus what it saw that lets the full path skip walks: (SCAN_* code, has_unsupported: some
+    keyword llguidance does not implement (LLG_UNSUPPORTED) is present, ref_siblings: a draft 4-7 `$ref` has
+    siblings to drop). Both flags are True when the code is not SCAN_PREPARE (nothing to skip then)."""
     if not isinstance(schema, dict):
-        return SCAN_AS_IS if schema is True else SCAN_PREPARE  # `false` / non-schemas: the full path decides
+        return (SCAN_AS_IS if schema is True else SCAN_PREPARE), True, True  # `false` / non-schemas: full path
     declared = str(schema.get("$schema", ""))
-    flags = [False, any(d in declared for d in ("draft-04", "draft-06", "draft-07"))]  # [prepare, old draft]
+    # [prepare, old draft, an LLG_UNSUPPORTED keyword, a draft 4-7 $ref with siblings]
+    flags = [False, any(d in declared for d in ("draft-04", "draft-06", "draft-07")), False, False]
     try:
         _scan(schema, flags)
     except _Invalid:
-        return SCAN_INVALID
-    return SCAN_PREPARE if flags[0] else SCAN_AS_IS
+        return SCAN_INVALID, True, True
+    if not flags[0]:
+        return SCAN_AS_IS, True, True
+    return SCAN_PREPARE, flags[2], flags[3]
 
 
 def needs_prepare(schema) -> bool:
@@ -618,19 +665,21 @@ _SCAN.update((k, _CHECK) for k in ("required", "pattern", "$ref") + tuple(_NUMBE
 _SCAN.update((k, _NONNEG) for k in _NONNEG_INT_KEYS)
 _SCAN.update((k, _SUB) for k in SCHEMA_KEYS)
 _SCAN.update((k, _SUB_LIST) for k in SCHEMA_LIST_KEYS)
-_SCAN.update((k, _SUB_MAP) for k in SCHEMA_MAP_KEYS + ("dependencies",))
+_SCAN.update((k, _SUB_MAP) for k in _MAP_OR_DEPENDENCIES)
 _SCAN.update(type=_TYPE, format=_FORMAT)
 
 
 def _scan(node: dict, flags: list) -> None:
     if flags[1] and "$ref" in node and not node.keys() <= _REF_SIBLINGS:
-        flags[0] = True  # drafts 4-7 ignore $ref's siblings: prepare() drops them
+        flags[0] = flags[3] = True  # drafts 4-7 ignore $ref's siblings: prepare() drops them
     for key, value in node.items():
         code = _SCAN.get(key)
         if code is None:
             continue  # annotations, unknown and extension keywords: nothing to check
         if key in _PREPARE_KEYS:
             flags[0] = True
+            if key in LLG_UNSUPPORTED:
+                flags[2] = True
         if code == _TYPE:
             if not (value.__class__ is str and value in _TYPE_NAMES) and _keyword_problem(key, value):
                 raise _Invalid

@@ -31,7 +31,8 @@ Model hot spots:
     moe_experts(x[T, H], ids[T, K], weights[T, K], w1[E, F, H], w3[E, F, H], w2[E, H, F], swiglu_limit=10.0,
                 scales=None, shifts=None, shift_rows=None, fp8_compute=None) -> [T, H]: weighted sum of the routed
         SwiGLU experts (clamped), grouped by expert; `scales` = per-row scales of FP8 weights (moe.quantize_fp8_rows)
-        read at one byte per weight, `shifts` = per-block power-of-two shifts (a checkpoint's block scales kept);
+        read at one byte per weight, `shifts` = per-block power-of-two shifts (a checkpoint's block scales kept,
+        applied to each 32-wide K step's fp32 partial product, so the result is exact whatever `fp8_compute` says);
         packed FP4 (uint8) weights are accepted and decoded in registers.
     hc_mixes(residual[T, M, H], fn[(2+M)M, MH], base[(2+M)M], scale[3], norm_eps=1e-20, hc_eps=1e-6, iters=20,
              post_mult=2.0) -> HcMixes(pre [T, M], post [T, M], comb [T, M, M]): mHC mixes with Sinkhorn

@@ -12,8 +12,7 @@ C[j, k] mixes source stream j into destination stream k.
 Triton, two launches (the working set is a few MB, so latency is the cost, not bytes): programs (token block,
 split of the M*H columns) each read their tile of R once and write a partial z and sum of squares; then a
 one-warp program per few tokens adds the partials in a fixed order (deterministic) and does the sigmoid/softmax/
-Sinkhorn arithmetic in registers. fused=True does it in ONE launch: each partial program takes a ticket on its
-token block's counter and the last to arrive adds the partials (same fixed order) and mixes.
+Sinkhorn arithmetic in registers.
 Cost: T*M*H*bytes(R) + |fn| (fp32 fn, L2 hits after the first token block) + the partials (n_split*T*32*4 B).
 The product r . fn^T needs fp32 accuracy: bf16 residuals (the model's) take three bf16 tensor-core products
 against a hi/mid/lo bf16 split of fn made in registers (exact products, fp32 accumulation); fp32 residuals use
@@ -28,7 +27,7 @@ import triton.language as tl
 
 from .backend import INTERPRETING, check, empty, use_triton
 
-_FAST_RCP = tl.constexpr(not INTERPRETING)      # hardware reciprocals in the per-lane Sinkhorn (not interpretable)
+_CAN_RCP = not INTERPRETING      # hardware reciprocals (rcp.approx) need compiled kernels
 
 
 @dataclass
@@ -66,34 +65,55 @@ def hc_mixes_torch(residual, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iters
 
 # ---------------------------------------------------------------------------------------------- Triton
 @triton.jit
+def _rw_tiles(r_ptr, fn_ptr, T, K, NZ, toks, zs, k0, live, BK: tl.constexpr):
+    """r [BT, BK] and fp32 fn [NZP, BK] at columns k0.. (nothing loaded where `live` is False)."""
+    ks = k0 + tl.arange(0, BK)
+    r = tl.load(r_ptr + toks[:, None].to(tl.int64) * K + ks[None, :],
+                mask=(toks[:, None] < T) & (ks[None, :] < K) & live, other=0.0)
+    w = tl.load(fn_ptr + zs[:, None] * K + ks[None, :], mask=(zs[:, None] < NZ) & (ks[None, :] < K) & live,
+                other=0.0)
+    return r, w
+
+
+@triton.jit
 def _partial_z(r_ptr, fn_ptr, T, K, NZ, tb, sp, BT: tl.constexpr, NZP: tl.constexpr, BK: tl.constexpr,
-               SPLIT: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+               SPLIT: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+               PF: tl.constexpr = False):
     """(z [BT, NZP], sum of squares [BT]) of token block tb over the columns of split sp.
     MODE 0: one fp32 dot (PRECISION) against fp32 fn. MODE 1: bf16 r and fp32 fn split in registers into
     hi + mid + lo bf16 parts (== fn to ~2**-24): three bf16 tensor-core products, exact in fp32 accumulation,
     reading fn at 4 bytes. MODE 2: the same with fn given as the three bf16 parts [3, NZ, K] (6 bytes).
-    UPCAST: the interpreter computes bf16 dots wrongly, so it takes them in fp32 (same exact products)."""
+    UPCAST: the interpreter computes bf16 dots wrongly, so it takes them in fp32 (same exact products).
+    PF (modes 0, 1): the next step's r and fn tiles are loaded before this step's products (the compiler does
+    not pipeline fn's load, whose value goes through the split before any dot)."""
     toks = tb * BT + tl.arange(0, BT)
     zs = tl.arange(0, NZP)
     acc = tl.zeros([BT, NZP], tl.float32)
     sq = tl.zeros([BT], tl.float32)
-    for i in range(0, SPLIT // BK):          # a loop, not unrolled: unrolling hoisted every load and spilled
-        ks = sp * SPLIT + i * BK + tl.arange(0, BK)
-        rmask = (toks[:, None] < T) & (ks[None, :] < K)
-        wmask = (zs[:, None] < NZ) & (ks[None, :] < K)
-        r = tl.load(r_ptr + toks[:, None].to(tl.int64) * K + ks[None, :], mask=rmask, other=0.0)
+    NI: tl.constexpr = SPLIT // BK
+    if PF:
+        rn, wn = _rw_tiles(r_ptr, fn_ptr, T, K, NZ, toks, zs, sp * SPLIT, True, BK)
+    for i in range(0, NI):                   # a loop, not unrolled: unrolling hoisted every load and spilled
+        if PF:
+            r, w = rn, wn
+            rn, wn = _rw_tiles(r_ptr, fn_ptr, T, K, NZ, toks, zs, sp * SPLIT + (i + 1) * BK, i + 1 < NI, BK)
+        elif MODE != 2:
+            r, w = _rw_tiles(r_ptr, fn_ptr, T, K, NZ, toks, zs, sp * SPLIT + i * BK, True, BK)
+        else:
+            ks = sp * SPLIT + i * BK + tl.arange(0, BK)
+            r = tl.load(r_ptr + toks[:, None].to(tl.int64) * K + ks[None, :],
+                        mask=(toks[:, None] < T) & (ks[None, :] < K), other=0.0)
         rf = r.to(tl.float32)
         if MODE == 0:
-            w = tl.load(fn_ptr + zs[:, None] * K + ks[None, :], mask=wmask, other=0.0)
             acc += tl.dot(rf, tl.trans(w), input_precision=PRECISION)
         else:
             if MODE == 1:
-                w = tl.load(fn_ptr + zs[:, None] * K + ks[None, :], mask=wmask, other=0.0)
                 hi = w.to(tl.bfloat16)
                 rest = w - hi.to(tl.float32)
                 mid = rest.to(tl.bfloat16)
                 lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
             else:
+                wmask = (zs[:, None] < NZ) & (ks[None, :] < K)
                 hi = tl.load(fn_ptr + zs[:, None].to(tl.int64) * K + ks[None, :], mask=wmask, other=0.0)
                 mid = tl.load(fn_ptr + (NZ + zs[:, None]).to(tl.int64) * K + ks[None, :], mask=wmask, other=0.0)
                 lo = tl.load(fn_ptr + (2 * NZ + zs[:, None]).to(tl.int64) * K + ks[None, :], mask=wmask, other=0.0)
@@ -110,15 +130,6 @@ def _partial_z(r_ptr, fn_ptr, T, K, NZ, tb, sp, BT: tl.constexpr, NZP: tl.conste
 
 
 @triton.jit
-def _split4(x):
-    """[..., 2, 2] -> its four [...] slices in row-major order of the two last dims (x[.., 0, 0], x[.., 0, 1], ...)."""
-    lo, hi = tl.split(x)              # x[..., :, 0], x[..., :, 1]
-    a, c = tl.split(lo)
-    b, d = tl.split(hi)
-    return a, b, c, d
-
-
-@triton.jit
 def _rcp(x, FAST: tl.constexpr):
     """1 / x; FAST: the hardware reciprocal (rcp.approx, within 1 ulp: one instruction instead of the ~6 of a
     rounded division; the interpreter cannot run PTX, so it divides)."""
@@ -130,72 +141,9 @@ def _rcp(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def _norm4(a, b, c, d, eps, FAST: tl.constexpr):
-    r = _rcp(a + b + c + d + eps, FAST)
-    return a * r, b * r, c * r, d * r
-
-
-@triton.jit
-def _softmax4(a, b, c, d, eps, FAST: tl.constexpr):
-    m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
-    a = tl.exp(a - m)
-    b = tl.exp(b - m)
-    c = tl.exp(c - m)
-    d = tl.exp(d - m)
-    r = _rcp(a + b + c + d, FAST)
-    return a * r + eps, b * r + eps, c * r + eps, d * r + eps
-
-
-@triton.jit
-def _sinkhorn4_lanes(c, comb_ptr, toks, tok_ok, hc_eps, BT: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr):
-    """M = 4: the [BT, 4, 4] logits split once into 16 per-token values ([BT] each), so every token's softmax
-    and Sinkhorn steps run inside its own thread (no cross-lane sums per step); same arithmetic as the
-    [BT, M, M] form (one reciprocal per row / column, then products)."""
-    q0, q1, q2, q3 = _split4(tl.reshape(c, [BT, 4, 2, 2]))            # columns k: [BT, 4] over rows j
-    c00, c10, c20, c30 = _split4(tl.reshape(q0, [BT, 2, 2]))
-    c01, c11, c21, c31 = _split4(tl.reshape(q1, [BT, 2, 2]))
-    c02, c12, c22, c32 = _split4(tl.reshape(q2, [BT, 2, 2]))
-    c03, c13, c23, c33 = _split4(tl.reshape(q3, [BT, 2, 2]))
-    c00, c01, c02, c03 = _softmax4(c00, c01, c02, c03, hc_eps, FAST)
-    c10, c11, c12, c13 = _softmax4(c10, c11, c12, c13, hc_eps, FAST)
-    c20, c21, c22, c23 = _softmax4(c20, c21, c22, c23, hc_eps, FAST)
-    c30, c31, c32, c33 = _softmax4(c30, c31, c32, c33, hc_eps, FAST)
-    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps, FAST)
-    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps, FAST)
-    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps, FAST)
-    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps, FAST)
-    for _ in tl.static_range(ITERS - 1):
-        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, hc_eps, FAST)
-        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, hc_eps, FAST)
-        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, hc_eps, FAST)
-        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, hc_eps, FAST)
-        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps, FAST)
-        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps, FAST)
-        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps, FAST)
-        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps, FAST)
-    o = comb_ptr + toks * 16
-    tl.store(o + 0, c00, mask=tok_ok)
-    tl.store(o + 1, c01, mask=tok_ok)
-    tl.store(o + 2, c02, mask=tok_ok)
-    tl.store(o + 3, c03, mask=tok_ok)
-    tl.store(o + 4, c10, mask=tok_ok)
-    tl.store(o + 5, c11, mask=tok_ok)
-    tl.store(o + 6, c12, mask=tok_ok)
-    tl.store(o + 7, c13, mask=tok_ok)
-    tl.store(o + 8, c20, mask=tok_ok)
-    tl.store(o + 9, c21, mask=tok_ok)
-    tl.store(o + 10, c22, mask=tok_ok)
-    tl.store(o + 11, c23, mask=tok_ok)
-    tl.store(o + 12, c30, mask=tok_ok)
-    tl.store(o + 13, c31, mask=tok_ok)
-    tl.store(o + 14, c32, mask=tok_ok)
-    tl.store(o + 15, c33, mask=tok_ok)
-
-
-@triton.jit
 def _mix_block(z_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, n_split, norm_eps, hc_eps,
                post_mult, tb, M: tl.constexpr, NZP: tl.constexpr, BT: tl.constexpr, ITERS: tl.constexpr,
-               SC: tl.constexpr, LANES: tl.constexpr, WIDE: tl.constexpr):
+               SC: tl.constexpr, FAST: tl.constexpr):
     """Token block tb: add the split partials in split order (SC splits' loads issued together; the loads
     bypass L1 since other programs wrote them), then sigmoid / softmax / Sinkhorn in registers. (Loading the
     SC splits as one [SC, BT, M, M] block and summing it left the result in a layout replicated SC-fold, and
@@ -207,35 +155,17 @@ def _mix_block(z_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, 
     zp = tl.zeros([BT, M], tl.float32)
     zq = tl.zeros([BT, M], tl.float32)
     zc = tl.zeros([BT, M, M], tl.float32)
-    if WIDE:                                 # SC splits as one [SC, BT, ...] block over all the program's
-        ss = tl.arange(0, SC)                # threads, summed across them (a fixed tree: deterministic)
-        for s0 in range(0, n_split, SC):
-            sp = s0 + ss
-            ok2 = (sp[:, None] < n_split) & tok_ok[None, :]
-            row2 = (sp[:, None] * T + toks[None, :]).to(tl.int64)
-            sq += tl.sum(tl.load(sq_ptr + row2, mask=ok2, other=0.0, cache_modifier=".cg"), 0)
-            zrow2 = row2 * NZP
-            zp += tl.sum(tl.load(z_ptr + zrow2[:, :, None] + j[None, None, :], mask=ok2[:, :, None], other=0.0,
-                                 cache_modifier=".cg"), 0)
-            zq += tl.sum(tl.load(z_ptr + zrow2[:, :, None] + M + j[None, None, :], mask=ok2[:, :, None],
-                                 other=0.0, cache_modifier=".cg"), 0)
-            zc += tl.sum(tl.load(z_ptr + zrow2[:, :, None, None] + 2 * M + j[None, None, :, None] * M
-                                 + j[None, None, None, :], mask=ok2[:, :, None, None], other=0.0,
-                                 cache_modifier=".cg"), 0)
-    else:
-        for s0 in range(0, n_split, SC):
-            for i in tl.static_range(SC):    # SC independent loads in flight, each in the accumulators' layout
-                s = s0 + i
-                ok = tok_ok & (s < n_split)
-                row = (s * T + toks).to(tl.int64)
-                sq += tl.load(sq_ptr + row, mask=ok, other=0.0, cache_modifier=".cg")
-                zrow = row * NZP
-                zp += tl.load(z_ptr + zrow[:, None] + j[None, :], mask=ok[:, None], other=0.0,
-                              cache_modifier=".cg")
-                zq += tl.load(z_ptr + zrow[:, None] + M + j[None, :], mask=ok[:, None], other=0.0,
-                              cache_modifier=".cg")
-                zc += tl.load(z_ptr + zrow[:, None, None] + 2 * M + j[None, :, None] * M + j[None, None, :],
-                              mask=ok[:, None, None], other=0.0, cache_modifier=".cg")
+    for s0 in range(0, n_split, SC):
+        for i in tl.static_range(SC):        # SC independent loads in flight, each in the accumulators' layout
+            s = s0 + i
+            ok = tok_ok & (s < n_split)
+            row = (s * T + toks).to(tl.int64)
+            sq += tl.load(sq_ptr + row, mask=ok, other=0.0, cache_modifier=".cg")
+            zrow = row * NZP
+            zp += tl.load(z_ptr + zrow[:, None] + j[None, :], mask=ok[:, None], other=0.0, cache_modifier=".cg")
+            zq += tl.load(z_ptr + zrow[:, None] + M + j[None, :], mask=ok[:, None], other=0.0, cache_modifier=".cg")
+            zc += tl.load(z_ptr + zrow[:, None, None] + 2 * M + j[None, :, None] * M + j[None, None, :],
+                          mask=ok[:, None, None], other=0.0, cache_modifier=".cg")
     inv_rms = 1.0 / tl.sqrt(sq / K + norm_eps)
     s0 = tl.load(scale_ptr)
     s1 = tl.load(scale_ptr + 1)
@@ -245,55 +175,42 @@ def _mix_block(z_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, 
     c = zc * inv_rms[:, None, None] * s2 + tl.load(base_ptr + 2 * M + j[:, None] * M + j[None, :])[None, :, :]
     tl.store(pre_ptr + toks[:, None] * M + j[None, :], pre, mask=tok_ok[:, None])
     tl.store(post_ptr + toks[:, None] * M + j[None, :], post, mask=tok_ok[:, None])
-    if LANES:
-        _sinkhorn4_lanes(c, comb_ptr, toks, tok_ok, hc_eps, BT, ITERS, _FAST_RCP)
-    else:
-        # one reciprocal per row / column and products (not 16 divisions per token per step): within a few
-        # ulps of the twin's divisions, far inside the fp32 tolerance after 20 steps
-        c = tl.exp(c - tl.max(c, 2)[:, :, None])
-        c = c * (1.0 / tl.sum(c, 2))[:, :, None] + hc_eps
-        c = c * (1.0 / (tl.sum(c, 1) + hc_eps))[:, None, :]
-        for _ in tl.static_range(ITERS - 1):
-            c = c * (1.0 / (tl.sum(c, 2) + hc_eps))[:, :, None]
-            c = c * (1.0 / (tl.sum(c, 1) + hc_eps))[:, None, :]
-        tl.store(comb_ptr + toks[:, None, None] * (M * M) + j[None, :, None] * M + j[None, None, :], c,
-                 mask=tok_ok[:, None, None])
+    # one reciprocal per row / column and products (not 16 divisions per token per step): within a few ulps of
+    # the twin's divisions, far inside the fp32 tolerance after 20 steps. The loop is a serial chain of 2 *
+    # ITERS sums and reciprocals (H200, T=64: 2.2 of the mixing launch's 5.0 us), hence FAST reciprocals.
+    c = tl.exp(c - tl.max(c, 2)[:, :, None])
+    c = c * _rcp(tl.sum(c, 2), FAST)[:, :, None] + hc_eps
+    c = c * _rcp(tl.sum(c, 1) + hc_eps, FAST)[:, None, :]
+    for _ in tl.static_range(ITERS - 1):
+        c = c * _rcp(tl.sum(c, 2) + hc_eps, FAST)[:, :, None]
+        c = c * _rcp(tl.sum(c, 1) + hc_eps, FAST)[:, None, :]
+    tl.store(comb_ptr + toks[:, None, None] * (M * M) + j[None, :, None] * M + j[None, None, :], c,
+             mask=tok_ok[:, None, None])
 
 
 @triton.jit
-def _hc_partial_kernel(r_ptr, fn_ptr, z_ptr, sq_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
-                       T, K, NZ, n_split, norm_eps, hc_eps, post_mult, M: tl.constexpr, BT: tl.constexpr,
-                       NZP: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
-                       PRECISION: tl.constexpr, UPCAST: tl.constexpr, FUSED: tl.constexpr, ITERS: tl.constexpr,
-                       SC: tl.constexpr, LANES: tl.constexpr = False, WIDE: tl.constexpr = False):
-    """Program (token block, split of M*H): partial z = r . fn and sum of r^2 over the split's columns, stored
-    per split. FUSED: the whole op in this one launch: each program then takes a ticket on its token block's
-    counter, and the last to arrive (every partial of the block is written) adds them up in split order and
-    does the mixes (so the result does not depend on arrival order), then resets the counter to 0."""
+def _hc_partial_kernel(r_ptr, fn_ptr, z_ptr, sq_ptr, T, K, NZ, M: tl.constexpr, BT: tl.constexpr, NZP: tl.constexpr,
+                       BK: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr,
+                       UPCAST: tl.constexpr, PF: tl.constexpr = False):
+    """First launch, program (token block, split of M*H): partial z = r . fn and sum of r^2 over the split's
+    columns, stored per split."""
     tb = tl.program_id(0)
     sp = tl.program_id(1)
-    acc, sq = _partial_z(r_ptr, fn_ptr, T, K, NZ, tb, sp, BT, NZP, BK, SPLIT, MODE, PRECISION, UPCAST)
+    acc, sq = _partial_z(r_ptr, fn_ptr, T, K, NZ, tb, sp, BT, NZP, BK, SPLIT, MODE, PRECISION, UPCAST, PF)
     toks = tb * BT + tl.arange(0, BT)
     zs = tl.arange(0, NZP)
     tl.store(z_ptr + (sp * T + toks[:, None]).to(tl.int64) * NZP + zs[None, :], acc,
              mask=(toks[:, None] < T) & (zs[None, :] < NZ))
     tl.store(sq_ptr + sp * T + toks, sq, mask=toks < T)
-    if FUSED:
-        tl.debug_barrier()                   # every thread's partial stores precede the release below
-        ticket = tl.atomic_add(cnt_ptr + tb, 1, sem="acq_rel", scope="gpu")
-        if ticket == n_split - 1:
-            tl.atomic_xchg(cnt_ptr + tb, 0, sem="relaxed", scope="gpu")
-            _mix_block(z_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, n_split, norm_eps,
-                       hc_eps, post_mult, tb, M, NZP, BT, ITERS, SC, LANES, WIDE)
 
 
 @triton.jit
 def _hc_mix_kernel(z_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, n_split, norm_eps,
                    hc_eps, post_mult, M: tl.constexpr, NZP: tl.constexpr, BT: tl.constexpr, ITERS: tl.constexpr,
-                   SC: tl.constexpr, LANES: tl.constexpr = False, WIDE: tl.constexpr = False):
-    """Second launch of the two-launch form: one program per token block."""
+                   SC: tl.constexpr, FAST: tl.constexpr = False):
+    """Second launch: one program per token block."""
     _mix_block(z_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, n_split, norm_eps, hc_eps,
-               post_mult, tl.program_id(0), M, NZP, BT, ITERS, SC, LANES, WIDE)
+               post_mult, tl.program_id(0), M, NZP, BT, ITERS, SC, FAST)
 
 
 def split_fn_bf16(fn: torch.Tensor) -> torch.Tensor:
@@ -306,23 +223,17 @@ def split_fn_bf16(fn: torch.Tensor) -> torch.Tensor:
     return torch.stack([hi, mid, lo]).contiguous()
 
 
-# M = 4: each token's Sinkhorn inside its own thread (16 per-token values) instead of a [BT, 4, 4] block whose row
-# and column sums cross lanes at every step. H200 (session 3, T=64): 14.8 us against 14.7 with the block form, so
-# off: the mixing launch is bound by reading the split partials, not by the Sinkhorn arithmetic. The wide split
-# reduce (wide=True: [sc, tokens, ...] blocks over all the program's threads) measured 15.8-18.5 us: also off.
-LANES_DEFAULT = False
-
-_COUNTERS: dict = {}    # device -> int32 zeros: the FUSED launch's per-token-block tickets (reset by the kernel)
-
-
-def _counters(device, n: int) -> torch.Tensor:
-    """Zeroed ticket counters, made once per device (each launch leaves them at zero again). One stream at a
-    time: two FUSED launches running concurrently on different streams would share them."""
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < n:
-        c = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = c
-    return c
+# Forms measured and deleted: ONE launch (the last program of each token block, by a ticket counter, adds the
+# partials and mixes): 20 us at T=64 (session 3), 36.5 us with the wide reduce and per-lane Sinkhorn (session 4,
+# round 1) against 14.7 for two launches; a wide split reduce ([sc, tokens, ...] blocks over all of a program's
+# threads): 15.8-18.5 us (session 3); M = 4's Sinkhorn as 16 per-token values in one thread (no cross-lane sums):
+# 14.8 us against 14.7 for the [tokens, 4, 4] block form (session 3). Loading all 40 split partials at once
+# (sc=64) made the mixing launch 6.0 us against 5.0 (session 4).
+# Hardware reciprocals in the Sinkhorn loop (compiled kernels; the interpreter divides).
+FAST_RCP_DEFAULT = True
+# The first pass loads the next step's r and fn tiles before this step's products. H200 session 4 round 1
+# (T=64): first pass 8.4 us against 9.2, both launches 13.9 against 14.7.
+PREFETCH_DEFAULT = True
 
 
 def _precision() -> str:
@@ -335,18 +246,17 @@ def _precision() -> str:
 def hc_mixes_triton(residual, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iters=20, post_mult=2.0,
                     block_t: int | None = None, block_k: int | None = None, split: int | None = None,
                     only_partial: bool = False, precision: str | None = None, fn_parts: torch.Tensor | None = None,
-                    num_warps: int | None = None, fused: bool | None = None, sc: int = 16, mix_bt: int = 2,
-                    mix_warps: int = 1, num_stages: int | None = None, lanes: bool | None = None,
-                    wide: bool = False) -> HcMixes:
+                    num_warps: int | None = None, sc: int = 16, mix_bt: int = 2, mix_warps: int = 1,
+                    num_stages: int | None = None, prefetch: bool | None = None,
+                    fast_rcp: bool | None = None) -> HcMixes:
     """precision: None picks "bf16x3" for bf16 residuals (three bf16 tensor-core products against a hi/mid/lo
     split of fn made in registers from the fp32 fn; with fn_parts = split_fn_bf16(fn) given, the parts are read
-    instead) and "ieee" otherwise; "ieee"/"tf32x3"/"tf32" force the one-dot fp32 path. fused=True: one
-    launch (the last program of each token block does the mixes) instead of two; None: two (H200 round 1:
-    27.7 us for two launches against 31.4 for one at T=64, since an empty launch in a CUDA graph costs only
-    0.7 us while the one-launch form mixes in the wide partial kernel's programs). None for block_t/block_k/
-    split/num_warps picks the per-path defaults below; sc: split partials loaded at once by the mixing step;
-    mix_bt / mix_warps: tokens and warps per program of the two-launch form's mixing kernel (2 tokens on one
-    warp: the sm_90 build has no barriers and the fewest instructions per thread of those tried)."""
+    instead) and "ieee" otherwise; "ieee"/"tf32x3"/"tf32" force the one-dot fp32 path. None for block_t/
+    block_k/split/num_warps picks the per-path defaults below; sc: split partials loaded at once by the mixing
+    launch; mix_bt / mix_warps: tokens and warps per program of the mixing launch (2 tokens on one warp: the
+    sm_90 build has no barriers and the fewest instructions per thread of those tried); prefetch (None:
+    PREFETCH_DEFAULT): the first pass loads a step ahead; fast_rcp (None: FAST_RCP_DEFAULT): rcp.approx in the
+    Sinkhorn loop."""
     _check(residual, fn, base, scale)
     T, M, H = residual.shape
     check(M & (M - 1) == 0, f"the Triton path needs a power-of-two stream count, got {M}")
@@ -358,10 +268,9 @@ def hc_mixes_triton(residual, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iter
         precision = "bf16x3" if residual.dtype == torch.bfloat16 else _precision()
     split_fn = precision == "bf16x3"
     check(not split_fn or residual.dtype == torch.bfloat16, "precision bf16x3 needs a bf16 residual")
-    fused = False if fused is None else fused
     if split_fn:
         # bf16x3: 16-token blocks at decode sizes, 64 at prefill sizes (fewer re-reads of fn); at decode sizes
-        # 512-wide splits (8 loop steps per program, 160 programs at T=64). H200 round 1 (one launch): splits
+        # 512-wide splits (8 loop steps per program, 160 programs at T=64). H200 session 1 (one launch): splits
         # of 2048 / 1024 / 512 / 256: 31 / 21 / 22 / 20 us at T=64 (the per-program loop is latency-bound)
         block_t = block_t or (16 if T <= 256 else 64)
         block_k = block_k or 64
@@ -389,22 +298,18 @@ def hc_mixes_triton(residual, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iter
     post = empty((T, M), torch.float32, dev)
     comb = empty((T, M, M), torch.float32, dev)
     base, scale = base.float().contiguous(), scale.float().contiguous()
-    fused = fused and not only_partial
-    lanes = (LANES_DEFAULT if lanes is None else lanes) and M == 4
-    cnt = _counters(dev, n_tb) if fused else z
-    _hc_partial_kernel[(n_tb, n_split)](r, w, z, sq, cnt, base, scale, pre, post, comb, T, K, NZ, n_split, norm_eps,
-                                        hc_eps, post_mult, M=M, BT=block_t, NZP=NZP, BK=block_k, SPLIT=split,
+    fast = (FAST_RCP_DEFAULT if fast_rcp is None else fast_rcp) and _CAN_RCP
+    pf = (PREFETCH_DEFAULT if prefetch is None else prefetch) and mode != 2
+    _hc_partial_kernel[(n_tb, n_split)](r, w, z, sq, T, K, NZ, M=M, BT=block_t, NZP=NZP, BK=block_k, SPLIT=split,
                                         MODE=mode, PRECISION="ieee" if split_fn else precision,
-                                        UPCAST=INTERPRETING, FUSED=fused, ITERS=iters, SC=sc, LANES=lanes,
-                                        WIDE=wide,
+                                        UPCAST=INTERPRETING, PF=pf,
                                         num_warps=num_warps or (8 if block_t >= (32 if split_fn else 64) else 4),
                                         **({} if num_stages is None else dict(num_stages=num_stages)))
     if only_partial:            # (benchmark: time the streaming pass alone)
         return None
-    if not fused:
-        _hc_mix_kernel[(triton.cdiv(T, mix_bt),)](z, sq, base, scale, pre, post, comb, T, K, n_split, norm_eps,
-                                                  hc_eps, post_mult, M=M, NZP=NZP, BT=mix_bt, ITERS=iters, SC=sc,
-                                                  LANES=lanes, WIDE=wide, num_warps=mix_warps)
+    _hc_mix_kernel[(triton.cdiv(T, mix_bt),)](z, sq, base, scale, pre, post, comb, T, K, n_split, norm_eps, hc_eps,
+                                              post_mult, M=M, NZP=NZP, BT=mix_bt, ITERS=iters, SC=sc, FAST=fast,
+                                              num_warps=mix_warps)
     return HcMixes(pre, post, comb)
 
 

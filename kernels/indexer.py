@@ -8,25 +8,27 @@ doc leaves ties open; the engine's stable `topk_mask` fixes them this way, and r
 Shapes: iq [N, Hi, Di], w [N, Hi] (fp32), index_keys [P, Di] (a pool; row n's entries are
 index_keys[key_start[n] + g] for g < key_len[n]), k int. Returns (idx int64 [N, k] entry numbers g, -1 padded;
 scores fp32 [N, k], -inf padded), best first.
-Triton, three launches:
+Triton, two launches:
   * the score kernel (grid rows x chunks of blocks_per_program * BLOCK_G entries; per block one
     [Hi, Di] x [Di, BLOCK_G] product, relu and the head-weighted sum in registers; the row's queries loaded once
     per program, the key loads pipelined) writes scores [N, max_len] (fp32: 64 KB a row at 16384 entries,
-    L2-resident);
-  * `topk_select_triton`, exact, two launches for long rows: each chunk of a row (`default_chunks`) picks its
-    own exact top-k in its own program (the k-th best order key found two bits per counting reduction over the
-    register-resident chunk, then a compaction in entry order), then one program per row picks the top-k of
-    those chunks * k candidates (the row's top-k is among them: an entry beaten by k entries of its own chunk
-    is beaten by k in the row), optionally sorted best first in registers. One program per row was 41 us at
-    N=64, L=16384, k=512 on an H200 (64 of 132 SMs busy; torch.topk 77 us).
-  `indexer_topk_fused` folds the first select stage into the score kernel (each program selects its chunk after
-  writing its scores): 99 us against 100 us unfused on the H200 at N=64, L=16384, k=512, so it is not the
-  default (select="fused" picks it). H200 numbers: scores 69 us (92% of copy bandwidth), select 28-31 us, both
-  100 us (63%); benchmarks/kernels_attention.py has the sweeps.
+    L2-resident): 68 us at N=64, L=16384 on an H200 = 94% of copy bandwidth;
+  * `topk_select_triton`, exact, the same selection as a stable sort. Its k-th-key searches find two bits per
+    counting reduction, starting below the leading bits that the largest and smallest selectable keys share.
+    With cap (rows up to RESIDENT_MAX entries, `threshold_cap`): one program per row, a threshold from its group
+    maxima keeps a few k candidates, whose exact top-k is taken (`_threshold_select_row`); by default each chunk of a row
+    (`default_chunks`) picks its own exact top-k, then one program per row picks the top-k of those chunks * k
+    candidates (the row's top-k is among them: an entry beaten by k entries of its own chunk is beaten by k in
+    the row). H200 at N=64, L=16384, k=512 (session 4 round 2): threshold 26.4 us unsorted / 30.3 sorted,
+    chunked 29.3 / 32.0 (before the range skip 27.5 / 30.0), one program per row 36-41, torch.topk 77. Both are
+    chains of ~30 dependent CTA-wide reductions, latency-bound. Running the threshold select in the score
+    kernel's last program of each row (one launch) measured 157-158 us against ~96 (the select's chain in a
+    4-warp program becomes the tail), and folding the chunk stage into the score kernel 99 us against 100: both
+    removed.
 The candidate-block restriction of layers 24/28/... is expressed by the caller through key_start/key_len of a
 gathered pool, or by -inf scores (not selectable).
 Cost: N * max_len * Di * bytes(keys) read once, + N * max_len * 4 written and re-read from L2 by the select,
-+ N * chunks * k * 12 bytes of candidates (L2).
++ N * (chunks * k or cap) * 12 bytes of candidates (L2).
 """
 import torch
 import triton
@@ -186,6 +188,56 @@ def _count3(scores_ptr, row, L, keys, t1, t2, t3, offs, BLOCK: tl.constexpr, RES
 
 
 @triton.jit
+def _range3(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, tl.maximum(a1, b1), tl.minimum(a2, b2)
+
+
+@triton.jit
+def _key_range(base, n, keys, offs, BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
+    """(number of selectable keys, their largest, their smallest) in ONE reduction (0 = not selectable)."""
+    if RESIDENT:
+        cnt, mx, mn = tl.reduce(((keys != 0).to(tl.int32), keys, tl.where(keys != 0, keys, 0xFFFFFFFF)), 0,
+                                _range3)
+    else:
+        cnt = tl.zeros([], tl.int32)
+        mx = tl.zeros([], tl.uint32)
+        mn = tl.full([], 0xFFFFFFFF, tl.uint32)
+        for start in range(0, n, BLOCK):
+            kb = _load_keys(base, 0, start + offs, n)
+            c1, x1, n1 = tl.reduce(((kb != 0).to(tl.int32), kb, tl.where(kb != 0, kb, 0xFFFFFFFF)), 0, _range3)
+            cnt += c1
+            mx = tl.maximum(mx, x1)
+            mn = tl.minimum(mn, n1)
+    return cnt, mx, mn
+
+
+@triton.jit
+def _kth_key(base, n, keys, n_take, mx, mn, offs, BLOCK: tl.constexpr, RESIDENT: tl.constexpr,
+             PASSES: tl.constexpr = 16):
+    """The n_take-th largest of the n order keys (1 <= n_take <= the selectable keys, which lie in [mn, mx]),
+    two bits per counting reduction: the largest t with count(keys >= t) >= n_take. The leading bits mn and mx
+    share are the answer's too, so the search starts below them (random scores in a narrow range, such as the
+    candidates above a threshold, skip several of the 16 reductions). PASSES < 16: stop after that many
+    reductions with the bits found so far and zeros below: a lower bound of the answer (never above it)."""
+    x = mx ^ mn
+    b0 = tl.zeros([], tl.int32)
+    same = tl.full([], 1, tl.int32)
+    for b in tl.static_range(16):
+        same = same & (((x >> (30 - 2 * b)) & 3) == 0).to(tl.int32)
+        b0 += same
+    low = (tl.full([], 1, tl.uint64) << (32 - 2 * b0).to(tl.uint64)) - 1      # the bits still to find
+    prefix = (mx.to(tl.uint64) - (mx.to(tl.uint64) & low)).to(tl.uint32)
+    for b in range(b0, tl.minimum(b0 + PASSES, 16)):
+        step = tl.full([], 1, tl.uint32) << (30 - 2 * b)
+        t1 = prefix | step
+        t2 = prefix | (2 * step)
+        t3 = prefix | (3 * step)
+        c1, c2, c3 = _count3(base, 0, n, keys, t1, t2, t3, offs, BLOCK, RESIDENT)
+        prefix = tl.where(c3 >= n_take, t3, tl.where(c2 >= n_take, t2, tl.where(c1 >= n_take, t1, prefix)))
+    return prefix
+
+
+@triton.jit
 def _select_chunk(base, n, k, idx_ptr, val_ptr, out, map_base, seg0, BLOCK: tl.constexpr, RESIDENT: tl.constexpr,
                   SORTED: tl.constexpr, KP: tl.constexpr, MAP: tl.constexpr):
     """The exact k best of the n scores at `base` (ties: lower id) -> idx/val slots out .. out + k (-1 / -inf
@@ -199,15 +251,9 @@ def _select_chunk(base, n, k, idx_ptr, val_ptr, out, map_base, seg0, BLOCK: tl.c
     keys = tl.zeros([BLOCK], tl.uint32)
     if RESIDENT:
         keys = _load_keys(base, 0, offs, n)
-    n_take = tl.minimum(_count_at_least(base, 0, n, keys, 1, offs, BLOCK, RESIDENT), k)
-    prefix = tl.zeros([], tl.uint32)
-    for b in tl.static_range(16):                       # two bits of T per reduction
-        lo = 30 - 2 * b
-        t1 = prefix | (1 << lo)
-        t2 = prefix | (2 << lo)
-        t3 = prefix | (3 << lo)
-        c1, c2, c3 = _count3(base, 0, n, keys, t1, t2, t3, offs, BLOCK, RESIDENT)
-        prefix = tl.where(c3 >= n_take, t3, tl.where(c2 >= n_take, t2, tl.where(c1 >= n_take, t1, prefix)))
+    n_sel, mx, mn = _key_range(base, n, keys, offs, BLOCK, RESIDENT)
+    n_take = tl.minimum(n_sel, k)
+    prefix = _kth_key(base, n, keys, tl.maximum(n_take, 1), mx, mn, offs, BLOCK, RESIDENT)
     # prefix = the n_take-th largest key; take every key above it and the `rem` lowest-id keys equal to it
     rem = n_take - _count_at_least(base, 0, n, keys, prefix + 1, offs, BLOCK, RESIDENT)
     if RESIDENT:
@@ -264,28 +310,51 @@ def _topk_select_kernel(scores_ptr, L, CL, k, idx_ptr, val_ptr, map_ptr, BLOCK: 
 
 
 @triton.jit
-def _score_select_kernel(iq_ptr, w_ptr, keys_ptr, start_ptr, len_ptr, out_ptr, max_len, HI, k, idx_ptr, val_ptr,
-                         HP: tl.constexpr, DI: tl.constexpr, BLOCK_G: tl.constexpr, F32: tl.constexpr,
-                         BPP: tl.constexpr, KP: tl.constexpr):
-    """The score kernel fused with the first select stage: program (row, chunk of BPP * BLOCK_G entries) writes
-    its scores, then (barrier: its own stores are visible to all its threads) picks the chunk's exact top-k into
-    the candidate slots (row * chunks + chunk) * k (ids = entry numbers in the row)."""
-    n = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    CL: tl.constexpr = BPP * BLOCK_G
-    g0 = c * CL
-    n_keys = tl.load(len_ptr + n)
-    start = tl.load(start_ptr + n).to(tl.int64)
-    h = tl.arange(0, HP)
-    q = tl.load(iq_ptr + (n * HI + h[:, None]) * DI + tl.arange(0, DI)[None, :], mask=h[:, None] < HI, other=0.0)
-    w = tl.load(w_ptr + n * HI + h, mask=h < HI, other=0.0).to(tl.float32)
-    for b in range(0, BPP):
-        g = g0 + b * BLOCK_G + tl.arange(0, BLOCK_G)
-        score = _score_block(q, w, keys_ptr, start, g, g < n_keys, DI, F32)
-        tl.store(out_ptr + n * max_len + g, score, mask=g < max_len)
-    tl.debug_barrier()
-    _select_chunk(out_ptr + n * max_len + g0, tl.minimum(CL, max_len - g0), k, idx_ptr, val_ptr,
-                  (n * tl.num_programs(1) + c) * k, out_ptr, g0, CL, True, False, KP, False)
+def _threshold_select_row(base, row, L, k, cand_val_ptr, cand_idx_ptr, idx_ptr, val_ptr, NGB: tl.constexpr,
+                          GS: tl.constexpr, CB: tl.constexpr, FB: tl.constexpr, CAP: tl.constexpr,
+                          SORTED: tl.constexpr, KP: tl.constexpr):
+    """The exact top-k of one row's L scores at `base` -> idx/val row `row`. T = the k-th largest of the row's
+    group maxima (NGB groups of GS entries, held in registers) is at most the row's k-th largest score (the k best
+    groups' maxima are k entries >= T), so every winner scores >= T; those candidates (a few k at random scores)
+    are compacted in entry order into cand (L2), CB entries at a time, and the exact select runs over them alone
+    (ids mapped back: ties stay lower-id first). More than CAP candidates (many equal scores): the exact select
+    streams the whole row instead, FB entries at a time."""
+    goffs = tl.arange(0, NGB)
+    g = goffs[:, None] * GS + tl.arange(0, GS)[None, :]
+    gmax = tl.max(tl.load(base + g, mask=g < L, other=float("-inf")), 1)
+    gkeys = tl.where(gmax > float("-inf"), _order_key(gmax), 0)
+    t = tl.full([], 1, tl.uint32)                  # fewer than k groups hold a selectable entry: take them all
+    n_groups, mx, mn = _key_range(base, 0, gkeys, goffs, NGB, True)
+    if n_groups >= k:
+        # 6 reductions below the maxima's common leading bits: a lower bound of their k-th largest, close enough
+        # (12 more bits) that few extra candidates pass, for 10 reductions less
+        t = tl.maximum(_kth_key(base, 0, gkeys, k, mx, mn, goffs, NGB, True, 6), 1)
+    c0 = row * CAP
+    offs = tl.arange(0, CB)
+    cnt = tl.zeros([], tl.int32)
+    for start in tl.static_range(0, NGB * GS, CB):     # unrolled: the blocks' loads are in flight together
+        x = tl.load(base + start + offs, mask=start + offs < L, other=float("-inf"))         # L1 hits
+        sel = (x > float("-inf")) & (_order_key(x) >= t)
+        pos = cnt + tl.cumsum(sel.to(tl.int32), 0) - 1
+        tl.store(cand_val_ptr + c0 + pos, x, mask=sel & (pos < CAP))
+        tl.store(cand_idx_ptr + c0 + pos, (start + offs).to(tl.int64), mask=sel & (pos < CAP))
+        cnt += tl.sum(sel.to(tl.int32), 0)
+    tl.debug_barrier()                             # the candidates are visible to every thread of the program
+    if cnt <= CAP:
+        _select_chunk(cand_val_ptr + c0, cnt, k, idx_ptr, val_ptr, row * k, cand_idx_ptr + c0, 0, CAP, True,
+                      SORTED, KP, True)
+    else:
+        _select_chunk(base, L, k, idx_ptr, val_ptr, row * k, base, 0, FB, False, SORTED, KP, False)
+
+
+@triton.jit
+def _threshold_select_kernel(scores_ptr, L, k, cand_val_ptr, cand_idx_ptr, idx_ptr, val_ptr, NGB: tl.constexpr,
+                             GS: tl.constexpr, CB: tl.constexpr, FB: tl.constexpr, CAP: tl.constexpr,
+                             SORTED: tl.constexpr, KP: tl.constexpr):
+    """Program per row: `_threshold_select_row`."""
+    row = tl.program_id(0).to(tl.int64)
+    _threshold_select_row(scores_ptr + row * L, row, L, k, cand_val_ptr, cand_idx_ptr, idx_ptr, val_ptr, NGB, GS, CB,
+                          FB, CAP, SORTED, KP)
 
 
 SELECT_BLOCK = 4096      # entries per streamed block; rows up to RESIDENT_MAX stay in registers
@@ -309,10 +378,7 @@ def _select_launch(scores, k, chunks, sorted, block, num_warps, id_map=None):
                                      BLOCK=block, RESIDENT=resident, SORTED=in_kernel_sort, KP=kp,
                                      MAP=id_map is not None,
                                      num_warps=num_warps or (16 if block >= 8192 else 8 if block >= 2048 else 4))
-    if sorted and not in_kernel_sort:
-        val, order = val.sort(dim=1, descending=True, stable=True)
-        idx = idx.gather(1, order)
-    return idx, val
+    return _sort_after(idx, val, sorted, in_kernel_sort)
 
 
 def default_chunks(L: int, k: int) -> int:
@@ -322,14 +388,56 @@ def default_chunks(L: int, k: int) -> int:
     return max(1, min(16, L // (8 * k)))
 
 
+GROUP = 16               # entries per group maximum in the threshold select
+
+
+
+def _sort_after(idx, val, sorted, in_kernel_sort):
+    """Best-first order by torch when the kernel could not sort in registers (k > SORT_MAX)."""
+    if sorted and not in_kernel_sort:
+        val, order = val.sort(dim=1, descending=True, stable=True)
+        idx = idx.gather(1, order)
+    return idx, val
+
+
+def _threshold_launch(scores, k, sorted, cap, num_warps):
+    """One launch of `_threshold_select_kernel` (rows of at most RESIDENT_MAX entries) -> (idx, val) [N, k]."""
+    N, L = scores.shape
+    ngb = max(16, triton.next_power_of_2(triton.cdiv(L, GROUP)))
+    cap = max(16, triton.next_power_of_2(cap))
+    cand_val = empty((N, cap), torch.float32, scores.device)
+    cand_idx = empty((N, cap), torch.int64, scores.device)
+    idx = empty((N, k), torch.int64, scores.device)
+    val = empty((N, k), torch.float32, scores.device)
+    kp = max(16, triton.next_power_of_2(k))
+    in_kernel_sort = sorted and kp <= SORT_MAX
+    _threshold_select_kernel[(N,)](scores, L, k, cand_val, cand_idx, idx, val, NGB=ngb, GS=GROUP,
+                                   CB=min(SELECT_BLOCK, ngb * GROUP), FB=min(SELECT_BLOCK, ngb * GROUP), CAP=cap,
+                                   SORTED=in_kernel_sort, KP=kp,
+                                   num_warps=num_warps or (8 if cap >= 1024 else 4))
+    return _sort_after(idx, val, sorted, in_kernel_sort)
+
+
+def threshold_cap(L: int, k: int) -> int | None:
+    """Candidates per row for the threshold select (4k rounded up: random scores leave about 1.4k), or None where
+    the chunked select is used instead: rows shorter than twice that (the filter would not pay) or longer than
+    RESIDENT_MAX."""
+    cap = max(16, triton.next_power_of_2(4 * k))
+    return cap if 2 * cap <= L <= RESIDENT_MAX else None
+
+
 def topk_select_triton(scores: torch.Tensor, k: int, sorted: bool = True, block: int | None = None,
-                       num_warps: int | None = None, chunks: int | None = None, num_warps2: int | None = None):
+                       num_warps: int | None = None, chunks: int | None = None, num_warps2: int | None = None,
+                       cap: int | None = None):
     """Exact top-k of fp32 scores [N, L] (-inf = not selectable) -> (idx int64 [N, k], val fp32 [N, k]), -1 / -inf
     padded; the same selection as the stable-sort twin `_select` (ties: lower id). sorted=False: winners in
     ascending entry order (what a mask needs). chunks > 1 (default `default_chunks`): two launches, each chunk's
     exact top-k by its own program, then the top-k of those chunks * k candidates per row (they contain the row's
     top-k: an entry beaten by k entries of its own chunk is beaten by k in the row). Cost: the row read once
-    (L2 at decode sizes) + chunks * k * 12 bytes of candidates written and read back, plus k * 12 written."""
+    (L2 at decode sizes) + chunks * k * 12 bytes of candidates written and read back, plus k * 12 written.
+    cap (`threshold_cap` gives one): the one-launch threshold select (`_threshold_select_kernel`) keeping at most
+    cap candidates per row; not the default: 26.6 / 30.5 us alone vs 29.3 chunked, but behind the score kernel
+    104.0 / 115.9 us against the chunked path's 98.2 / 100.1 (H200, session 4 round 3; cause not found)."""
     check(scores.dim() == 2 and scores.dtype == torch.float32, f"scores must be fp32 [rows, entries], got "
           f"{scores.dtype} {tuple(scores.shape)}")
     check(k >= 1, f"top-k must be >= 1, got {k}")
@@ -339,6 +447,10 @@ def topk_select_triton(scores: torch.Tensor, k: int, sorted: bool = True, block:
     scores = scores.contiguous()
     if N == 0:
         return empty((N, k), torch.int64, scores.device), empty((N, k), torch.float32, scores.device)
+    if cap is not None:
+        check(L <= RESIDENT_MAX, f"the threshold select holds a row in registers: at most {RESIDENT_MAX} entries, "
+              f"got {L}")
+        return _threshold_launch(scores, k, sorted, cap, num_warps)
     chunks = default_chunks(L, k) if chunks is None else max(1, min(chunks, triton.cdiv(L, k)))
     if chunks == 1:
         return _select_launch(scores, k, 1, sorted, block, num_warps)
@@ -346,41 +458,14 @@ def topk_select_triton(scores: torch.Tensor, k: int, sorted: bool = True, block:
     return _select_launch(cand_val, k, 1, sorted, None, num_warps2, id_map=cand_idx)
 
 
-def indexer_topk_fused(iq, w, keys, key_start, key_len, k, max_len=None, block_g: int = 128, bpp: int = 16,
-                       num_warps: int = 8, num_stages: int = 3, sorted: bool = True, num_warps2: int | None = None):
-    """Scores fused with the first select stage (`_score_select_kernel`: chunks of bpp * block_g entries), then
-    the second stage over the rows' candidates. Same result as `indexer_topk_triton`; two launches."""
-    _check(iq, w, keys, key_start, key_len, k)
-    N, Hi, Di = iq.shape
-    max_len = int(key_len.max()) if max_len is None else max_len
-    cl = block_g * bpp
-    chunks = triton.cdiv(max_len, cl)
-    if max_len == 0 or cl < k:
-        return indexer_topk_triton(iq, w, keys, key_start, key_len, k, max_len, select="kernel")
-    scores = empty((N, max_len), torch.float32, iq.device)
-    cand_idx = empty((N, chunks * k), torch.int64, iq.device)
-    cand_val = empty((N, chunks * k), torch.float32, iq.device)
-    _score_select_kernel[(N, chunks)](iq.contiguous(), w.contiguous(), keys.contiguous(),
-                                      key_start.to(torch.int64).contiguous(), key_len.to(torch.int64).contiguous(),
-                                      scores, max_len, Hi, k, cand_idx, cand_val,
-                                      HP=max(16, triton.next_power_of_2(Hi)), DI=Di, BLOCK_G=block_g,
-                                      F32=keys.dtype == torch.float32 or INTERPRETING, BPP=bpp,
-                                      KP=max(16, triton.next_power_of_2(k)), num_warps=num_warps,
-                                      num_stages=num_stages)
-    return _select_launch(cand_val, k, 1, sorted, None, num_warps2, id_map=cand_idx)
-
-
 def indexer_topk_triton(iq, w, keys, key_start, key_len, k, max_len=None, block_g: int = 128,
                         select: str = "kernel"):
-    """select: "kernel" (scores, then `topk_select_triton`: exact, ties -> lower id), "fused"
-    (`indexer_topk_fused`: the same result) or "topk" (torch.topk: the session-1 path, kept for the benchmark's
-    before/after; its ties are unspecified)."""
+    """select: "kernel" (scores, then `topk_select_triton`: exact, ties -> lower id) or "topk" (torch.topk: the
+    session-1 path, kept for the benchmark's before/after; its ties are unspecified)."""
     _check(iq, w, keys, key_start, key_len, k)
     N, Hi, Di = iq.shape
     check(Di >= 16 and Di & (Di - 1) == 0, f"index head dim must be a power of two >= 16, got {Di}")
     max_len = int(key_len.max()) if max_len is None else max_len
-    if select == "fused":
-        return indexer_topk_fused(iq, w, keys, key_start, key_len, k, max_len, block_g=block_g)
     scores = indexer_scores_triton(iq, w, keys, key_start, key_len, max_len, block_g)
     if select == "topk":
         kk = min(k, max_len)

@@ -18,13 +18,14 @@ quantize_fp8_rows or, from a checkpoint, by engine/quant.py's expert_to_fp8): we
 (or bf16) in registers, and each output channel's scale applied to the fp32 accumulator (weights-only
 quantization, activations stay bf16).
 Block scales (the checkpoint's: 1x32 groups along the input dim for FP4 experts, 32x32 blocks for FP8 ones):
-`shifts=(g1, g3, g2)` uint8 [E, ceil(K / 32), ceil(N / shift_rows)] (group-major, so a tile's shifts are
-contiguous runs, loaded through a tensor descriptor when shift_rows is 1) with the row scale the row's LARGEST
-block scale, so block (r, k) scales by row_scale * 2**-shift. The kernel multiplies each widened 32-wide group by
-2**-shift in registers: exact in fp16 while shift <= 15 (an e4m3 value's lowest bit is 2**-9 and fp16 keeps bits
-down to 2**-24; <= 23 for e2m1 values), exact in bf16 for any shift <= 126 (the engine's KeptExperts.finalize
-picks fp8_compute from the largest shift).
-Extra bytes: 1 per 32 weights (shift_rows 1) or per 1024 (32).
+`shifts=(g1, g3, g2)` uint8 [E, ceil(K / 32), ceil(N / shift_rows)] (group-major, so a K tile's shifts are one
+contiguous run) with the row scale the row's LARGEST block scale, so block (r, k) scales by row_scale * 2**-shift.
+The K tiles are then one 32-wide group: the tile's dot product (fp32) is multiplied per output column by
+2**-shift (built from exponent bits), exact for any shift <= 126 and independent of the widening dtype.
+Packed FP4 (uint8 [E, N, K/2], two E2M1 codes a byte, element 2i in the low nibble; always with shifts): each
+nibble is decoded to fp16 with four integer operations, and the low / high nibbles meet the activations' even /
+odd columns in two dots (no interleaving of the decoded tile). Extra bytes: 1 per 32 weights (shift_rows 1) or
+per 1024 (32).
 """
 import torch
 import triton
@@ -210,99 +211,147 @@ def _e2m1_half(nib):
 
 
 @triton.jit
-def _shift_tile(g_ptr, g_desc, e, n, nt, k0, N, K, BN: tl.constexpr, BK: tl.constexpr, GR: tl.constexpr,
-                GT: tl.constexpr):
-    """Block-scale shifts of the weight tile (rows n = nt*BN.., columns k0..k0+BK) -> int32 [BN, BK/32], from
-    g [E, ceil(K/32), ceil(N/GR)] (group-major: a tile's shifts are BK/32 runs of contiguous rows). GT: through
-    a tensor descriptor over g as [E*ceil(K/32), N] (GR = 1), so the copy engine pipelines them with the weights."""
-    KG = (K + 31) // 32
-    if GT:
-        d = tl.trans(g_desc.load([e * KG + k0 // 32, nt * BN])).to(tl.int32)
-    else:
-        kg = k0 // 32 + tl.arange(0, BK // 32)
-        d = tl.load(g_ptr + (e.to(tl.int64) * KG + kg[None, :]) * ((N + GR - 1) // GR) + (n // GR)[:, None],
-                    mask=(n[:, None] < N) & (kg[None, :] < KG), other=0).to(tl.int32)
-    return tl.minimum(d, 126)      # (past the expert's last group the descriptor reads the next expert's)
+def _e2m1_pairs(b):
+    """uint8 packed bytes -> (low nibbles, high nibbles) as fp16 holding value * 2**-14 (what _e2m1_half makes),
+    four bytes per 32-bit register: two byte permutes spread bytes to 16-bit lanes, then masks and shifts place
+    both lanes' sign and exponent-mantissa bits at once (about 2.5 integer operations a weight against ~8).
+    PTX: compiled kernels only (the interpreter takes _e2m1_half)."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 z, a, c, t, u;
+        mov.b32 z, 0;
+        prmt.b32 a, $4, z, 0x4140;
+        prmt.b32 c, $4, z, 0x4342;
+        and.b32 t, a, 0x00070007; shl.b32 t, t, 9; and.b32 u, a, 0x00080008; shl.b32 u, u, 12; or.b32 $0, t, u;
+        and.b32 t, c, 0x00070007; shl.b32 t, t, 9; and.b32 u, c, 0x00080008; shl.b32 u, u, 12; or.b32 $1, t, u;
+        and.b32 t, a, 0x00700070; shl.b32 t, t, 5; and.b32 u, a, 0x00800080; shl.b32 u, u, 8; or.b32 $2, t, u;
+        and.b32 t, c, 0x00700070; shl.b32 t, t, 5; and.b32 u, c, 0x00800080; shl.b32 u, u, 8; or.b32 $3, t, u;
+        }""", "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
 
 @triton.jit
-def _widen(wt, d, BN: tl.constexpr, BK: tl.constexpr, GS: tl.constexpr, CD: tl.constexpr, W4: tl.constexpr = False):
-    """Weight tile -> CD [BN, BK]: fp8 [BN, BK] widened, or W4: packed FP4 bytes [BN, BK/2] (element 2i in the
-    low nibble) decoded. GS: each 32-wide group times 2**-shift, d [BN, BK/32] (built from exponent bits: exact)."""
-    if W4:
-        b = wt.to(tl.int32) & 0xFF
-        w = tl.reshape(tl.join(_e2m1_half(b & 0xF), _e2m1_half(b >> 4)), [BN, BK]).to(CD)
-        up = 14                                  # _e2m1_half's 2**-14, folded into the group multiplier
-    else:
-        w = wt.to(CD)
-        up = 0
-    if GS:
-        m = ((127 + up - d) << 23).to(tl.float32, bitcast=True).to(CD)
-        w = tl.reshape(tl.reshape(w, [BN, BK // 32, 32]) * m[:, :, None], [BN, BK])
+def _group_mult(g_ptr, e, n, k0, N, K, GR: tl.constexpr, W4: tl.constexpr):
+    """fp32 [BN] multipliers 2**-shift of the 32-wide K group starting at k0 for output rows n, from
+    g [E, ceil(K/32), ceil(N/GR)] (group-major: one contiguous run of bytes). Built from exponent bits, so exact;
+    W4 also undoes _e2m1_half's 2**-14."""
+    d = tl.load(g_ptr + (e.to(tl.int64) * ((K + 31) // 32) + k0 // 32) * ((N + GR - 1) // GR) + n // GR,
+                mask=(n < N) & (k0 < K), other=0).to(tl.int32)
+    up = 14 if W4 else 0
+    return ((127 + up - tl.minimum(d, 126)) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _w_tile(w_ptr, w_desc, e, n, nt, N, k0, K, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr,
+            W4: tl.constexpr):
+    """Expert e's weight tile, rows n (tile nt), columns k0..k0+BK: [BN, BK] as stored, or W4: packed bytes
+    [BN, BK/2]. TMA: through the tensor descriptor over w as [E*N, K] (or [E*N, K/2] bytes)."""
+    if TMA and W4:
+        t = w_desc.load([e * N + nt * BN, k0 // 2])
+    elif TMA:
+        t = w_desc.load([e * N + nt * BN, k0])
     elif W4:
-        w = w * 16384.0
-    return w
+        kh = k0 // 2 + tl.arange(0, BK // 2)
+        t = tl.load(w_ptr + e.to(tl.int64) * N * (K // 2) + n[:, None] * (K // 2) + kh[None, :],
+                    mask=(n[:, None] < N) & (kh[None, :] < K // 2), other=0)
+    else:
+        kk = k0 + tl.arange(0, BK)
+        t = tl.load(w_ptr + e.to(tl.int64) * N * K + n[:, None] * K + kk[None, :],
+                    mask=(n[:, None] < N) & (kk[None, :] < K), other=0.0)
+    return t
+
+
+@triton.jit
+def _a_tile(a_ptr, rows, valid, k0, K, BK: tl.constexpr, STEP: tl.constexpr, ODD: tl.constexpr):
+    """Activation tile [BM, BK/STEP]: rows `rows` (int64) of a [*, K], columns k0 + STEP*i + ODD (STEP 2: the
+    even or odd columns, which meet a packed FP4 tile's low or high nibbles); invalid rows read 0."""
+    kk = k0 + STEP * tl.arange(0, BK // STEP) + ODD
+    return tl.load(a_ptr + rows[:, None] * K + kk[None, :], mask=valid[:, None] & (kk[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _a_tiles(a_ptr, rows, valid, k0, K, BK: tl.constexpr, W4: tl.constexpr):
+    """The activation tiles one weight tile meets: (a[:, k0:k0+BK], same) or W4: (even columns, odd columns)."""
+    if W4:
+        return _a_tile(a_ptr, rows, valid, k0, K, BK, 2, 0), _a_tile(a_ptr, rows, valid, k0, K, BK, 2, 1)
+    else:
+        t = _a_tile(a_ptr, rows, valid, k0, K, BK, 1, 0)
+        return t, t
+
+
+@triton.jit
+def _mac(acc, a0, a1, wt, m, F32: tl.constexpr, FP8: tl.constexpr, CD: tl.constexpr, GS: tl.constexpr,
+         W4: tl.constexpr, W4ASM: tl.constexpr = False):
+    """acc [BM, BN] += a @ wt^T (times m [BN] with block shifts: then the tile is one 32-wide group, so the
+    shift is a per-column factor of the fp32 partial product; no reshape of the weight tile). fp8 tiles are
+    widened to CD; packed FP4 tiles decoded to fp16 (exact), low nibbles met by a0 (even columns), high by a1."""
+    if W4:
+        if W4ASM and not F32:
+            lo, hi = _e2m1_pairs(wt)
+        else:
+            b = wt.to(tl.int32) & 0xFF
+            lo = _e2m1_half(b & 0xF)
+            hi = _e2m1_half(b >> 4)
+        if F32:
+            d = tl.dot(a0.to(tl.float32), tl.trans(lo.to(tl.float32)), input_precision="ieee")
+            d += tl.dot(a1.to(tl.float32), tl.trans(hi.to(tl.float32)), input_precision="ieee")
+        else:
+            d = tl.dot(a0.to(CD), tl.trans(lo.to(CD)))
+            d += tl.dot(a1.to(CD), tl.trans(hi.to(CD)))
+    elif F32:
+        d = tl.dot(a0.to(tl.float32), tl.trans(wt.to(tl.float32)), input_precision="ieee")
+    elif FP8:
+        d = tl.dot(a0.to(CD), tl.trans(wt.to(CD)))
+    else:
+        d = tl.dot(a0.to(wt.dtype), tl.trans(wt))
+    if GS:
+        d = d * m[None, :]
+    return acc + d
+
+
+@triton.jit
+def _block_rows(slot_pair_ptr, b, nt, BM: tl.constexpr, BN: tl.constexpr):
+    """Block b's slots, the pair in each (-1: padding) and output tile nt's columns."""
+    slots = b * BM + tl.arange(0, BM)
+    return slots, tl.load(slot_pair_ptr + slots), nt * BN + tl.arange(0, BN)
 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, s1_ptr, s3_ptr, h_ptr, slot_pair_ptr, block_expert_ptr,
-                    H, F, K_TOP, limit, g1_ptr, g3_ptr, g1_desc, g3_desc, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, F32: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr,
-                    CD: tl.constexpr = tl.bfloat16, GS: tl.constexpr = False, GR: tl.constexpr = 1,
-                    W4: tl.constexpr = False, GT: tl.constexpr = False):
+                    H, F, K_TOP, limit, g1_ptr, g3_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    F32: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr, CD: tl.constexpr = tl.bfloat16,
+                    GS: tl.constexpr = False, GR: tl.constexpr = 1, W4: tl.constexpr = False,
+                    PF: tl.constexpr = False, W4ASM: tl.constexpr = False):
     """Program (block of one expert's pairs, F tile): h = silu(min(x W1^T, L)) * clamp(x W3^T, -L, L).
-    TMA: the weight tiles come through tensor descriptors over w [E*F, H] (Hopper's bulk copy engine)."""
+    TMA: the weight tiles come through tensor descriptors over w [E*F, H] (Hopper's bulk copy engine), which
+    the compiler pipelines; PF: the activation tile and the block shifts (plain loads, not pipelined by the
+    compiler) are loaded one K step ahead, so their latency overlaps a step's dots."""
     b = tl.program_id(0)
     nt = tl.program_id(1)
     e = tl.load(block_expert_ptr + b)
     if e >= 0:
-        slots = b * BM + tl.arange(0, BM)
-        pair = tl.load(slot_pair_ptr + slots)
+        slots, pair, n = _block_rows(slot_pair_ptr, b, nt, BM, BN)
         tok = tl.where(pair >= 0, pair // K_TOP, 0).to(tl.int64)
-        n = nt * BN + tl.arange(0, BN)
         acc1 = tl.zeros([BM, BN], tl.float32)
         acc3 = tl.zeros([BM, BN], tl.float32)
-        wbase = e.to(tl.int64) * F * H
+        ok = pair >= 0
+        if PF:                                   # the next K step's activations and shifts, a step ahead
+            a0, a1 = _a_tiles(x_ptr, tok, ok, 0, H, BK, W4)
+            m1 = _group_mult(g1_ptr, e, n, 0, F, H, GR, W4) if GS else 0
+            m3 = _group_mult(g3_ptr, e, n, 0, F, H, GR, W4) if GS else 0
         for k0 in range(0, H, BK):
-            kk = k0 + tl.arange(0, BK)
-            xt = tl.load(x_ptr + tok[:, None] * H + kk[None, :], mask=(pair[:, None] >= 0) & (kk[None, :] < H),
-                         other=0.0)
-            if TMA and W4:                       # packed FP4: [BN, BK/2] bytes
-                w1t = w1_desc.load([e * F + nt * BN, k0 // 2])
-                w3t = w3_desc.load([e * F + nt * BN, k0 // 2])
-            elif TMA:
-                w1t = w1_desc.load([e * F + nt * BN, k0])                                      # [BN, BK]
-                w3t = w3_desc.load([e * F + nt * BN, k0])
-            elif W4:
-                kh = k0 // 2 + tl.arange(0, BK // 2)
-                wm = (n[:, None] < F) & (kh[None, :] < H // 2)
-                w1t = tl.load(w1_ptr + wbase // 2 + n[:, None] * (H // 2) + kh[None, :], mask=wm, other=0)
-                w3t = tl.load(w3_ptr + wbase // 2 + n[:, None] * (H // 2) + kh[None, :], mask=wm, other=0)
+            w1t = _w_tile(w1_ptr, w1_desc, e, n, nt, F, k0, H, BN, BK, TMA, W4)
+            w3t = _w_tile(w3_ptr, w3_desc, e, n, nt, F, k0, H, BN, BK, TMA, W4)
+            if PF:
+                c0, c1, cm1, cm3 = a0, a1, m1, m3
+                a0, a1 = _a_tiles(x_ptr, tok, ok, k0 + BK, H, BK, W4)
+                m1 = _group_mult(g1_ptr, e, n, k0 + BK, F, H, GR, W4) if GS else 0
+                m3 = _group_mult(g3_ptr, e, n, k0 + BK, F, H, GR, W4) if GS else 0
             else:
-                wm = (n[:, None] < F) & (kk[None, :] < H)
-                w1t = tl.load(w1_ptr + wbase + n[:, None] * H + kk[None, :], mask=wm, other=0.0)
-                w3t = tl.load(w3_ptr + wbase + n[:, None] * H + kk[None, :], mask=wm, other=0.0)
-            if GS:
-                d1 = _shift_tile(g1_ptr, g1_desc, e, n, nt, k0, F, H, BN, BK, GR, GT)
-                d3 = _shift_tile(g3_ptr, g3_desc, e, n, nt, k0, F, H, BN, BK, GR, GT)
-            else:
-                d1 = 0
-                d3 = 0
-            if FP8 and F32:
-                w1t = _widen(w1t, d1, BN, BK, GS, tl.float32, W4)
-                w3t = _widen(w3t, d3, BN, BK, GS, tl.float32, W4)
-            elif FP8:                            # widened to CD (bf16, or fp16: one cvt from e4m3)
-                w1t = _widen(w1t, d1, BN, BK, GS, CD, W4)
-                w3t = _widen(w3t, d3, BN, BK, GS, CD, W4)
-            if F32:
-                acc1 += tl.dot(xt.to(tl.float32), tl.trans(w1t.to(tl.float32)), input_precision="ieee")
-                acc3 += tl.dot(xt.to(tl.float32), tl.trans(w3t.to(tl.float32)), input_precision="ieee")
-            elif FP8:
-                acc1 += tl.dot(xt.to(CD), tl.trans(w1t))
-                acc3 += tl.dot(xt.to(CD), tl.trans(w3t))
-            else:
-                acc1 += tl.dot(xt.to(w1t.dtype), tl.trans(w1t))
-                acc3 += tl.dot(xt.to(w3t.dtype), tl.trans(w3t))
+                c0, c1 = _a_tiles(x_ptr, tok, ok, k0, H, BK, W4)
+                cm1 = _group_mult(g1_ptr, e, n, k0, F, H, GR, W4) if GS else 0
+                cm3 = _group_mult(g3_ptr, e, n, k0, F, H, GR, W4) if GS else 0
+            acc1 = _mac(acc1, c0, c1, w1t, cm1, F32, FP8, CD, GS, W4, W4ASM)
+            acc3 = _mac(acc3, c0, c1, w3t, cm3, F32, FP8, CD, GS, W4, W4ASM)
         if FP8:                                  # per-output-channel scales of the fp8 weights
             sn = e.to(tl.int64) * F + n
             acc1 = acc1 * tl.load(s1_ptr + sn, mask=n < F, other=0.0)[None, :]
@@ -315,45 +364,31 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, s1_ptr, s3_ptr, h_p
 
 @triton.jit
 def _down_kernel(h_ptr, w2_ptr, w2_desc, s2_ptr, y_ptr, wts_ptr, slot_pair_ptr, block_expert_ptr, H, F, g2_ptr,
-                 g2_desc, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, TMA: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, TMA: tl.constexpr,
                  FP8: tl.constexpr, CD: tl.constexpr = tl.bfloat16, GS: tl.constexpr = False, GR: tl.constexpr = 1,
-                 W4: tl.constexpr = False, GT: tl.constexpr = False):
+                 W4: tl.constexpr = False, PF: tl.constexpr = False, W4ASM: tl.constexpr = False):
     """Program (block of one expert's pairs, H tile): y[pair] = weight[pair] * (h W2^T), one row per pair."""
     b = tl.program_id(0)
     nt = tl.program_id(1)
     e = tl.load(block_expert_ptr + b)
     if e >= 0:
-        slots = b * BM + tl.arange(0, BM)
-        pair = tl.load(slot_pair_ptr + slots)
-        n = nt * BN + tl.arange(0, BN)
+        slots, pair, n = _block_rows(slot_pair_ptr, b, nt, BM, BN)
         acc = tl.zeros([BM, BN], tl.float32)
-        wbase = e.to(tl.int64) * H * F
+        rows = slots.to(tl.int64)
+        ok = pair >= 0
+        if PF:
+            a0, a1 = _a_tiles(h_ptr, rows, ok, 0, F, BK, W4)
+            m2 = _group_mult(g2_ptr, e, n, 0, H, F, GR, W4) if GS else 0
         for k0 in range(0, F, BK):
-            kk = k0 + tl.arange(0, BK)
-            ht = tl.load(h_ptr + slots[:, None].to(tl.int64) * F + kk[None, :],
-                         mask=(pair[:, None] >= 0) & (kk[None, :] < F), other=0.0)
-            if TMA and W4:
-                w2t = w2_desc.load([e * H + nt * BN, k0 // 2])                                 # [BN, BK/2]
-            elif TMA:
-                w2t = w2_desc.load([e * H + nt * BN, k0])                                      # [BN, BK]
-            elif W4:
-                kh = k0 // 2 + tl.arange(0, BK // 2)
-                w2t = tl.load(w2_ptr + wbase // 2 + n[:, None] * (F // 2) + kh[None, :],
-                              mask=(n[:, None] < H) & (kh[None, :] < F // 2), other=0)
+            w2t = _w_tile(w2_ptr, w2_desc, e, n, nt, H, k0, F, BN, BK, TMA, W4)
+            if PF:
+                c0, c1, cm2 = a0, a1, m2
+                a0, a1 = _a_tiles(h_ptr, rows, ok, k0 + BK, F, BK, W4)
+                m2 = _group_mult(g2_ptr, e, n, k0 + BK, H, F, GR, W4) if GS else 0
             else:
-                w2t = tl.load(w2_ptr + wbase + n[:, None] * F + kk[None, :],
-                              mask=(n[:, None] < H) & (kk[None, :] < F), other=0.0)
-            d2 = _shift_tile(g2_ptr, g2_desc, e, n, nt, k0, H, F, BN, BK, GR, GT) if GS else 0
-            if FP8 and F32:
-                w2t = _widen(w2t, d2, BN, BK, GS, tl.float32, W4)
-            elif FP8:
-                w2t = _widen(w2t, d2, BN, BK, GS, CD, W4)
-            if F32:
-                acc += tl.dot(ht.to(tl.float32), tl.trans(w2t.to(tl.float32)), input_precision="ieee")
-            elif FP8:
-                acc += tl.dot(ht.to(CD), tl.trans(w2t))
-            else:
-                acc += tl.dot(ht.to(w2t.dtype), tl.trans(w2t))
+                c0, c1 = _a_tiles(h_ptr, rows, ok, k0, F, BK, W4)
+                cm2 = _group_mult(g2_ptr, e, n, k0, H, F, GR, W4) if GS else 0
+            acc = _mac(acc, c0, c1, w2t, cm2, F32, FP8, CD, GS, W4, W4ASM)
         if FP8:
             acc = acc * tl.load(s2_ptr + e.to(tl.int64) * H + n, mask=n < H, other=0.0)[None, :]
         p = tl.maximum(pair, 0).to(tl.int64)
@@ -373,10 +408,21 @@ def _combine_kernel(y_ptr, out_ptr, H, K_TOP: tl.constexpr, BH: tl.constexpr):
 
 
 # fp8 weights: gate/up tiles (H200 round 2 sweep: 128-wide N tiles over 128-wide K tiles, 8 warps, TMA loads).
-# With block shifts, 64-wide K tiles (session 3 round 1, V4.1 T=64: 2.79 ms against 3.23 with 128; per-row
-# scales 2.14 ms, which is why the loader folds the shifts into the e4m3 values whenever that is exact)
+# Block shifts need one 32-wide group per K tile (the shift is then a per-column factor of the partial product).
+# Session 3 scaled the widened weights per group in registers instead, with 64-wide tiles (V4.1 T=64: 2.50 ms vs
+# 2.16 per-row; bk128 3.23): that [BN, BK/32, 32] reshape (and packed FP4's nibble join) faulted with
+# "misaligned address" on the H200 at small tiles, so it was replaced by this form.
 FP8_TILES = dict(block_n=128, block_k=128, num_warps=8)
-FP8_SHIFT_TILES = dict(block_n=128, block_k=64, num_warps=8)
+# H200 session 4 (V4.1 T=64, 1x32 shifts): 128 x 32 tiles with 4 warps and 3 stages 2.42-2.64 ms (85-88% of the
+# bytes); 8 warps 3.12-3.28, 4 / 2 stages 2.93 / 2.98, 64-wide N tiles 2.68-2.94 ms; 32x32 block shifts 2.57 ms.
+FP8_SHIFT_TILES = dict(block_n=128, block_k=32, num_warps=4, num_stages=3)
+# 32-wide K steps: the activation and shift loads of the next step issued a step early (round 2, V4.1 T=64:
+# 2.64 ms against 3.11 without; packed FP4 2.58 against 3.39)
+PREFETCH_SHIFTED = True
+# packed FP4: byte-permute decode in inline PTX (round 1, V4.1 T=64, 8 warps: 3.66 ms against 5.40 ms with the
+# per-nibble integer decode; round 2 with the tiles above: 2.32-2.58 ms, 44-47% of its half bytes, 0.9x the
+# per-row fp8 path's speed: the decode's integer work still bounds it, so fp8 stays the loader's default)
+W4_ASM_DEFAULT = True
 
 # Tensor-descriptor weight loads by default (when the shapes allow). H200 round 1: as fast as the pointer loads
 # (200 vs 202 us at T=64), and their sm_90 build does not spill (the pointer build spills 808 B per thread).
@@ -390,24 +436,30 @@ def default_block_m(T: int, K: int, E: int) -> int:
     return max(16, min(64, triton.next_power_of_2(max(1, -(-T * K // E)))))
 
 
-def _tma_ok(*ws) -> bool:
-    """Tensor descriptors need 16-byte aligned bases and row strides (contiguous weights with rows of 16 B)."""
-    return all(w.data_ptr() % 16 == 0 and (w.shape[-1] * w.element_size()) % 16 == 0 for w in ws)
+def tma_ok(w: torch.Tensor, box: tuple[int, int]) -> bool:
+    """Whether a 2-D tensor descriptor over w (viewed [rows, w.shape[-1]]) with this box is legal for Hopper's
+    bulk copy: 16-byte aligned base and row stride (contiguous rows of a multiple of 16 bytes), an inner box of
+    at least 16 bytes, and a box whose bytes are a multiple of 128 (the pipelined shared-memory slots of the
+    copies sit back to back, and each copy's destination must be 128-byte aligned)."""
+    es = w.element_size()
+    return (w.is_contiguous() and w.data_ptr() % 16 == 0 and (w.shape[-1] * es) % 16 == 0
+            and box[1] * es >= 16 and (box[0] * box[1] * es) % 128 == 0)
 
 
 def moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit=10.0, block_m=None, block_n=64, block_k=128,
                        num_warps=None, num_stages=3, down=None, tma=None, align="triton", scales=None,
-                       fp8_compute="fp16", shifts=None, shift_rows=1, shift_tma=None):
+                       fp8_compute="fp16", shifts=None, shift_rows=1, prefetch=None, w4_asm=None):
     """block_m None: default_block_m. (block_n, block_k, num_warps, num_stages) tile the gate/up kernel; `down`
     (same 4-tuple, None: the same) the down kernel; num_warps None: 4 for 16-row blocks, else 8 (sm_90 builds
-    without spills). tma (None: TMA_DEFAULT): weight tiles through tensor descriptors when the shapes allow;
+    without spills). tma (None: TMA_DEFAULT): weight tiles through tensor descriptors when `tma_ok` allows;
     the sm_90 build then stages them in shared memory (pipelined), while the pointer loads go to registers
     (and spill at bk=128).
     align: "triton" (one launch) or "torch" (align_pairs). scales: fp8 weights' per-row scales (module doc);
     fp8_compute: "fp16" or "bf16", the dtype the fp8 weights (and the activations) are widened to for the dot
     (H200 round 2, toy T=64: fp16 120 us, bf16 172 us: e4m3 -> fp16 is one conversion instruction).
-    shifts / shift_rows: the block scales' shifts (module doc); the K tiles are then multiples of 32;
-    shift_tma (None: when TMA is on and shift_rows is 1): shift tiles through tensor descriptors too."""
+    shifts / shift_rows: the block scales' shifts (module doc); the K tiles are then 32 wide (one group).
+    prefetch (None: PREFETCH_SHIFTED with shifts, else off): activations and shifts loaded a K step ahead.
+    w4_asm (None: W4_ASM_DEFAULT): packed FP4 decoded four bytes at a time by inline PTX (compiled kernels)."""
     _check(x, ids, weights, w1, w3, w2, scales, shifts, shift_rows)
     T, H = x.shape
     K = ids.shape[1]
@@ -418,7 +470,9 @@ def moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit=10.0, block_m=N
     num_warps = num_warps or (4 if block_m <= 16 else 8)
     dn, dk, dw, ds = down or (block_n, block_k, num_warps, num_stages)
     gs = shifts is not None
-    check(not gs or (block_k % 32 == 0 and dk % 32 == 0), f"block scales need K tiles of 32s, got {block_k}, {dk}")
+    check(not gs or (block_k == 32 and dk == 32), f"block scales need K tiles of one 32-group, got {block_k}, {dk}")
+    pf = (PREFETCH_SHIFTED and gs) if prefetch is None else bool(prefetch)
+    w4asm = (W4_ASM_DEFAULT if w4_asm is None else bool(w4_asm)) and not INTERPRETING
     slot_pair, block_expert = (align_pairs_triton if align == "triton" else align_pairs)(ids, E, block_m)
     n_blocks = block_expert.numel()
     fp8 = scales is not None
@@ -429,42 +483,36 @@ def moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit=10.0, block_m=N
     else:
         s1 = s3 = s2 = x
     g1, g3, g2 = (g.contiguous() for g in shifts) if gs else (x, x, x)
-    gd1 = gd3 = gd2 = None
     w1, w3, w2 = w1.contiguous(), w3.contiguous(), w2.contiguous()
     w4 = is_packed_fp4(w1)
     c = 2 if w4 else 1
     if w4:                                    # uint8 bytes (an int8 view would sign-extend: masked anyway)
         w1, w3, w2 = w1.view(torch.uint8), w3.view(torch.uint8), w2.view(torch.uint8)
-    tma = (TMA_DEFAULT if tma is None else bool(tma)) and _tma_ok(w1, w3, w2)
+    box_up, box_down = (block_n, block_k // c), (dn, dk // c)
+    tma = ((TMA_DEFAULT if tma is None else bool(tma)) and tma_ok(w1, box_up) and tma_ok(w3, box_up)
+           and tma_ok(w2, box_down))
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
-        d1 = TensorDescriptor.from_tensor(w1.view(E * F, H // c), [block_n, block_k // c])
-        d3 = TensorDescriptor.from_tensor(w3.view(E * F, H // c), [block_n, block_k // c])
-        d2 = TensorDescriptor.from_tensor(w2.view(E * H, F // c), [dn, dk // c])
-        gt = gs and shift_rows == 1 and _tma_ok(g1, g3, g2) and min(block_k, dk) >= 32
-        if gt:                                # shifts [E, K/32, N] as [E*K/32, N]: [BK/32, BN] tiles
-            gd1 = TensorDescriptor.from_tensor(g1.view(-1, F), [block_k // 32, block_n])
-            gd3 = TensorDescriptor.from_tensor(g3.view(-1, F), [block_k // 32, block_n])
-            gd2 = TensorDescriptor.from_tensor(g2.view(-1, H), [dk // 32, dn])
+        d1 = TensorDescriptor.from_tensor(w1.view(E * F, H // c), list(box_up))
+        d3 = TensorDescriptor.from_tensor(w3.view(E * F, H // c), list(box_up))
+        d2 = TensorDescriptor.from_tensor(w2.view(E * H, F // c), list(box_down))
     else:
         d1 = d3 = d2 = None
-        gt = False
-    if shift_tma is not None:
-        gt = gt and shift_tma
     h_dtype = torch.float32 if w1.dtype == torch.float32 else (torch.bfloat16 if fp8 else w1.dtype)
     h = empty((n_blocks * block_m, F), h_dtype, x.device)
     y = empty((T * K, H), torch.float32, x.device)
     x = x.contiguous()
     _gate_up_kernel[(n_blocks, triton.cdiv(F, block_n))](x, w1, w3, d1, d3, s1, s3, h, slot_pair, block_expert, H,
-                                                         F, K, float(swiglu_limit), g1, g3, gd1, gd3, BM=block_m,
+                                                         F, K, float(swiglu_limit), g1, g3, BM=block_m,
                                                          BN=block_n, BK=block_k, F32=f32, TMA=tma, FP8=fp8, CD=cd,
-                                                         GS=gs, GR=shift_rows, W4=w4, GT=gt, num_warps=num_warps,
+                                                         GS=gs, GR=shift_rows, W4=w4, PF=pf, W4ASM=w4asm,
+                                                         num_warps=num_warps,
                                                          num_stages=num_stages)
     _down_kernel[(n_blocks, triton.cdiv(H, dn))](h, w2, d2, s2, y, weights.float().contiguous(), slot_pair,
-                                                 block_expert, H, F, g2, gd2, BM=block_m, BN=dn, BK=dk, F32=f32,
-                                                 TMA=tma, FP8=fp8, CD=cd, GS=gs, GR=shift_rows, W4=w4, GT=gt,
-                                                 num_warps=dw,
-                                                 num_stages=ds)
+                                                 block_expert, H, F, g2, BM=block_m, BN=dn, BK=dk, F32=f32,
+                                                 TMA=tma, FP8=fp8, CD=cd, GS=gs, GR=shift_rows, W4=w4, PF=pf,
+                                                 W4ASM=w4asm,
+                                                 num_warps=dw, num_stages=ds)
     out = empty((T, H), x.dtype, x.device)
     bh = min(1024, triton.next_power_of_2(H))
     _combine_kernel[(T, triton.cdiv(H, bh))](y, out, H, K_TOP=K, BH=bh, num_warps=4)

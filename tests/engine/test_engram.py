@@ -282,6 +282,14 @@ def test_fp8_table_from_safetensors_matches_decoding_by_hand(tmp_path):
     in_memory = eg.EngramTable.from_tensors(weight_bytes.view(torch.float8_e4m3fn), scale_bytes.view(torch.float8_e8m0fnu))
     assert torch.equal(in_memory.lookup(ids), got)
     assert torch.equal(in_memory.full(), table.full())
+    # the packed bytes (the fast path ships these and decodes on the device): the stored bytes, decoding to
+    # the hand-decoded values bit for bit
+    for t in (table, in_memory):
+        packed = t.lookup_packed(ids)
+        assert packed.shape == (2, 3, width + width // 32) and packed.dtype == torch.uint8
+        assert torch.equal(packed[..., :width], weight_bytes[ids]) and torch.equal(packed[..., width:], scale_bytes[ids])
+        assert torch.equal(eg.unpack_rows(packed, width), got)
+    assert eg.EngramTable.from_tensors(torch.randn(4, 64)).lookup_packed(ids[:, :1] % 4) is None   # not FP8
 
 
 def _rss_bytes() -> int:
@@ -382,6 +390,20 @@ def test_forward_matches_the_spec_by_hand(eps):
                                       multipliers_by_numpy(1, 3, 512))
     assert got.dtype == residual.dtype
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_values_mix_like_the_fp32_values():
+    """The fast path's packed rows (raw FP8 bytes, decoded in `mix`) give the same output bit for bit."""
+    torch.manual_seed(4)
+    module = eg.Engram(TINY, 1)
+    assert module.table.lookup_packed(torch.zeros(1, dtype=torch.long)) is not None   # the random table is FP8
+    windows = eg.ngram_windows(torch.tensor([7, 8, 9, 7, 500, 1, 0, 33]), torch.tensor([3, 4]), 3, 2)
+    packed = module.packed_values(windows)
+    assert packed.dtype == torch.uint8
+    r = torch.randn(windows.shape[0], 4, 64)
+    assert torch.equal(module.mix(r, packed), module.mix(r, module.values(windows)))
+    module.table = eg.EngramTable.from_tensors(torch.randn(408, 32))      # unquantized: falls back to fp32 rows
+    assert module.packed_values(windows).dtype == torch.float32
 
 
 def test_forward_keeps_bf16_and_parameter_names():

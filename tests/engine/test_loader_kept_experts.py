@@ -130,7 +130,7 @@ def test_kept_memory_and_layout(tmp_path):
         q = m.kept
         E, F, H = q.w1.shape
         assert q.w1.dtype == torch.float8_e4m3fn and q.w2.shape == (E, H, F) and q.rows == 1
-        assert q.compute == "fp16" and q.g1 is None      # random weights: group scales close, shifts folded
+        assert q.g1 is None      # random weights: group scales close, shifts folded
         want = 3 * E * F * H + 4 * E * (2 * F + H)
         assert q.nbytes() == want
         n_weights += 3 * E * F * H
@@ -146,7 +146,7 @@ def test_kept_memory_and_layout(tmp_path):
     for m, mk in zip(_moes(packed), _moes(kept)):
         q = m.kept
         E, F, H2 = q.w1.shape
-        assert q.w1.dtype == torch.uint8 and q.compute == "fp16" and q.g1 is not None
+        assert q.w1.dtype == torch.uint8 and q.g1 is not None
         assert q.nbytes() == mk.kept.nbytes() - 3 * E * F * H2 + sum(g.numel() for g in q.shifts())
         assert torch.equal(q.s1, mk.kept.s1)
     assert torch.equal(packed.forward_logits(ids), plain.forward_logits(ids))
@@ -173,20 +173,18 @@ def test_layer_with_float_scales_is_dequantized_instead(v4_folders, tmp_path):
     assert torch.equal(ours.forward_logits(ids), ref.forward_logits(ids))
 
 
-def test_widening_dtype_follows_the_largest_shift():
-    """fp16 widening only where it is exact: shifts <= 23 for weights that were all E2M1, <= 15 once an E4M3
-    weight is present; bf16 otherwise."""
-    def kept(top, from_fp8):
-        q = KeptExperts.empty(2, 64, 32, 1, "cpu")
+def test_finalize_drops_only_all_zero_shifts():
+    """All-zero shifts of e4m3 stacks are dropped (the kernel's per-row path); any nonzero shift keeps them, and
+    packed FP4 stacks keep theirs (the kernel needs them to decode)."""
+    def kept(top, packed=False):
+        q = KeptExperts.empty(2, 64, 32, 1, "cpu", packed=packed)
         for g in (q.g1, q.g3, q.g2):
             g.zero_()
         q.g2[1, 0, 0] = top
-        q.from_fp8 = from_fp8
         q.finalize()
-        assert (q.shifts() is None) == (top == 0)          # all-zero shifts are dropped: the per-row path
-        return q.compute
-    assert kept(23, False) == "fp16" and kept(24, False) == "bf16"
-    assert kept(15, True) == "fp16" and kept(16, True) == "bf16" and kept(0, True) == "fp16"
+        return q.shifts()
+    assert kept(0) is None and kept(1) is not None and int(kept(126)[2][1, 0, 0]) == 126
+    assert kept(0, packed=True) is not None
 
 
 def test_bad_expert_dtype_is_named(tmp_path):
@@ -202,8 +200,8 @@ def test_bad_expert_dtype_is_named(tmp_path):
 
 @pytest.mark.parametrize("expert_dtype,wide", [("fp8", False), ("fp4", False), ("fp8", True)])
 def test_kept_layer_through_the_triton_kernel(tmp_path, monkeypatch, v4_folders, expert_dtype, wide):
-    """The CUDA dispatch of a kept layer (kernels.moe_experts_triton with the stacks, shifts and the widening
-    dtype the loader chose), run by the Triton interpreter, against the same layer's twin path: folded per-row
+    """The CUDA dispatch of a kept layer (kernels.moe_experts_triton with the stacks and the shifts the loader
+    kept), run by the Triton interpreter, against the same layer's twin path: folded per-row
     scales (V4.1 tiny), packed FP4, and a layer whose shifts could not be folded (wide)."""
     import deepinfer_sg.kernels.moe as k_moe
     if wide:
@@ -219,9 +217,9 @@ def test_kept_layer_through_the_triton_kernel(tmp_path, monkeypatch, v4_folders,
     ran = []
     monkeypatch.setattr(k_moe, "use_triton", lambda t: True)
     real = k_moe.moe_experts_triton
-    monkeypatch.setattr(k_moe, "moe_experts_triton", lambda *a, **k: ran.append(k["fp8_compute"]) or real(*a, **k))
+    monkeypatch.setattr(k_moe, "moe_experts_triton", lambda *a, **k: ran.append(k.get("shifts")) or real(*a, **k))
     out = moe.forward_grouped(x).float()
-    assert ran == [moe.kept.compute]
+    assert len(ran) == 1 and (ran[0] is None) == (moe.kept.g1 is None)
     assert (out - ref).norm() / ref.norm() < 2e-2
 
 

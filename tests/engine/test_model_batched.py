@@ -199,3 +199,23 @@ def test_triton_kernels_as_wired_give_the_reference_logits(monkeypatch):
         b = m.forward_step([StepChunk(c, x, len(x)) for c, x in zip(ref, ch)]).logits
         assert _rel(a, b) < 1e-5
     assert len(ran) == 4, ran
+
+
+@pytest.mark.parametrize("G,k", [(5, 8), (40, 8), (33, 16)])
+def test_topk_ids_by_the_select_kernel_equal_the_reference_mask(G, k):
+    """batched.topk_ids: the select kernel's winners (Triton, by the interpreter) sorted to ids, against the
+    reference's `topk_mask` turned into ascending ids by hand; relu-like exact ties, rows with fewer allowed entries
+    than k, rows with none."""
+    from deepinfer_sg.engine.indexer import topk_mask
+    g = torch.Generator().manual_seed(G * k)
+    T = 6
+    scores = torch.randint(0, 4, (T, G), generator=g).float()          # many exact ties
+    allowed = torch.rand(T, G, generator=g) < 0.7
+    allowed[1, 3:] = False                                             # fewer than k allowed
+    allowed[2] = False                                                 # none
+    want = torch.full((T, min(k, G)), -1, dtype=torch.long)
+    for r, row in enumerate(topk_mask(scores, allowed, k)):
+        ids = row.nonzero().flatten()
+        want[r, :ids.numel()] = ids
+    for triton in (False, True):
+        assert torch.equal(batched.topk_ids(scores, allowed, k, triton=triton), want), triton

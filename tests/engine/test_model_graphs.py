@@ -12,8 +12,8 @@ import copy
 import pytest
 import torch
 
-from deepinfer_sg.engine import testing
-from deepinfer_sg.engine.model import Model, StepChunk
+from deepinfer_sg.engine import batched, testing
+from deepinfer_sg.engine.model import StepChunk
 from deepinfer_sg.engine.step_graphs import SegmentGraphs
 
 from test_model_batched import _random_model
@@ -62,6 +62,7 @@ def test_emulated_graph_replays_equal_eager_steps(name):
     eager = copy.deepcopy(caches)
     m._graphs = graphs = SegmentGraphs(emulate=True, warm=1)
     modes = []
+    kept = []     # every step's outputs: a later replay must not change them (they are copies, not graph buffers)
     for rows, back in SCHEDULE:
         chunks = [(i, torch.randint(0, vocab, (n,), generator=g)) for i, n in enumerate(rows) if n]
         outs = {}
@@ -82,6 +83,9 @@ def test_emulated_graph_replays_equal_eager_steps(name):
         a, b = outs[True], outs[False]
         assert torch.equal(a.logits, b.logits), f"step {len(modes)} ({modes[-1]}): logits differ"
         assert torch.equal(a.hidden, b.hidden)
+        kept.append((a, b))
+        for k, (ka, kb) in enumerate(kept):
+            assert torch.equal(ka.logits, kb.logits) and torch.equal(ka.hidden, kb.hidden), f"step {k}'s outputs changed"
         assert (a.draft_features is None) == (b.draft_features is None)
         if a.draft_features is not None:
             assert torch.equal(a.draft_features, b.draft_features)
@@ -93,7 +97,12 @@ def test_emulated_graph_replays_equal_eager_steps(name):
                 eager[k].rollback(n)
     # the schedule exercised every mode, and replays of one size after steps of another
     assert modes[:3] == ["eager", "capture", "replay"] and modes[5] == "replay" and modes[6] == "replay"
-    assert modes.count("capture") == 3 and graphs.captures == 3 * (m.config.num_layers + 1)
+    # one segment per eager attention core + 1 per size (more where a new index bucket was captured later); the
+    # other layers' cores ran inside the segments
+    eager = batched.eager_layers(m)
+    assert 0 < len(eager) < m.config.num_layers
+    assert modes.count("capture") == 3 and graphs.captures >= 3 * (len(eager) + 1)
+    assert all(len(size.segments) >= len(eager) + 1 for size in graphs._sizes.values())
 
 
 def test_graphs_are_dropped_when_the_weights_move_or_the_kernels_change():

@@ -112,16 +112,21 @@ def test_fill_masks_with_finished_matchers(compiler, ds_tokenizer, raw_lltokeniz
     eos_row = torch.zeros((DEEPSEEK_VOCAB + 31) // 32, dtype=torch.int32)
     eos_row[EOS // 32] = 1 << (EOS % 32)
     want = allocate_bitmask(1, DEEPSEEK_VOCAB)
-    for drafts in (None, [[] if i % 3 else [EOS] for i in range(8)]):
-        out = fill_masks(matchers, drafts)
+    # in both orders: a finished matcher first, or a live one first (whose batch call must then notice the
+    # finished ones: llguidance's executor refuses them and fill_masks falls back to per-class groups)
+    for shift, drafts in ((0, None), (0, [[] if i % 3 else [EOS] for i in range(8)]), (1, None),
+                          (1, [[] if i % 3 else [EOS] for i in range(1, 9)])):
+        order = list(range(shift, 8)) + list(range(shift))
+        out = fill_masks([matchers[i] for i in order], drafts)
         row = 0
-        for i, (m, r) in enumerate(zip(matchers, raws)):
+        for j, i in enumerate(order):
+            m, r = matchers[i], raws[i]
             if i % 3 == 0:
                 assert torch.equal(out[row], eos_row)
             else:
                 r.unsafe_compute_mask_ptr(want.data_ptr(), want.shape[1] * 4)
                 assert torch.equal(out[row], want[0])
-            n = 1 if drafts is None else len(drafts[i]) + 1
+            n = 1 if drafts is None else len(drafts[j]) + 1
             assert not out[row + 1: row + n].any()  # nothing is grammatical after EOS
             row += n
     m = matchers[0]

@@ -88,7 +88,44 @@ def test_other_requests_survive_an_exhausted_lexer(compiler, ds_tokenizer, raw_l
     assert not out[2].any()  # b's row: nothing allowed
     with pytest.raises(ConstraintError, match="matcher 1"):
         fill_masks([a, b])  # without an errors dict the failure is raised
+    # a batch large enough that fill_masks looks for failures among the rows allowing EOS only: b is found, and
+    # every other row (some at the end of their text, allowing EOS themselves) is raw llguidance's
+    others = []
+    for i in range(120):
+        m = compiled.matcher()
+        assert all(m.accept(t) for t in short[: i % (len(short) + 1)])
+        others.append((m, short[: i % (len(short) + 1)]))
+    batch = [m for m, _ in others[:57]] + [b] + [m for m, _ in others[57:]]
+    errors = {}
+    out = fill_masks(batch, errors=errors)
+    assert list(errors) == [57] and "lexer" in errors[57] and not out[57].any()
+    for k in (0, 1, 2, 3, 4, 5, 6, 56, 58, 100, 120):
+        _, prefix = others[k if k < 57 else k - 1]
+        assert torch.equal(out[k], raw_mask_at(raw_lltokenizer, compiled.grammar, prefix)), k
+    assert sum(bool(out[k, EOS // 32] & (1 << EOS % 32)) for k in range(121)) >= 10  # EOS rows besides b's
     assert all(a.accept(t) for t in short[2:]) and a.accept(EOS)
+
+
+def test_a_failed_matchers_row_allows_eos_alone(compiler, ds_tokenizer, raw_lltokenizer):
+    """What fill_masks relies on to look for failures only in rows that allow EOS: llguidance writes a row allowing
+    EOS alone for a matcher in error, through the batch executor as through a single fill."""
+    from llguidance import LLExecutor
+
+    compiled = compiler.compile(JsonSchema(SCHEMA, whitespace="compact"))
+    bad = LLMatcher(raw_lltokenizer, compiled.grammar, log_level=0)
+    ids = encode(ds_tokenizer, LONG)
+    assert bad.try_consume_tokens(ids) < len(ids)  # its lexer ran out of fuel: a silent rejection ...
+    bad.compute_bitmask()
+    assert bad.is_error()  # ... flagged by the next mask
+    ok = LLMatcher(raw_lltokenizer, compiled.grammar, log_level=0)
+    eos_only = torch.zeros(WORDS, dtype=torch.int32)
+    eos_only[EOS // 32] = 1 << (EOS % 32)
+    out = torch.full((2, WORDS), -1, dtype=torch.int32)
+    LLExecutor().unsafe_compute_mask_ptr([(ok, 0), (bad, 1)], out.data_ptr(), WORDS * 4, 2)
+    assert torch.equal(out[1], eos_only) and not torch.equal(out[0], eos_only)
+    out.fill_(-1)
+    bad.unsafe_compute_mask_ptr(out.data_ptr(), WORDS * 4)
+    assert torch.equal(out[0], eos_only)
 
 
 def test_maskbench_fuel_schema_has_no_wrong_answer(compiler):

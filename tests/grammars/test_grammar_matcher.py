@@ -152,5 +152,8 @@ def test_pydantic_model(compiler, ds_tokenizer):
 def test_out_of_range_ids_are_rejected(compiler, xgr_compiler):
     for c in (compiler, xgr_compiler):
         m = c.compile(JsonSchema({"type": "integer"})).matcher()
-        assert not m.accept(-1) and not m.accept(DEEPSEEK_VOCAB) and not m.accept(10**9)
+        assert not m.accept(-1) and not m.accept(DEEPSEEK_VOCAB) and not m.accept(10**9) and not m.accept(1 << 40)
         assert m.check_draft([DEEPSEEK_VOCAB]) == 0
+        # the rejections left the state as it was: an integer is still accepted from the start, to the end
+        ids = c.vocab.tokenizer.encode("42", add_special_tokens=False).ids
+        assert all(m.accept(t) for t in ids) and m.accept(EOS) and m.is_terminated()

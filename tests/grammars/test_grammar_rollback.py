@@ -243,10 +243,12 @@ def bitmask_ids(words):
     return (((words.unsqueeze(-1) >> shifts) & 1).reshape(-1)[:DEEPSEEK_VOCAB]).bool()
 
 
-@pytest.mark.parametrize("with_masks", [False, True])
-def test_long_history_rollback_and_repair(dsml, ds_tokenizer, raw_lltokenizer, with_masks):
+@pytest.mark.parametrize("with_masks,fork_every", [(False, 0), (True, 0), (False, 23), (True, 41)])
+def test_long_history_rollback_and_repair(dsml, ds_tokenizer, raw_lltokenizer, with_masks, fork_every):
     """A history longer than a few HISTORY_CHUNKs: rollbacks within and across chunk boundaries, through the
-    repair path (over the closing DSML token) and not, from a forked matcher too."""
+    repair path (over the closing DSML token) and not, from a forked matcher too. With fork_every, the walk forks
+    every that many tokens (each fork freezes the history so far into shared chunks: chunk boundaries at many
+    places), and the early forks must stay at their own prefix whatever the later matchers do."""
     from deepinfer_sg.grammars.llguidance_matcher import HISTORY_CHUNK
 
     compiled, lt = dsml
@@ -259,14 +261,22 @@ def test_long_history_rollback_and_repair(dsml, ds_tokenizer, raw_lltokenizer, w
     for back in (1, 2, HISTORY_CHUNK, HISTORY_CHUNK + 1, len(seq) - first_closing, len(seq) - first_closing + 3,
                  2 * HISTORY_CHUNK + 5, len(seq)):
         m = compiled.matcher()
-        for t in seq:
+        early = []  # (fork, its prefix length)
+        for i, t in enumerate(seq):
             if with_masks:
                 ours_mask(m)
             assert m.accept(t)
+            if fork_every and i % fork_every == fork_every - 1:
+                early.append((m.fork(), i + 1))
         f = m.fork()
         for w in (m, f):
             w.rollback(back)
             raw = raw_llg_at(raw_lltokenizer, compiled.grammar, seq[: len(seq) - back])
             assert torch.equal(ours_mask(w), raw_llg_mask(raw)), back
+        for e, n in early[::2]:  # untouched by the rollbacks of the matchers they share history chunks with
+            assert torch.equal(ours_mask(e), raw_llg_mask(raw_llg_at(raw_lltokenizer, compiled.grammar, seq[:n]))), n
+            e.rollback(min(back, n))
+            raw = raw_llg_at(raw_lltokenizer, compiled.grammar, seq[: n - min(back, n)])
+            assert torch.equal(ours_mask(e), raw_llg_mask(raw)), (n, back)
         assert all(m.accept(t) for t in seq[len(seq) - back:])  # and forward again
         assert torch.equal(ours_mask(m), raw_llg_mask(raw_llg_at(raw_lltokenizer, compiled.grammar, seq)))

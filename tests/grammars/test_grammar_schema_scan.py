@@ -51,7 +51,8 @@ def corpus():
 
 
 def test_scan_agrees_with_the_full_path():
-    seen = {schema_support.SCAN_AS_IS: 0, schema_support.SCAN_PREPARE: 0, schema_support.SCAN_INVALID: 0}
+    seen = {schema_support.SCAN_AS_IS: 0, schema_support.SCAN_PREPARE: 0, schema_support.SCAN_INVALID: 0,
+            "no unsupported": 0, "no ref siblings": 0}
     for name, schema in corpus():
         found = schema_support.scan(schema)
         seen[found] += 1
@@ -65,7 +66,21 @@ def test_scan_agrees_with_the_full_path():
             prepared = schema_support.prepare(schema)
             assert prepared == strip_annotations(schema), name
             assert schema_support.unsupported(schema, "llguidance") == [], name
-    assert all(seen.values()), seen  # the corpus exercises all three outcomes
+        code, has_unsupported, ref_siblings = schema_support.scan_details(schema)
+        assert code == found, name
+        if found == schema_support.SCAN_PREPARE:
+            # the walks the compiler skips on scan_details' word must have had nothing to find
+            prepared = schema_support.prepare(schema)
+            # the compiler hands prepare() the schema's JSON text to copy from: the same result
+            assert schema_support.prepare(schema, text=json.dumps(schema, ensure_ascii=False)) == prepared, name
+            if not has_unsupported:
+                seen["no unsupported"] += 1
+                assert schema_support.unsupported(schema, "llguidance") == [], name
+                assert schema_support.unsupported(prepared, "llguidance") == [], name
+            if not ref_siblings:
+                seen["no ref siblings"] += 1
+                assert schema_support.prepare(schema, ref_siblings=False) == prepared, name
+    assert all(seen.values()), seen  # the corpus exercises all three outcomes (and both skips)
 
 
 @pytest.mark.parametrize("schema, want", [

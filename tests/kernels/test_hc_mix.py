@@ -76,18 +76,16 @@ def test_triton_matches_twin(T, M, H, dtype, iters):
         assert torch.allclose(a, b, atol=2e-5, rtol=1e-4), (a - b).abs().max()
 
 
-@pytest.mark.parametrize("T,mix_bt,fused,wide,sc", [(37, 2, False, False, 16), (5, 8, False, False, 16),
-                                                    (37, 16, True, False, 16), (37, 2, False, True, 4),
-                                                    (21, 4, True, True, 2)])
-def test_per_lane_sinkhorn_matches_twin(T, mix_bt, fused, wide, sc):
-    """M = 4 with the Sinkhorn split into 16 per-token values (lanes=True), in the two-launch and the one-launch
-    form, on a token count that leaves partial blocks; wide: the split partials summed as [sc, tokens, ...]
-    blocks (6 splits: a partial last chunk)."""
+@pytest.mark.parametrize("T,mix_bt,sc,fast", [(37, 2, 16, True), (5, 8, 16, False), (37, 16, 4, True),
+                                             (21, 4, 2, False)])
+def test_mixing_blocks_match_twin(T, mix_bt, sc, fast):
+    """Mixing-launch shapes on a token count that leaves partial blocks; sc: split partials loaded at once (6
+    splits: a partial last chunk when sc does not divide them); fast: hardware reciprocals in the Sinkhorn loop
+    (compiled kernels; the interpreter divides). Columns of the result sum to 1 (the loop ends on a column step)."""
     gen = torch.Generator().manual_seed(T + mix_bt)
     x = _params(gen, T, 4, 48, torch.bfloat16)
     ref = hc_mixes_torch(*x)
-    out = hc_mixes_triton(*on_dev(x), block_t=16, block_k=32, split=32, lanes=True, mix_bt=mix_bt, fused=fused,
-                          wide=wide, sc=sc, mix_warps=2 if wide else 1)
+    out = hc_mixes_triton(*on_dev(x), block_t=16, block_k=32, split=32, mix_bt=mix_bt, sc=sc, fast_rcp=fast)
     for a, b in zip(to_cpu((out.pre, out.post, out.comb)), (ref.pre, ref.post, ref.comb)):
         assert torch.allclose(a, b, atol=2e-5, rtol=1e-4), (a - b).abs().max()
     assert torch.allclose(to_cpu(out.comb).sum(1), torch.ones(T, 4), atol=1e-4)
@@ -100,30 +98,30 @@ def test_bad_shapes_raise():
         hc_mixes(residual, fn[:, :-1], base, scale)
 
 
-@pytest.mark.parametrize("precision", ["bf16x3", "ieee"])
-def test_bf16_residual_paths_match_float64_formula(precision):
+@pytest.mark.parametrize("precision,prefetch", [("bf16x3", False), ("ieee", False), ("bf16x3", True),
+                                               ("ieee", True)])
+def test_bf16_residual_paths_match_float64_formula(precision, prefetch):
     """bf16 residual: the split-fn path (three bf16 products) and the fp32 dot both give fp32-accurate mixes,
-    checked against the float64 formula; a token count that is not a multiple of the token block."""
+    checked against the float64 formula; a token count that is not a multiple of the token block; prefetch:
+    the first pass loads each step's tiles one step ahead (72 * 4 columns: a partial last split and step)."""
     gen = torch.Generator().manual_seed(31)
     x = _params(gen, 21, 4, 72, torch.bfloat16)
     ref = _naive(x[0].double(), x[1].double(), x[2].double(), x[3].double(), 20)
-    out = hc_mixes_triton(*on_dev(x), iters=20, block_k=32, split=64, precision=precision)
+    out = hc_mixes_triton(*on_dev(x), iters=20, block_k=32, split=64, precision=precision, prefetch=prefetch)
     for a, b in zip((out.pre, out.post, out.comb), ref):
         assert torch.allclose(a.cpu().double(), b, atol=2e-5, rtol=1e-4), (a.cpu().double() - b).abs().max()
 
 
-@pytest.mark.parametrize("fused,parts,sc,mix_bt", [(True, False, 4, 2), (False, False, 8, 8), (True, True, 1, 2),
-                                                   (False, True, 2, 4)])
-def test_launch_forms_and_fn_forms_agree_with_formula(fused, parts, sc, mix_bt):
-    """One launch (last program per token block mixes) or two; fn split in registers or read as bf16 parts;
-    several token blocks, a split count (5) that is not a multiple of sc. Called twice on fresh inputs: the
-    ticket counters the one-launch form leaves behind must be back at zero."""
+@pytest.mark.parametrize("parts,sc,mix_bt", [(False, 4, 2), (False, 8, 8), (True, 1, 2), (True, 2, 4)])
+def test_fn_forms_agree_with_formula(parts, sc, mix_bt):
+    """fn split in registers or read as bf16 parts; several token blocks, a split count (5) that is not a
+    multiple of sc; two fresh inputs."""
     from deepinfer_sg.kernels.hc_mix import split_fn_bf16
     for seed in (41, 42):
         gen = torch.Generator().manual_seed(seed)
         x = _params(gen, 35, 4, 80, torch.bfloat16)
         ref = _naive(x[0].double(), x[1].double(), x[2].double(), x[3].double(), 20)
-        out = hc_mixes_triton(*on_dev(x), iters=20, block_t=16, block_k=32, split=64, fused=fused, sc=sc, mix_bt=mix_bt,
+        out = hc_mixes_triton(*on_dev(x), iters=20, block_t=16, block_k=32, split=64, sc=sc, mix_bt=mix_bt,
                               fn_parts=on_dev(split_fn_bf16(x[1])) if parts else None)
         for a, b in zip((out.pre, out.post, out.comb), ref):
             assert torch.allclose(a.cpu().double(), b, atol=2e-5, rtol=1e-4), (a.cpu().double() - b).abs().max()

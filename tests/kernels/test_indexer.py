@@ -69,6 +69,23 @@ def _stable_topk(scores, k):
     return torch.tensor(out_i), torch.tensor(out_v)
 
 
+def _in_entry_order(ref_i, ref_v, L):
+    """The stable-sort selection re-ordered by entry id (padding last): what sorted=False returns."""
+    order = torch.where(ref_i >= 0, ref_i, L).argsort(1)
+    return ref_i.gather(1, order), ref_v.gather(1, order)
+
+
+def _check_select(s, k, sorted_, **kw):
+    """topk_select_triton(s, k, **kw) == the stable-sort selection (in entry order when not sorted_)."""
+    from deepinfer_sg.kernels.indexer import topk_select_triton
+    ref_i, ref_v = _stable_topk(s, k)
+    i, v = to_cpu(topk_select_triton(on_dev(s), k, sorted=sorted_, **kw))
+    if not sorted_:
+        ref_i, ref_v = _in_entry_order(ref_i, ref_v, s.shape[1])
+    assert torch.equal(i, ref_i)
+    assert torch.equal(v, ref_v)
+
+
 @pytest.mark.parametrize("N,L,k,block", [(4, 100, 10, None), (4, 600, 33, 256), (3, 50, 80, None), (3, 1500, 300, 512),
                                          (2, 40, 1, None)])
 @pytest.mark.parametrize("sorted_", [True, False])
@@ -76,7 +93,6 @@ def test_select_kernel_matches_stable_sort(N, L, k, block, sorted_):
     """The radix-select kernel (in registers, or streamed in blocks when block < L) picks exactly the entries a
     stable sort picks: many exact ties (rounded scores, zeros and -0.0 as relu produces them), rows with fewer
     selectable entries than k, a row with none. sorted_=False returns the same set in ascending entry order."""
-    from deepinfer_sg.kernels.indexer import topk_select_triton
     gen = torch.Generator().manual_seed(N * L + k)
     s = torch.randn(N, L, generator=gen)
     s[0] = s[0].round()                                          # ties among non-zero values
@@ -85,14 +101,7 @@ def test_select_kernel_matches_stable_sort(N, L, k, block, sorted_):
         s[2] = torch.where(torch.rand(L, generator=gen) < 0.5, torch.zeros(L), s[2])
         s[2, ::7] = -0.0                                         # -0.0 ties with +0.0 (lower id first)
     s[-1, :] = float("-inf") if N > 3 else s[-1, :]              # a row with nothing selectable
-    ref_i, ref_v = _stable_topk(s, k)
-    i, v = to_cpu(topk_select_triton(on_dev(s), k, sorted=sorted_, block=block))
-    if not sorted_:
-        key = torch.where(ref_i >= 0, ref_i, L)
-        order = key.argsort(1)
-        ref_i, ref_v = ref_i.gather(1, order), ref_v.gather(1, order)
-    assert torch.equal(i, ref_i)
-    assert torch.equal(v, ref_v)
+    _check_select(s, k, sorted_, block=block)
 
 
 def test_twin_select_is_stable():
@@ -105,46 +114,42 @@ def test_twin_select_is_stable():
     assert torch.equal(i, ref_i) and torch.equal(v, ref_v)
 
 
-def test_engine_topk_mask_through_the_kernel(monkeypatch):
-    """engine/batched.py's CUDA selection (select kernel + scatter) gives the same mask as the reference's stable
-    `topk_mask`, with ties, zeros / -0.0, entries not allowed and rows with fewer allowed entries than k."""
-    import deepinfer_sg.kernels.indexer as kindexer
+def test_engine_topk_ids_through_the_kernel():
+    """engine/batched.py's CUDA selection (`topk_ids` through the select kernel) gives the entries of the
+    reference's stable `topk_mask`, ascending and -1 padded, with ties, zeros / -0.0, entries not allowed and rows
+    with fewer allowed entries than k; also with rows long enough for the threshold select."""
     from deepinfer_sg.engine import batched
     from deepinfer_sg.engine.indexer import topk_mask
     gen = torch.Generator().manual_seed(11)
-    T, G, k = 5, 300, 40
-    s = torch.randn(T, G, generator=gen).round() * torch.randn(T, 1, generator=gen).sign()
-    s[1] = torch.where(s[1] > 0, s[1], torch.zeros(G)) * -1.0          # relu-style zeros, many -0.0
-    allowed = torch.rand(T, G, generator=gen) < 0.7
-    allowed[2, 30:] = False                                              # fewer allowed entries than k
-    allowed[3] = False                                                   # none
-    monkeypatch.setattr(kindexer, "use_triton", lambda t: True)         # the CUDA branch, interpreted
-    got = batched._topk_mask(on_dev(s), on_dev(allowed), k).cpu()
-    assert torch.equal(got, topk_mask(s, allowed, k))
+    for T, G, k in ((5, 300, 40), (5, 600, 12)):                    # k = 12: the threshold select (cap 64)
+        s = torch.randn(T, G, generator=gen).round() * torch.randn(T, 1, generator=gen).sign()
+        s[1] = torch.where(s[1] > 0, s[1], torch.zeros(G)) * -1.0      # relu-style zeros, many -0.0
+        allowed = torch.rand(T, G, generator=gen) < 0.7
+        allowed[2, 30:] = False                                          # fewer allowed entries than k
+        allowed[3] = False                                               # none
+        got = batched.topk_ids(on_dev(s), on_dev(allowed), k, triton=True).cpu()
+        mask = topk_mask(s, allowed, k)
+        want = torch.full((T, min(k, G)), -1)
+        for t in range(T):
+            ids = mask[t].nonzero().flatten()
+            want[t, :len(ids)] = ids
+        assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("N,L,k,chunks,block", [(3, 700, 20, 4, None), (3, 1000, 50, 7, None), (3, 333, 16, 16, None),
+@pytest.mark.parametrize("N,L,k,chunks,block", [(3, 500, 20, 4, None), (3, 600, 30, 7, None), (3, 333, 16, 16, None),
                                                 (2, 900, 30, 3, 128), (3, 64, 5, 13, None)])
 @pytest.mark.parametrize("sorted_", [True, False])
 def test_chunked_select_matches_stable_sort(N, L, k, chunks, block, sorted_):
     """The two-launch select (each chunk's exact top-k, then the top-k of the candidates, ids mapped back) picks
     exactly what a stable sort picks: ties spread over chunk boundaries (rounded scores, a constant row, zeros and
     -0.0), a row whose selectable entries all sit in its last chunk, chunks with nothing selectable."""
-    from deepinfer_sg.kernels.indexer import topk_select_triton
     gen = torch.Generator().manual_seed(N * L + k + chunks)
     s = torch.randn(N, L, generator=gen).round()                 # many ties, across chunks
     s[1] = 2.0                                                   # one value everywhere: the lowest ids win
     s[1, : L - L // 5] = float("-inf")                           # ... among the last entries only
     s[-1] = torch.where(torch.rand(L, generator=gen) < 0.5, torch.zeros(L), s[-1] * 0.0)  # +0.0 and -0.0 only
     s[-1, ::3] = float("-inf")
-    ref_i, ref_v = _stable_topk(s, k)
-    i, v = to_cpu(topk_select_triton(on_dev(s), k, sorted=sorted_, block=block, chunks=chunks))
-    if not sorted_:
-        key = torch.where(ref_i >= 0, ref_i, L)
-        order = key.argsort(1)
-        ref_i, ref_v = ref_i.gather(1, order), ref_v.gather(1, order)
-    assert torch.equal(i, ref_i)
-    assert torch.equal(v, ref_v)
+    _check_select(s, k, sorted_, block=block, chunks=chunks)
 
 
 @pytest.mark.parametrize("block_g,bpp", [(16, 3), (32, 2)])
@@ -161,22 +166,19 @@ def test_looped_score_kernel_matches_twin(block_g, bpp):
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("block_g,bpp,k,sorted_", [(16, 2, 10, True), (16, 4, 33, False), (32, 1, 8, True)])
-def test_fused_score_select_matches_stable_sort(block_g, bpp, k, sorted_):
-    """Scores fused with the first select stage (chunks of block_g * bpp entries), then the candidates' top-k:
-    exactly the stable-sort selection over the twin's scores (rows of length 0, shorter than a chunk, longer than
-    several), ties included (keys rounded so that scores repeat)."""
-    from deepinfer_sg.kernels.indexer import indexer_topk_fused
-    gen = torch.Generator().manual_seed(block_g * bpp + k)
-    iq, w, keys, start, length = _inputs(gen, lens=(0, 7, 150, 33))
-    iq, w, keys = iq.round(), w.round(), keys.round()                 # integer scores: exact, many ties
-    ref = indexer_scores_torch(iq, w, keys, start, length, 150)
-    ref_i, ref_v = _stable_topk(ref, k)
-    i, v = to_cpu(indexer_topk_fused(*on_dev((iq, w, keys, start, length)), k, max_len=150, block_g=block_g,
-                                     bpp=bpp, sorted=sorted_))
-    if not sorted_:
-        key = torch.where(ref_i >= 0, ref_i, 150)
-        order = key.argsort(1)
-        ref_i, ref_v = ref_i.gather(1, order), ref_v.gather(1, order)
-    assert torch.equal(i, ref_i)
-    assert torch.allclose(v, ref_v, rtol=1e-6, atol=1e-6)
+@pytest.mark.parametrize("L,k,cap", [(1000, 30, 256), (700, 12, 64), (333, 40, 128)])
+@pytest.mark.parametrize("sorted_", [True, False])
+def test_threshold_select_matches_stable_sort(L, k, cap, sorted_):
+    """The one-launch threshold select (group maxima -> a threshold under the k-th best score -> candidates in
+    entry order -> exact select over them) picks exactly what a stable sort picks: random rows (few candidates),
+    rounded rows (ties at the threshold), a constant row (every entry a candidate: more than cap, the whole-row
+    fallback), a row with fewer selectable groups than k, +0.0 / -0.0 ties, a row with nothing selectable."""
+    gen = torch.Generator().manual_seed(L + k + cap)
+    s = torch.randn(6, L, generator=gen)
+    s[1] = s[1].round()
+    s[2] = 2.0
+    s[3, 2 * k:] = float("-inf")                                 # at most 2k / 16 + 1 groups hold entries
+    s[4] = torch.where(torch.rand(L, generator=gen) < 0.5, torch.zeros(L), s[4].abs())
+    s[4, ::3] = -0.0
+    s[5] = float("-inf")
+    _check_select(s, k, sorted_, cap=cap)

@@ -2,8 +2,9 @@
 import pytest
 import torch
 
+from deepinfer_sg.kernels import moe as moe_mod
 from deepinfer_sg.kernels.moe import (align_pairs, align_pairs_triton, default_block_m, dequantize_expert, moe_experts,
-                                      moe_experts_torch, moe_experts_triton, quantize_fp8_rows)
+                                      moe_experts_torch, moe_experts_triton, quantize_fp8_rows, tma_ok)
 from helpers import on_dev
 
 
@@ -76,16 +77,17 @@ def test_align_kernel_matches_torch_align(T, K, E, bm):
 @pytest.mark.parametrize("tma", [False, True])
 def test_triton_skewed_routing_and_options(tma):
     """An expert with more pairs than one block (weights read once per block), separate down-kernel tiles, the
-    automatic block size and (aligned shapes) the tensor-descriptor weight loads."""
+    automatic block size, activations loaded a step ahead or not, and (aligned shapes) the tensor-descriptor
+    weight loads."""
     gen = torch.Generator().manual_seed(5)
     T, H, F, E, K = 37, 64, 48, 6, 2
     x, ids, wts, w1, w3, w2 = _inputs(gen, T, H, F, E, K)
     ids[:, 0] = 3                                            # every token picks expert 3 first
     ids[:, 1] = torch.where(ids[:, 1] == 3, torch.full_like(ids[:, 1], 5), ids[:, 1])
     ref = moe_experts_torch(x, ids, wts, w1, w3, w2, swiglu_limit=4.0)
-    for bm, down in ((16, (32, 32, 4, 2)), (None, None)):          # tiles that do not divide F = 48
+    for bm, down, pf in ((16, (32, 32, 4, 2), True), (None, None, False)):   # tiles that do not divide F = 48
         out = moe_experts_triton(*on_dev((x, ids, wts, w1, w3, w2)), swiglu_limit=4.0, block_m=bm, block_n=32,
-                                 block_k=32, down=down, tma=tma).cpu()
+                                 block_k=32, down=down, tma=tma, prefetch=pf).cpu()
         err = (out - ref).norm() / ref.norm()
         assert err < 1e-5, (bm, err)
     assert default_block_m(64, 6, 64) == 16 and default_block_m(256, 6, 64) == 32 and default_block_m(256, 6, 384) == 16
@@ -127,13 +129,14 @@ def _block_scaled(gen, E, N, K, R, max_shift):
     return w, row.contiguous(), shift.to(torch.uint8)
 
 
-# e4m3 values stay exact in fp16 only up to shift 15 (the loader picks bf16 beyond): the fp16 cases stay inside it
+# shifts scale fp32 partial products (not the widened weights), so fp16 widening stays exact for large shifts
 @pytest.mark.parametrize("R,max_shift,compute,tma", [(1, 15, "fp16", True), (32, 15, "fp16", False),
-                                                     (1, 40, "bf16", True), (32, 15, "bf16", True)])
+                                                     (1, 40, "bf16", True), (32, 15, "bf16", True),
+                                                     (1, 60, "fp16", False), (32, 19, "fp16", True)])
 def test_block_scaled_fp8_matches_hand_dequantization(R, max_shift, compute, tma):
     """Block scales (FP4 experts' 1x32 groups as R=1, FP8 experts' 32x32 blocks as R=32): the twin equals the
     formula on weights dequantized here by hand (w8 * row scale * 2**-shift of the element's block), and the
-    kernel equals the twin. Shapes leave partial 32-blocks (F=48); shifts up to the fp16-exact limit."""
+    kernel equals the twin. Shapes leave partial 32-blocks (F=48); shifts past fp16's range with fp16 widening."""
     gen = torch.Generator().manual_seed(R + max_shift)
     T, H, F, E, K = 23, 64, 48, 5, 2
     x, ids, wts, _, _, _ = _inputs(gen, T, H, F, E, K)
@@ -154,7 +157,7 @@ def test_block_scaled_fp8_matches_hand_dequantization(R, max_shift, compute, tma
     x16 = x.to(torch.bfloat16)
     ref16 = moe_experts_torch(x16.float(), ids, wts, *q, swiglu_limit=4.0, **kw)
     out = moe_experts_triton(*on_dev((x16, ids, wts) + q), swiglu_limit=4.0, block_n=32, block_k=32, tma=tma,
-                             fp8_compute=compute, **on_dev(kw)).cpu()
+                             fp8_compute=compute, prefetch=max_shift > 15, **on_dev(kw)).cpu()
     assert out.dtype == torch.bfloat16
     assert (out.float() - ref16).norm() / ref16.norm() < 1e-2
     with pytest.raises(ValueError, match="shifts must be uint8"):
@@ -168,11 +171,13 @@ def _e2m1_by_hand(code: int) -> float:
     return -mag if s else mag
 
 
-@pytest.mark.parametrize("tma,compute", [(True, "fp16"), (False, "fp16"), (True, "bf16")])
-def test_packed_fp4_weights(tma, compute):
+@pytest.mark.parametrize("tma,compute,asm", [(True, "fp16", False), (False, "fp16", False), (True, "bf16", False),
+                                            (True, "fp16", True)])
+def test_packed_fp4_weights(tma, compute, asm):
     """Packed FP4 experts (two E2M1 codes a byte, low nibble first) with 1x32 group shifts up to 23: the twin
     decodes them as the bit formula says; the kernel decodes them in registers and equals both the twin and the
-    same weights repacked to fp8 (the same values: e2m1 is a subset of e4m3)."""
+    same weights repacked to fp8 (the same values: e2m1 is a subset of e4m3). asm: the inline-PTX decode
+    (compiled kernels; the interpreter takes the plain decode)."""
     gen = torch.Generator().manual_seed(11)
     T, H, F, E, K = 19, 64, 64, 4, 2
     x, ids, wts, _, _, _ = _inputs(gen, T, H, F, E, K)
@@ -195,13 +200,44 @@ def test_packed_fp4_weights(tma, compute):
     assert torch.equal(ref, moe_experts_torch(x, ids, wts, *fp8, swiglu_limit=4.0, **kw))
     x16 = x.to(torch.bfloat16)
     ref16 = moe_experts_torch(x16.float(), ids, wts, *packed, swiglu_limit=4.0, **kw)
-    common = dict(swiglu_limit=4.0, block_n=32, block_k=64, tma=tma, fp8_compute=compute, **on_dev(kw))
-    out = moe_experts_triton(*on_dev((x16, ids, wts) + tuple(packed)), **common).cpu()
+    common = dict(swiglu_limit=4.0, block_n=32, block_k=32, tma=tma, fp8_compute=compute, **on_dev(kw))
+    out = moe_experts_triton(*on_dev((x16, ids, wts) + tuple(packed)), w4_asm=asm, **common).cpu()
     out8 = moe_experts_triton(*on_dev((x16, ids, wts) + tuple(fp8)), **common).cpu()
     assert (out.float() - ref16).norm() / ref16.norm() < 1e-2
     assert torch.equal(out, out8)
     with pytest.raises(ValueError, match="group shifts"):
         moe_experts_torch(x, ids, wts, *packed, scales=kw["scales"])
+
+
+def test_tma_preconditions():
+    """The bulk-copy rules the kernel relies on (checked here by hand from the rule, no GPU needed): 16-byte
+    aligned base and row stride, an inner box of >= 16 bytes, and box bytes a multiple of 128 (back-to-back
+    pipelined shared-memory slots, each copy's destination 128-byte aligned). Session 3's shift boxes ([1, 32]
+    and [2, 32] bytes) broke the last rule and faulted with "misaligned address" on the H200."""
+    u8 = torch.zeros(4, 64, 32, dtype=torch.uint8)
+    assert not tma_ok(u8.view(-1, 32), (1, 32)) and not tma_ok(u8.view(-1, 32), (2, 32))   # 32 / 64-byte boxes
+    assert tma_ok(u8.view(-1, 32), (32, 16)) and not tma_ok(u8.view(-1, 32), (32, 8))        # inner box >= 16 B
+    f8 = torch.zeros(4, 48, 40).to(torch.float8_e4m3fn)
+    assert not tma_ok(f8.view(-1, 40), (32, 32))                                   # 40-byte rows: not 16-aligned
+    bf = torch.zeros(2, 64, 72, dtype=torch.bfloat16)
+    assert tma_ok(bf.view(-1, 72), (64, 64)) and not tma_ok(bf.view(-1, 72)[:, 1:], (64, 64))  # offset base
+    # the engine's tiles at V4.1-Flash's shape (H=5120, F=2304): every weight box is legal, so all take TMA
+    for packed in (False, True):
+        for tiles in (moe_mod.FP8_TILES, moe_mod.FP8_SHIFT_TILES):
+            c = 2 if packed else 1
+            for n, k in ((2304, 5120), (5120, 2304)):
+                w = torch.empty(2, n, k // c, dtype=torch.uint8 if packed else torch.float8_e4m3fn)
+                assert tma_ok(w.view(-1, k // c), (tiles["block_n"], tiles["block_k"] // c)), (packed, tiles, n)
+    assert moe_mod.FP8_SHIFT_TILES["block_k"] == 32                  # block shifts: one 32-group per K tile
+
+
+def test_block_shifts_need_group_wide_k_tiles():
+    gen = torch.Generator().manual_seed(3)
+    x, ids, wts, _, _, _ = _inputs(gen, 5, 64, 32, 3, 2)
+    ws = [_block_scaled(gen, 3, n, k, 1, 4) for n, k in ((32, 64), (32, 64), (64, 32))]
+    with pytest.raises(ValueError, match="one 32-group"):
+        moe_experts_triton(x.bfloat16(), ids, wts, *(w[0] for w in ws), scales=tuple(w[1] for w in ws),
+                           shifts=tuple(w[2] for w in ws), block_k=64)
 
 
 def test_bad_shapes_raise():

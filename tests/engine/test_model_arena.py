@@ -1,0 +1,115 @@
+"""engine/arena.py: in-place row storage of the batched decode path, against plain per-state lists of rows.
+
+Oracle: every state's rows kept by hand as a Python list of row tensors (append = list.extend, rollback = cut);
+after every operation each state's `entries` must equal its list, whatever the arena did (slots handed out and
+reused, slots and rows doubled, states with rows from elsewhere moved in, rollbacks overwritten)."""
+import gc
+
+import torch
+
+from deepinfer_sg.engine.arena import RowArena
+from deepinfer_sg.engine.cache import CompressorState
+
+
+def _check(states, want):
+    for k, (st, rows) in enumerate(zip(states, want)):
+        if not rows:
+            assert st.entries is None or st.entries.shape[0] == 0, k
+        else:
+            assert torch.equal(st.entries, torch.stack(rows)), f"state {k}"
+
+
+def test_appends_growth_rollback_and_foreign_rows_keep_every_state_right():
+    g = torch.Generator().manual_seed(0)
+    arena = RowArena("entries", 4, torch.float32, torch.device("cpu"))
+    states = [CompressorState(ratio=1) for _ in range(11)]     # > 8 slots: the slot count doubles
+    want = [[] for _ in states]
+    foreign = torch.randn(3, 4, generator=g)
+    states[5].entries = foreign                                 # rows from the reference path: moved in
+    want[5] = list(foreign)
+    for step in range(90):                                      # > 64 rows per slot: the rows double
+        pick = [k for k in range(len(states)) if (k + step) % 3]
+        news = [(k + step) % 4 for k in pick]                   # 0 to 3 new rows each
+        new = torch.randn(sum(news), 4, generator=g)
+        flat, starts = arena.append([states[k] for k in pick], new, news)
+        at = 0
+        for k, n, s0 in zip(pick, news, starts):
+            want[k].extend(new[at:at + n])
+            at += n
+            if want[k]:                                          # the pool view: rows at the returned start
+                assert torch.equal(flat[s0:s0 + len(want[k])], torch.stack(want[k]))
+        _check(states, want)
+        if step % 7 == 3:                                        # roll some back; the next append overwrites
+            for k in (1, 4):
+                cut = min(2, len(want[k]))
+                states[k].truncate(len(want[k]) - cut)
+                del want[k][len(want[k]) - cut:]
+            _check(states, want)
+    assert arena.data.shape[0] == 16 and arena.data.shape[1] > 64 and max(len(w) for w in want) > 64
+    assert arena.moved_rows == 3      # only the foreign rows were ever copied: growth re-points, appends write new
+
+
+def test_a_collected_state_frees_its_slot_for_the_next_one():
+    arena = RowArena("entries", 2, torch.float32, torch.device("cpu"))
+    a, b = CompressorState(ratio=1), CompressorState(ratio=1)
+    arena.append([a, b], torch.ones(2, 2), [1, 1])
+    slot_b = arena.slots.of(b)
+    del b
+    gc.collect()
+    c = CompressorState(ratio=1)
+    _, starts = arena.append([c], torch.full((1, 2), 7.0), [1])
+    assert arena.slots.of(c) == slot_b and starts == [slot_b * arena.data.shape[1]]
+    assert torch.equal(c.entries, torch.full((1, 2), 7.0)) and torch.equal(a.entries, torch.ones(1, 2))
+
+
+def test_windows_that_reach_the_end_of_their_slab_slot_move_and_stay_right():
+    """Decode long enough that every sequence's window rows reach the end of its slab slot (they move to the
+    slot's start), with rollbacks in between: logits and windows against the reference path (per-sequence
+    dense attention over its own window tensors)."""
+    import copy
+
+    from deepinfer_sg.engine import testing
+    from deepinfer_sg.engine.model import StepChunk
+    from test_model_batched import _close, _random_model, _rel
+    m = _random_model(testing.tiny_v41_config(), seed=4)
+    g = torch.Generator().manual_seed(4)
+    caches = [m.new_cache() for _ in range(3)]
+    m.fast_decode = False
+    m.forward_step([StepChunk(c, torch.randint(0, 512, (n,), generator=g), 1) for c, n in zip(caches, (5, 17, 30))])
+    ref = copy.deepcopy(caches)
+    moved = 0
+    for step in range(90):
+        ids = torch.randint(0, 512, (3,), generator=g)
+        m.fast_decode = True
+        before = [c.windows.lo if c.windows is not None else None for c in caches]
+        a = m.forward_step([StepChunk(c, ids[k:k + 1], 1) for k, c in enumerate(caches)]).logits
+        moved += sum(b is not None and c.windows.lo < b for b, c in zip(before, caches))
+        m.fast_decode = False
+        b = m.forward_step([StepChunk(c, ids[k:k + 1], 1) for k, c in enumerate(ref)]).logits
+        assert _rel(a, b) < 1e-5, step
+        for c, r in zip(caches, ref):
+            for lc, lr in zip(c.layers, r.layers):
+                _close(lc.win, lr.win, f"step {step}")
+        if step % 9 == 4:
+            for c, r in zip(caches, ref):
+                c.rollback(2)
+                r.rollback(2)
+    assert moved >= 3, "no window reached the end of its slot"
+
+
+def test_steps_in_and_out_of_inference_mode_share_the_caches():
+    """The engine runs steps under torch.inference_mode, other callers under no_grad: the slab and arenas made in
+    one mode are written in place in the other."""
+    from deepinfer_sg.engine import testing
+    from deepinfer_sg.engine.model import StepChunk
+    from test_model_batched import _random_model
+    m = _random_model(testing.tiny_v41_config(), seed=5)
+    c = m.new_cache()
+    m.forward_step([StepChunk(c, torch.arange(30), 1)])    # (reference path: no slab yet)
+    for k in range(6):
+        if k % 2:
+            out = m.forward_step([StepChunk(c, torch.tensor([k]), 1)])
+        else:
+            with torch.inference_mode():
+                out = m.forward_step([StepChunk(c, torch.tensor([k]), 1)])
+        assert torch.isfinite(out.logits).all()
