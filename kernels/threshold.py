@@ -188,6 +188,24 @@ def lane_block_z(logits_ptr, bitmask_ptr, row, start, V, inv_t, mrow, bitmask_st
 
 
 @triton.jit
+def row_block_z(logits_ptr, bitmask_ptr, mask_rows_ptr, inv_t_ptr, row, start, V, bitmask_stride,
+                HAS_MASK: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr):
+    """`lane_block_z` of row `row` from `start`, with the row's mask row and 1/T loaded here; the bounds-checked
+    form only for the block that reaches past V."""
+    mrow = -1
+    if HAS_MASK:
+        mrow = tl.load(mask_rows_ptr + row)
+    inv_t = tl.load(inv_t_ptr + row)
+    if start + LANES * LW <= V:
+        z, pos = lane_block_z(logits_ptr, bitmask_ptr, row, start, V, inv_t, mrow, bitmask_stride, HAS_MASK,
+                              True, LANES, LW)
+    else:
+        z, pos = lane_block_z(logits_ptr, bitmask_ptr, row, start, V, inv_t, mrow, bitmask_stride, HAS_MASK,
+                              False, LANES, LW)
+    return z, pos
+
+
+@triton.jit
 def _gather_kernel(logits_ptr, inv_t_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_chunks, low_ptr,
                    ncand_ptr, offset_ptr, cand_ptr, HAS_MASK: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr,
                    INV_W: tl.constexpr, BIN_LIMIT: tl.constexpr, CMAX: tl.constexpr):
@@ -197,17 +215,8 @@ def _gather_kernel(logits_ptr, inv_t_ptr, bitmask_ptr, mask_rows_ptr, bitmask_st
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     if tl.load(ncand_ptr + row) > 0:
-        mrow = -1
-        if HAS_MASK:
-            mrow = tl.load(mask_rows_ptr + row)
-        inv_t = tl.load(inv_t_ptr + row)
-        start = chunk * (LANES * LW)
-        if start + LANES * LW <= V:
-            z, pos = lane_block_z(logits_ptr, bitmask_ptr, row, start, V, inv_t, mrow, bitmask_stride, HAS_MASK,
-                                  True, LANES, LW)
-        else:
-            z, pos = lane_block_z(logits_ptr, bitmask_ptr, row, start, V, inv_t, mrow, bitmask_stride, HAS_MASK,
-                                  False, LANES, LW)
+        z, pos = row_block_z(logits_ptr, bitmask_ptr, mask_rows_ptr, inv_t_ptr, row, chunk * (LANES * LW), V,
+                             bitmask_stride, HAS_MASK, LANES, LW)
         is_c = ((z > float("-inf")) & (_bin(z, INV_W, BIN_LIMIT) >= tl.load(low_ptr + row))).to(tl.int32)
         per_lane = tl.sum(is_c, 1)
         lane_start = tl.cumsum(per_lane, 0) - per_lane
@@ -471,17 +480,9 @@ def _cand_kernel(logits_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, bitmas
     seg = tl.program_id(1)
     is_c, top_k, p_only = _is_cand_row(row, V, greedy_ptr, top_k_ptr, top_p_ptr, KMAX)
     if is_c:
-        mrow = -1
-        if HAS_MASK:
-            mrow = tl.load(mask_rows_ptr + row)
-        inv_t = tl.load(inv_t_ptr + row)
         start = seg * (LANES * LW)
-        if start + LANES * LW <= V:
-            z, pos = lane_block_z(logits_ptr, bitmask_ptr, row, start, V, inv_t, mrow, bitmask_stride, HAS_MASK,
-                                  True, LANES, LW)
-        else:
-            z, pos = lane_block_z(logits_ptr, bitmask_ptr, row, start, V, inv_t, mrow, bitmask_stride, HAS_MASK,
-                                  False, LANES, LW)
+        z, pos = row_block_z(logits_ptr, bitmask_ptr, mask_rows_ptr, inv_t_ptr, row, start, V, bitmask_stride,
+                             HAS_MASK, LANES, LW)
         lm = tl.max(z, 1)                                            # lane maxima, in-thread
         live = lm > float("-inf")
         if p_only:                       # top-p alone needs the row's whole mass: the segment's max and sum
