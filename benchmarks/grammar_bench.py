@@ -8,11 +8,14 @@ instance, compact JSON, tokenized by the real DeepSeek-V4 tokenizer (129,280 log
 
 Sides (all in one process, on the same schemas, steps and thread pool):
   raw     llguidance called directly on exactly the grammar ours hands it (the schema as given, or its exact
-          rewrite by schema_support.prepare when it has keywords that need one), through the thinnest adapter any
-          engine needs: accept = `try_consume_tokens((t,)) == 1` in one Python function, rollback = `rollback(n)`
-          plus its failure check in one Python function, fill = `unsafe_compute_mask_ptr(row address, bytes)`,
-          batches = llguidance.torch.fill_next_token_bitmask_par[_with_draft_tokens] on the executor ours uses,
-          given a per-step work list (drafts validated first with `validate_tokens`).
+          rewrite by schema_support.prepare when it has keywords that need one), through the thinnest CORRECT client
+          of llguidance 1.9.1 for these grammars (one Python function per call, calling the matcher's method):
+          fill = `unsafe_compute_mask_ptr(row address, bytes)` then `is_error()` (a failed matcher writes an
+          EOS-only row, which would silently end the output), accept = `try_consume_tokens((t,)) == 1`, rollback =
+          `rollback(n)` plus its failure check; batches = llguidance.torch.fill_next_token_bitmask_par[_with_draft_
+          tokens] on the executor ours uses, given a per-step work list (drafts validated first with
+          `validate_tokens`). Not included (ours does them, a raw client need not): repairing a matcher whose shared
+          lexer another sequence exhausted (ours keeps the token history for that), validating a caller's tensor.
   ours    ConstraintCompiler(backend="llguidance", cache off: every compile is real) + its matchers + fill_masks.
   before  (--before DIR: a folder holding an older `grammars/`) the same calls on that code, loaded as a separate
           package in this process: before/after numbers from the same run, under the same noise.
@@ -48,6 +51,7 @@ import os
 import random
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -78,6 +82,15 @@ def load_grammars(folder: str, name: str):
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def as_handed(schema):
+    """The schema exactly as our compiler hands it to llguidance: as given when schema_support.scan_marks finds
+    nothing to rewrite, else prepare()'s rewrite of the subschemas it marked (see compiler._compile_json)."""
+    from deepinfer_sg.grammars.schema_support import SCAN_AS_IS, prepare, scan_marks
+
+    code, _, ref_siblings, dirty = scan_marks(schema)
+    return schema if code == SCAN_AS_IS else prepare(schema, ref_siblings=ref_siblings, dirty=dirty)
 
 
 def pick_schemas(n, lltok, data=DATA):
@@ -152,36 +165,43 @@ def print_rows(pairs, sides, rng):
 
 # -- the sides --------------------------------------------------------------------------------------------------
 class Side:
-    """One side's matcher operations on one schema: make() -> a fresh matcher at the start state, plus
-    fill(m), accept(m, t) and rollback(m, n) as the engine would call them."""
+    """One side's matcher operations on one schema: make() -> a fresh matcher at the start state; fill(m),
+    accept(m) and rollback(m) -> the callable a client calls for that matcher (fill() -> mask at row 0,
+    accept(t), rollback(n)). Each is exactly one Python frame of client code: our method (bound, or through a C
+    `partial`), or the raw client's function."""
 
     def __init__(self, make, fill, accept, rollback):
         self.make, self.fill, self.accept, self.rollback = make, fill, accept, rollback
 
 
 def ours_side(compiled, mask):
-    return Side(compiled.matcher, lambda m: m.fill_mask(mask, 0), lambda m: m.accept, lambda m: m.rollback)
+    return Side(compiled.matcher, lambda m: partial(m.fill_mask, mask, 0), lambda m: m.accept, lambda m: m.rollback)
 
 
 def raw_side(template, mask):
+    """Raw llguidance through the thinnest CORRECT client (see the module docstring): each call is one Python
+    function around the llguidance call, plus the one check a correct client cannot skip."""
     ptr, nbytes = mask.data_ptr(), mask.shape[1] * 4
 
-    def accept_of(r):
-        consume = r.try_consume_tokens
+    def fill_of(r):
+        def fill():
+            r.unsafe_compute_mask_ptr(ptr, nbytes)
+            if r.is_error():  # a failed matcher writes an EOS-only row: without this the output silently ends
+                raise RuntimeError(r.get_error())
+        return fill
 
+    def accept_of(r):
         def accept(t):
-            return consume((t,)) == 1
+            return r.try_consume_tokens((t,)) == 1
         return accept
 
     def rollback_of(r):
-        back = r.rollback
-
         def rollback(n):
-            if not back(n):
+            if not r.rollback(n):
                 raise RuntimeError(r.get_error())
         return rollback
 
-    return Side(template.deep_copy, lambda m: m.unsafe_compute_mask_ptr(ptr, nbytes), accept_of, rollback_of)
+    return Side(template.deep_copy, fill_of, accept_of, rollback_of)
 
 
 def bench_schema(schema, ids, sides, pairs, rng, same, walks=3):
@@ -203,7 +223,7 @@ def bench_schema(schema, ids, sides, pairs, rng, same, walks=3):
     for w in range(1 + walks):
         ms = {name: op.make() for name, op in ops.items()}
         acc = {name: ops[name].accept(ms[name]) for name in ops}
-        fills = {name: (lambda op=op, m=ms[name]: op.fill(m)) for name, op in ops.items()}
+        fills = {name: op.fill(ms[name]) for name, op in ops.items()}
         for t in ids:
             if w:
                 pairs.run("fill per token", fills, rng)
@@ -251,13 +271,12 @@ def one_call_blocks(sides_for, schemas, pairs, rng, calls=100, reps=12):
         ops = sides_for(schema)
         fns = {}
         for name, op in ops.items():
-            m = op.make()
-            op.fill(m)
+            fill = op.fill(op.make())
+            fill()
 
-            def block(op=op, m=m):
-                fill = op.fill
+            def block(fill=fill):
                 for _ in range(calls):
-                    fill(m)
+                    fill()
             fns[name] = block
         for _ in range(reps):
             pairs.run(f"fill, one call ({calls} calls)", fns, rng)
@@ -266,6 +285,9 @@ def one_call_blocks(sides_for, schemas, pairs, rng, calls=100, reps=12):
 def bench_batch(seqs, sides, pairs, rng, batch, k, executor, reps):
     """One engine step for `batch` sequences, with K drafts each and without."""
     import llguidance.torch as llt  # the raw side calls llguidance's own batch API, as a user of it would
+    from llguidance import LLMatcher
+
+    is_error = LLMatcher.is_error
 
     seqs = [(s, ids) for s, ids in seqs if len(ids) > k + 2]
     per_side = {name: [] for name in sides}
@@ -291,9 +313,13 @@ def bench_batch(seqs, sides, pairs, rng, batch, k, executor, reps):
             n = r.validate_tokens(d)  # how many drafts are grammatical: any engine must know first
             work.append((r, i * (k + 1), d[:n]))
         llt.fill_next_token_bitmask_par_with_draft_tokens(executor, work, out)
+        if True in map(is_error, matchers):  # failed matchers get EOS-only rows: a correct client must look
+            raise RuntimeError("a matcher failed")
 
     def raw_plain(matchers):
         llt.fill_next_token_bitmask_par(executor, [(r, i) for i, r in enumerate(matchers)], outb)
+        if True in map(is_error, matchers):
+            raise RuntimeError("a matcher failed")
 
     with_d, none = {}, {}
     for name, s in sides.items():
@@ -336,7 +362,6 @@ def main(argv=None):
 
     import deepinfer_sg.grammars as ours_pkg
     from deepinfer_sg.grammars import llguidance_matcher
-    from deepinfer_sg.grammars.schema_support import needs_prepare, prepare
 
     pkgs = {"ours": ours_pkg}
     if args.before:
@@ -351,7 +376,8 @@ def main(argv=None):
     if "before" in pkgs:
         lm = sys.modules["grammars_before.llguidance_matcher"]
         b = lm._LLGuidanceBatch.__new__(lm._LLGuidanceBatch)
-        b.executor = executor
+        for k, v in vars(llguidance_matcher._executor()).items():  # the same executor (and fresh-state fields)
+            setattr(b, k, v)
         lm._EXECUTOR = b
     schemas = pick_schemas(args.schemas, lltok, args.data)
     print(f"{len(schemas)} MaskBench schemas, DeepSeek-V4 tokenizer ({VOCAB} logits), {os.cpu_count()} CPUs; "
@@ -365,7 +391,7 @@ def main(argv=None):
     for i, (name, schema, value) in enumerate(schemas):
         ids = tok.encode(json.dumps(value, separators=(",", ":"), ensure_ascii=False), add_special_tokens=False).ids
         print(f"  [{i + 1}/{len(schemas)}] {name} ({len(ids)} tokens)", file=sys.stderr, flush=True)
-        same = prepare(schema) if needs_prepare(schema) else schema
+        same = as_handed(schema)
         n_rewritten += same is not schema
         grammar = LLMatcher.grammar_from_json_schema(same, overrides=opts)
         raw_template = LLMatcher(lltok, grammar, log_level=0)
@@ -383,7 +409,7 @@ def main(argv=None):
           f"{time.time() - t_start:.0f} s)")
 
     def sides_for(schema):
-        same = prepare(schema) if needs_prepare(schema) else schema
+        same = as_handed(schema)
         out = {"raw": raw_side(LLMatcher(lltok, LLMatcher.grammar_from_json_schema(same, overrides=opts), log_level=0), mask)}
         for pname, pkg in pkgs.items():
             out[pname] = ours_side(compilers[pname].compile(pkg.JsonSchema(schema, whitespace="compact")), mask)
@@ -396,7 +422,7 @@ def main(argv=None):
     for b in args.batch:
         bpairs = Pairs()
         bsides = {"raw": {"batch_matcher": lambda schema: LLMatcher(
-            lltok, LLMatcher.grammar_from_json_schema(prepare(schema) if needs_prepare(schema) else schema,
+            lltok, LLMatcher.grammar_from_json_schema(as_handed(schema),
                                                       overrides=opts), log_level=0),
             "accept": lambda m, t: m.try_consume_tokens((t,)) == 1}}
         for pname, pkg in pkgs.items():

@@ -19,24 +19,24 @@ random half-density masks used here that is every sector). The bitmask rows also
 default CUDA path, Triton) at the same shapes. --sweep adds launch-parameter variants; --dry runs every body once
 on the CPU (interpreter, tiny shapes) to check the script itself. Twins are timed with do_bench when they sync.
 
-Last measured (NVIDIA H200, torch 2.11 / Triton 3.6, 2026-11-29, session 2, final defaults; copy 4,250 GB/s;
-each family's module docstring has its own rows and sweeps):
-  kernel                 shape                                  triton us         roofline (of copy bandwidth)
-  bitmask                B=64 / 256 / 512, V=129280             20.8 / 72 / 140   76% / 87% / 90% (xgrammar 0.2.9's
-                         (session 3: adaptive blocks)                                  own kernel: 55% / 66% / 71%)
-  bitmask by step        64 requests x 4 rows                   70.9              89%
-  sample T=1             B=64 / 256                             13.7 / 37.7       57% / 83% (one read pass: 84% / 100%)
-  sample T=0.7 + mask    B=64 / 256                             18.8 / 52.6       43% / 61%
-  sample greedy          B=64 / 256                             11.6 / 33.5       67% / 93%
-  sample top-k50 p0.9    B=64 / 256                             105 / 336         7% / 9% (three passes + histogram)
-  speculative accept     64 requests x 4 rows + draft probs     95                34%
-  sparse attention       N=64 / 256, H=64 D=512, 128+512 keys   44.5 / 149        27% / 32% (keys from L2: 41 / 121 us)
-  indexer score + top-k  N=64 Hi=32 Di=128 L=16384 k=512        136               46% (scores alone 87%)
-  moe experts (bf16)     T=64 / 256, H=2048 F=1024 E=64 K=6     196 / 216         97% / 88%
-  moe experts (bf16)     V4.1 shapes T=64 / 256                 3,759 / 6,008     106% / 103% (reads only)
-  moe experts (fp8 w)    V4.1 shapes T=64 / 256                 2,072 / 3,299     97% / 95% of the fp8 bytes
-  hc mixes + sinkhorn    T=64 / 256 / 4096, H=5120              14.7 / 24.3 / 150 7% / 12% / 27% (launch floor 0.7 us)
-  hc post + next pre     T=64 / 256                             4.1 / 10.1        38% / 61%
+Last measured (NVIDIA H200, torch 2.11 / Triton 3.6; copy ~4,250 GB/s; bitmask 2026-11-29 session 3, the other
+rows 2026-11-30 session 5 round 3 unless marked; each family's module docstring has its own rows and sweeps):
+  kernel                 shape                                  triton us          roofline (of copy bandwidth)
+  bitmask                B=64 / 256 / 512, V=129280             20.8 / 72 / 140    76% / 87% / 90% (xgrammar 0.2.9's
+                                                                                        own kernel: 55% / 66% / 71%)
+  bitmask by step        64 requests x 4 rows                   70.9               89%
+  sample T=1             B=64 / 256                             11.3 / 35.1        68% / 88% (read pass alone 87%)
+  sample T=0.7 + mask    B=64 / 256                             13.4 / 42.6        59% / 75%
+  sample greedy          B=64 / 256                             11.0 / 33.7        70% / 92%
+  sample top-k50 p0.9    B=64 / 256                             30.1 / 77.8 (R2)   26% / 40%
+  speculative accept     64 requests x 4 rows + draft probs     48.9 (R2)          63%
+  sparse attention       N=64 / 256, H=64 D=512, 128+512 keys   42.2 / 111.0       28% / 42% of max(bytes, flops)
+  indexer score + top-k  N=64 Hi=32 Di=128 L=16384 k=512        97.1 / 94.6 unsort 65% / 66% (scores alone 92%)
+  moe experts (fp8 w)    V4.1 shapes T=64 / 256 (session 4)     2,094 / 3,408      94% / 92% of the fp8 bytes
+  moe experts (fp4 pack) V4.1 shapes T=64 / 256 (session 4)     2,335 / 3,802      47% / 44%
+  hc mixes + sinkhorn    T=64 / 256 / 4096, H=5120              12.2 / 17.2 / 150  22% / 25% / 27% of a launch that
+                                                                                        only streams the bytes
+  hc post + next pre     T=64 / 256                             3.7 / 10.1         41% / 61%
 The whole run takes about 2-3 minutes on an H200 (--budget, default 200 s, skips the steps left after that);
 with OUT set it also writes $OUT/kernels.txt (the table) and $OUT/kernels.json.
 """
@@ -150,8 +150,12 @@ def compile_check():
         params = list(inspect.signature(fn.fn).parameters)
         sig = {p: "constexpr" if p in consts else types.get(p, "*fp32" if p.endswith("_ptr") else "i32")
                for p in params}
+        # real launches specialise pointers that are 16-byte aligned (every torch allocation is); without the same
+        # hint the build would vectorise less and report spills that never happen
+        aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if sig[p].startswith("*")}
         try:
-            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned),
+                               target=GPUTarget("cuda", 90, 32),
                                options={"num_warps": warps})
         except Exception as e:                               # noqa: BLE001
             emit(f"{name:22s} FAILED to build: {type(e).__name__}: {str(e)[:300]}")

@@ -51,6 +51,29 @@ Measured (H200, copy ~4,250 GB/s, bf16 matmul 700-790 TFLOP/s; launch floor 0.7 
                          select in one launch 156.9 (removed). The merged attention kernel's one-loop form gets a
                          different QK layout from Triton than the former tensor-core kernel (warps over heads, both
                          warpgroups computing Q K^T), so the N >= 192 default stays two loops until measured.
+  session 5 round 1 (K2) attention (dispatch 43.8-43.9 / 146.6-146.8 us): "unchained" (P and the rescales through a
+                         per-program scratch so Triton splits Q K^T over the two warpgroups): N=256 one loop bk64
+                         123.1 (38%), bk32 154.5, pool by pool bk32 136.7, two splits 192.9; N=64 bk64 S2 42.8, bk32
+                         S1-S4 76.6 / 51.2 / 75.2 / 71.7 (more than 132 programs = two waves: S <= 132 / N). A
+                         "lookahead" form (each block's Q K^T one iteration before its softmax and P@V, keys gathered
+                         twice) 185.9 at N=256, 63.1 at N=64 S2: removed. Keys from L2: dispatch 119.2, unchained bk32
+                         128.4. Select (scores in L2) with the early-exit radix search: chunked 26.0 (was 29.4;
+                         stage 1 alone 16.9, stage 2 alone 9.3), threshold 25.5, 4 warps 27.2, 16 warps 30.1, 8
+                         chunks 27.5; score + select 97.6 sorted / 95.1 unsorted (64% / 66%; was 102.9 / 100.4).
+  session 5 round 2 (K2) attention N=64 / 256: unchained pool by pool bk64 (S2 / S1) 42.6 / 110.6 us (28% / 43%),
+                         one loop 45.9 / 122.9 (removed), pools bk32 49.3 / 136.7; 32-head programs (mma.sync)
+                         bk64 w8 49.3 / 210.4, bk32 63.9-75.0; 16-head bk32 56.1; session 4 dispatch 44.0 / 146.8.
+                         Ablations at N=256 (two waves): keys from L2 90.6, the 128 window keys only 33.9, no keys
+                         10.9. Select: direct winner writes + no recount after an exact cut: chunked 28.7 with 8-warp
+                         chunk programs, 24.8 with 4 (the new default), threshold 24.7, stage 1 alone 20.4 (8 warps),
+                         stage 2 alone 8.3; programmatic dependent launch 35.8 alone, 103.7 after the scores
+                         (removed); score + select 100.4 sorted / 98.4 unsorted with 8-warp chunks.
+  session 5 round 3 (K2, final) dispatch N=64 / 256: 42.2-42.6 / 110.7-111.1 us (28% / 42-43%); keys from L2 34.6 /
+                         90.9; N=256 with the 128 window keys only 34.1, no keys 10.9 (launch floor 0.7). (Its
+                         "session 4" rows ran unchained by mistake: 61.7 / 136.8; the real session 4 dispatch is 43.8-
+                         44.0 / 146.6-146.8 in rounds 1-2.) Select alone: chunked 25.0 unsorted / 27.5 sorted,
+                         threshold 24.8; score + select 97.1 sorted / 94.6 unsorted (65% / 66%), with the threshold
+                         select 98.0; scores alone 69.5 (92%).
 """
 import os
 import sys
@@ -65,23 +88,21 @@ from kbench import DEV, DRY, emit, rotating, row, S, time_ms
 TFLOPS = 700.0          # bf16 dense matmul rate for the flop floor until `matmul_rate` has measured it
 _RATE = {}
 
-# attention launch configurations: (N, block_h, block_k, warps, stages, splits, one loop)
-ATTN_VARIANTS = [(256, 64, 32, 8, 2, 1, False), (64, 64, 64, 8, 2, 2, True), (256, 64, 64, 8, 2, 1, True)]
+# attention launch configurations: (N, keywords of sparse_attention_triton), most telling first per N
+# attention launch configurations beside the dispatched one: session 4's defaults (the "before" rows of this run)
+ATTN_VARIANTS = [(64, dict(block_h=16, block_k=64, num_warps=4, num_stages=2, splits=1, unchain=False)),
+                 (256, dict(block_h=64, block_k=32, num_warps=8, num_stages=2, splits=1, unchain=False))]
 # select variants (label, topk_select_triton keywords), most telling first
-SELECT_VARIANTS = [("threshold", dict(sorted=False)), ("threshold", dict(sorted=True)),
-                   ("threshold w16", dict(sorted=False, num_warps=16)), ("threshold w4", dict(sorted=False, num_warps=4)),
-                   ("4 chunks", dict(chunks=4, sorted=False)),
-                   ("4 chunks", dict(chunks=4, sorted=True)), ("2 chunks w16", dict(chunks=2, num_warps=16,
-                                                                                      sorted=False))]
-
-def attn_kw(v):
-    _, bh, bk, w, st, sp, one = v
-    return dict(block_h=bh, block_k=bk, num_warps=w, num_stages=st, splits=sp, one_loop=one)
+SELECT_VARIANTS = [("4 chunks (w4/w8)", dict(chunks=4, sorted=False)),
+                   ("4 chunks w8/w8", dict(chunks=4, num_warps=8, sorted=False)),
+                   ("threshold", dict(cap=2048, sorted=False))]
 
 
 def attn_label(v):
-    N, bh, bk, w, st, sp, one = v
-    return f"N={N} bh{bh} bk{bk} w{w} st{st} S{sp} {'one loop' if one else 'pool by pool'}"
+    N, kw = v
+    form = "unchained" if kw.get("unchain") else "chained"
+    return (f"N={N} bh{kw['block_h']} bk{kw['block_k']} w{kw['num_warps']} st{kw['num_stages']} S{kw['splits']} "
+            f"{form}")
 
 
 @triton.jit
@@ -139,6 +160,11 @@ def attn_note(t_ms, byte_us, flop_us, err):
             f"({matmul_rate():.0f} TFLOP/s); {roof / (t_ms * 1e3):.0%} of roofline")
 
 
+def _session4_cfg(N):
+    """Session 4's dispatch (the "before" row): 16-head programs below 192 rows, all heads chained above."""
+    return dict(ATTN_VARIANTS[0 if N < 192 else 1][1])
+
+
 def bench_attention(bw, l2, batches):
     H, D, Kw, Kc, pool = attn_shape()
     launch_floor(bw)
@@ -147,13 +173,11 @@ def bench_attention(bw, l2, batches):
         nxt = rotating(attn_inputs(N, H, D, Kw, Kc, pool), nbytes, l2)
         s = nxt()
         b = decode_attention.sparse_attention_torch(*s).float()
-        cfg = decode_attention.default_config(N, H, D, Kw + Kc)
-        other = decode_attention.default_config(256 if N < 192 else 64, H, D, Kw + Kc)
-        one = dict(block_h=64, block_k=64, num_warps=8, num_stages=3 if N >= 192 else 2, splits=1 if N >= 192 else 2,
-                   one_loop=True)
+        cfg = decode_attention.default_config(N, H, D, Kw + Kc, sms=torch.cuda.get_device_properties(0)
+                                              .multi_processor_count if not DRY else 132)
+        before = _session4_cfg(N)
         runs = (("sparse attention", {}, "default dispatch: " + " ".join(f"{k}={v}" for k, v in cfg.items())),
-                ("  other N's config", other, " ".join(f"{k}={v}" for k, v in other.items())),
-                ("  one loop, all heads", one, " ".join(f"{k}={v}" for k, v in one.items())))
+                ("  session 4 dispatch", before, " ".join(f"{k}={v}" for k, v in before.items())))
         for label, kw, what in runs:
             a = decode_attention.sparse_attention_triton(*s, **kw)
             err = float((a.float() - b).norm() / b.norm())
@@ -205,6 +229,9 @@ def bench_indexer(bw, l2):
         f"overlap {overlap:.1%}")
     t = time_ms(lambda: indexer.topk_select_triton(indexer.indexer_scores_triton(*nxt(), L), k, sorted=False))
     row("  unsorted (engine)", f"N={N} L={L} k={k}", t, None, nbytes, bw, "scores + select(sorted=False)")
+    t = time_ms(lambda: indexer.topk_select_triton(indexer.indexer_scores_triton(*nxt(), L), k, sorted=False,
+                                                   cap=indexer.threshold_cap(L, k)))
+    row("  unsorted, threshold", f"N={N} L={L} k={k}", t, None, nbytes, bw, "scores + threshold select (one launch)")
     t = time_ms(lambda: indexer.indexer_topk_triton(*nxt(), k, max_len=L, select="topk"))
     row("  with torch.topk", f"N={N} L={L} k={k} (D's version)", t, None, nbytes, bw)
     t = time_ms(lambda: indexer.indexer_scores_triton(*nxt(), L))
@@ -229,7 +256,7 @@ def _warm_one(task):
     try:
         if kind == "attn":
             H, D, Kw, Kc, pool = attn_shape()
-            decode_attention.sparse_attention_triton(*attn_inputs(v[0], H, D, Kw, Kc, pool)(), **attn_kw(v))
+            decode_attention.sparse_attention_triton(*attn_inputs(v[0], H, D, Kw, Kc, pool)(), **v[1])
         elif kind == "select":
             N, Hi, Di, L, k = indexer_shape()
             indexer.topk_select_triton(torch.randn(N, L, device=DEV), k, **SELECT_VARIANTS[v][1])
@@ -240,11 +267,7 @@ def _warm_one(task):
             H, D, Kw, Kc, pool = attn_shape()
             x = attn_inputs(v, H, D, Kw, Kc, pool)()
             decode_attention.sparse_attention(*x)
-            decode_attention.sparse_attention_triton(*x, **decode_attention.default_config(
-                256 if v < 192 else 64, H, D, Kw + Kc))
-            decode_attention.sparse_attention_triton(*x, block_h=64, block_k=64, num_warps=8,
-                                                     num_stages=3 if v >= 192 else 2, splits=1 if v >= 192 else 2,
-                                                     one_loop=True)
+            decode_attention.sparse_attention_triton(*x, **_session4_cfg(v))
         elif kind == "indexer-defaults":       # bench_indexer's kernels that no select / fused task builds
             N, Hi, Di, L, k = indexer_shape()
             x = indexer_inputs(N, Hi, Di, L)()
@@ -275,27 +298,40 @@ def warm(workers=8):
 
 
 def sweep(bw, l2):
-    """The select variants first (the indexer is the closer one to the bar), then attention: the dispatched kernel twice (the spread between two timings of one version) and the
-    tensor-core form's best configurations; stops adding rows after ATTN_SWEEP_S seconds (default 40)."""
+    """The select variants first, then attention: the dispatched kernel twice (the spread between two timings of
+    one version) around ATTN_VARIANTS; stops adding rows after ATTN_SWEEP_S seconds (default 40)."""
     t_end = time.time() + float(os.environ.get("ATTN_SWEEP_S", "40"))
     N, Hi, Di, L, k = indexer_shape()
     scs = [torch.randn(N, L, device=DEV) for _ in range(4)]
     it = iter(range(1 << 30))
     ref = indexer._select(scs[0], k)
     for label, kw in SELECT_VARIANTS:
+        if "cap" in kw and (L > indexer.RESIDENT_MAX or kw["cap"] >= L):
+            continue
         got = indexer.topk_select_triton(scs[0], k, **kw)
         same = bool(torch.equal(got[0], ref[0])) if kw["sorted"] else bool(torch.equal(got[0].sort(1).values,
                                                                                       ref[0].sort(1).values))
         t = time_ms(lambda: indexer.topk_select_triton(scs[next(it) % 4], k, **kw))
         row("  sweep select", f"N={N} L={L} k={k} {label} sorted={kw['sorted']}", t, None, N * L * 4, bw,
             f"exact: {same}")
+    # the chunked select's two launches alone: 4 chunks' exact top-k, then the merge of their 4k candidates
+    t = time_ms(lambda: indexer._select_launch(scs[next(it) % 4], k, 4, False, None, 4))
+    row("  sweep select", f"N={N} L={L} k={k} stage 1 alone", t, None, N * L * 4, bw, "4 chunks")
+    cand = [indexer._select_launch(x, k, 4, False, None, 4) for x in scs]
+    t = time_ms(lambda: indexer._select_launch(cand[next(it) % 4][1], k, 1, False, None, None,
+                                               id_map=cand[next(it) % 4][0]))
+    row("  sweep select", f"N={N} {4 * k} candidates k={k} stage 2 alone", t, None, N * 4 * k * 12, bw, "merge")
     H, D, Kw, Kc, pool = attn_shape()
     sets = {}
     for N in S((64, 256), (2,)):
         nb = N * (Kw + Kc) * D * 2 + 2 * N * H * D * 2
         sets[N] = (rotating(attn_inputs(N, H, D, Kw, Kc, pool), nb, l2), nb)
     runs = [(N, "default dispatch", {}) for N in sets]
-    runs += [(S(v[0], 2), attn_label(v), attn_kw(v)) for v in ATTN_VARIANTS]
+    runs += [(S(v[0], 2), attn_label(v), v[1]) for v in ATTN_VARIANTS]
+    hot = dict(block_h=64, block_k=64, num_warps=8, num_stages=2, splits=1, unchain=True)
+    runs += [(S(256, 2), "dispatched (S1), keys from L2", dict(hot, hot=True)),
+             (S(256, 2), "dispatched (S1), 128 window keys only", dict(hot, keys="window")),
+             (S(256, 2), "dispatched (S1), no keys", dict(hot, keys="none"))]
     runs += [(N, "default dispatch again", {}) for N in sets]
     fn = decode_attention.sparse_attention_triton
     for N, label, kw in runs:
@@ -305,20 +341,34 @@ def sweep(bw, l2):
         nxt, nb = sets[N]
         _, byte_us, flop_us = attn_floors(N, H, D, Kw, Kc, bw)
         s = nxt()
-        a, b = fn(*s, **kw).float(), decode_attention.sparse_attention_torch(*s).float()
-        t = time_ms(lambda: fn(*nxt(), **kw))
+        kw = dict(kw)
+        if kw.pop("hot", False):         # every row's keys among 32 pool rows (L2 hits): the time without HBM
+            nxt = (lambda x: lambda: x)((s[0], s[1], (s[2] % 32).int(), s[3], s[4], (s[5] % 32).int()))
+            s = nxt()
+        keys = kw.pop("keys", "all")     # ablations: the 128 window keys only / no keys (the per-program fixed cost)
+        if keys != "all":
+            nxt = (lambda x: lambda: x)((s[0], s[1], s[2] if keys == "window" else s[2][:, :0], s[3], None, None))
+            s = nxt()
+        try:
+            a, b = fn(*s, **kw).float(), decode_attention.sparse_attention_torch(*s).float()
+            t = time_ms(lambda: fn(*nxt(), **kw))
+        except Exception as e:                               # noqa: BLE001 - one failing variant must not end the sweep
+            emit(f"  sweep attention N={N} {label}: FAILED {type(e).__name__}: {str(e)[:120]}")
+            continue
         row("  sweep attention", f"N={N} {label}", t, None, nb, bw,
             attn_note(t, byte_us, flop_us, float((a - b).norm() / b.norm())))
 
 
 def compile_cases():
     """(name, kernel, extra pointer types, constexprs, warps) for kernels.py --compile-check."""
-    attn = dict(D=512, BLOCK_H=64, BLOCK_K=32, HAS_CMP=True, IEEE=False, SPLIT=False, BLOCK_S=2, DC=64)
+    attn = dict(D=512, BLOCK_H=64, BLOCK_K=64, HAS_CMP=True, IEEE=False, SPLIT=False, BLOCK_S=2, DC=64, UNCHAIN=True)
+    types = dict(q_ptr="*bf16", out_ptr="*bf16", cnt_ptr="*i32", scr_p_ptr="*bf16")
     return [
-        ("attention (N>=192)", decode_attention._sparse_attention_kernel,
-         dict(q_ptr="*bf16", out_ptr="*bf16", cnt_ptr="*i32"), dict(attn, ONE_LOOP=False), 8),
-        ("attention (N<192)", decode_attention._sparse_attention_kernel,
-         dict(q_ptr="*bf16", out_ptr="*bf16", cnt_ptr="*i32"), dict(attn, BLOCK_H=16, BLOCK_K=64, ONE_LOOP=False), 4),
+        ("attention (N>=192)", decode_attention._sparse_attention_kernel, types, attn, 8),
+        ("attention pools S2", decode_attention._sparse_attention_kernel, types,
+         dict(attn, SPLIT=True), 8),
+        ("attention (N<192)", decode_attention._sparse_attention_kernel, types,
+         dict(attn, BLOCK_H=16, UNCHAIN=False), 4),
         ("threshold select", indexer._threshold_select_kernel,
          dict(idx_ptr="*i64", val_ptr="*fp32", scores_ptr="*fp32", cand_val_ptr="*fp32", cand_idx_ptr="*i64"),
          dict(NGB=1024, GS=16, CB=4096, FB=4096, CAP=2048, SORTED=False, KP=512), 8),

@@ -64,8 +64,23 @@ Round 2 (H200, copy 4246 GB/s; all compiled MoE + mHC tests pass; a tiny V4.1 ch
   kept fp8, folded row scales                           V4.1 T=64 / 256  2.09 / 3.44 ms  95% / 92%
   mHC T=64 / 256: 13.7 / 18.9 us (was 14.7 / 24.3): first pass 8.2 us; mixing launch 5.0 us, of which the
             20-step Sinkhorn is 2.2 (2.8 us with one step); all 40 partials loaded at once 6.0 us.
+
+Session 5 (mHC; rounds 1-2 on the H200, copy 4268-4287 GB/s, read floor at T=64 2.6 us, empty launch 0.5-0.7 us):
+  per-token Sinkhorn (16 values in one thread, no shuffles): mixing launch alone 3.5 us (was 4.6)
+  ONE launch (ticket per token block, last program adds + mixes): T=64 12.9 / 12.5 us vs two launches 12.8;
+      T=256 19.0 vs 18.0: the ticket + serial tail cost what the second launch did -> deleted
+  first pass through tensor descriptors (3-4 stages): 16.4 us alone vs 7.6 (fn parts 9.1); whole op 22.3 vs 12.5;
+      T=4096 parts 141 vs 149 us -> deleted; sum of squares as diag(r r^T) on tensor cores: 15.3 vs 12.5 -> deleted
+  first pass alone, 64-token blocks, 128-wide splits: 6.2 us (one token block: the mixing must then add 160 splits)
+  the Sinkhorn loop unrolled inside a one-launch kernel took 23 s to build (2 s as a loop): sweeps now build their
+      variants in parallel processes first (warm()), round 1's sweep was all build time.
+Round 3 (final tree; all 27 MoE + 26 mHC tests pass compiled): decode tiles up to 128 tokens 256-wide splits in
+  128-wide steps: T=64 10.6 us vs 11.5 with the old tiles (same run; first pass 5.9 vs 7.6, mixing launch 4.1 vs
+  3.5 with twice the partials); default rows T=64 / 256 / 4096: 12.2 / 17.2 / 150.1 us (session 4: 13.2 / 18.4 /
+  148.4); at T=256 the new tiles lose (22.0 vs 17.2), so 129-256 tokens keep the old ones.
 """
 import math
+import os
 import time
 
 import torch
@@ -77,7 +92,11 @@ from kbench import DEV, DRY, emit, rotating, row, S, time_ms
 
 T_IMPORT = time.time()
 FP8_COMPUTE = "fp16"     # fp8 weights widened to fp16 (one cvt) for the dot: set from the round-2 sweep
-SWEEP_S = 40.0           # the sweep stops adding variants this many seconds after import (mHC: 55% of it)
+# the sweep stops adding variants this many seconds after import; K3_SWEEP names its parts ("hc,moe"), and the
+# mHC part stops when less than HC_SHARE_LEFT of that time is left
+SWEEP_S = float(os.environ.get("K3_SWEEP_S", "40"))
+SWEEP_PARTS = os.environ.get("K3_SWEEP", "hc,moe").split(",")
+HC_SHARE_LEFT = 0.45 if "moe" in SWEEP_PARTS else 0.0
 
 TOY = dict(H=S(2048, 64), F=S(1024, 32), E=S(64, 4), K=S(6, 2))
 REAL = dict(H=S(5120, 64), F=S(2304, 48), E=S(384, 6), K=S(6, 2))
@@ -252,8 +271,10 @@ def sweep(bw, l2):
     one, two = (1.0, 1.0) if DRY else launch_floor()
     emit(f"# launch floor (empty kernel in a CUDA graph): one launch {one * 1e3:.1f} us, two {two * 1e3:.1f} us")
     # mHC (breakdown of the mixing launch, first-pass tiles) for the first part of the sweep's time, then MoE
-    _sweep_hc(bw, l2, one, S((64, 256), (5,)))
-    _sweep_moe(bw, "tiles")
+    if "hc" in SWEEP_PARTS:
+        _sweep_hc(bw, l2, one, S((64, 256, 4096), (5, 300)))
+    if "moe" in SWEEP_PARTS:
+        _sweep_moe(bw, "tiles")
 
 
 def _sweep_moe(bw, which):
@@ -331,47 +352,86 @@ def read_floor(nbytes: int) -> float:
 
 
 def hc_mix_alone(s, **kw):
-    """The second launch alone (on random partials): breakdown rows; iters=1 leaves the Sinkhorn loop out."""
+    """The second launch of the two-launch form alone (on random partials): breakdown rows; iters=1 leaves the
+    Sinkhorn loop out."""
     R, fn, base, scale = s
     T, M, H = R.shape
-    K, NZP = M * H, max(16, triton.next_power_of_2((2 + M) * M))
+    K, NZ = M * H, (2 + M) * M
+    NZP = max(16, triton.next_power_of_2(NZ + 1))
     split = kw.get("split") or 512
     n_split = triton.cdiv(K, split)
     z = torch.randn(n_split, T, NZP, device=DEV) * 0.01
-    sq = torch.rand(n_split, T, device=DEV) + 1
+    z[:, :, NZ] = torch.rand(n_split, T, device=DEV) + 1          # the sums of squares
     pre, post, comb = (torch.empty(T, M, device=DEV), torch.empty(T, M, device=DEV), torch.empty(T, M, M, device=DEV))
     bt, warps = kw.get("mix_bt", 2), kw.get("mix_warps", 1)
     fast = kw.get("fast_rcp", hc_mix.FAST_RCP_DEFAULT) and hc_mix._CAN_RCP
-    return lambda: hc_mix._hc_mix_kernel[(triton.cdiv(T, bt),)](z, sq, base, scale, pre, post, comb, T, K, n_split,
+    return lambda: hc_mix._hc_mix_kernel[(triton.cdiv(T, bt),)](z, base, scale, pre, post, comb, T, K, NZ, n_split,
                                                                  1e-20, 1e-6, 2.0, M=M, NZP=NZP, BT=bt,
-                                                                 ITERS=kw.get("iters", 20),
-                                                                 SC=kw.get("sc", 16), FAST=fast,
-                                                                 num_warps=warps)
+                                                                 ITERS=kw.get("iters", 20), SC=kw.get("sc", 16),
+                                                                 FAST=fast, num_warps=warps)
+
+
+def _hc_variants(T):
+    """(label, options) of the mHC sweep at T tokens, most informative first; ("mix alone", options) times the
+    mixing launch by itself, only_partial the first pass by itself, fn_parts=True reads fn as its three bf16
+    parts (rotated with the inputs)."""
+    P = dict(only_partial=True)
+    old = dict(block_t=16, split=512, block_k=64)             # the decode tiles before session 5
+    if T > 256:
+        return [("parts (the default)", dict(fn_parts=True)), ("parts mix bt16 w4", dict(fn_parts=True, mix_bt=16,
+                                                                                          mix_warps=4))]
+    if T > 64:
+        return [("default", {}), ("s256 bk128", dict(split=256, block_k=128)), ("partial", P),
+                ("partial s256 bk128", dict(P, split=256, block_k=128))]
+    return [("default", {}), ("old tiles s512 bk64", old), ("partial", P), ("partial old tiles", dict(P, **old)),
+            ("mix alone s256", ("mix alone", dict(split=256))), ("mix alone s512", ("mix alone", {})),
+            ("sc32", dict(sc=32)), ("mix bt4", dict(mix_bt=4)), ("mix bt16 w4", dict(mix_bt=16, mix_warps=4)),
+            ("bt32 s256 bk128 w8", dict(block_t=32, num_warps=8)), ("s512 bk128", dict(split=512)),
+            ("s128 bk128", dict(split=128))]
+
+
+def _hc_runner(v):
+    """(run(input set with parts), options without fn_parts) for a sweep variant."""
+    use_parts = v.get("fn_parts", False)
+    kw = {k: x for k, x in v.items() if k != "fn_parts"}
+    return (lambda x: hc_mix.hc_mixes_triton(*x[0], fn_parts=x[1] if use_parts else None, **kw)), kw
+
+
+def warm(i: int, n: int):
+    """Build every n-th mHC sweep variant from the i-th by running it once on its real shape, untimed: run as n
+    processes beside the timed sweep, they fill Triton's disk cache ahead of it (building is most of the sweep's
+    time: ~2-3 s per variant)."""
+    M, H = 4, 5120
+    k = 0
+    for T in (64, 256, 4096):
+        x = hc_inputs(T, M, H)
+        xs = (x, hc_mix.split_fn_bf16(x[1]))
+        for label, v in _hc_variants(T):
+            k += 1
+            if (k - 1) % n != i:
+                continue
+            t0 = time.time()
+            try:
+                hc_mix_alone(x, **v[1])() if isinstance(v, tuple) else _hc_runner(v)[0](xs)
+                torch.cuda.synchronize()
+                print(f"warm T={T} {label}: {time.time() - t0:.1f} s", flush=True)
+            except Exception as e:                      # noqa: BLE001
+                print(f"warm T={T} {label}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
 
 
 def _sweep_hc(bw, l2, one, batches):
-    """mHC variants at decode sizes, most informative first: the per-launch breakdown of the default (first
-    pass alone, mixing launch alone), the one-launch form (last program per token block reduces the partials in
-    split order and runs the per-lane Sinkhorn), tile shapes; `read floor` is one launch streaming the same bytes."""
+    """mHC variants at decode sizes (_hc_variants); `read floor` is one launch streaming the same bytes."""
     M, H = 4, S(5120, 64)
     nz = (2 + M) * M
-    P = dict(only_partial=True)
-    step1 = dict(block_t=64, split=128, block_k=128)         # one loop step per first-pass program, all tokens
-    v64 = [dict(), dict(fast_rcp=False), dict(P), ("mix alone", dict()), ("mix alone", dict(fast_rcp=False)),
-           ("mix alone", dict(iters=1)), ("mix alone", dict(mix_bt=1)), dict(P, **step1),
-           dict(P, block_t=16, split=256, block_k=256), dict(P, block_t=16, split=256, block_k=128),
-           dict(mix_bt=4), dict(P, block_t=32, split=256, block_k=128), dict(P, num_stages=4)]
-    v256 = [dict(), dict(fast_rcp=False), dict(P), dict(P, block_t=32), dict(block_t=32)]
-    for T in batches:
+    for T, share in zip(batches, (0.55, 0.85, 1.0)):          # T's variants stop at this share of the sweep's time
         nbytes = T * M * H * 2 + nz * M * H * 4
         floor = one if DRY else read_floor(nbytes)
         emit(f"  sweep hc T={T}: read floor (one launch streaming {nbytes / 1e6:.1f} MB) {floor * 1e3:.1f} us; "
              f"empty launch {one * 1e3:.1f} us")
-        nxt = rotating(lambda: hc_inputs(T, M, H), nbytes, l2)
-        s = nxt()
-        parts = hc_mix.split_fn_bf16(s[1])          # (the rotation's fn differ: parts of the first, timing only)
-        for v in (v64 if T <= 64 else v256):
-            if _left() < SWEEP_S * 0.45:
+        nxt = rotating(lambda: (lambda x: (x, hc_mix.split_fn_bf16(x[1])))(hc_inputs(T, M, H)), nbytes * 1.5, l2)
+        s, parts = nxt()
+        for label, v in _hc_variants(T):
+            if _left() < SWEEP_S * max(HC_SHARE_LEFT, 1 - share):
                 emit("  sweep hc: stopped (time)")
                 break
             try:
@@ -379,20 +439,21 @@ def _sweep_hc(bw, l2, one, batches):
                     t = time_ms(hc_mix_alone(s, **v[1]))
                     err = 0.0
                 else:
-                    kw = dict(v, fn_parts=parts) if v.get("fn_parts") else v
-                    err = 0.0 if v.get("only_partial") else hc_err(s, **kw)
-                    t = time_ms(lambda: hc_mix.hc_mixes_triton(*nxt(), **kw))
+                    run, kw = _hc_runner(v)
+                    err = 0.0 if v.get("only_partial") else hc_err(s, fn_parts=parts if v.get("fn_parts") else None,
+                                                                    **kw)
+                    t = time_ms(lambda: run(nxt()))
             except Exception as e:                      # noqa: BLE001 - one variant must not end the sweep
-                emit(f"  sweep hc T={T} {v}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                emit(f"  sweep hc T={T} {label}: FAILED {type(e).__name__}: {str(e)[:300]}")
                 continue
-            row("  sweep hc", f"T={T} {v}", t, None, nbytes, bw, f"err {err:.0e}; {floor / t:.0%} of the read floor")
-    s = nxt = None
+            row("  sweep hc", f"T={T} {label}", t, None, nbytes, bw, f"err {err:.0e}; {floor / t:.0%} of the read floor")
+    s = nxt = parts = None
 
 
 def compile_cases():
     """(name, kernel, extra pointer types, constexprs, warps) for kernels.py --compile-check."""
     desc_t = dict(w1_desc="constexpr", w3_desc="constexpr", w2_desc="constexpr")
-    hc = dict(M=4, NZP=32, PRECISION="ieee", UPCAST=False, PF=True)
+    hc = dict(NZP=32, PRECISION="ieee", UPCAST=False, PF=True)
     cases = [
         ("moe align", moe._align_kernel, dict(ids_ptr="*i64", slot_pair_ptr="*i32", block_expert_ptr="*i32"),
          dict(BM=16, EP=64, CH=512), 4),
@@ -435,9 +496,9 @@ def compile_cases():
          dict(BM=16, BN=128, BK=32, F32=False, TMA=True, FP8=True, CD=tl.float16, GS=True, GR=1, W4=True), 8),
         ("moe combine", moe._combine_kernel, dict(out_ptr="*bf16"), dict(K_TOP=6, BH=1024), 4),
         ("hc partial bf16x3", hc_mix._hc_partial_kernel, dict(r_ptr="*bf16"),
-         dict(hc, BT=16, BK=64, SPLIT=512, MODE=1), 4),
-        ("hc partial bt64 bk128", hc_mix._hc_partial_kernel, dict(r_ptr="*bf16"),
-         dict(hc, BT=64, BK=128, SPLIT=128, MODE=1), 8),
+         dict(hc, BT=16, BK=128, SPLIT=256, MODE=1), 4),
+        ("hc partial bt64 parts", hc_mix._hc_partial_kernel, dict(r_ptr="*bf16", fn_ptr="*bf16"),
+         dict(hc, BT=64, BK=64, SPLIT=2048, MODE=2, PF=False), 8),
         ("hc mix", hc_mix._hc_mix_kernel, {}, dict(M=4, NZP=32, BT=2, ITERS=20, SC=16, FAST=True), 1),
         ("hc mix divide", hc_mix._hc_mix_kernel, {}, dict(M=4, NZP=32, BT=2, ITERS=20, SC=16, FAST=False), 1),
         ("hc post + pre", hc_mix._hc_post_kernel, dict(r_ptr="*bf16", y_ptr="*bf16", out_ptr="*bf16", x_ptr="*bf16"),
@@ -447,3 +508,9 @@ def compile_cases():
     plain = dict(GS=False, GR=1, W4=False, PF=False)
     grouped = (moe._gate_up_kernel, moe._down_kernel)
     return [(n, k, x, dict(plain, **c) if k in grouped else c, w) for n, k, x, c, w in cases]
+
+
+if __name__ == "__main__":          # python benchmarks/kernels_moe.py warm I N  (see warm())
+    import sys
+    if sys.argv[1:2] == ["warm"]:
+        warm(int(sys.argv[2]), int(sys.argv[3]))

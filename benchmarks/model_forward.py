@@ -10,10 +10,12 @@ Per batch size: one prefill step (every sequence's random prompt), then `--decod
 (`fast_decode = True`) fed the same tokens, so the two runs do the same work and their logits are compared
 (max |diff| / max |logit|); then the same fast path with its dense segments as CUDA graphs (`cuda_graphs = True`,
 engine/step_graphs.py; the first warm-up step at a batch size runs eager, the second captures) compared with the
-eager fast path (max |diff|: "exact" when bit for bit equal); with --fused-mhc also the graphs path with the fused
-mHC kernels ("fused", compared with the reference). Printed per path: step time, tokens/s, the bytes one step must read (dense weights
+eager fast path (max |diff|: "exact" when bit for bit equal); with --fused-mhc also the graphs path with the other
+mHC setting than the engine's default (model.fused_mhc; "unfused" or "fused", compared with the reference).
+Printed per path: step time, tokens/s, the bytes one step must read (dense weights
 + the routed experts hit in that step + the KV caches) and the roofline = measured read bandwidth / bytes per
-step, i.e. the speed of a perfect memory-bound implementation; plus the fast path's speed-up.
+step, i.e. the speed of a perfect memory-bound implementation; plus the fast path's speed-up. After each batch:
+the device bytes the window slab and row arenas reserve against the rows in use (engine/arena.py).
 With OUT set, the table is also written to $OUT/model_forward.txt.
 
 `--profile` then looks at where one fast decode step's time goes, per batch size (fresh caches, after warm-up):
@@ -21,7 +23,8 @@ host time (until forward_step returns) vs the whole step (after a device sync), 
 number of kernel launches, graph launches, host->device copies and synchronizations (torch.profiler, CPU + CUDA
 activity; tables sorted by self CPU time in $OUT/profile_B<batch>.txt), the synchronizing calls that
 `torch.cuda.set_sync_debug_mode("warn")` reports (with the Python line), and a cProfile of 3 steps
-($OUT/cprofile_B<batch>.txt).
+($OUT/cprofile_B<batch>.txt), and the device time per torch op and input shapes of one eager step
+($OUT/ops_<mode>_B<batch>.txt: graph replays hide the ops).
 
 Random weights are built on the target device (no CPU-side init); Engram tables, which live on the host by
 design, are tiled from a small random block so building them stays fast.
@@ -199,24 +202,27 @@ def run(args):
         prompts = torch.randint(0, V, (B, args.prompt), generator=g)
         _sync(dev)
         t = time.perf_counter()
-        model.forward_step([StepChunk(c, prompts[b].to(dev), 1) for b, c in enumerate(caches)])
+        model.forward_step([StepChunk(c, prompts[b], 1) for b, c in enumerate(caches)])   # host ids, as the engine
         _sync(dev); dt = time.perf_counter() - t
         say(f"{'prefill':8} {'reference':9} {B:5d} {dt * 1e3:9.1f} {B * args.prompt / dt:9.1f}")
-        toks = [torch.randint(0, V, (B,), generator=g).to(dev) for _ in range(steps)]
+        # token ids on the host, as the engine gives them (ids on the device would cost a range-check sync)
+        toks = [torch.randint(0, V, (B,), generator=g) for _ in range(steps)]
         results = {}
         has_graphs = hasattr(model, "cuda_graphs")
         ref = not args.skip_reference and (args.reference_max_batch is None or B <= args.reference_max_batch)
         paths = (["reference"] if ref else []) + ["fast"] + (["graphs"] if has_graphs else [])
         if args.paths:
             paths = [p for p in paths if p in args.paths]
-        if args.fused_mhc and hasattr(model, "fused_mhc"):
-            paths.append("fused")
+        fused_default = getattr(model, "fused_mhc", None)
+        other_mhc = "unfused" if fused_default else "fused"     # the mHC setting that is not the engine's default
+        if args.fused_mhc and fused_default is not None:
+            paths.append(other_mhc)
         for path in paths:
             model.fast_decode = path != "reference"
             if has_graphs:
-                model.cuda_graphs = path in ("graphs", "fused")
-            if hasattr(model, "fused_mhc"):
-                model.fused_mhc = path == "fused"
+                model.cuda_graphs = path in ("graphs", other_mhc)
+            if fused_default is not None:
+                model.fused_mhc = (not fused_default) if path == other_mhc else fused_default
             try:
                 step_s, sb, logits = decode_run(model, caches, toks, dev, counter, dense, per_expert, args.warmup)
             except Exception as e:   # (the graphs path is last: report, then go on eager)
@@ -226,14 +232,15 @@ def run(args):
                 if has_graphs:
                     model.cuda_graphs = False
                 break
-            for c in caches:
-                c.rollback(steps)
+            for cache in caches:
+                cache.rollback(steps)
+            del cache    # (a name left bound to a cache keeps it, and its slab / arena slots, alive past its batch)
             results[path] = (step_s, logits, sb)
             roof = B * bw / sb
             diff = ""
             speed = ""
             # fast vs reference: relative (bf16 round-off can flip MoE routes); graphs vs fast: must be exactly 0
-            against = {"fast": "reference", "graphs": "fast", "fused": "reference"}.get(path)
+            against = {"fast": "reference", "graphs": "fast", other_mhc: "reference"}.get(path)
             if against in results:
                 ref_s, ref_logits, _ = results[against]
                 if path == "graphs":
@@ -247,8 +254,9 @@ def run(args):
             say(f"{'decode':8} {path:9} {B:5d} {step_s * 1e3:9.2f} {B / step_s:9.1f} {sb / 1e6:9.1f} {roof:11.1f} "
                 f"{B / step_s / roof:8.1%} {speed:>8} {diff:>12}   warm-up steps ms {decode_run.warm_ms}")
         model.fast_decode = True
-        if hasattr(model, "fused_mhc"):
-            model.fused_mhc = False
+        if fused_default is not None:
+            model.fused_mhc = fused_default
+        memory_line(model, caches)
         del caches
     if args.profile:
         modes = ["graphs"] if hasattr(model, "cuda_graphs") else ["fast"]
@@ -263,6 +271,19 @@ def run(args):
                     say(f"profile {mode} batch {B} FAILED: {e!r}")
                     _out_file(f"failed_profile_B{B}.txt", traceback.format_exc())
     say(f"total {time.perf_counter() - t0:.1f} s")
+
+
+def memory_line(model, caches) -> None:
+    """What the caches of this batch hold on the device: the window slab + row arenas (reserved, all slots) against
+    the rows in use, and what one more sequence's slot would add (engine/cache_memory.py: cache_pool's books)."""
+    try:
+        from deepinfer_sg.engine import cache_memory as books
+        reserved = books.storage_bytes(model)
+        rows = sum(c.nbytes() for c in caches)
+        say(f"memory   batch {len(caches)}: slab + arenas reserve {reserved / 1e6:.1f} MB for {len(caches)} sequences "
+            f"(rows in use {rows / 1e6:.1f} MB; one more slot {books.slot_bytes(model) / 1e6:.2f} MB)")
+    except (ImportError, AttributeError) as e:     # (the base engine files have no memory books)
+        say(f"memory   batch {len(caches)}: n/a ({e})")
 
 
 # ------------------------------------------------------------------------------------------------ --profile
@@ -282,10 +303,10 @@ def profile_fast(model: Model, B: int, args, dev: torch.device, label: str = "fa
     g = torch.Generator().manual_seed(1)
     caches = [model.new_cache() for _ in range(B)]
     model.fast_decode = True
-    model.forward_step([StepChunk(c, torch.randint(0, V, (args.prompt,), generator=g).to(dev), 1) for c in caches])
+    model.forward_step([StepChunk(c, torch.randint(0, V, (args.prompt,), generator=g), 1) for c in caches])
 
     def step():
-        toks = torch.randint(0, V, (B,), generator=g).to(dev)
+        toks = torch.randint(0, V, (B,), generator=g)     # host ids, as the engine gives them
         return model.forward_step([StepChunk(c, toks[b:b + 1], 1) for b, c in enumerate(caches)])
 
     for _ in range(args.warmup + 1):
@@ -343,6 +364,20 @@ def profile_fast(model: Model, B: int, args, dev: torch.device, label: str = "fa
     if dev.type == "cuda":
         tables += ["sorted by device time", avgs.table(sort_by="self_device_time_total", row_limit=25)]
     _out_file(f"profile_{label}_B{B}.txt", "\n".join(tables) + "\n")
+    if dev.type == "cuda":   # device time per torch op and input shapes, from one eager step (graph replays hide ops)
+        graphs_on = getattr(model, "cuda_graphs", False)
+        if hasattr(model, "cuda_graphs"):
+            model.cuda_graphs = False
+        try:
+            with profile(activities=acts, record_shapes=True) as prof_ops:
+                step()
+                _sync(dev)
+        finally:
+            if hasattr(model, "cuda_graphs"):
+                model.cuda_graphs = graphs_on
+        ops = prof_ops.key_averages(group_by_input_shape=True)
+        _out_file(f"ops_{label}_B{B}.txt", ops.table(sort_by="device_time_total", row_limit=60, max_name_column_width=40,
+                                                     max_shapes_column_width=70) + "\n")
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(3):
@@ -383,7 +418,8 @@ def main():
     ap.add_argument("--paths", nargs="+", default=None, choices=["reference", "fast", "graphs"],
                     help="time only these decode paths (default: all; graphs is compared with fast when both run)")
     ap.add_argument("--fused-mhc", action="store_true",
-                    help="also time the graphs path with the fused mHC kernels (model.fused_mhc), vs the reference")
+                    help="also time the graphs path with the other mHC setting than the engine's default "
+                         "(model.fused_mhc: 'fused' or 'unfused'), vs the reference")
     ap.add_argument("--profile", action="store_true",
                     help="then profile one fast decode step per batch size (module docstring)")
     ap.add_argument("--no-engram", action="store_true", help="drop the Engram layers from --config")

@@ -13,10 +13,13 @@ Contract: the states (CompressorState / LayerCache) keep their rows as (buffer, 
 path, a deep copy, another arena) is moved into its slot first (one gather for all of them). A slot belongs to its
 state until the state is garbage-collected (weakref.finalize). Rows past a state's count (after a rollback) are
 free and overwritten by its next append; nothing else reads them. When a slot runs out of rows or the arena out of
-slots the arena doubles (one copy) and every live state's tuple is re-pointed (addresses change only then).
-Memory: slots * cap rows, cap = the longest sequence's rows rounded up to a power of two (>= 64). Not yet in
-cache_pool's accounting (it counts the rows in use); sequences of very different lengths waste the difference, so a
-paged arena (blocks of rows per sequence) is the next step for long mixed batches.
+slots the arena grows (one copy: rows per slot doubled, slots compacted to the live ones) and every live state's
+tuple is re-pointed (addresses change only then).
+Memory: slots * cap rows, cap = the longest sequence's rows rounded up to a power of two (>= MIN_ROWS),
+slots a power of two (>= the live sequences at the last growth): sequences of
+very different lengths reserve the longest one's rows each (a paged arena, blocks of rows per sequence, is the next
+step for long mixed batches). cache_pool counts what is reserved, not the rows in use, plus the growth the next
+step may cause (engine/cache_memory.py), so a pool sized to the device never allocates past its limit.
 """
 from __future__ import annotations
 
@@ -26,6 +29,12 @@ import numpy as np
 import torch
 
 from .transfer import to_device_many
+
+# smallest slot capacity / slot count of a storage. Slots and rows double when they run out (each growth copies
+# the storage once and drops the CUDA graphs, which read its old address: doubling keeps that logarithmic), and a
+# growth compacts the slots to the live ones (free slots of finished sequences are not carried along)
+MIN_ROWS = 16
+MIN_SLOTS = 1
 
 
 class Slots:
@@ -46,87 +55,150 @@ class Slots:
                 s, self.used = self.used, self.used + 1
             self._slot_of[id(owner)] = s
             self.owner[s] = weakref.ref(owner)
-            weakref.finalize(owner, self._release, id(owner), s)
+            weakref.finalize(owner, self._release, id(owner))
         return s
 
-    def _release(self, owner_id: int, slot: int) -> None:
-        if self._slot_of.get(owner_id) == slot:
-            del self._slot_of[owner_id]
+    def _release(self, owner_id: int) -> None:
+        slot = self._slot_of.pop(owner_id, None)
+        if slot is not None:
             self.owner.pop(slot, None)
             self._free.append(slot)
 
+    def compact(self) -> list[tuple[int, int, object]]:
+        """Renumber the live owners 0..n-1 in slot order (free slots dropped) -> [(old slot, new slot, owner)].
+        The storage moves its rows accordingly (it is copying them anyway when it grows)."""
+        moves = []
+        for old in sorted(self.owner):
+            o = self.owner[old]()
+            if o is not None:
+                moves.append((old, len(moves), o))
+        self._slot_of = {id(o): new for _, new, o in moves}
+        self.owner = {new: weakref.ref(o) for _, new, o in moves}
+        self._free, self.used = [], len(moves)
+        return moves
+
 
 class RowArena:
-    def __init__(self, name: str, width: int, dtype: torch.dtype, device: torch.device, on_grow=None):
+    def __init__(self, name: str, width: int, dtype: torch.dtype, device: torch.device, on_grow=None,
+                 layer: int | None = None, part: str | None = None):
         self.name = name                          # the states' attribute (entries, latents, ikeys)
+        self.layer, self.part = layer, part       # whose rows (arena_for): cache.layers[layer].<part> (memory books)
         self.on_grow = on_grow                    # called after the address changed (the model drops its graphs)
         self.key = "_" + name
-        self.data = torch.empty((0, 0, width), dtype=dtype, device=device)    # [slots, cap, width]
-        self.flat = self.data.view(-1, width)     # ONE view object: states' tuples are recognized by identity
+        # flat [slots * cap + 1, width]: every slot's rows, then one dump row (writes made inside a CUDA graph for
+        # rows that complete nothing go there); data [slots, cap, width] views the slots. ONE flat object: states'
+        # tuples are recognized by identity
+        self.flat = torch.zeros((1, width), dtype=dtype, device=device)
+        self.data = self.flat[:0].view(0, 0, width)
         self.slots = Slots()
         self.moved_rows = 0                       # rows copied in from elsewhere so far (tests, benchmarks)
 
-    def _grow(self, slots: int, rows: int) -> None:
-        """Make room for `slots` slots of `rows` rows (doubling), copy, re-point every live state."""
-        S, C, W = self.data.shape
-        if slots <= S and rows <= C:
-            return
-        S2, C2 = max(S, 8), max(C, 64)
-        while S2 < slots:
-            S2 *= 2
+    def _shape_for(self, slots: int, rows: int) -> tuple[int, int]:
+        """(slots, rows per slot) after a growth that must hold `slots` live slots of `rows` rows: rows double
+        (sequences grow a few rows per step: doubling keeps the copies and graph recaptures logarithmic); slots are
+        exactly the live ones (a growth compacts them: a slot is charged to the sequence admitted into it, and one
+        long sequence doubling its rows does not double the rows of slots nobody holds, cache_pool)."""
+        _, C, _ = self.data.shape
+        C2 = max(C, MIN_ROWS)
         while C2 < rows:
             C2 *= 2
-        old = self.flat
+        return _pow2_at_least(slots, MIN_SLOTS), C2
+
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+    @property
+    def dump(self) -> int:
+        """The dump row's index in `flat`."""
+        return self.flat.shape[0] - 1
+
+    def live_slots(self) -> int:
+        return sum(ref() is not None for ref in self.slots.owner.values())
+
+    def extra_bytes(self, rows: int) -> int:
+        """Device bytes a growth to `rows` rows per slot would add (0 when they fit; the growth compacts the slots
+        to the live ones)."""
+        S, C, W = self.data.shape
+        if rows <= C:
+            return 0
+        S2, C2 = self._shape_for(self.live_slots(), rows)
+        return max(0, S2 * C2 - S * C) * W * self.data.element_size()
+
+    def slot_bytes(self) -> int:
+        """Bytes of one slot at the current rows per slot (what admitting one more sequence adds)."""
+        _, C, W = self.data.shape
+        return max(C, MIN_ROWS) * W * self.data.element_size()
+
+    def _grow(self, slots: int, rows: int) -> bool:
+        """Make room for `slots` slots of `rows` rows: a new tensor with the live slots renumbered 0..n-1 (free
+        ones dropped) and rows doubled as needed; copy, re-point every live state. -> whether it grew."""
+        S, C, W = self.data.shape
+        if slots <= S and rows <= C:
+            return False
+        old, old_data = self.flat, self.data
+        moves = self.slots.compact()
+        S2, C2 = self._shape_for(len(moves), rows)
         # zeros, not empty: readers that gather a padded [rows, G] block (the CPU index scores) must see finite
         # values past a sequence's rows, which they mask afterwards. A normal tensor even when the step runs
         # under inference_mode (written in place by later steps, which may run outside it)
         with torch.inference_mode(False):
-            data = torch.zeros((S2, C2, W), dtype=self.data.dtype, device=self.data.device)
-            data[:S, :C] = self.data
-            self.data, self.flat = data, data.view(-1, W)
-        for s, ref in self.slots.owner.items():
-            st = ref()
-            t = None if st is None else getattr(st, self.key)
+            store = torch.zeros((S2 * C2 + 1, W), dtype=old_data.dtype, device=old_data.device)
+            data = store[:S2 * C2].view(S2, C2, W)
+            if moves and S * C:
+                src = [a for a, _, _ in moves if a < S]
+                if src == list(range(len(src))):      # nothing freed below the live slots: one block copy
+                    data[:len(src), :C] = old_data[:len(src)]
+                else:
+                    data[:len(src), :C] = old_data[torch.tensor(src, device=old_data.device)]
+            self.data, self.flat = data, store
+        for a, b, st in moves:
+            t = getattr(st, self.key)
             if t is not None and t[0] is old:
-                setattr(st, self.key, (self.flat, s * C2 + (t[1] - s * C), t[2]))
+                setattr(st, self.key, (self.flat, b * C2 + (t[1] - a * C), *t[2:]))
         if self.on_grow is not None and S * C:      # (nothing can have read an empty arena)
             self.on_grow()
+        return True
 
-    def append(self, states: list, new: torch.Tensor, news: list[int]) -> tuple[torch.Tensor, list[int]]:
-        """state.<name> += its news[s] rows of `new` [sum(news), width] (in state order), in place.
-        -> (the flat arena: this kind's pool, each state's first row in it). Cost: one index_copy_ of the new rows
-        (plus one gather for states moved in), one host->device copy of the row lists; host work per state is a
-        few attribute reads (the row lists are made by numpy)."""
+    def reserve(self, states: list, counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Room for counts[k] rows of states[k] in its slot: the arena grows as needed, rows a state holds
+        elsewhere (fresh from the reference path, a deep copy, another arena) move in (one gather), and each state
+        then holds (flat, its slot's first row, counts[k]) (None while 0). Its rows past what it held before are
+        the caller's to write (`append`, or a CUDA graph, engine/compress_step.py). -> (flat, each state's first
+        row). Cost: host work per state is a few attribute reads; a copy only for rows that move in."""
         from .compressor import Sources
         key = self.key
         slots = [self.slots.of(st) for st in states]
-        olds = [0 if t is None else t[2] for t in [getattr(st, key) for st in states]]
-        counts = [o + k for o, k in zip(olds, news)]
-        self._grow(max(slots) + 1, max(counts))
+        if self._grow(max(slots) + 1, max(counts)):
+            slots = [self.slots.of(st) for st in states]  # (a growth renumbers the slots)
         flat, cap = self.flat, self.data.shape[1]
         starts = [s * cap for s in slots]
-        tups = [getattr(st, key) for st in states]        # (after a growth: re-pointed)
         src, mig_from, mig_to = Sources(0), [], []
-        for t, s0 in zip(tups, starts):
+        for st, s0, m in zip(states, starts, counts):      # (one pass: this runs for every state of every step)
+            t = getattr(st, key)                           # (after a growth: re-pointed)
             if t is not None and t[2] and (t[0] is not flat or t[1] != s0):   # rows elsewhere: move them in
                 base = src.base(t[0], None)
                 mig_from.extend(range(base + t[1], base + t[1] + t[2]))
                 mig_to.extend(range(s0, s0 + t[2]))
-        n_new = sum(news)
-        if not n_new and not mig_from:      # every state already in place, nothing new
-            return flat, starts
-        k = np.asarray(news, dtype=np.int64)
-        first = np.asarray(starts, dtype=np.int64) + np.asarray(olds, dtype=np.int64)
-        dst = torch.from_numpy(np.repeat(first - (np.cumsum(k) - k), k) + np.arange(n_new, dtype=np.int64))
-        parts = to_device_many([dst] + ([mig_from, mig_to] if mig_from else []), flat.device)
-        if mig_from:
-            flat.index_copy_(0, parts[2], src.cat(None, 0)[parts[1]])
-            self.moved_rows += len(mig_from)
-        if n_new:
-            flat.index_copy_(0, parts[0], new.to(flat.dtype))
-        for st, s0, m in zip(states, starts, counts):
             if m:                            # (a state with no rows keeps None, as on the reference path)
                 setattr(st, key, (flat, s0, m))
+        if mig_from:
+            rows_from, rows_to = to_device_many([mig_from, mig_to], flat.device)
+            flat.index_copy_(0, rows_to, src.cat(None, 0)[rows_from])
+            self.moved_rows += len(mig_from)
+        return flat, starts
+
+    def append(self, states: list, new: torch.Tensor, news: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """state.<name> += its news[s] rows of `new` [sum(news), width] (in state order), in place.
+        -> (the flat arena: this kind's pool, each state's first row in it). Cost: `reserve`, then one
+        index_copy_ of the new rows and one host->device copy of their row list (made by numpy)."""
+        olds = [0 if t is None else t[2] for t in [getattr(st, self.key) for st in states]]
+        flat, starts = self.reserve(states, [o + k for o, k in zip(olds, news)])
+        n_new = sum(news)
+        if n_new:
+            k = np.asarray(news, dtype=np.int64)
+            first = np.asarray(starts, dtype=np.int64) + np.asarray(olds, dtype=np.int64)
+            dst = torch.from_numpy(np.repeat(first - (np.cumsum(k) - k), k) + np.arange(n_new, dtype=np.int64))
+            flat.index_copy_(0, to_device_many([dst], flat.device)[0], new.to(flat.dtype))
         return flat, starts
 
 
@@ -137,7 +209,8 @@ def arena_for(model, layer: int, part: str, name: str, like: torch.Tensor) -> Ro
     key = (layer, part, name, like.shape[-1], like.dtype, like.device)
     a = arenas.get(key)
     if a is None:
-        a = arenas[key] = RowArena(name, like.shape[-1], like.dtype, like.device, on_grow=model.reset_graphs)
+        a = arenas[key] = RowArena(name, like.shape[-1], like.dtype, like.device, on_grow=model.reset_graphs,
+                                   layer=layer, part=part)
     return a
 
 
@@ -148,7 +221,8 @@ class WindowSlab:
     slot hold its last hi - lo keys of every layer, and a step writes its new rows at hi.. in place (the attention
     kernel reads data[layer] flat as its window pool). When a slot's rows would pass cap, the kept rows move to
     the slot's start first (once every ~cap - keep steps). Slots are freed with their cache (weakref.finalize);
-    when the slots run out the slab doubles (one copy), re-points every live stack and calls `on_grow` (the
+    when the slots run out the slab grows (slots doubled, compacted to the live ones, renumbered; one copy),
+    re-points every live stack and calls `on_grow` (the
     model drops its CUDA graphs, which read the old address)."""
 
     def __init__(self, layers: int, width: int, keep: int, max_rows: int, dtype: torch.dtype,
@@ -160,26 +234,42 @@ class WindowSlab:
         self.on_grow = on_grow
         self.slots = Slots()
 
-    def slot(self, cache) -> int:
-        """The cache's slot (handed out on first use; the slab grows when none is free)."""
-        s = self.slots.of(cache)
-        if s >= self.data.shape[1]:
-            self._grow(max(8, 2 * self.data.shape[1], s + 1))
-        return s
+    def slots_for(self, caches: list) -> list[int]:
+        """Each cache's slot (handed out on first use; the slab grows once when they do not fit)."""
+        slots = [self.slots.of(c) for c in caches]
+        if slots and max(slots) >= self.data.shape[1]:
+            self._grow()
+            slots = [self.slots.of(c) for c in caches]
+        return slots
 
-    def _grow(self, slots: int) -> None:
+    def _grow(self) -> None:
+        """A new slab with the live slots renumbered 0..n-1 (free ones dropped), slots a power of two; copy,
+        re-point every live stack."""
         old = self.data
         L, S, C, D = old.shape
+        moves = self.slots.compact()
         with torch.inference_mode(False):
-            self.data = torch.zeros((L, slots, C, D), dtype=old.dtype, device=old.device)
-            self.data[:, :S] = old
-        for ref in self.slots.owner.values():
-            cache = ref()
-            st = None if cache is None else cache.windows
-            if st is not None and st.buf is old:
-                st.buf = self.data
+            S2 = _pow2_at_least(len(moves), MIN_SLOTS)
+            self.data = torch.zeros((L, S2, C, D), dtype=old.dtype, device=old.device)
+            src = [a for a, _, _ in moves if a < S]
+            if src == list(range(len(src))):
+                self.data[:, :len(src)] = old[:, :len(src)]
+            elif src:
+                self.data[:, :len(src)] = old[:, torch.tensor(src, device=old.device)]
+        for a, b, cache in moves:
+            st = cache.windows
+            if st is not None and st.buf is old and st.slot == a:
+                st.buf, st.slot = self.data, b
         if self.on_grow is not None and S:
             self.on_grow()
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def slot_bytes(self) -> int:
+        """Bytes of one slot (every layer's window rows of one sequence)."""
+        L, _, C, D = self.data.shape
+        return L * C * D * self.data.element_size()
 
 
 def window_slab(model, like: torch.Tensor, max_rows: int) -> WindowSlab:
@@ -192,3 +282,10 @@ def window_slab(model, like: torch.Tensor, max_rows: int) -> WindowSlab:
         s = slabs[key] = WindowSlab(len(model.layers), like.shape[-1], keep, max_rows, like.dtype, like.device,
                                     on_grow=model.reset_graphs)
     return s
+
+
+def _pow2_at_least(n: int, lo: int) -> int:
+    b = lo
+    while b < n:
+        b *= 2
+    return b

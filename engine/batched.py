@@ -9,22 +9,25 @@ window slab [L, slots, cap, D], compressed entries / latents / index keys in per
 step writes its new rows in place and each sequence's cache points at its slot (cache.py's (buffer, first row,
 rows) storage and WindowStack), so no tensor is made per sequence and nothing is rebuilt per step.
 Per layer:
-  * eager, only on layers that grow caches by host-decided amounts (`grows`, `update_compressed`): compressors
-    (one projection over all rows, every completed group pooled in one batch, token projections kept by one
-    gather, new entries / latents appended into the arenas: step_many) and V4.1 index keys of the new entries;
+  * the compressors' cache updates: V4.1's inside the graph (engine/compress_step.py: fixed-size per token);
+    V4's overlapping compressors and index compressors eagerly between two segments (`eager_layers`,
+    `update_compressed`: one projection over all rows, every completed group pooled in one batch, token
+    projections kept by one gather, new entries / latents appended into the arenas: step_many);
   * everything else inside a segment (`span`, with inputs `span_inputs` made before it from host-side lengths):
     the dense parts, the index selection (`select_ids`: scores for every row at once over its index pool, padded
     to a power of two, then the top-k with the reference's tie rule (ties go to the lower entry id; relu makes
     exact-zero ties common, so selection must not depend on an unstable top-k): on CUDA the exact select kernel
-    `kernels.indexer.topk_select_triton`, its winners sorted to ids (`topk_ids`), elsewhere the reference's
+    `kernels.indexer.topk_select_triton`, whose winners come as ascending ids (`topk_ids`), elsewhere the reference's
     `topk_mask`; candidate blocks with the reference's `candidate_block_mask`), then `attend`: write the window
     rows, `deepinfer_sg.kernels.sparse_attention` (Triton on CUDA, its torch twin on CPU) over the window rows
     [T, W] and the selected entries' rows [T, bucket] (`entry_rows`; -1 = no key, padded to a power of two so
     shapes hold for many steps).
-Everything between two eager cache updates is one pure function (`span`), run through step_graphs.SegmentGraphs: a CUDA
-graph on CUDA once a token count is warm, eager otherwise (same results bit for bit). Results equal the reference
-path to round-off (tests compare logits and cache states); host->device index copies go through pinned memory,
-several per copy; no host syncs here.
+Everything between two eager cache updates (V4.1: the whole step, embedding to head) is one pure function (`span`),
+run through step_graphs.SegmentGraphs: a CUDA graph on CUDA once a token count is warm, eager otherwise (same
+results bit for bit). Results equal the reference path to round-off (tests compare logits and cache states). The
+host makes every index list of a segment as int64 arrays (`Deferred`: windows' (base, lo) rows, pool starts /
+counts, compressor rows) and sends them in ONE copy (`BatchPlan.flush`) into a buffer the graph reads in place;
+the window indices and RoPE rotations are computed from them inside the graph; no host syncs here.
 
 Cost per layer: O(T * (W + k) * D) attention reads; per step O(T * D) cache writes per layer, plus moving rows
 into a slot when a sequence arrives from the reference path or its window reaches the end of its slot.
@@ -33,19 +36,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 import deepinfer_sg.kernels.indexer as _kindexer
 from deepinfer_sg.kernels import sparse_attention
 
+from . import compress_step
 from .arena import arena_for
 from .compressor import Sources
 from .indexer import candidate_block_mask, topk_mask
 from .mhc import hc_pre, hc_post
-from .rope import apply_rope
-from .transfer import to_device, to_device_many
+from .rope import apply_rope, rope_cos_sin, turns
+from .transfer import to_device_many
 
 MAX_FAST_ROWS = 16   # chunks up to this many rows use the batched path (decode, verify); longer ones: reference
+
+
+@dataclass
+class Deferred:
+    """A host int64 array on its way to the device: every one made during a step's host preparation goes up in
+    ONE copy (`BatchPlan.flush`); `plan.resolve(d)` is then its device view."""
+    k: int
+    shape: tuple
 
 
 @dataclass
@@ -55,9 +68,10 @@ class BatchPlan:
     offs: list[int]                   # per sequence: offset of its rows in the flat batch
     ns: list[int]                     # per sequence: number of new rows
     row_seq: list[int]                # per row: its sequence
-    positions: torch.Tensor           # [T] on the device
+    positions: object                 # [T] on the device (a Deferred until the step's upload, host ids)
     rect_lo: list[int] | None = None  # YOCO mask mode: decoder windows start no earlier than this
-    windows: dict = field(default_factory=dict)   # (past lengths, decoder) -> win_idx [T, W]
+    device: torch.device | None = None
+    windows: dict = field(default_factory=dict)   # (past lengths, decoder) -> window_index rows [T, 2]
     pools: dict = field(default_factory=dict)     # (kind, layer) -> (pool, start [T], count [T], G)
     topk: dict = field(default_factory=dict)      # eager index-source layer -> entry ids [T, k'] ascending, -1
                                                   # padded (None: empty pool)
@@ -70,23 +84,62 @@ class BatchPlan:
     win_end: list = field(default_factory=list)
     win_m: list = field(default_factory=list)
     win_lens: list = field(default_factory=list)
-    win_new_rows: torch.Tensor | None = None      # [T] row of each new token in win_all[layer].view(slots * cap, D)
+    win_new_rows: Deferred | None = None          # [T] row of each new token in win_all[layer].view(slots * cap, D)
     win_uniform: bool = False                     # every win_lens entry is None
+    pending: list = field(default_factory=list)   # (Deferred.k, host int64 array) waiting for the next flush
+    views: dict = field(default_factory=dict)     # Deferred.k -> device view after its flush
+    deferred: int = 0                             # Deferred handles made so far
+    flushes: int = 0
 
     @property
     def spans(self) -> list[tuple[int, int, int]]:
         """(start position, row offset, rows) per sequence (the compressors' input layout)."""
         return list(zip(self.starts, self.offs, self.ns))
 
-    def per_row(self, per_seq: list[list[int]], device) -> list[torch.Tensor]:
-        """Per-sequence host lists spread to per-row int64 tensors on `device` (one host->device copy)."""
-        return to_device_many([[ps[s] for s in self.row_seq] for ps in per_seq], device)
+    def defer(self, arr) -> Deferred:
+        """A host int64 array (numpy / list) for the step's next upload."""
+        a = np.asarray(arr, dtype=np.int64)
+        d = Deferred(self.deferred, a.shape)
+        self.deferred += 1
+        self.pending.append((d.k, a))
+        return d
+
+    def per_row(self, per_seq: list[list[int]], device=None) -> list[Deferred]:
+        """Per-sequence host lists spread to per-row int64 arrays (device views after the next flush)."""
+        rs = np.asarray(self.row_seq, dtype=np.int64)
+        return [self.defer(np.asarray(ps, dtype=np.int64)[rs]) for ps in per_seq]
+
+    def upload(self, parts: list, device=None) -> list[Deferred]:
+        """Host int64 arrays for the next flush."""
+        return [self.defer(p) for p in parts]
+
+    def flush(self, graphs, device) -> None:
+        """Every pending array in ONE host->device copy: under CUDA graphs into a persistent buffer of this token
+        count (the graphs read the views in place, no copy per input); eagerly through pinned memory."""
+        if not self.pending:
+            return
+        flat = np.concatenate([a.reshape(-1) for _, a in self.pending])
+        layout = "_".join("x".join(map(str, a.shape)) for _, a in self.pending)     # (same name: same offsets)
+        buf = graphs.upload(f"plan{self.flushes}:{layout}", torch.from_numpy(flat), device)
+        at = 0
+        for k, a in self.pending:
+            v = buf[at:at + a.size].view(a.shape)
+            self.views[k] = graphs.fixed(v) if a.size else v
+            at += a.size
+        self.pending = []
+        self.flushes += 1
+
+    def resolve(self, x):
+        """The device view of a Deferred (after its flush); anything else as it is."""
+        if isinstance(x, Deferred):
+            return self.views[x.k]
+        return x
 
 
-def make_plan(seqs, positions: torch.Tensor, rect: bool) -> BatchPlan:
+def make_plan(seqs, positions, rect: bool, device) -> BatchPlan:
     row_seq = [si for si, s in enumerate(seqs) for _ in range(s.n)]
     return BatchPlan([s.start for s in seqs], [s.off for s in seqs], [s.n for s in seqs], row_seq, positions,
-                     [s.rect_lo for s in seqs] if rect else None)
+                     [s.rect_lo for s in seqs] if rect else None, device=torch.device(device))
 
 
 def usable(model, chunks_rows: list[int]) -> bool:
@@ -96,11 +149,12 @@ def usable(model, chunks_rows: list[int]) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ index tensors
-def window_index(plan: BatchPlan, past_lens: list[int], W: int, decoder: bool, device) -> torch.Tensor:
-    """win_idx [T, W] into the flat window pool win_all[layer].view(slots * cap, D); -1 = no key.
+def window_index(plan: BatchPlan, past_lens: list[int], W: int, decoder: bool) -> Deferred:
+    """Each row's (base, lo) for `window_idx` (host arithmetic, uploaded with the step's other index lists).
 
-    Sequence s's key at position kp sits at row slot_s * cap + win_end[s] + (kp - start_s). A row at position p
-    sees key positions p-W+1 .. p that still exist (>= start - past_lens[s]) and, for YOCO decoder layers, are
+    Sequence s's key at position kp sits at row slot_s * cap + win_end[s] + (kp - start_s) of the flat window pool
+    win_all[layer].view(slots * cap, D): base = slot_s * cap + win_end[s] - start_s. A row at position p sees key
+    positions p-W+1 .. p that still exist (>= lo = start - past_lens[s]) and, for YOCO decoder layers, are
     >= rect_lo."""
     key = (tuple(past_lens), decoder)
     if key in plan.windows:
@@ -110,11 +164,15 @@ def window_index(plan: BatchPlan, past_lens: list[int], W: int, decoder: bool, d
     lo = [plan.starts[s] - past_lens[s] for s in range(len(past_lens))]
     if decoder:
         lo = [max(x, r) for x, r in zip(lo, plan.rect_lo)]
-    rows = to_device([[base[s], lo[s]] for s in plan.row_seq], device)
-    kp = plan.positions[:, None] - (W - 1) + torch.arange(W, device=device)[None, :]
-    idx = torch.where(kp >= rows[:, 1:2], rows[:, 0:1] + kp, torch.full_like(kp, -1))
-    plan.windows[key] = idx = _kernel_index(idx)
-    return idx
+    plan.windows[key] = rows = plan.defer([[base[s], lo[s]] for s in plan.row_seq])
+    return rows
+
+
+def window_idx(positions: torch.Tensor, rows: torch.Tensor, W: int) -> torch.Tensor:
+    """win_idx [T, W] into the flat window pool (-1 = no key) from `window_index`'s rows [T, 2] (device; inside
+    the step's graph)."""
+    kp = positions[:, None] - (W - 1) + torch.arange(W, device=positions.device)[None, :]
+    return _kernel_index(torch.where(kp >= rows[:, 1:2], rows[:, 0:1] + kp, torch.full_like(kp, -1)))
 
 
 def _kernel_index(idx: torch.Tensor) -> torch.Tensor:
@@ -131,10 +189,8 @@ def prepare_windows(model, ctx, plan: BatchPlan, like: torch.Tensor) -> None:
     from .arena import window_slab
     L = len(model.layers)
     slab = window_slab(model, like, MAX_FAST_ROWS)
-    ends, ms, lens, slots = [], [], [], []
-    for s in ctx.seqs:
-        slot = slab.slot(s.cache)          # (may grow the slab: look at slab.data only after this loop)
-        slots.append(slot)
+    ends, ms, lens = [], [], []
+    slots = slab.slots_for([s.cache for s in ctx.seqs])     # (may grow the slab: read slab.data after this)
     data, cap = slab.data, slab.cap
     for s, slot in zip(ctx.seqs, slots):
         st = s.cache.windows
@@ -162,8 +218,8 @@ def prepare_windows(model, ctx, plan: BatchPlan, like: torch.Tensor) -> None:
         ms.append(m)
     plan.win_all, plan.win_slot, plan.win_end, plan.win_m, plan.win_lens = data, slots, ends, ms, lens
     plan.win_uniform = all(ls is None for ls in lens)
-    plan.win_new_rows = to_device([slot * cap + e + j for slot, e, s in zip(slots, ends, ctx.seqs)
-                                   for j in range(s.n)], like.device)
+    plan.win_new_rows = plan.defer([slot * cap + e + j for slot, e, s in zip(slots, ends, ctx.seqs)
+                                    for j in range(s.n)])
 
 
 _POOL_STATES = {   # pool kind -> (the arena's part name, the row attribute, the state holding it)
@@ -278,7 +334,7 @@ def index_pool(model, attn, ctx, plan):
     c = model.config
     spec = attn.spec
     kind, src = ("icomp", attn.layer_id) if c.compressor_style == "v4" else ("ikeys", spec.index_k_source)
-    keys, start, count, G = pool(model, plan, ctx.seqs, kind, src, plan.positions.device)
+    keys, start, count, G = pool(model, plan, ctx.seqs, kind, src, plan.device)
     return keys, start, count, (_bucket(G, None) if G else 0)
 
 
@@ -304,13 +360,14 @@ def topk_ids(scores: torch.Tensor, allowed: torch.Tensor, k: int, triton: bool |
     """The entries of `topk_mask(scores, allowed, k)` (the k best allowed ones, ties -> lower id) as ids [T, min(k, G)]
     ascending, -1 padded (what the attention kernel reads). triton (default: on CUDA): the select kernel, which
     picks the same entries as the stable sort (allowed scores are finite; disallowed ones become -inf, never
-    selected), its winners sorted here (4 launches instead of the mask's 6 + 5 to turn it into ids)."""
+    selected) and with sorted=False returns its winners in ascending entry order, -1 padded at the end
+    (kernels/indexer.py's contract), so they are the ids as they are (2 launches instead of the mask's 6 + 5 to
+    turn it into ids; a re-sort here cost 2 more)."""
     if not (_kindexer.use_triton(scores) if triton is None else triton):
         return _mask_to_index(topk_mask(scores, allowed, k), k)
     G = scores.shape[1]
     idx, _ = _kindexer.topk_select_triton(scores.masked_fill(~allowed, float("-inf")), k, sorted=False)
-    key = torch.where(idx >= 0, idx, G).sort(dim=1).values[:, :min(k, G)]
-    return torch.where(key < G, key, -1)
+    return idx[:, :min(k, G)]
 
 
 def _fit(mask: torch.Tensor, G: int) -> torch.Tensor:
@@ -390,26 +447,37 @@ def grows(attn) -> bool:
 
 
 def eager_layers(model) -> list[int]:
-    return [i for i, blk in enumerate(model.layers) if grows(blk.attn)]
+    """Layers whose cache updates run eagerly between graph segments (those compress_step cannot run inside the
+    graph: V4's overlapping compressors and index compressors). V4.1: none, the step is one graph."""
+    got = model.__dict__.get("_eager_layers")
+    if got is None or got[0] is not model.layers:        # (fixed by the model's structure: computed once)
+        graph = set(compress_step.graph_layers(model))
+        got = model.__dict__["_eager_layers"] = (
+            model.layers, [i for i, blk in enumerate(model.layers) if i not in graph and grows(blk.attn)])
+    return got[1]
 
 
-def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv, iq, w, cos_m, sin_m, cos_c, sin_c,
-         token_ids, positions, win_all, new_rows, *per):
+def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv, iq, w, token_ids, positions,
+         win_all, new_rows, *per):
     """The work between two eager cache updates, as one pure function of its inputs (a CUDA-graph segment, see
     step_graphs.py): the rest of layer `prev_e` (its selection / attention over q, kv, iq, w and the MoE; None: the
     embedding instead), every layer of `full` whole, then `pre_attention` of layer `next_e` (None: the final
-    collapse, norm and, with every_row, the head). meta[k] = (core kind, index G) and per[k] = ENTRY_INPUTS of
+    collapse, norm and, with every_row, the head). meta[k] = (core kind, index G) and per[k] = LAYER_INPUTS of
     each layer with a core here ([prev_e] + full), then next_e's engram rows.
     -> (pre_attention's outputs of next_e, or (hidden, logits or None)), then per core layer its DSpark features
     (None for prev_e), its selected ids and candidate blocks (None where it has none)."""
-    rope = {"main": (cos_m, sin_m), "compress": (cos_c, sin_c)}
+    rope = {k: (turns(*rope_cos_sin(model._freqs(k), positions)), None) for k in ("main", "compress")}
     layers = model.layers
     c = model.config
-    n = len(ENTRY_INPUTS)
-    ids_of, cand_of, extra = {}, {}, []
+    n = len(LAYER_INPUTS)
+    n0 = len(ENTRY_INPUTS)
+    ids_of, cand_of, extra, win_of, rows_of = {}, {}, [], {}, {}
 
     def core(k, j, q, kv, iq, w):
-        e, win_idx, kv_pool, kv_start, kv_count, ids, keys, kstart, kcount, cand = per[n * k:n * k + n]
+        e, win_rows, kv_pool, kv_start, kv_count, ids, keys, kstart, kcount, cand = per[n * k:n * k + n0]
+        if win_rows.data_ptr() not in win_of:     # (layers with the same past lengths share the rows)
+            win_of[win_rows.data_ptr()] = window_idx(positions, win_rows, c.sliding_window)
+        win_idx = win_of[win_rows.data_ptr()]
         kind, G = meta[k]
         attn = layers[j].attn
         spec = attn.spec
@@ -431,8 +499,12 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
         elif kind == "all" and kv_pool is not None:
             g = torch.arange(G, device=q.device)[None, :]
             ids = torch.where(g < ((positions + 1) // spec.ratio)[:, None], g.expand(q.shape[0], -1), -1)
-        cmp_idx = None if kv_pool is None or ids is None else entry_rows(ids, kv_start, kv_count,
-                                                                         c.index_topk if kind != "all" else G)
+        cmp_idx = None
+        if kv_pool is not None and ids is not None:   # (the layers reusing one selection over one pool share it)
+            key = (id(ids), id(kv_start), id(kv_count), kind == "all")
+            if key not in rows_of:
+                rows_of[key] = entry_rows(ids, kv_start, kv_count, c.index_topk if kind != "all" else G)
+            cmp_idx = rows_of[key]
         extra.extend([ids if kind == "select" else None, cand_j])
         return attend(attn, q, kv, win_all, new_rows, win_idx, None if cmp_idx is None else kv_pool, cmp_idx)
 
@@ -450,6 +522,9 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
         cs = rope[blk.attn.spec.rope]
         R, pre, post, comb, xn, q, kv, iq, w, feat = pre_attention(model, blk, R, a, *cs, per[n * k])
         feats.append(feat)
+        cmp = per[n * k + n0:n * k + n]
+        if cmp[compress_step.INPUTS.index("ent")] is not None:    # the compressor's cache rows (compress_step)
+            compress_step.compress_rows(model, blk.attn, xn, *cmp)
         o = core(k, j, q, kv, iq, w)
         R, a = post_attention(model, blk, o, R, pre, post, comb, *cs, token_ids)
     tail = [t for f, i2, c2 in zip(feats, extra[0::2], extra[1::2]) for t in (f, i2, c2)]
@@ -463,7 +538,8 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
 # a layer's inputs to `span`: engram rows, window rows, kv pool + each row's start / count in it, the ids of an
 # index source selected before the segment, and for a "select" layer its index keys + start / count + the
 # candidate mask when its candidate source selected before the segment
-ENTRY_INPUTS = ("e", "win_idx", "kv_pool", "kv_start", "kv_count", "ids", "keys", "kstart", "kcount", "cand")
+ENTRY_INPUTS = ("e", "win_rows", "kv_pool", "kv_start", "kv_count", "ids", "keys", "kstart", "kcount", "cand")
+LAYER_INPUTS = ENTRY_INPUTS + compress_step.INPUTS     # then a compressing layer's compress_step inputs
 
 
 def span_inputs(model, attn, ctx, plan):
@@ -472,10 +548,10 @@ def span_inputs(model, attn, ctx, plan):
     has none) and its meta (core kind, G of its index pool or of its all-visible entries)."""
     j, spec = attn.layer_id, attn.spec
     kind = core_kind(attn)
-    dev = plan.positions.device
+    dev = plan.device
     got = dict.fromkeys(ENTRY_INPUTS)
     got["e"] = ctx.engram_rows.get(j)
-    got["win_idx"] = window_rows(model, attn, plan)
+    got["win_rows"] = window_rows(model, attn, plan)
     G = 0
     if kind != "window":
         P, start, count, Gk = pool(model, plan, ctx.seqs, "comp", spec.kv_source, dev, plan.win_all.dtype)
@@ -490,7 +566,8 @@ def span_inputs(model, attn, ctx, plan):
             got.update(keys=keys, kstart=kstart, kcount=kcount)
             if G and spec.candidate_source is not None and spec.candidate_source in plan.cand:
                 got["cand"] = _fit(plan.cand[spec.candidate_source], G)
-    return [got[n] for n in ENTRY_INPUTS], (kind, G)
+    cmp = ctx.compress.get(j)
+    return [got[n] for n in ENTRY_INPUTS] + (cmp or [None] * len(compress_step.INPUTS)), (kind, G)
 
 
 def attend(attn, q: torch.Tensor, kv: torch.Tensor, win_all: torch.Tensor, new_rows: torch.Tensor,
@@ -503,8 +580,8 @@ def attend(attn, q: torch.Tensor, kv: torch.Tensor, win_all: torch.Tensor, new_r
     return sparse_attention(q, win_pool, win_idx, attn.attn_sink, cmp_pool, cmp_idx, scale=attn.scale)
 
 
-def window_rows(model, attn, plan: BatchPlan) -> torch.Tensor:
-    """win_idx [T, W] of the layer (`window_index`: shared by the layers with the same past lengths)."""
+def window_rows(model, attn, plan: BatchPlan) -> Deferred:
+    """The layer's `window_index` rows (shared by the layers with the same past lengths)."""
     c = model.config
     i = attn.layer_id
     if plan.win_uniform:      # every sequence's layers hold win_m rows: the same list for all layers
@@ -512,7 +589,7 @@ def window_rows(model, attn, plan: BatchPlan) -> torch.Tensor:
     else:
         past_lens = [m if ls is None else ls[i] for m, ls in zip(plan.win_m, plan.win_lens)]
     decoder = model.yoco_mode != "off" and c.n_prefill_layer is not None and i >= c.n_prefill_layer
-    return window_index(plan, past_lens, c.sliding_window, decoder, plan.positions.device)
+    return window_index(plan, past_lens, c.sliding_window, decoder)
 
 
 def _bucket(n: int, cap: int | None) -> int:

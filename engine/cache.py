@@ -30,22 +30,42 @@ from dataclasses import dataclass, field
 import torch
 
 
+def ring_rows(buf: torch.Tensor, off: int, n: int, ring: int) -> torch.Tensor:
+    """Rows off.. (n of them) of a ring of `ring` rows that starts at the ring-aligned row below off: row k of the
+    result is buf[base + (off - base + k) % ring]. A copy (a gather)."""
+    base = off - off % ring
+    return buf[base + (off - base + torch.arange(n, device=buf.device)) % ring]
+
+
+def _shorter(rows: tuple, n: int) -> tuple:
+    """A (buffer, first row, rows[, ring]) tuple cut to at most n rows."""
+    return (rows[0], rows[1], max(0, min(rows[2], n)), *rows[3:])
+
+
 def _rows_property(name: str, doc: str):
-    """A tensor attribute stored as (buffer, first row, rows): the batched decode path gives many states rows of
-    one shared buffer by setting three numbers (`set_rows`), and the slice is only made when the attribute is
-    read (the reference path, rollbacks, tests)."""
+    """A tensor attribute stored as (buffer, first row, rows) or (buffer, first row, rows, ring): the batched decode
+    path gives many states rows of one shared buffer by setting three numbers (`set_rows`), and the slice is only
+    made when the attribute is read (the reference path, rollbacks, tests). With a 4th number the rows wrap
+    around a ring of that many rows (the compressors' token rows, engine/compress_step.py): reading gathers them."""
     key = "_" + name
 
     def get(self):
         rows = getattr(self, key)
         if rows is None:
             return None
+        if len(rows) == 4:
+            return ring_rows(*rows)
         buf, off, n = rows
         return buf if off == 0 and n == buf.shape[0] else buf[off:off + n]
 
     def set(self, value):
         setattr(self, key, None if value is None else (value, 0, value.shape[0]))
     return property(get, set, doc=doc)
+
+
+def _in(t: torch.Tensor, storages: frozenset) -> bool:
+    """Whether t lives in one of the storages (by base address)."""
+    return bool(storages) and t.untyped_storage().data_ptr() in storages
 
 
 class _RowsMixin:
@@ -82,13 +102,14 @@ class CompressorState(_RowsMixin):
                         ("tok_gate", max(0, length - self.tok_start))):
             r = getattr(self, "_" + name)
             if r is not None:
-                setattr(self, "_" + name, (r[0], r[1], min(r[2], n)))
+                setattr(self, "_" + name, _shorter(r, n))
 
-    def nbytes(self) -> int:
+    def nbytes(self, exclude: frozenset = frozenset()) -> int:
+        """Bytes of the rows in use, except rows inside the storages `exclude` names (by base address)."""
         n = 0
         for name in ("tok_kv", "tok_gate", "entries", "latents"):
             r = getattr(self, "_" + name)
-            if r is not None:
+            if r is not None and not _in(r[0], exclude):
                 n += r[2] * (r[0][0].numel() if r[0].shape[0] else 0) * r[0].element_size()
         return n
 
@@ -147,14 +168,14 @@ class LayerCache(_RowsMixin):
             stack.attached += 1
         self._k = k
 
-    def nbytes(self) -> int:
+    def nbytes(self, exclude: frozenset = frozenset()) -> int:
         n = 0
         for t in (self.win, self.ikeys):
-            if t is not None:
+            if t is not None and not _in(t, exclude):
                 n += t.numel() * t.element_size()
         for s in (self.comp, self.icomp):
             if s is not None:
-                n += s.nbytes()
+                n += s.nbytes(exclude)
         return n
 
 
@@ -193,13 +214,17 @@ class SequenceCache(_RowsMixin):
             for s in (lc.comp, lc.icomp):
                 if s is not None:
                     s.truncate(new_len)
-            if lc.ikeys is not None:
-                lc.ikeys = lc.ikeys[: new_len // lc.ratio]
-        if self.tokens is not None:
-            self.tokens = self.tokens[: max(0, self.tokens.shape[0] - n)]
+            if lc._ikeys is not None:     # (shorten the row count: the rows stay where they are, e.g. an arena)
+                lc._ikeys = _shorter(lc._ikeys, new_len // lc.ratio)
+        if self._tokens is not None:
+            self._tokens = _shorter(self._tokens, self._tokens[2] - n)
         if self.drafter is not None and hasattr(self.drafter, "rollback"):
             self.drafter.rollback(n)
         self.length = new_len
 
-    def nbytes(self) -> int:
-        return sum(lc.nbytes() for lc in self.layers) + (0 if self.tokens is None else self.tokens.numel() * 8)
+    def nbytes(self, exclude: frozenset = frozenset()) -> int:
+        """Bytes of the rows this cache holds. `exclude`: base addresses of shared storages (the model's window slab
+        and row arenas, arena.storage_pointers) whose rows are not counted here: cache_pool counts those storages
+        whole (their reserved bytes), not per cache."""
+        return (sum(lc.nbytes(exclude) for lc in self.layers)
+                + (0 if self.tokens is None else self.tokens.numel() * 8))

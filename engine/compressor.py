@@ -42,6 +42,14 @@ class Compressor(nn.Module):
     def new_state(self) -> CompressorState:
         return CompressorState(ratio=self.ratio)
 
+    def keep_from(self, end: int, max_rollback: int) -> int:
+        """First position whose token projections a state must keep once it holds tokens up to `end`: every group a
+        rollback of up to max_rollback tokens can reopen (and, overlapping, the group before it). A ratio-1
+        entry is its own token's projection: nothing to keep."""
+        if self.ratio == 1 and not self.overlap:
+            return end
+        return max(0, ((end - max_rollback) // self.ratio - (1 if self.overlap else 0)) * self.ratio)
+
     def step(self, state: CompressorState, x: torch.Tensor, start: int,
              rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], keep_latents: bool,
              max_rollback: int) -> int:
@@ -85,11 +93,15 @@ class Compressor(nn.Module):
             if keep_latents:
                 state.latents = latent if state.latents is None else torch.cat([state.latents, latent])
         # keep only the token projections a later group (or a rollback) can still need
-        keep_from = max(0, ((end - max_rollback) // r - (1 if self.overlap else 0)) * r)
-        if keep_from > state.tok_start:
+        keep_from = self.keep_from(end, max_rollback)
+        if keep_from >= end:
+            state.tok_kv = state.tok_gate = None
+            state.tok_start = end
+        elif keep_from > state.tok_start:
             cut = keep_from - state.tok_start
-            state.tok_kv = state.tok_kv[cut:]
-            state.tok_gate = state.tok_gate[cut:] if state.tok_gate is not None else None
+            # copies: a slice would keep every projection of a long prefill alive (cache_pool counts rows)
+            state.tok_kv = state.tok_kv[cut:].clone()
+            state.tok_gate = state.tok_gate[cut:].clone() if state.tok_gate is not None else None
             state.tok_start = keep_from
         return max(new, 0)
 
@@ -123,7 +135,7 @@ class Compressor(nn.Module):
             assert not old or tok_start + old == start, "compressor state out of sync with the cache"
             end = start + n
             g0, g1 = (0 if en is None else en[2]), end // r
-            keep_from = max(tok_start, ((end - max_rollback) // r - ov) * r)
+            keep_from = max(tok_start, self.keep_from(end, max_rollback))
             lo = min(keep_from, (g0 - ov) * r) if g1 > g0 else keep_from
             lo = max(lo, tok_start)
             b0 = len(idx)
@@ -147,9 +159,9 @@ class Compressor(nn.Module):
         g_buf = src.cat(gate_all, 1)[idx_t] if self.gated else None
         for st, (o, m, tok_start) in zip(states, views):
             st.tok_start = tok_start
-            st._tok_kv = (kv_buf, o, m)
+            st._tok_kv = (kv_buf, o, m) if m else None
             if self.gated:
-                st._tok_gate = (g_buf, o, m)
+                st._tok_gate = (g_buf, o, m) if m else None
         if not cur:
             return news, None
         # 2. every completed group at once
@@ -188,4 +200,5 @@ class Sources:
     def cat(self, new: torch.Tensor | None, which: int) -> torch.Tensor:
         """[new (if given), each buffer] (kv buffers: which=0, gate buffers: which=1), one tensor."""
         parts = ([] if new is None else [new]) + [pair[which] for pair in self.bufs]
+        parts = [t.to(parts[0].device) for t in parts]    # (token ids: host and device buffers can meet)
         return parts[0] if len(parts) == 1 else torch.cat(parts)

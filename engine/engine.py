@@ -24,7 +24,8 @@ from .cache_pool import CachePool, model_device, step_chunk_type
 from .detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
 from .request import (FINISH_CONSTRAINT_COMPLETE, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Request,
                       RequestOutput, RequestState, SamplingParams, StreamDelta, snapshot)
-from .sampler import MaskFiller, SamplingRow, raw_logprobs, sample_batch, splitmix64
+from .mask_fill import MaskFiller
+from .sampler import SamplingRow, raw_logprobs, sample_batch, splitmix64
 from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from .stats import EngineStats
 
@@ -36,7 +37,6 @@ class EngineConfig:
     max_model_len: Optional[int] = None        # default: the model's max_seq_len (or unbounded)
     cache_limit_bytes: Optional[int] = None    # default: GPU free memory share, or 2 GiB on CPU
     gpu_memory_utilization: float = 0.9
-    mask_threads: Optional[int] = None
     compile_timeout_s: float = 30.0            # per request, measured from arrival
     seed: int = 0                              # draws per-request seeds when SamplingParams.seed is None
     eos_token_id: Optional[int] = None         # default: the tokenizer's <｜end▁of▁sentence｜> (id 1)
@@ -98,7 +98,7 @@ class LLMEngine:
         self.pool = cache_pool or CachePool(model, self.config.cache_limit_bytes,
                                             gpu_memory_utilization=self.config.gpu_memory_utilization)
         self.scheduler = Scheduler(SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens), self.pool)
-        self.masks = MaskFiller(self.config.mask_threads)
+        self.masks = MaskFiller()
         self.chunk_type = step_chunk_type(model)
         self._compiler = compiler
         self.requests: dict[str, Request] = {}
@@ -111,7 +111,7 @@ class LLMEngine:
         if self.config.speculative is not None:
             from .spec_decode import SpecDecoder
             self.spec = SpecDecoder(model, self.config.speculative, chunk_type=self.chunk_type,
-                                    vocab_size=self.vocab_size)
+                                    vocab_size=self.vocab_size, ids_on_host=self._ids_on_host)
 
     # ------------------------------------------------------------ requests
 

@@ -9,9 +9,10 @@ One code path serves both entry points:
       - batched (decode / verify steps, engine/batched.py): attention of all rows in one
         `kernels.sparse_attention` call over gathered window + selected compressed keys, batched compressors
         and index scores, `kernels.hc_mixes` for the mHC mixes, `kernels.moe_experts` for the routed experts
-        (Triton on CUDA, the torch twins on CPU); caches at fixed addresses (engine/arena.py), everything but the
-        compressors' cache updates runs as CUDA graphs per token count (engine/step_graphs.py; `cuda_graphs`, on
-        by default, bit-identical to eager).
+        (Triton on CUDA, the torch twins on CPU); caches at fixed addresses (engine/arena.py); a V4.1 step is ONE
+        CUDA graph per token count, its compressors' cache updates included (engine/compress_step.py; V4's
+        overlapping compressors update eagerly between segments), fed by one upload of the step's index lists
+        (engine/step_graphs.py; `cuda_graphs`, on by default, bit-identical to eager).
   * `forward_logits(ids [B, S])`: fresh caches, one chunk per row (the full-sequence reference).
 
 V4 vs V4.1 is decided by config switches (see config.py): `hc_shifted`, `q_norm`, `compressor_style`, the
@@ -21,9 +22,9 @@ of DeepInfer's FP8/FP4 activations and caches, off by default) and `set_yoco(mod
 truncation of the decoder layers: "off" (default), "mask", "compact").
 
 Cost of a step: dense work O(T * active params); attention over <= W + index_topk keys per query (the reference
-path builds a dense [n, window + entries] bias per sequence, queries in blocks of 256). Host syncs per step: the
-token-id range check (none when the ids come from the host) and, with Engram layers, one copy of the n-gram
-windows to the host; both at the start of the step, while the device is idle.
+path builds a dense [n, window + entries] bias per sequence, queries in blocks of 256). Host syncs per step: none
+when the token ids come from the host (their range check and the recent-token bookkeeping for Engram n-grams then
+stay there); with device ids, the range check and the Engram windows' copy to the host, at the start of the step.
 
 state_dict keys are DeepSeek's tensor names without the `model.` prefix.
 """
@@ -39,7 +40,7 @@ from torch import nn
 
 from deepinfer_sg import kernels
 
-from . import batched
+from . import batched, compress_step
 from .attention import Attention
 from .cache import LayerCache, SequenceCache
 from .compressor import Sources
@@ -61,6 +62,9 @@ def _quant():
     """B2's runtime-quantization simulation functions (imported lazily: only needed when the switch is on)."""
     return importlib.import_module("deepinfer_sg.engine.quant")
 
+
+# compress_step inputs that are arenas (fixed addresses, written in place by the graph), not per-step indices
+_FIXED_COMPRESS = ("ring_kv", "ring_g", "ent", "lat", "ik")
 
 # linears whose weights are FP8 / FP4 in the real checkpoint: their inputs are quantized to FP8 per 32 at run time
 _ACT_QUANT_LINEARS = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]"
@@ -99,8 +103,8 @@ class _Seq:
 class StepContext:
     """What one forward step knows: the chunks, flat positions/ids, per-layer top-k and candidate masks."""
     seqs: list[_Seq]
-    positions: torch.Tensor                    # [T]
-    token_ids: torch.Tensor                    # [T]
+    positions: torch.Tensor | None             # [T] (fast path with host ids: set once uploaded, _layers_fast)
+    token_ids: torch.Tensor | None             # [T] (likewise)
     rope: dict = field(default_factory=dict)   # kind -> (cos, sin) at `positions`
     topk: dict = field(default_factory=dict)   # index-source layer -> list of bool [n, G] per seq
     cand: dict = field(default_factory=dict)   # candidate-source layer -> list of bool [n, G] per seq
@@ -110,7 +114,9 @@ class StepContext:
     plan: "batched.BatchPlan | None" = None    # set when the step takes the batched decode/verify path
     engram_rows: dict = field(default_factory=dict)   # fast path: engram layer -> looked-up rows [T, ...]
     graphs: SegmentGraphs | None = None        # fast path: runs the dense segments (eager / CUDA graphs)
-    graph_ids: torch.Tensor | None = None      # fast path: the token ids as the graph segments read them
+    graph_ids: object = None                   # fast path: the token ids as the graph reads them (or a Deferred)
+    compress: dict = field(default_factory=dict)   # fast path: layer -> compress_step inputs (updates in the graph)
+    host_ids: torch.Tensor | None = None       # the token ids on the host, when they were given there
 
 
 class Block(nn.Module):
@@ -184,7 +190,10 @@ class Model(nn.Module):
         # on CUDA the fast path's dense segments run as CUDA graphs, one set per token count (step_graphs.py);
         # False: always eager (same results bit for bit)
         self.cuda_graphs = True
-        self._fused_mhc = False
+        # fused mHC read-out / write-back kernels on the fast path: on (R1 of session 5, mid-size V4.1, bf16, batch
+        # 8: 11.01 ms per step vs 13.83 unfused; logits vs the reference path 2.0e-1 vs 2.1e-1 unfused: bf16 MoE
+        # route flips either way)
+        self._fused_mhc = True
         self._graphs = SegmentGraphs()
         c = config
         with torch.device(device):
@@ -252,7 +261,8 @@ class Model(nn.Module):
     @property
     def fused_mhc(self) -> bool:
         """Fast path: the fused mHC read-out / write-back kernels (kernels/hc_mix.py; same math up to fp32
-        summation order, so not bit-equal to the unfused path). Off by default."""
+        summation order, so not bit-equal to the unfused path, which `fused_mhc = False` selects). On by default:
+        one launch instead of ~9 per write-back, 20% faster decode steps (R1, session 5)."""
         return self._fused_mhc
 
     @fused_mhc.setter
@@ -359,29 +369,38 @@ class Model(nn.Module):
         if bool((all_ids < 0).any() | (all_ids >= c.vocab_size).any()):
             bad = next(k for k, t in enumerate(ids) if bool(((t < 0) | (t >= c.vocab_size)).any()))
             raise ValueError(f"token id outside 0..{c.vocab_size - 1} in chunk {bad}")
-        if on_host:
+        host_ids = all_ids if on_host else None
+        fast = batched.usable(self, [s.n for s in seqs])
+        if on_host and fast:      # ids and positions go up with the step's index lists (batched.BatchPlan.flush)
+            pos_t = all_ids = None
+        elif on_host:
             all_ids, pos_t = to_device_many([all_ids, pos], dev)
         else:
             pos_t = to_device(pos, dev)
-        ctx = full_ctx = StepContext(seqs, pos_t, all_ids)
-        if batched.usable(self, [s.n for s in seqs]):
-            ctx.plan = batched.make_plan(seqs, ctx.positions, rect=self.yoco_mode != "off")
+        ctx = full_ctx = StepContext(seqs, pos_t, all_ids, host_ids=host_ids)
+        if fast:
+            ctx.plan = batched.make_plan(seqs, ctx.positions, rect=self.yoco_mode != "off", device=dev)
             ctx.graphs = self._graphs
             if self.cuda_graphs and not self.quant_sim:
                 self._graphs.begin_step(off, dev)
+            if pos_t is None:
+                ctx.plan.positions, ctx.graph_ids = ctx.plan.defer(pos), ctx.plan.defer(host_ids)
+            else:
+                ctx.graph_ids = self._graphs.stage("ids", all_ids)
         for kind in ("main", "compress"):
-            ctx.rope[kind] = rope_cos_sin(self._freqs(kind), ctx.positions)
+            freqs = self._freqs(kind)     # (on the device before any graph capture)
+            if ctx.plan is None:          # (the batched path computes them inside its graph, batched.span)
+                ctx.rope[kind] = rope_cos_sin(freqs, ctx.positions)
         if c.engram_layer_ids:
             ctx.windows = self._token_windows(ctx)
         if ctx.plan is not None:
-            g = self._graphs
-            ctx.rope = {k: (g.stage(f"cos_{k}", cs), g.stage(f"sin_{k}", sn)) for k, (cs, sn) in ctx.rope.items()}
-            ctx.graph_ids = g.stage("ids", all_ids)
             # every Engram table read (a host round trip) now, while the device is idle, not between the layers
             if c.engram_layer_ids:
                 host_windows = ctx.windows.cpu()
-                ctx.engram_rows = {i: blk.engram.packed_values(host_windows, dev) for i, blk in enumerate(self.layers)
-                                   if hasattr(blk, "engram")}
+                g = self._graphs      # (under graphs: straight into a buffer the graph reads in place)
+                ctx.engram_rows = {
+                    i: g.fixed(g.upload(f"engram{i}", blk.engram.packed_values(host_windows, "cpu"), dev))
+                    for i, blk in enumerate(self.layers) if hasattr(blk, "engram")}
 
         every_row = all(ch.logit_rows == s.n for s, ch in zip(ctx.seqs, chunks))   # decode, verify
         logits = None
@@ -477,28 +496,43 @@ class Model(nn.Module):
         c = self.config
         layers = list(self.layers)
         batched.prepare_windows(self, ctx, plan, self.embed.weight.new_empty((0, c.head_dim)))
-        common = [*ctx.rope["main"], *ctx.rope["compress"], ctx.graph_ids, g.stage("pos", plan.positions),
-                  g.fixed(plan.win_all), g.stage("win_rows", plan.win_new_rows)]
+        # the compressors' cache updates that run inside the graph: host plans first (they set the states' counts
+        # and the pools every later layer reads)
+        ctx.compress = {i: compress_step.plan_layer(self, layers[i].attn, ctx, plan)
+                        for i in compress_step.graph_layers(self)}
         staged = {}
 
-        def stage(t):   # each per-step tensor once, named by order of appearance and shape
-            if t is None:
-                return None
+        def stage(t):   # a view of the step's upload is read in place; another per-step tensor is staged once
+            if t is None or isinstance(t, batched.Deferred):
+                return plan.resolve(t)
             if id(t) not in staged:
                 staged[id(t)] = g.stage(f"in{len(staged)}_{tuple(t.shape)}_{t.dtype}", t)
             return staged[id(t)]
+
+        def fixed(t):
+            return None if t is None else g.fixed(t)
         chain = [None] * 8          # R, pre, post, comb, q, kv, iq, w of the layer updated last
-        prev = None
+        prev = common = None
         for nxt in batched.eager_layers(self) + [None]:
             full = list(range(0 if prev is None else prev + 1, len(layers) if nxt is None else nxt))
             cores = ([] if prev is None else [prev]) + full
+            raw = [batched.span_inputs(self, layers[j].attn, ctx, plan) for j in cores]
+            plan.flush(g, plan.device)      # every index list of the segment: one host->device copy
+            if common is None:
+                if isinstance(plan.positions, batched.Deferred):   # (host ids: they came with the flush)
+                    plan.positions = ctx.positions = plan.resolve(plan.positions)
+                    ctx.graph_ids = ctx.token_ids = plan.resolve(ctx.graph_ids)
+                    pos = plan.positions
+                else:
+                    pos = g.stage("pos", plan.positions)
+                common = [ctx.graph_ids, pos, g.fixed(plan.win_all), plan.resolve(plan.win_new_rows)]
             per, meta = [], []
-            for j in cores:
-                (e, win_idx, kv_pool, kv_start, kv_count, ids, keys, kstart, kcount, cand), m = \
-                    batched.span_inputs(self, layers[j].attn, ctx, plan)
-                per += [e if j != prev else None, stage(win_idx), None if kv_pool is None else g.fixed(kv_pool),
-                        stage(kv_start), stage(kv_count), ids, None if keys is None else g.fixed(keys),
-                        stage(kstart), stage(kcount), cand]
+            for j, (got, m) in zip(cores, raw):
+                e, win_rows, kv_pool, kv_start, kv_count, ids, keys, kstart, kcount, cand = got[:10]
+                per += [e if j != prev else None, stage(win_rows), fixed(kv_pool), stage(kv_start),
+                        stage(kv_count), ids, fixed(keys), stage(kstart), stage(kcount), cand]
+                per += [fixed(t) if name in _FIXED_COMPRESS else stage(t)
+                        for name, t in zip(compress_step.INPUTS, got[10:])]
                 meta.append(m)
             if nxt is not None:
                 per.append(ctx.engram_rows.get(nxt))
@@ -548,7 +582,7 @@ class Model(nn.Module):
                            rope={k: (cs[rows], sn[rows]) for k, (cs, sn) in ctx.rope.items()},
                            captures=dict(ctx.captures), rows=rows)
         if ctx.windows is not None:
-            kept.windows = ctx.windows[rows]
+            kept.windows = ctx.windows[rows.to(ctx.windows.device)]
         R, xn, pre, post, comb = R[rows], xn[rows], pre[rows], post[rows], comb[rows]
         a = a[rows] if a is not None else None
         y = self._attention(block.attn, xn, kept, compressed_done=True)
@@ -562,7 +596,7 @@ class Model(nn.Module):
         One gather for the whole step: source = [this step's ids, every sequence's last N-1 cached ids, -1], and
         the [T, N] index into it is built on the host from lengths (no per-sequence device ops)."""
         N = int(self.config.engram.get("max_ngram_size", 3))
-        ids = ctx.token_ids
+        ids = self._token_source(ctx)
         T = ids.shape[0]
         srcs = Sources(T)      # [this step's ids, the caches' token buffers, -1]
         cached = []
@@ -581,10 +615,21 @@ class Model(nn.Module):
         return src[to_device(idx, ids.device)]
 
     @staticmethod
+    def _token_source(ctx: StepContext) -> torch.Tensor:
+        """The step's ids where the caches' recent tokens live: on the host when the ids came from there and no
+        cache holds device tokens (then the Engram windows and the token bookkeeping cost no device work and no
+        sync: the Engram tables are read on the host anyway), else on the device."""
+        if ctx.host_ids is not None and (ctx.token_ids is None or all(
+                s.cache._tokens is None or s.cache._tokens[0].device.type == "cpu" for s in ctx.seqs)):
+            return ctx.host_ids       # (no device ids yet: device-held recent tokens come to the host)
+        return ctx.token_ids
+
+    @staticmethod
     def _advance_tokens(ctx: StepContext) -> None:
         """cache.tokens += this step's ids (last keep_tokens kept) for every sequence with one gather; each cache
-        then points at its rows of the result (no per-sequence tensor operations)."""
-        ids = ctx.token_ids
+        then points at its rows of the result (no per-sequence tensor operations). On the host when the ids are
+        (`_token_source`)."""
+        ids = Model._token_source(ctx)
         srcs, idx, views = Sources(ids.shape[0]), [], []
         for s in ctx.seqs:
             cache = s.cache
@@ -719,7 +764,9 @@ class Model(nn.Module):
                     keys = torch.cat([keys, entries.to(keys.dtype)])
                     bias = torch.cat([bias, cbias], dim=1)
             outs.append(attn.attend(q[s.off:s.off + s.n], keys, bias))
-            lc.win = torch.cat([past, new_kv])[-keep:]
+            win = torch.cat([past, new_kv])
+            # a copy when cut: a slice would keep the whole prefill's rows alive (and cache_pool counts rows)
+            lc.win = win[-keep:].clone() if win.shape[0] > keep else win
         o = torch.cat(outs)
         return attn.output(o, cos, sin)
 

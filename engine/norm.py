@@ -18,8 +18,21 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self._w32 = (None, None)     # (the weight's (address, version), its fp32 copy)
+
+    def weight_fp32(self) -> torch.Tensor:
+        """The weight in fp32, converted once per weight version (a bf16 model's norms would otherwise convert
+        it on every call: one kernel per norm, ~90 per decode step of the mid-size model)."""
+        w = self.weight
+        if w.dtype == torch.float32:
+            return w
+        key = (w.data_ptr(), w._version)
+        if self._w32[0] != key:
+            with torch.inference_mode(False):    # (a normal tensor, usable in and out of inference mode)
+                self._w32 = (key, w.detach().float())
+        return self._w32[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # F.rms_norm: one fused kernel on CUDA (PyTorch's _fused_rms_norm) instead of five elementwise / reduce
         # kernels; every layer runs 4-6 of these inside the decode step's graphs. Same fp32 math.
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight_fp32(), self.eps).to(x.dtype)

@@ -1,4 +1,4 @@
-"""One batched sampling step: grammar masks (filled on CPU threads while the forward runs), then
+"""One batched sampling step: grammar masks (filled by engine/mask_fill.py while the forward runs), then
 temperature / top-k / top-p, with counter-based per-request randomness.
 
 Every draw is inverse-CDF sampling with ONE uniform per row, U = counter_uniform(seed, position, case): a
@@ -15,14 +15,15 @@ Order: grammar bitmask (-inf where a bit is 0) -> temperature -> top-k -> top-p 
 """
 from __future__ import annotations
 
-import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
 from .speculative import counter_uniforms
+
+if TYPE_CHECKING:
+    from .mask_fill import MaskJob  # (engine/mask_fill.py fills the masks; it imports this module)
 
 MASK64 = (1 << 64) - 1
 SEED_MASK = (1 << 63) - 1   # torch generators and the kernels take non-negative int64 seeds
@@ -119,69 +120,6 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, indices: to
 
 
 _KERNEL = None
-
-
-class MaskFiller:
-    """Fills grammar bitmasks on CPU worker threads so they overlap the model's forward.
-
-    `start(...)` returns at once; `MaskJob.wait()` blocks until every row is filled. Each worker
-    writes disjoint rows of one shared int32 tensor (pinned when CUDA is present, so the copy to the
-    GPU is asynchronous). Matchers are only read here: tokens are committed after the step.
-    """
-
-    def __init__(self, num_threads: Optional[int] = None):
-        self.num_threads = num_threads or max(1, min(4, (os.cpu_count() or 2) - 1))
-        self.pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="mask")
-
-    def start(self, rows: Sequence[tuple[int, object]], num_rows: int, vocab_size: int) -> "MaskJob":
-        """rows: (logits row, matcher) pairs needing a mask; every other row stays unmasked."""
-        job = MaskJob(num_rows=num_rows, rows=[r for r, _ in rows])
-        if not rows:
-            return job
-        # a normal tensor even when the step runs under inference_mode: the workers (threads outside
-        # inference mode) write into it in place
-        with torch.inference_mode(False):
-            job.bitmask = torch.full((num_rows, bitmask_words(vocab_size)), -1, dtype=torch.int32,
-                                     pin_memory=torch.cuda.is_available())
-        chunks = [list(rows[i::self.num_threads]) for i in range(self.num_threads)]
-        job.futures = [self.pool.submit(_fill_rows, job.bitmask, c) for c in chunks if c]
-        return job
-
-    def shutdown(self):
-        self.pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _fill_rows(bitmask: torch.Tensor, rows) -> dict[int, str]:
-    errors = {}
-    for row, matcher in rows:
-        try:
-            matcher.fill_mask(bitmask, row)
-        except Exception as exc:  # one broken matcher must only fail its own request
-            errors[row] = f"grammar mask failed: {type(exc).__name__}: {exc}"
-            bitmask[row].zero_()
-    return errors
-
-
-@dataclass
-class MaskJob:
-    num_rows: int
-    rows: list
-    bitmask: Optional[torch.Tensor] = None
-    futures: Optional[list[Future]] = None
-
-    def wait(self) -> dict[int, str]:
-        """Block until filled; returns {row: error message} for rows whose matcher raised."""
-        errors = {}
-        for f in self.futures or []:
-            errors.update(f.result())
-        return errors
-
-    def apply(self, logits: torch.Tensor) -> None:
-        if self.bitmask is None:
-            return
-        idx = torch.tensor(self.rows, dtype=torch.long)
-        bm = self.bitmask.to(logits.device, non_blocking=True)
-        apply_token_bitmask(logits, bm, idx.to(logits.device))
 
 
 # ---------------------------------------------------------------- sampling
@@ -344,10 +282,11 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[SamplingRow], masks: Optio
             mr = torch.full((len(rows),), -1, dtype=torch.int64)
             mr[torch.tensor(masks.rows, dtype=torch.long)] = torch.tensor(masks.rows, dtype=torch.int64)
             mask_rows = mr.to(dev)
-        # temperature/top_k/top_p stay on the host: the kernel then knows there which rows filter (no threshold
-        # launches when none does; the top-k candidate path alone when every filter is a small top-k)
-        out = _FUSED(logits.contiguous(), temperature, top_k, top_p, seed.to(dev),
-                     pos.to(dev), bitmask=bitmask, mask_rows=mask_rows).tolist()
+        # the parameters stay on the host: the kernel then knows there which rows filter (no threshold launches
+        # when none does; the top-k lane path alone, which draws too, when every row is a small top-k) and moves
+        # them in two packed copies (no per-field copies, no elementwise kernels on the device)
+        out = _FUSED(logits.contiguous(), temperature, top_k, top_p, seed, pos, bitmask=bitmask,
+                     mask_rows=mask_rows).tolist()
         dead = [i for i, t in enumerate(out) if t < 0]
         if dead:
             # -1 must mean "nothing allowed"; an early kernel version also returned it when its float32

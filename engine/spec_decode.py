@@ -279,9 +279,12 @@ class SpecDecoder:
     (in cache.extra["spec"]), the step-time model and the stats."""
 
     def __init__(self, model, config: SpecConfig, time_model: Optional[VS.StepTimeModel] = None,
-                 chunk_type=None, vocab_size: Optional[int] = None):
+                 chunk_type=None, vocab_size: Optional[int] = None, ids_on_host: bool = False):
         self.model = model
         self.config = config
+        # the V4 model uploads a step's token ids with its positions in one pinned copy; ids already on the GPU
+        # would move the caches' recent tokens there and bring back a range-check and an Engram sync per step
+        self.ids_on_host = ids_on_host
         self.vocab_size = vocab_size or model.config.vocab_size
         if chunk_type is None:
             from .model import StepChunk as chunk_type
@@ -393,7 +396,9 @@ class SpecDecoder:
         chunks, flat = [], []
         for i, s in enumerate(seqs):
             flat += [s.last_token] + tokens[i, :int(lens[i])].tolist()
-        flat_t = torch.tensor(flat, dtype=torch.long).to(dev)      # one host-to-device copy per step
+        flat_t = torch.tensor(flat, dtype=torch.long)
+        if not self.ids_on_host:
+            flat_t = flat_t.to(dev)                                  # one host-to-device copy per step
         at = 0
         for i, s in enumerate(seqs):
             l = int(lens[i])

@@ -6,8 +6,9 @@ by the host, not by the GPU. A graph replays a whole segment with one launch.
 
 What is captured: everything between two eager cache updates (`batched.span`: the rest of one layer (its index
 selection and attention), every layer in between whole, and the next layer's projections; the first segment
-starts at the embedding, the last ends with the head). The caches sit at fixed addresses (engine/arena.py). The
-eager updates (compressors and index keys: they grow the caches by amounts the host decides) stay outside.
+starts at the embedding, the last ends with the head). The caches sit at fixed addresses (engine/arena.py). V4.1
+has no eager updates (engine/compress_step.py), so its step is one graph; V4's overlapping compressors stay
+outside.
 
 Contract:
   * graphs are keyed by the step's token count T (no padding: a padded T would change GEMM shapes and so the
@@ -17,9 +18,10 @@ Contract:
     second keeps one-off sizes, common with speculative verify rows, from paying a capture), the next captures
     every segment (capture, then replay to compute), later ones replay; at most `max_sizes` token counts are kept
     (least recently used dropped, and counted as new again);
-  * inputs: a tensor that is an output of an earlier graph of the same T, a buffer from `stage()` or a tensor
-    marked `fixed()` (the caches' slab and arenas, written in place by the graphs) is read in place; any other
-    input is copied into the graph's own input buffer before each replay (one copy launch);
+  * inputs: a tensor that is an output of an earlier graph of the same T, a buffer from `stage()` / `upload()` or
+    a tensor marked `fixed()` (the caches' slab and arenas, written in place by the graphs; views of an upload) is
+    read in place; any other input is copied into the graph's own input buffer before each replay (one copy
+    launch);
   * outputs are the graph's own buffers, overwritten by the next replay of that segment: callers must copy what
     they keep beyond the step;
   * weights and fixed tensors must not move after capture: `reset()` drops every graph (the model calls it from
@@ -38,6 +40,8 @@ from typing import Callable
 
 import torch
 
+from .transfer import to_device
+
 
 @dataclass
 class _Segment:
@@ -53,6 +57,7 @@ class _Size:
     segments: dict = field(default_factory=dict)    # key -> _Segment
     static: dict = field(default_factory=dict)      # data_ptr -> (shape, stride) of in-place-readable tensors
     staged: dict = field(default_factory=dict)      # name -> persistent input buffer
+    pinned: dict = field(default_factory=dict)      # name -> (its pinned host buffer, event of the last copy)
     complete: bool = False
 
 
@@ -138,6 +143,37 @@ class SegmentGraphs:
             buf.copy_(t)
         return buf
 
+    def upload(self, name: str, host: torch.Tensor, device) -> torch.Tensor:
+        """A host tensor on the device in one copy: eager steps through pinned memory (transfer.to_device); graph
+        steps into a persistent buffer of this T named `name` (copied asynchronously from pinned memory, so its
+        address holds from replay to replay and the graphs read it, or views of it marked `fixed`, in place)."""
+        size = self._cur
+        device = torch.device(device)
+        if size is None or device.type != "cuda":
+            t = to_device(host, device)
+            if size is None:
+                return t
+            buf = size.staged.get(name)
+            if buf is None:
+                with torch.inference_mode(False):
+                    buf = size.staged[name] = t.clone()
+            else:
+                buf.copy_(t)
+            return buf
+        buf = size.staged.get(name)
+        if buf is None:
+            with torch.inference_mode(False):
+                buf = size.staged[name] = torch.empty(host.shape, dtype=host.dtype, device=device)
+                # its own pinned host buffer too (a fresh pinned block per step costs the host more than the
+                # copy), reused once the event says the previous copy from it is done (a step ends long after)
+                size.pinned[name] = (torch.empty(host.shape, dtype=host.dtype, pin_memory=True), torch.cuda.Event())
+        pinned, done = size.pinned[name]
+        done.synchronize()
+        pinned.copy_(host)
+        buf.copy_(pinned, non_blocking=True)
+        done.record()
+        return buf
+
     def fixed(self, t: torch.Tensor) -> torch.Tensor:
         """A tensor that keeps its address across steps (the window slab, the entries arenas: engine/arena.py)
         read and written in place by the graphs of this T; its owner calls `reset()` when the address changes."""
@@ -156,17 +192,18 @@ class SegmentGraphs:
         if seg is None:      # (also in a replay step: a segment key this size never saw, e.g. a new index bucket)
             seg = size.segments[key] = self._capture(size, fn, inputs)
             self.captures += 1
-        else:
+        else:   # (a step passes ~500 inputs, most read in place: this loop is on every step's host path)
             for have, given in zip(seg.inputs, inputs):
-                if have is None or given is None:
-                    if (have is None) != (given is None):
-                        raise RuntimeError(f"graph segment {key}: an input became {'None' if given is None else 'set'}")
+                if have is given:
                     continue
-                if given.data_ptr() != have.data_ptr() or _signature(given) != _signature(have):
-                    if given.shape != have.shape:
-                        raise RuntimeError(f"graph segment {key}: input shape {tuple(given.shape)} != captured "
-                                           f"{tuple(have.shape)}")
-                    have.copy_(given)
+                if have is None or given is None:
+                    raise RuntimeError(f"graph segment {key}: an input became {'None' if given is None else 'set'}")
+                if given.data_ptr() == have.data_ptr() and given.dtype == have.dtype and given.shape == have.shape:
+                    continue         # read in place (the same memory as captured)
+                if given.shape != have.shape:
+                    raise RuntimeError(f"graph segment {key}: input shape {tuple(given.shape)} != captured "
+                                       f"{tuple(have.shape)}")
+                have.copy_(given)
         seg.graph.replay()
         return seg.outputs
 

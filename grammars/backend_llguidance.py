@@ -12,7 +12,7 @@ from functools import lru_cache
 
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
-from .llguidance_matcher import LLGuidanceMatcher, clean_error
+from .llguidance_matcher import LLGuidanceMatcher, clean_error, register_vocab
 from .specs import ConstraintError, Grammar, JsonSchema, Regex
 from .vocab import TokenizerVocab
 
@@ -128,6 +128,7 @@ class LLGuidanceCompiled:
         # Rough memory estimate for the byte-bounded cache: the serialized grammar and lexer tables.
         self.nbytes = 4 * len(grammar) + 64 * 1024
         self.added_ids = vocab.added_ids
+        register_vocab(vocab)  # (before this constraint's first matcher: see llguidance_matcher._PLAIN_LO)
 
     def matcher(self) -> LLGuidanceMatcher:
         t = self.template

@@ -6,11 +6,11 @@ worker thread (native code cannot be interrupted) but is bounded by llguidance's
 identical specs share one in-flight compile, so a hostile schema costs one thread for a while and never
 the process. The cache is keyed by (spec, its property order, tokenizer fingerprint, backend) and bounded
 in bytes (LRU eviction), unlike xgrammar's default unbounded cache (CVE-2025-32381).
-Cost of a cache miss beyond the backend's own compile: one scan of the schema (schema_support.scan: value
+Cost of a cache miss beyond the backend's own compile: one scan of the schema (schema_support.scan_marks: value
 checks, ~0.1 µs per keyword); only a schema with keywords to rewrite or refuse (1 in 3 MaskBench schemas)
-also pays the exact rewrites (schema_support.prepare, tens to hundreds of µs; its working copy parsed from the
-spec's JSON text, and the refusal walk and the draft 4-7 `$ref` walk skipped when scan saw nothing for them, which
-halved this path's Python); plus the worker-thread hand-off
+also pays the exact rewrites (schema_support.prepare: only the subschemas scan marked, and those above them, are
+copied and rewritten; the refusal walk and the draft 4-7 `$ref` walk skipped when scan saw nothing for them);
+plus the worker-thread hand-off
 (tens of µs) where one is used. JSON schemas reach llguidance as JSON text, which it parses ~3x faster than it
 converts a dict.
 """
@@ -183,7 +183,7 @@ class ConstraintCompiler:
 
     def _compile_json(self, spec: JsonSchema, inline: bool = False):
         # one cheap walk: value checks + is there anything to rewrite (+ which of the full path's walks can go)
-        found, has_unsupported, ref_siblings = schema_support.scan_details(spec.schema)
+        found, has_unsupported, ref_siblings, dirty = schema_support.scan_marks(spec.schema)
         if found == schema_support.SCAN_AS_IS and self.backend in ("auto", "llguidance"):
             # The common case: valid, nothing to rewrite or refuse, so llguidance gets the schema as given; the
             # full path below runs only if llguidance refuses it.
@@ -191,7 +191,8 @@ class ConstraintCompiler:
                 return backend_llguidance.compile_spec(spec, self.vocab)
             except ConstraintError as llg_error:
                 return self._json_fallback(self._prepare(spec, checked=True), llg_error, inline)
-        prepared = self._prepare(spec, checked=found != schema_support.SCAN_INVALID, ref_siblings=ref_siblings)
+        prepared = self._prepare(spec, checked=found != schema_support.SCAN_INVALID, ref_siblings=ref_siblings,
+                                 dirty=dirty)
         if self.backend in ("xgrammar", "outlines"):
             bad = schema_support.unsupported(prepared.schema, self.backend)
             if bad:
@@ -207,13 +208,14 @@ class ConstraintCompiler:
             return self._json_fallback(prepared, llg_error, inline)
 
     @staticmethod
-    def _prepare(spec: JsonSchema, checked: bool, ref_siblings: bool = True) -> JsonSchema:
+    def _prepare(spec: JsonSchema, checked: bool, ref_siblings: bool = True, dirty: set | None = None) -> JsonSchema:
         """The exact rewrites (schema_support.prepare); check_schema first (ConstraintError with the pointer)
-        unless scan() already checked every value."""
+        unless scan() already checked every value. With scan_marks' `dirty` set (and no draft 4-7 $ref siblings),
+        only the marked subschemas are copied and rewritten."""
         if not checked:
             schema_support.check_schema(spec.schema)
         return spec.with_schema(schema_support.prepare(spec.schema, spec.approximations, ref_siblings,
-                                                       spec.layout_key()))
+                                                       spec.layout_key(), dirty if checked else None))
 
     def _json_fallback(self, prepared: JsonSchema, llg_error: ConstraintError, inline: bool):
         """llguidance refused `prepared`: try xgrammar when backend="auto" and it is exact, else re-raise with a pointer."""

@@ -39,21 +39,29 @@ class LLGuidanceMatcher:
     """Matcher protocol over an `LLMatcher` (see matcher.Matcher).
 
     Keeps the accepted tokens so that a backend failure can be repaired by rebuilding the state from the start:
-    llguidance 1.9.1 cannot roll back some token pairs (`"<"` then the DSML special token, with a mask computed in
-    between: "rollback: too many bytes 11 > 10"), and a lexer whose fuel another sequence exhausted fails every
-    copy sharing it. The history costs one list append per accept and one pop per rollback(1): the newest ids sit
-    in a list of this matcher's own; fork() freezes them into `array("i")` chunks (4 bytes an id, no
-    garbage-collected object per token) shared with the fork, merging a short newest chunk so chunks stay near
-    HISTORY_CHUNK ids, so a fork copies at most about HISTORY_CHUNK + the ids accepted since the last fork.
+    llguidance 1.9.1 cannot roll back some token pairs (`"<"` then the DSML added token, with a mask computed in
+    between: "rollback: too many bytes 11 > 10", or a silent landing one token too far back), and a lexer whose
+    fuel another sequence exhausted fails every copy sharing it. The history costs one list append per accept and
+    one counter update per rollback (`_back`: the newest ids rolled back but still listed, dropped at the next
+    accept or history use): the newest ids sit in a list of this matcher's own; fork() freezes them into
+    `array("i")` chunks (4 bytes an id, no garbage-collected object per token) shared with the fork, merging a
+    short newest chunk so chunks stay near HISTORY_CHUNK ids, so a fork copies at most about HISTORY_CHUNK + the
+    ids accepted since the last fork.
+    Rollback over added tokens is the only place llguidance's own rollback goes wrong, so only a matcher that has
+    accepted one switches to RiskyLLGuidanceMatcher, whose rollback checks the ids it drops; the others roll back
+    with one call and one counter update. accept() finds EOS and added tokens with two int compares (see
+    _PLAIN_LO).
     Repairs cost one replay of the history (plus one compile for a lexer of its own); the normal path pays nothing
     for them but one `is_error()` call per mask (~40 ns).
     """
 
-    __slots__ = ("m", "c", "vocab", "vocab_size", "_base", "_private", "_tail", "_chunks", "_frozen", "_done",
-                 "_eos", "_added", "_words", "_nbytes", "_bm", "_ptr", "_rows", "_live")
+    # (the slots the hot paths read first)
+    __slots__ = ("m", "_bm", "_row", "_ptr", "_addr", "_nbytes", "_tail", "_back", "c", "vocab", "vocab_size",
+                 "_base", "_private", "_chunks", "_frozen", "_done", "_eos", "_added", "_risky", "_words", "_rows",
+                 "_live")
 
     def __init__(self, m: LLMatcher, compiled: "LLGuidanceCompiled", base: LLMatcher, done: bool = False,
-                 tail=(), chunks=None, frozen: int = 0, private: bool = False):
+                 tail=(), chunks=None, frozen: int = 0, private: bool = False, risky: bool = False):
         self.m = m
         self.c = compiled
         vocab = self.vocab = compiled.vocab
@@ -65,6 +73,7 @@ class LLGuidanceMatcher:
         self._tail = list(tail)
         self._chunks = chunks
         self._frozen = frozen  # how many ids the chunks hold
+        self._back = 0  # how many of the newest listed ids were rolled back (dropped by _settle)
         self._done = done  # EOS accepted
         # `m` while the matcher is live, None once it accepted EOS: fill_batch hands `_live` of every matcher to
         # llguidance's executor, whose own type check then rejects a batch holding a finished matcher (or another
@@ -72,39 +81,73 @@ class LLGuidanceMatcher:
         self._live = None if done else m
         self._eos = vocab.eos_token_ids
         self._added = compiled.added_ids
+        self._risky = risky  # an added token was accepted (and may still be in the history)
         self._words = vocab.bitmask_words
-        self._nbytes = self._words * 4
+        self._nbytes = vocab.bitmask_nbytes
         self._bm = self._ptr = None  # the last bitmask validated (checked once per tensor)
         self._rows = 0
+        self._row = self._addr = None  # the row last filled and its address (see fill_mask)
         if done:
             self.__class__ = FinishedLLGuidanceMatcher
+        elif risky:
+            self.__class__ = RiskyLLGuidanceMatcher
 
     def fill_mask(self, bitmask: torch.Tensor, row: int = 0) -> None:
-        # The hot path (every token): a tensor-identity test, its address and a row bound; a finished matcher is
-        # another class (FinishedLLGuidanceMatcher), so there is no EOS-flag test here.
-        nbytes = self._nbytes
-        if not (bitmask is self._bm and 0 <= row < self._rows and bitmask.data_ptr() == self._ptr):
-            row_address(self, bitmask, row)  # a new tensor (or one re-pointed in place): validate it, or raise
-        ptr = self._ptr
+        # The hot path (every token): the tensor and row of the last call (identities), the tensor's address
+        # unchanged (data_ptr: it follows a tensor re-pointed in place; ~0.15 µs, the one check a raw client with
+        # its own buffer skips), then the address computed for them then. A finished matcher is another class
+        # (FinishedLLGuidanceMatcher), so there is no EOS-flag test here.
+        if bitmask is self._bm and row is self._row and bitmask.data_ptr() == self._ptr:
+            addr = self._addr
+        else:
+            addr = self._address(bitmask, row)
         m = self.m
-        m.unsafe_compute_mask_ptr(ptr + row * nbytes, nbytes)
+        m.unsafe_compute_mask_ptr(addr, self._nbytes)
         if m.is_error():
             self._recover(m.get_error())
-            self.m.unsafe_compute_mask_ptr(ptr + row * nbytes, nbytes)
+            self.m.unsafe_compute_mask_ptr(addr, self._nbytes)
             if self.m.is_error():
                 raise self._too_complex(self.m.get_error())
 
+    def _address(self, bitmask: torch.Tensor, row: int) -> int:
+        """Validate (a new tensor, or one re-pointed in place) and bound the row (ValueError), then remember the
+        pair for fill_mask's identity test."""
+        self._row = None  # (_row, _addr) always describe the current (_bm, _ptr): cleared until both are checked
+        addr = row_address(self, bitmask, row)
+        self._row, self._addr = row, addr
+        return addr
+
     def accept(self, token_id: int) -> bool:
         # (a finished matcher is another class: it accepts nothing)
+        if _PLAIN_LO < token_id < _PLAIN_HI:  # neither EOS nor an added token (two compares: see _PLAIN_LO)
+            try:
+                if self.m.try_consume_tokens((token_id,)) == 1:
+                    if self._back:
+                        self._settle()
+                    self._tail.append(token_id)
+                    return True
+            except OverflowError:  # an id past 32 bits
+                return False
+            return self._rejected(token_id)
+        return self._accept_rare(token_id)
+
+    def _accept_rare(self, token_id: int) -> bool:
+        """accept() of an id outside the plain range: EOS, an added token, or an ordinary id of a vocabulary
+        whose added tokens are not all at its ends."""
         if token_id in self._eos:
             return self._accept_eos(token_id)
         try:
-            if self.m.try_consume_tokens((token_id,)) == 1:
-                self._tail.append(token_id)
-                return True
+            if self.m.try_consume_tokens((token_id,)) != 1:
+                return self._rejected(token_id)
         except OverflowError:  # a negative id, or one past 32 bits
             return False
-        return self._rejected(token_id)
+        if self._back:
+            self._settle()
+        self._tail.append(token_id)
+        if not self._risky and token_id in self._added:
+            self._risky = True  # from now on rollback checks the ids it drops (see RiskyLLGuidanceMatcher)
+            self.__class__ = RiskyLLGuidanceMatcher
+        return True
 
     def _accept_eos(self, token_id: int) -> bool:
         if self.m.is_accepting():
@@ -116,16 +159,26 @@ class LLGuidanceMatcher:
         return self._rejected(token_id)
 
     def rollback(self, n: int) -> None:
-        tail = self._tail
-        if n == 1 and tail:  # the common case: one id of the unfrozen tail
-            # llguidance 1.9.1 rolls back wrongly over added tokens (`｜DSML｜` after "<", with a mask computed in
-            # between): either it fails ("rollback: too many bytes 11 > 10") or it silently lands one token too
-            # far back. Over those tokens, and whenever its rollback fails, rebuild from the history instead.
-            if tail.pop() in self._added or not self.m.rollback(1):
-                self._recover(self.m.get_error() or "rollback over an added token")
-            return
+        # No added token was accepted (else this is a RiskyLLGuidanceMatcher): llguidance's rollback is right, and
+        # refuses (False, error state) n past its tokens. The history drops the ids later (_settle).
+        try:
+            if self.m.rollback(n):
+                self._back += n
+                return
+        except OverflowError:  # a negative n (or one past 32 bits): n <= 0 rolls back nothing
+            if n <= 0:
+                return
+        self._settle()
+        self._recover(self.m.get_error() or "rollback failed")  # llguidance's state as it was
+        self._rollback(n)  # too far: ValueError; else the careful path
+
+    def _rollback(self, n: int) -> None:
+        """rollback(n) for any n, checking the dropped ids for added tokens."""
         if n <= 0:
             return
+        if self._back:
+            self._settle()
+        tail = self._tail
         if n > self._frozen + len(tail):
             raise ValueError(f"cannot roll back {n} tokens: only {self._frozen + len(tail)} accepted")
         added = self._added
@@ -134,6 +187,9 @@ class LLGuidanceMatcher:
             del tail[-n:]
         else:
             unsafe = not added.isdisjoint(self._pop(n))
+        # llguidance 1.9.1 rolls back wrongly over added tokens (`｜DSML｜` after "<", with a mask computed in
+        # between): either it fails ("rollback: too many bytes 11 > 10") or it silently lands one token too far
+        # back. Over those tokens, and whenever its rollback fails, rebuild from the history instead.
         if unsafe or not self.m.rollback(n):
             self._recover(self.m.get_error() or "rollback over an added token")
 
@@ -164,10 +220,12 @@ class LLGuidanceMatcher:
         return n
 
     def fork(self) -> "LLGuidanceMatcher":
+        if self._back:
+            self._settle()
         if self._tail:
             self._freeze()
         return LLGuidanceMatcher(self.m.deep_copy(), self.c, self._base, self._done, (), self._chunks,
-                                 self._frozen, self._private)
+                                 self._frozen, self._private, self._risky)
 
     def _freeze(self) -> None:
         """Move the tail into the shared chunks (merged with a newest chunk shorter than HISTORY_CHUNK)."""
@@ -182,6 +240,8 @@ class LLGuidanceMatcher:
 
     def history(self) -> list:
         """The accepted tokens, oldest first (EOS excluded). O(length)."""
+        if self._back:
+            self._settle()
         chunks, c = [], self._chunks
         while c is not None:
             chunks.append(c[0])
@@ -191,6 +251,11 @@ class LLGuidanceMatcher:
             out.extend(chunk)
         out.extend(self._tail)
         return out
+
+    def _settle(self) -> None:
+        """Drop the ids rollback() counted in `_back` from the history."""
+        n, self._back = self._back, 0
+        self._pop(n)
 
     def _pop(self, n: int) -> list:
         """Drop the n newest history ids (n <= the history's length); returns them."""
@@ -254,7 +319,7 @@ class LLGuidanceMatcher:
         reason = clean_error(reason) or "the matcher failed"
         why = (" (the text exceeds the lexer limits of this constraint: LLParserLimits fuel/states)"
                if "lexer" in reason or "fuel" in reason or "too many" in reason else "")
-        return ConstraintError(f"llguidance: {reason} after {self._frozen + len(self._tail)} output tokens{why}; "
+        return ConstraintError(f"llguidance: {reason} after {len(self.history())} output tokens{why}; "
                                f"the matcher could "
                                f"not be rebuilt, so this request is refused")
 
@@ -374,6 +439,39 @@ class _LLGuidanceBatch:
                 errors[k] = str(e)
 
 
+# Token ids strictly between _PLAIN_LO and _PLAIN_HI are neither EOS nor an added token of any vocabulary a
+# compiled constraint of this process uses (for DeepSeek-V4: 2 and 128000), so accept()'s hot path tests two int
+# compares against module globals: ~2% of an accept cheaper than a set lookup. The rest take accept's rare path,
+# which looks the id up exactly. Only narrowed (one more vocabulary), under a lock, before that vocabulary's first
+# matcher exists; LO only rises and HI only falls, so a racing reader of old and new values is still right.
+_PLAIN_LO, _PLAIN_HI = 0, 0
+_PLAIN_VOCABS: set = set()
+_PLAIN_LOCK = threading.Lock()
+
+
+def plain_range(vocab) -> tuple:
+    """(lo, hi): the largest run of ids lo < id < hi holding no EOS or added id of `vocab`."""
+    rare = sorted(i for i in vocab.rare_ids if 0 <= i < vocab.vocab_size)
+    bounds = [-1, *rare, vocab.vocab_size]
+    return max(zip(bounds, bounds[1:]), key=lambda b: b[1] - b[0])
+
+
+def register_vocab(vocab) -> None:
+    """Narrow the plain range to exclude `vocab`'s EOS and added ids (its plain_range)."""
+    global _PLAIN_LO, _PLAIN_HI
+    if vocab.fingerprint in _PLAIN_VOCABS:
+        return
+    lo, hi = plain_range(vocab)
+    with _PLAIN_LOCK:
+        if _PLAIN_VOCABS:  # the intersection with the range so far
+            lo, hi = max(_PLAIN_LO, lo), min(_PLAIN_HI, hi)
+            if hi <= lo:
+                lo = hi = _PLAIN_LO  # empty: every id takes the exact rare path
+        _PLAIN_HI = hi  # (HI first: a reader between the two stores sees a narrower range, never a wider one)
+        _PLAIN_LO = lo
+        _PLAIN_VOCABS.add(vocab.fingerprint)
+
+
 _LIVE = attrgetter("_live")
 _EPOCH = 0  # how many times some matcher's `_live` changed (finished, live again, rebuilt): see fill_batch
 
@@ -409,6 +507,16 @@ def _rows_allowing(out: torch.Tensor, starts, word: int, bit) -> list:
     return np.flatnonzero(col & bit).tolist()
 
 
+class RiskyLLGuidanceMatcher(LLGuidanceMatcher):
+    """An LLGuidanceMatcher that has accepted an added token: every rollback checks the ids it drops (llguidance
+    1.9.1 rolls back wrongly over added tokens, see _rollback). It stays this class once switched (a rollback
+    past every added token only costs the check)."""
+
+    __slots__ = ()
+
+    rollback = LLGuidanceMatcher._rollback
+
+
 class FinishedLLGuidanceMatcher(LLGuidanceMatcher):
     """An LLGuidanceMatcher that has accepted EOS: a matcher's class while its `_done` flag is set (accept() and
     rollback() switch it; `_live` is None meanwhile, which llguidance's executor refuses, so a batch holding one
@@ -427,12 +535,14 @@ class FinishedLLGuidanceMatcher(LLGuidanceMatcher):
     def rollback(self, n: int) -> None:
         if n <= 0:
             return
+        if self._back:
+            self._settle()
         if n > self._frozen + len(self._tail) + 1:
             raise ValueError(f"cannot roll back {n} tokens: only {self._frozen + len(self._tail) + 1} accepted")
         self._done = False  # EOS is our flag, not llguidance's state
         self._live = self.m
         _live_changed()
-        self.__class__ = LLGuidanceMatcher
+        self.__class__ = RiskyLLGuidanceMatcher if self._risky else LLGuidanceMatcher
         if n > 1:
             self.rollback(n - 1)
 

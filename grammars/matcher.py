@@ -115,14 +115,17 @@ def check_draft_on_fork(m: Matcher, token_ids) -> int:
 
 def fill_masks(matchers: Sequence[Matcher], drafts: Sequence[Sequence[int]] | None = None,
                out: torch.Tensor | None = None, valid_counts: list | None = None,
-               errors: dict | None = None) -> torch.Tensor:
+               errors: dict | None = None, rows: Sequence[int] | None = None) -> torch.Tensor:
     """Masks for every matcher now and after each prefix of its draft, in one call.
 
     Row order: for matcher i, the mask now, then after drafts[i][0], ..., after drafts[i][-1]
-    (sum(len(d) + 1) rows). Rows after the first ungrammatical draft token are all zeros; how many draft
+    (sum(len(d) + 1) rows). Without drafts, `rows` may place matcher i's mask at row rows[i] of `out` instead of
+    row i (an engine step whose unconstrained sequences keep their logits rows; the other rows of `out` are left
+    as they are). Rows after the first ungrammatical draft token are all zeros; how many draft
     tokens were grammatical per matcher is appended to `valid_counts` if given. Matchers end in the state
-    they started in. llguidance matchers are filled together on llguidance's thread pool (GIL released);
-    the others one by one.
+    they started in. llguidance matchers are filled together on llguidance's thread pool (GIL released); without
+    drafts, xgrammar matchers together in one xgrammar batch call and Triggered matchers through their inner
+    matchers; the others one by one.
     A matcher whose constraint fails (ConstraintError: e.g. it exceeded the backend's lexer limits) gets
     all-zero rows; with `errors` (a dict) the message goes to errors[i] and the others are unaffected;
     without it the first such error is raised once every row is filled.
@@ -130,7 +133,16 @@ def fill_masks(matchers: Sequence[Matcher], drafts: Sequence[Sequence[int]] | No
     (plus ~0.3 µs per draft token).
     """
     n = len(matchers)
-    if drafts is None:
+    if rows is not None:
+        if drafts is not None:
+            raise ValueError("fill_masks: `rows` places one mask per matcher; it cannot be given with drafts")
+        if len(rows) != n:
+            raise ValueError(f"{n} matchers but {len(rows)} rows")
+        starts = range(n) if _is_range(rows) else list(map(int, rows))
+        if starts and min(starts) < 0:
+            raise ValueError(f"bitmask row {min(starts)} out of range")
+        rows, lens = (max(starts) + 1 if starts else 0), None
+    elif drafts is None:
         starts, rows, lens = range(n), n, None
     else:
         if len(drafts) != n:
@@ -141,8 +153,9 @@ def fill_masks(matchers: Sequence[Matcher], drafts: Sequence[Sequence[int]] | No
         starts = [0, *ends]
         starts.pop()
     words = (matchers[0].vocab_size + 31) // 32 if matchers else 1
-    if out is None:
-        out = torch.empty((rows, words), dtype=torch.int32)
+    if out is None:  # (rows no matcher writes, when `rows` skips some: nothing allowed)
+        out = (torch.empty if lens is not None or starts.__class__ is range else torch.zeros)(
+            (rows, words), dtype=torch.int32)
     else:
         _check_out(out, rows, words)
     failed: dict = {}
@@ -188,6 +201,14 @@ def fill_masks(matchers: Sequence[Matcher], drafts: Sequence[Sequence[int]] | No
             raise ConstraintError(f"matcher {i}: {failed[i]}")
         errors.update(failed)
     return out
+
+
+def _is_range(rows) -> bool:
+    """rows == [0, 1, ..., n-1] (the usual engine step: every sequence constrained), so fill_masks can use its
+    reusable consecutive-rows path."""
+    if rows.__class__ is range:
+        return rows.start == 0 and rows.step == 1
+    return not rows or (rows[0] == 0 and rows[-1] == len(rows) - 1 and list(rows) == list(range(len(rows))))
 
 
 _checked_out = (None, 0, None)  # (tensor, data pointer, shape) of the last output bitmask check_bitmask passed

@@ -130,13 +130,20 @@ def unsupported(schema, backend: str) -> list:
     return out
 
 
-def prepare(schema, approximations=frozenset(), ref_siblings: bool = True, text: str | None = None):
+def prepare(schema, approximations=frozenset(), ref_siblings: bool = True, text: str | None = None,
+            dirty: set | None = None):
     """An equivalent schema (same valid instances) that backends support more often; never loosens.
     ref_siblings=False: the caller knows (scan_details) that no draft 4-7 `$ref` has siblings (skips that walk).
     text: the schema as JSON text, if the caller has it (JsonSchema.layout_key()): the working copy is then parsed
-    from it (C speed, ~40% less than copying the dict in Python)."""
+    from it (C speed, ~40% less than copying the dict in Python).
+    dirty (with ref_siblings=False): scan_marks()' set of the subschemas with something to rewrite at or below
+    them; only those are copied and rewritten, the rest is shared with `schema` (never written) and keeps its
+    annotations, which llguidance ignores: the result equals the full rewrite up to annotations."""
     if isinstance(schema, bool):
         return schema
+    if dirty is not None and not ref_siblings and id(schema) in dirty:
+        root = dict(schema)
+        return _rewrite_marked(schema, dirty, "ignore-format" in approximations, root, root)
     schema = _copy_json(schema) if text is None else json.loads(text)
     declared = str(schema.get("$schema", ""))
     if ref_siblings and any(d in declared for d in ("draft-04", "draft-06", "draft-07")):
@@ -198,6 +205,37 @@ def _rewrite_node(s: dict, ignore_format: bool, root) -> None:
             for sub in value.values():
                 if sub.__class__ is dict:
                     _rewrite_node(sub, ignore_format, root)
+    _rewrite_local(s, ignore_format, root)
+
+
+def _rewrite_marked(node: dict, dirty: set, ignore_format: bool, root, s: dict | None = None) -> dict:
+    """prepare()'s rewrite of a subschema scan_marks() marked (it or a subschema below it has something to
+    rewrite), as a new dict: its marked subschemas rewritten the same way first, the others shared with the
+    input, unchanged (their annotations kept: llguidance ignores them). The containers the local rules change in
+    place (schema lists and maps, dependentRequired) are new here, so the input is never written. `root` is the
+    new top-level dict (its $refs resolve to rewritten subschemas where the full walk's would); `s`: the copy of
+    `node` to fill (the root's, made first), else a new one."""
+    if s is None:
+        s = dict(node)
+    for key, value in s.items():
+        if key in _SUBSCHEMA_KEYS:
+            if value.__class__ is dict:
+                if id(value) in dirty:
+                    s[key] = _rewrite_marked(value, dirty, ignore_format, root)
+            elif value.__class__ is list:
+                s[key] = [_rewrite_marked(sub, dirty, ignore_format, root) if id(sub) in dirty else sub
+                          for sub in value]
+        elif key in _MAP_OR_DEPENDENCIES and value.__class__ is dict:
+            s[key] = {name: _rewrite_marked(sub, dirty, ignore_format, root) if id(sub) in dirty else sub
+                      for name, sub in value.items()}
+        elif key == "dependentRequired" and value.__class__ is dict:
+            s[key] = dict(value)
+    _rewrite_local(s, ignore_format, root)
+    return s
+
+
+def _rewrite_local(s: dict, ignore_format: bool, root) -> None:
+    """The rewrite rules of one subschema, its subschemas already rewritten."""
     keys = s.keys()
     if not keys.isdisjoint(ANNOTATIONS):
         for key in keys & _DROPPED_ANNOTATIONS:  # (the order of deletion does not change the dict's order)
@@ -626,18 +664,24 @@ def scan_details(schema) -> tuple:
     """scan(schema), plus what it saw that lets the full path skip walks: (SCAN_* code, has_unsupported: some
     keyword llguidance does not implement (LLG_UNSUPPORTED) is present, ref_siblings: a draft 4-7 `$ref` has
     siblings to drop). Both flags are True when the code is not SCAN_PREPARE (nothing to skip then)."""
+    return scan_marks(schema)[:3]  # (`false` / non-schemas: SCAN_PREPARE, the full path)
+
+
+def scan_marks(schema) -> tuple:
+    """scan_details(schema) + the set of id()s of the subschemas prepare(dirty=...) must rewrite: those with a
+    keyword to rewrite or refuse, and every subschema above one (empty unless the code is SCAN_PREPARE)."""
     if not isinstance(schema, dict):
-        return (SCAN_AS_IS if schema is True else SCAN_PREPARE), True, True  # `false` / non-schemas: full path
+        return (SCAN_AS_IS if schema is True else SCAN_PREPARE), True, True, set()
     declared = str(schema.get("$schema", ""))
-    # [prepare, old draft, an LLG_UNSUPPORTED keyword, a draft 4-7 $ref with siblings]
-    flags = [False, any(d in declared for d in ("draft-04", "draft-06", "draft-07")), False, False]
+    # [prepare, old draft, an LLG_UNSUPPORTED keyword, a draft 4-7 $ref with siblings, the marked subschemas]
+    flags = [False, any(d in declared for d in ("draft-04", "draft-06", "draft-07")), False, False, set()]
     try:
         _scan(schema, flags)
     except _Invalid:
-        return SCAN_INVALID, True, True
+        return SCAN_INVALID, True, True, set()
     if not flags[0]:
-        return SCAN_AS_IS, True, True
-    return SCAN_PREPARE, flags[2], flags[3]
+        return SCAN_AS_IS, True, True, set()
+    return SCAN_PREPARE, flags[2], flags[3], flags[4]
 
 
 def needs_prepare(schema) -> bool:
@@ -669,15 +713,18 @@ _SCAN.update((k, _SUB_MAP) for k in _MAP_OR_DEPENDENCIES)
 _SCAN.update(type=_TYPE, format=_FORMAT)
 
 
-def _scan(node: dict, flags: list) -> None:
+def _scan(node: dict, flags: list) -> bool:
+    """Check and look at one subschema and those below it; True (and its id in flags[4]) if prepare() has
+    something to do at or below it."""
+    mark = False
     if flags[1] and "$ref" in node and not node.keys() <= _REF_SIBLINGS:
-        flags[0] = flags[3] = True  # drafts 4-7 ignore $ref's siblings: prepare() drops them
+        mark = flags[3] = True  # drafts 4-7 ignore $ref's siblings: prepare() drops them
     for key, value in node.items():
         code = _SCAN.get(key)
         if code is None:
             continue  # annotations, unknown and extension keywords: nothing to check
         if key in _PREPARE_KEYS:
-            flags[0] = True
+            mark = True
             if key in LLG_UNSUPPORTED:
                 flags[2] = True
         if code == _TYPE:
@@ -689,15 +736,16 @@ def _scan(node: dict, flags: list) -> None:
                     raise _Invalid
             else:
                 for sub in value.values():
-                    if isinstance(sub, dict):
-                        _scan(sub, flags)
+                    if isinstance(sub, dict) and _scan(sub, flags):
+                        mark = True
         elif code == _SUB:
             if isinstance(value, dict):
-                _scan(value, flags)
+                if _scan(value, flags):
+                    mark = True
             elif value is not True and value is not False:
                 if not isinstance(value, list) or key != "items":
                     raise _Invalid
-                flags[0] = True  # draft 4-7 tuple form: prepare() turns it into prefixItems
+                mark = True  # draft 4-7 tuple form: prepare() turns it into prefixItems
                 for sub in value:
                     if isinstance(sub, dict):
                         _scan(sub, flags)
@@ -706,13 +754,13 @@ def _scan(node: dict, flags: list) -> None:
                 raise _Invalid
             if isinstance(value, list):
                 for sub in value:
-                    if isinstance(sub, dict):
-                        _scan(sub, flags)
+                    if isinstance(sub, dict) and _scan(sub, flags):
+                        mark = True
         elif code == _NONNEG:
             if value.__class__ is not int or value < 0:
                 if _keyword_problem(key, value):
                     raise _Invalid
-                flags[0] = True  # an integral float bound: prepare() makes it an int
+                mark = True  # an integral float bound: prepare() makes it an int
         elif code == _CHECK:
             if _keyword_problem(key, value):
                 raise _Invalid
@@ -720,4 +768,8 @@ def _scan(node: dict, flags: list) -> None:
             if value.__class__ is not str:
                 raise _Invalid
             if value not in _KEPT_FORMATS:
-                flags[0] = True  # replaced by our exact regex, dropped, or refused
+                mark = True  # replaced by our exact regex, dropped, or refused
+    if mark:
+        flags[0] = True
+        flags[4].add(id(node))
+    return mark

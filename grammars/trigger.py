@@ -8,10 +8,11 @@ rollback restores trigger progress exactly, including rolling back out of the gr
 from __future__ import annotations
 
 from functools import cached_property
+from operator import countOf
 
 import torch
 
-from .matcher import check_bitmask, set_only
+from .matcher import check_bitmask, fill_masks, set_only
 
 FREE, FORCING, INNER = 0, 1, 2
 
@@ -101,6 +102,31 @@ class TriggeredMatcher:
             set_only(bitmask, row, [self.c.trigger[self.progress]])
         else:
             bitmask[row].copy_(self.c.free_row)
+
+    @staticmethod
+    def fill_batch(matchers, drafts, starts, out: torch.Tensor, errors: dict):
+        """fill_masks without drafts (None with drafts, or unless every matcher is a TriggeredMatcher: fill_masks then
+        groups the batch by class and walks drafts one by one): the matchers inside
+        the grammar pass their inner matchers to one fill_masks call (llguidance: one batch on its pool); the
+        others (free text, forcing the trigger) are written here. `out` is validated by fill_masks."""
+        if drafts is not None or countOf(map(type, matchers), TriggeredMatcher) != len(matchers):
+            return None  # (nothing written: fill_masks then groups the batch by class)
+        inner, inner_rows, where = [], [], []
+        for k, m in enumerate(matchers):
+            if m.mode == INNER:
+                inner.append(m.inner)
+                inner_rows.append(starts[k])
+                where.append(k)
+            elif m.mode == FORCING:
+                set_only(out, starts[k], [m.c.trigger[m.progress]])
+            else:
+                out[starts[k]].copy_(m.c.free_row)
+        if inner:
+            failed: dict = {}
+            fill_masks(inner, out=out, rows=inner_rows, errors=failed)
+            for j, msg in failed.items():
+                errors[where[j]] = msg
+        return [0] * len(matchers)
 
     def accept(self, token_id: int) -> bool:
         token_id = int(token_id)

@@ -76,6 +76,11 @@ class TokenizerVocab:
         return (self.vocab_size + 31) // 32
 
     @cached_property
+    def bitmask_nbytes(self) -> int:
+        """Bytes per bitmask row."""
+        return self.bitmask_words * 4
+
+    @cached_property
     def fingerprint(self) -> str:
         h = hashlib.sha256(self.tokenizer_json.encode())
         h.update(f"{self.vocab_size}:{self.eos_token_ids}".encode())
@@ -85,6 +90,11 @@ class TokenizerVocab:
     def added_ids(self) -> frozenset:
         """Ids of the tokenizer's added tokens (special or not: `<｜User｜>`, `｜DSML｜`, ...)."""
         return frozenset(self.tokenizer.get_added_tokens_decoder())
+
+    @cached_property
+    def rare_ids(self) -> frozenset:
+        """The added tokens and EOS: the ids a matcher's accept() must send down its rare path."""
+        return self.added_ids | frozenset(self.eos_token_ids)
 
     @cached_property
     def token_bytes(self) -> list:

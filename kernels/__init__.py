@@ -39,12 +39,14 @@ Model hot spots:
         (bf16 residual on CUDA: fp32-accurate bf16x3 products, two launches; fn is split to bf16 parts in
         registers at decode sizes, from a per-tensor cache above 256 tokens). hc_mix.hc_pre_apply / hc_post_apply
         (next_pre=) fuse the pre/post applications into one launch each.
-Top-k/top-p thresholds (threshold.py): rows with 0 < top_k <= 64 take the candidate path (2 launches: per-segment
-candidates above a lane-maximum bound, then an exact per-row merge that also applies top-p), the other filters
+Top-k/top-p thresholds (threshold.py): rows with 0 < top_k <= 64 take the lane path (2 launches: every lane's max,
+then a per-row merge that gathers the few lanes able to hold the top-k, applies top-k/top-p exactly and draws the
+token; sample_from_logits then runs no sampling pass), the other filters
 the histogram path; sampling draws a lane of 16 tokens by
 Gumbel-max over lane masses, then the token inside it by inverse CDF (exact; sampling.py says why);
-speculative_accept's Triton path is up to 11 launches (5 when the host says no row filters); sparse_attention runs one key split by default, all heads per
-program from N >= 192 rows, and combines splits inside the launch when it splits.
+speculative_accept's Triton path is up to 11 launches (5 when the host says no row filters); sparse_attention runs
+all 64 heads per program (unchained: Q.K^T split over the two warpgroups, window keys then compressed keys in 64-key
+blocks) with SM-count // N key splits combined inside the launch; fewer heads run 16-head programs.
 """
 from .bitmask import apply_token_bitmask_by_step_inplace, apply_token_bitmask_inplace, by_step_mask_rows
 from .hc_mix import HcMixes, hc_mixes

@@ -11,22 +11,28 @@ vector of that position (MQA, one KV head), so a key is read once and used for b
 Shapes: q [N, H, D], win_kv [Pw, D], win_idx [N, Kw] int, cmp_kv [Pc, D], cmp_idx [N, Kc] int (optional),
 sink [H] fp32; returns [N, H, D] in q's dtype. Duplicate keys count twice (they are different vectors in V4).
 Triton: grid (head blocks, rows, key splits); a program runs an online softmax over its slice of the row's keys
-for block_h heads (block_h = 64 = all heads: each gathered key read once, the heads the M of wgmma tiles). Keys
-come either pool by pool (two loops) or, one_loop, as one list (window keys first, then compressed: one
-pipelined gather). With splits > 1 (flash-decoding) each split writes its partial (m, l, acc) in fp32 and the
-last program of the (row, head block) to finish (an atomic ticket, reset to 0 after) merges them with the sink
-in split order (deterministic) in the same launch. The rope/inverse-rope and output projection stay in the model.
+for block_h heads (block_h = 64 = all heads: each gathered key read once, the heads the M of wgmma tiles), the
+window keys then the compressed ones (two pipelined loops). "Unchained" (the default at 64 heads): P and the
+rescale factors reach the P@V dot through a per-program scratch, so Triton splits Q K^T over the two warpgroups
+instead of having both compute all of it. With splits > 1 (flash-decoding) each split writes its partial (m, l,
+acc) in fp32 and the last program of the (row, head block) to finish (an atomic ticket, reset to 0 after) merges
+them with the sink in split order (deterministic) in the same launch. The rope/inverse-rope and output
+projection stay in the model.
 Cost: keys x D x bytes per (row, head block) (from L2 after the first head block) + splits x H x D x 8 bytes of
 partials (L2); 4 x H x D flops per key (tensor cores), 128 flops per key byte at H = 64, D = 512: close to the
 H200's ridge (~165), so the matrix work is ~0.6x the byte time and must overlap the loads.
 
-H200 (N = 64 / 256 rows, H = 64, D = 512, 128 + 512 keys; floors: bytes 11.9 / 47.4 us, flops 6.8 / 27.2 us):
-`default_config`'s choices run 44.2 / 146.6-148.5 us (27% / 32%). Measured and removed (sessions 3-4), none
-faster: register-prefetched gathers (98-160 us), bf16 partials (48.9 at N=64), a second launch for the split
-combine, lazy rescaling (153.7 at N=256), masking missing keys through a bias dot instead of a select (49.6 /
-150.7), D split over two programs for P@V (1.5x the QK work; 58.6-91.7 at N=64, 188-297 at N=256 with 2 CTAs
-per SM), 3 pipeline stages at N=64 (49.3-56.9). With every key an L2 hit the time hardly moves (41-53 us at
-N=64): per-tile instruction work and latency chains of one 8-warp program per SM bound it, not HBM.
+H200 (N = 64 / 256 rows, H = 64, D = 512, 128 + 512 keys; floors: bytes 11.8 / 47.1 us, flops 7.2 / 28.7 us):
+`default_config`'s choices run 42.2-42.6 / 110.6-111.1 us (28% / 42-43%; session 4: 44.1 / 146.3). Per program (N = 256, two
+waves of 128-132 programs): no keys 10.9 us for both waves, the 128 window keys 33.9, all 640 keys 110.6, from
+L2 90.6: ~75 ns per key per program, latency-bound (a 64-key block is ~900 instructions per thread against ~9,500
+cycles: the Q K^T wait, the cross-warpgroup softmax reductions, the P round trip and barrier, the P@V wait run
+one after another in the single 8-warp program an SM holds). Measured and removed: register-prefetched gathers
+(98-160 us), bf16 partials (48.9 at N=64), a second launch for the split combine, lazy rescaling (153.7 at
+N=256), masking missing keys through a bias dot instead of a select (49.6 / 150.7), D split over two programs
+for P@V (1.5x the QK work; 58.6-91.7 at N=64, 188-297 at N=256), 3 pipeline stages (49.3-56.9 at N=64, 150.2
+unchained at N=256), one loop over window + compressed keys (45.9 / 122.9 unchained), a "lookahead" loop (each
+block's Q K^T an iteration before its softmax and P@V, keys gathered twice: 63.1 at N=64 S2, 185.9 at N=256).
 """
 import torch
 import triton
@@ -68,23 +74,63 @@ def sparse_attention_torch(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None, 
 
 
 # ---------------------------------------------------------------------------------------------- Triton
+_COMPILED = tl.constexpr(not INTERPRETING)    # the interpreter runs a program's tensor ops in order: no barrier
+
+
 @triton.jit
-def _softmax_step(q, m, l, acc, k, ok, scale, IEEE: tl.constexpr):
-    """One block of keys k [BLOCK_K, D] (ok: which are real) into the online softmax (m, l, acc)."""
+def _cta_barrier(x):
+    """bar.sync 0 for the whole program; returns 0 (as x's type), for addresses that must wait for it."""
+    if not _COMPILED:
+        return x * 0
+    return tl.inline_asm_elementwise("bar.sync 0;\n\tmov.b64 $0, 0;", "=l,l", [x], dtype=tl.int64, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
+def _scores(q, k, ok, scale, IEEE: tl.constexpr):
+    """scale * q k^T for a block of keys k [BLOCK_K, D]: [BH, BLOCK_K] fp32, -inf where ok is False."""
     if IEEE:   # fp32 pools (and the interpreter): exact fp32 products
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
     else:
-        s = tl.dot(q, tl.trans(k)) * scale                                 # [BH, BLOCK_K]
-    s = tl.where(ok[None, :], s, float("-inf"))
+        s = tl.dot(q, tl.trans(k)) * scale
+    return tl.where(ok[None, :], s, float("-inf"))
+
+
+@triton.jit
+def _accumulate(m, l, acc, s, k, it, scr_p, scr_a, IEEE: tl.constexpr, UNCHAIN: tl.constexpr):
+    """A block's scores s [BH, BLOCK_K] and keys k into the online softmax (m, l, acc); `it` counts the blocks.
+    UNCHAIN: P and the rescale factors reach the P@V dot through this program's scratch (two buffers by block
+    parity, so a block's stores never overwrite what a slower thread still reads from the previous block):
+    without a data path from the Q K^T dot to the P@V dot, Triton does not treat them as a chain and lays Q K^T
+    out with the warpgroups splitting keys (each computes half) instead of both computing all of it."""
     new_m = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp(m - new_m)
     p = tl.exp(s - new_m[:, None])
     l = l * alpha + tl.sum(p, 1)
+    if UNCHAIN:
+        BH: tl.constexpr = s.shape[0]
+        BK: tl.constexpr = s.shape[1]
+        hh = tl.arange(0, BH)
+        par = (it % 2).to(tl.int64)
+        pp = scr_p + par * (BH * BK) + hh[:, None] * BK + tl.arange(0, BK)[None, :]
+        tl.store(pp, p.to(scr_p.dtype.element_ty))
+        tl.store(scr_a + par * BH + hh, alpha)
+        # every thread's P / alpha stores precede the loads below: a bar.sync in inline assembly (Triton's own
+        # barrier op would stop the key loads from being pipelined); the loads' addresses depend on its result
+        zero = _cta_barrier(par)
+        p = tl.load(pp + zero)
+        alpha = tl.load(scr_a + par * BH + hh + zero)
     if IEEE:
-        acc = tl.dot(p, k.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
+        acc = tl.dot(p.to(tl.float32), k.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
     else:
         acc = tl.dot(p.to(k.dtype), k, acc * alpha[:, None])
     return new_m, l, acc
+
+
+@triton.jit
+def _softmax_step(q, m, l, acc, k, ok, scale, it, scr_p, scr_a, IEEE: tl.constexpr, UNCHAIN: tl.constexpr):
+    """One block of keys k [BLOCK_K, D] (ok: which are real) into the online softmax (m, l, acc)."""
+    return _accumulate(m, l, acc, _scores(q, k, ok, scale, IEEE), k, it, scr_p, scr_a, IEEE, UNCHAIN)
 
 
 @triton.jit
@@ -97,40 +143,24 @@ def _gather(kv_ptr, idx_ptr, n_keys, row, kk, k1, D: tl.constexpr):
 
 
 @triton.jit
-def _gather_both(win_kv_ptr, win_idx_ptr, n_win, cmp_kv_ptr, cmp_idx_ptr, n_cmp, row, jj, hi, D: tl.constexpr,
-                 HAS_CMP: tl.constexpr):
-    """Positions jj of the row's key list (window keys first, then compressed; positions >= hi and index -1 are
-    not keys): (keys [BLOCK_K, D], ok [BLOCK_K]) in one gather."""
-    in_w = jj < n_win
-    iw = tl.load(win_idx_ptr + row * n_win + jj, mask=in_w & (jj < hi), other=-1).to(tl.int64)
-    if HAS_CMP:
-        jc = jj - n_win
-        ic = tl.load(cmp_idx_ptr + row * n_cmp + jc, mask=(jc >= 0) & (jj < hi), other=-1).to(tl.int64)
-        ok = tl.where(in_w, iw, ic) >= 0
-        base = tl.where(in_w, win_kv_ptr + tl.maximum(iw, 0) * D, cmp_kv_ptr + tl.maximum(ic, 0) * D)
-    else:
-        ok = iw >= 0
-        base = win_kv_ptr + tl.maximum(iw, 0) * D
-    k = tl.load(base[:, None] + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
-    return k, ok
-
-
-@triton.jit
-def _attend_pool(q, m, l, acc, kv_ptr, idx_ptr, n_keys, k0, k1, row, scale, D: tl.constexpr, BLOCK_K: tl.constexpr,
-                 IEEE: tl.constexpr):
-    """Online softmax over the pool's keys [k0, k1) of this row."""
+def _attend_pool(q, m, l, acc, it, kv_ptr, idx_ptr, n_keys, k0, k1, row, scale, scr_p, scr_a, D: tl.constexpr,
+                 BLOCK_K: tl.constexpr, IEEE: tl.constexpr, UNCHAIN: tl.constexpr):
+    """Online softmax over the pool's keys [k0, k1) of this row (`it`: blocks so far, returned advanced)."""
     for start in range(k0, k1, BLOCK_K):
         k, ok = _gather(kv_ptr, idx_ptr, n_keys, row, start + tl.arange(0, BLOCK_K), k1, D)
-        m, l, acc = _softmax_step(q, m, l, acc, k, ok, scale, IEEE)
-    return m, l, acc
+        m, l, acc = _softmax_step(q, m, l, acc, k, ok, scale, it, scr_p, scr_a, IEEE, UNCHAIN)
+        it += 1
+    return m, l, acc, it
 
 
 @triton.jit
 def _combine_splits(out_ptr, sink_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, row, heads, hok, H, n_split,
                     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, DC: tl.constexpr):
     """o_h = sum_s exp(m_s - M) acc_s / (exp(sink_h - M) + sum_s exp(m_s - M) l_s) for a block of heads, in split
-    order (deterministic), DC output dims at a time. Partials are read with .cg (from L2, never a stale L1 line:
-    other programs of this launch wrote them)."""
+    order (deterministic), DC output dims at a time; the splits' loads are unrolled (BLOCK_S of them, the ones past
+    n_split masked off) so they are in flight together: this runs on the critical path of the row's last
+    program. Partials are read with .cg (from L2, never a stale L1 line: other programs of this launch wrote
+    them)."""
     sp = tl.arange(0, BLOCK_S)
     base = (row * H + heads) * n_split                                          # [BLOCK_H]
     ok = hok[:, None] & (sp[None, :] < n_split)
@@ -143,10 +173,10 @@ def _combine_splits(out_ptr, sink_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, row
     for dc in tl.static_range(0, D, DC):
         dims = dc + tl.arange(0, DC)
         o = tl.zeros([BLOCK_H, DC], tl.float32)
-        for s in range(0, n_split):
+        for s in tl.static_range(BLOCK_S):
             ws = tl.sum(tl.where(sp[None, :] == s, w, 0.0), 1)
-            a = tl.load(part_acc_ptr + (base + s)[:, None] * D + dims[None, :], mask=hok[:, None], other=0.0,
-                        cache_modifier=".cg")
+            a = tl.load(part_acc_ptr + (base + s)[:, None] * D + dims[None, :], mask=hok[:, None] & (s < n_split),
+                        other=0.0, cache_modifier=".cg")
             o += ws[:, None] * a
         tl.store(out_ptr + (row * H + heads[:, None]) * D + dims[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=hok[:, None])
@@ -155,9 +185,9 @@ def _combine_splits(out_ptr, sink_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, row
 @triton.jit
 def _sparse_attention_kernel(q_ptr, out_ptr, sink_ptr, win_kv_ptr, win_idx_ptr, n_win, cmp_kv_ptr, cmp_idx_ptr,
                              n_cmp, H, scale, per_split, part_m_ptr, part_l_ptr, part_acc_ptr, cnt_ptr,
-                             D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                             scr_p_ptr, scr_a_ptr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                              HAS_CMP: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
-                             BLOCK_S: tl.constexpr, DC: tl.constexpr, ONE_LOOP: tl.constexpr):
+                             BLOCK_S: tl.constexpr, DC: tl.constexpr, UNCHAIN: tl.constexpr):
     """Program (head block, row, split): the split's slice [lo, hi) of the row's keys (window keys first, then
     compressed). Without SPLIT the one split starts from the sink and writes the output; with SPLIT it writes its
     partial (m, l, acc) and the last program of the (row, head block) to finish merges the splits and the sink
@@ -179,18 +209,16 @@ def _sparse_attention_kernel(q_ptr, out_ptr, sink_ptr, win_kv_ptr, win_idx_ptr, 
     acc = tl.zeros([BLOCK_H, D], tl.float32)
     lo = split * per_split
     hi = lo + per_split
-    if ONE_LOOP:
-        hi = tl.minimum(hi, n_win + n_cmp)
-        for start in range(lo, hi, BLOCK_K):
-            k, ok = _gather_both(win_kv_ptr, win_idx_ptr, n_win, cmp_kv_ptr, cmp_idx_ptr, n_cmp, row,
-                                 start + tl.arange(0, BLOCK_K), hi, D, HAS_CMP)
-            m, l, acc = _softmax_step(q, m, l, acc, k, ok, scale, IEEE)
-    else:
-        m, l, acc = _attend_pool(q, m, l, acc, win_kv_ptr, win_idx_ptr, n_win, tl.minimum(lo, n_win),
-                                 tl.minimum(hi, n_win), row, scale, D, BLOCK_K, IEEE)
-        if HAS_CMP:
-            m, l, acc = _attend_pool(q, m, l, acc, cmp_kv_ptr, cmp_idx_ptr, n_cmp, tl.maximum(lo - n_win, 0),
-                                     tl.minimum(tl.maximum(hi - n_win, 0), n_cmp), row, scale, D, BLOCK_K, IEEE)
+    it = tl.zeros([], tl.int32)
+    prog = (row * tl.num_programs(2) + split) * tl.num_programs(0) + tl.program_id(0)
+    scr_p = scr_p_ptr + prog * (2 * BLOCK_H * BLOCK_K)
+    scr_a = scr_a_ptr + prog * (2 * BLOCK_H)
+    m, l, acc, it = _attend_pool(q, m, l, acc, it, win_kv_ptr, win_idx_ptr, n_win, tl.minimum(lo, n_win),
+                                 tl.minimum(hi, n_win), row, scale, scr_p, scr_a, D, BLOCK_K, IEEE, UNCHAIN)
+    if HAS_CMP:
+        m, l, acc, it = _attend_pool(q, m, l, acc, it, cmp_kv_ptr, cmp_idx_ptr, n_cmp, tl.maximum(lo - n_win, 0),
+                                     tl.minimum(tl.maximum(hi - n_win, 0), n_cmp), row, scale, scr_p, scr_a, D,
+                                     BLOCK_K, IEEE, UNCHAIN)
     if SPLIT:
         n_split = tl.num_programs(2)
         o = (row * H + heads) * n_split + split
@@ -222,29 +250,44 @@ def _counters(device, n: int) -> torch.Tensor:
     return c
 
 
-def default_config(N: int, H: int, D: int, n_keys: int, elem_bytes: int = 2) -> dict:
-    """Launch parameters at a shape, from the H200 sweeps (H = 64, D = 512, 128 + 512 keys, bf16):
-      N = 64:  head blocks of 16 (bk64, 4 warps, pool by pool, one split) 43.8-44.2 us; all heads in one program:
-               one loop bk64 8 warps 2 splits 48.8-49.6 (3 stages 54-57), two loops bk64 2 splits 44.5, bk32 51-54;
-               16 heads with 8 warps or 16-key blocks 75-85 (2-4 programs per SM, more blocks).
-      N = 256: all heads in one program, two loops bk32 8 warps 146.6-148.5 us (3 stages 155.8); one loop bk64
-               3 stages 142.6 in the former tensor-core kernel, whose QK tile layout (warps split over keys) the
-               merged kernel does not get from Triton (its warps split heads: both warpgroups compute Q K^T), so
-               not the default until measured; head blocks of 16: 158.6-206.
-    fp32 pools at D = 512 take 16-key blocks (the key stages must fit shared memory)."""
+def default_config(N: int, H: int, D: int, n_keys: int, elem_bytes: int = 2, sms: int = 132) -> dict:
+    """Launch parameters at a shape, from the H200 sweeps (H = 64, D = 512, 128 + 512 keys, bf16; us at N = 64 /
+    256 rows): all heads per program, unchained, pool by pool, 64-key blocks, 8 warps, 2 stages, with key splits
+    S = sms // N (every program in one wave: one ~200 KB program per SM; S = 3-4 at N = 64 is two waves, 59-75)
+    42.6 / 110.6; the same in one loop over window + compressed keys (one gather) 45.9 / 122.9 (removed);
+    32-key blocks 49.3 / 136.7; chained (both warpgroups compute all of Q K^T) 54.6 / 146.8; 16-head programs
+    (mma.sync, 4 warps) 44.0 / 227.3; 32-head programs 49.3 / 210.4.
+    fp32 pools at D = 512 take 16-key blocks (the key stages must fit shared memory); compiled fp32 pools run
+    chained (`sparse_attention_triton`); fewer than 64 heads take 16-head programs."""
     if elem_bytes * D > 1024:
-        return dict(block_h=16, block_k=16, num_warps=4, num_stages=2, splits=1, one_loop=False)
-    if N >= 192 and H >= 64:
-        return dict(block_h=64, block_k=32, num_warps=8, num_stages=2, splits=1, one_loop=False)
-    return dict(block_h=16, block_k=64, num_warps=4, num_stages=2, splits=1, one_loop=False)
+        return dict(block_h=16, block_k=16, num_warps=4, num_stages=2, splits=1)
+    if H >= 64:
+        return dict(block_h=64, block_k=64 if elem_bytes == 2 else 32, num_warps=8, num_stages=2,
+                    splits=max(1, min(8, sms // max(N, 1))), unchain=True)
+    return dict(block_h=16, block_k=64, num_warps=4, num_stages=2, splits=1)
+
+
+_SMS: dict = {}     # device -> multiprocessor count
+
+
+def _sm_count(device) -> int:
+    """Multiprocessors of a CUDA device (132 on an H200; 132 elsewhere, e.g. the interpreter)."""
+    if device.type != "cuda":
+        return 132
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
 
 
 def sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None, scale=None,
                             block_h: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                            num_stages: int | None = None, splits: int | None = None, one_loop: bool | None = None):
+                            num_stages: int | None = None, splits: int | None = None, unchain: bool | None = None):
     """Launch parameters left None come from `default_config`. splits > 1: key splits per row with fp32 partials
     [N, H, splits, D] (L2-resident at decode sizes), combined by the last program of each (row, head block).
-    one_loop: window and compressed keys in one loop (one gather per block) instead of pool by pool."""
+    unchain: P and the rescale factors pass to the P@V dot through a per-program scratch (L1/L2; 2 x block_h x
+    (block_k + 2) x 4 bytes per program) so Triton lays Q K^T out with the two warpgroups splitting the keys
+    instead of both computing all of it (see `_accumulate`); compiled fp32 pools ignore it (the pipeliner cannot
+    predicate the barrier in their loop)."""
     _check(q, win_kv, win_idx, cmp_kv, cmp_idx, sink)
     N, H, D = q.shape
     check(D >= 16 and D & (D - 1) == 0, f"head_dim must be a power of two >= 16 for the Triton path, got {D}")
@@ -256,11 +299,13 @@ def sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None,
         cmp_kv, cmp_idx = cmp_kv.contiguous(), cmp_idx.to(torch.int32).contiguous()
     n_win, n_cmp = win_idx.shape[1], cmp_idx.shape[1] if has_cmp else 0
     n_keys = n_win + n_cmp
-    cfg = default_config(N, H, D, n_keys, win_kv.element_size())
+    cfg = default_config(N, H, D, n_keys, win_kv.element_size(), _sm_count(q.device))
     block_h = block_h or cfg["block_h"]
     block_k = block_k or cfg["block_k"]
     splits = splits or cfg["splits"]
-    one_loop = cfg["one_loop"] if one_loop is None else one_loop
+    unchain = cfg.get("unchain", False) if unchain is None else unchain
+    ieee = win_kv.dtype == torch.float32 or INTERPRETING
+    unchain = unchain and (INTERPRETING or not ieee)
     per_split = triton.cdiv(triton.cdiv(max(n_keys, 1), splits), block_k) * block_k   # whole key blocks per split
     splits = max(1, triton.cdiv(n_keys, per_split))
     out = empty(q.shape, q.dtype, q.device)
@@ -273,11 +318,19 @@ def sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None,
     else:
         part_m = part_l = part_acc = cnt = out
     grid = (n_hb, N, splits)   # head blocks of one row launch together: its keys are read once
+    if unchain:   # per program: two [block_h, block_k] P buffers (the pools' dtype) and two [block_h] rescales
+        progs = n_hb * N * splits
+        scr_p = torch.empty(progs * 2 * block_h * block_k, dtype=win_kv.dtype, device=q.device)
+        scr_a = torch.empty(progs * 2 * block_h, dtype=torch.float32, device=q.device)
+    else:
+        scr_p = scr_a = out
     _sparse_attention_kernel[grid](
         q, out, sink.float().contiguous(), win_kv, win_idx, n_win, cmp_kv if has_cmp else win_kv,
-        cmp_idx if has_cmp else win_idx, n_cmp, H, float(scale), per_split, part_m, part_l, part_acc, cnt, D=D,
-        BLOCK_H=block_h, BLOCK_K=block_k, HAS_CMP=has_cmp, IEEE=win_kv.dtype == torch.float32 or INTERPRETING,
-        SPLIT=splits > 1, BLOCK_S=max(2, triton.next_power_of_2(splits)), DC=min(D, 64), ONE_LOOP=one_loop,
+        cmp_idx if has_cmp else win_idx, n_cmp, H, float(scale), per_split, part_m, part_l, part_acc, cnt, scr_p,
+        scr_a, D=D,
+        BLOCK_H=block_h, BLOCK_K=block_k, HAS_CMP=has_cmp, IEEE=ieee,
+        SPLIT=splits > 1, BLOCK_S=max(2, triton.next_power_of_2(splits)), DC=min(D, 64),
+        UNCHAIN=unchain,
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
     return out
 

@@ -10,9 +10,10 @@ base [(2+M)*M], scale [3] (all fp32; the RMSNorm weight is already folded into f
 C[j, k] mixes source stream j into destination stream k.
 
 Triton, two launches (the working set is a few MB, so latency is the cost, not bytes): programs (token block,
-split of the M*H columns) each read their tile of R once and write a partial z and sum of squares; then a
-one-warp program per few tokens adds the partials in a fixed order (deterministic) and does the sigmoid/softmax/
-Sinkhorn arithmetic in registers.
+split of the M*H columns) each read their tile of R once and write a partial z with the sum of squares in its
+padding column; then programs of a few tokens add the partials in split order (deterministic) and mix: sigmoids
+on the summed [tokens, NZ] block, then each token's softmax + Sinkhorn steps inside one thread (M = 4; no
+cross-lane sums).
 Cost: T*M*H*bytes(R) + |fn| (fp32 fn, L2 hits after the first token block) + the partials (n_split*T*32*4 B).
 The product r . fn^T needs fp32 accuracy: bf16 residuals (the model's) take three bf16 tensor-core products
 against a hi/mid/lo bf16 split of fn made in registers (exact products, fp32 accumulation); fp32 residuals use
@@ -79,13 +80,17 @@ def _rw_tiles(r_ptr, fn_ptr, T, K, NZ, toks, zs, k0, live, BK: tl.constexpr):
 def _partial_z(r_ptr, fn_ptr, T, K, NZ, tb, sp, BT: tl.constexpr, NZP: tl.constexpr, BK: tl.constexpr,
                SPLIT: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                PF: tl.constexpr = False):
-    """(z [BT, NZP], sum of squares [BT]) of token block tb over the columns of split sp.
+    """z [BT, NZP] of token block tb over the columns of split sp, with the sum of squares of r in column NZ.
     MODE 0: one fp32 dot (PRECISION) against fp32 fn. MODE 1: bf16 r and fp32 fn split in registers into
     hi + mid + lo bf16 parts (== fn to ~2**-24): three bf16 tensor-core products, exact in fp32 accumulation,
     reading fn at 4 bytes. MODE 2: the same with fn given as the three bf16 parts [3, NZ, K] (6 bytes).
     UPCAST: the interpreter computes bf16 dots wrongly, so it takes them in fp32 (same exact products).
     PF (modes 0, 1): the next step's r and fn tiles are loaded before this step's products (the compiler does
-    not pipeline fn's load, whose value goes through the split before any dot)."""
+    not pipeline fn's load, whose value goes through the split before any dot).
+    Measured and deleted (H200, T=64, session 5 round 2): tiles through tensor descriptors, pipelined 3-4 deep in
+    shared memory: first pass 16.4 us (fn parts: 9.1) against 7.6 with pointers, whole op 22.3 against 12.5
+    (T=4096, parts: 141 against 149 us); the sum of squares as the diagonal of r . r^T on the tensor cores: fewer
+    instructions, but 15.3 us against 12.5."""
     toks = tb * BT + tl.arange(0, BT)
     zs = tl.arange(0, NZP)
     acc = tl.zeros([BT, NZP], tl.float32)
@@ -126,7 +131,7 @@ def _partial_z(r_ptr, fn_ptr, T, K, NZ, tb, sp, BT: tl.constexpr, NZP: tl.conste
                 acc += tl.dot(r, tl.trans(mid))
                 acc += tl.dot(r, tl.trans(lo))
         sq += tl.sum(rf * rf, 1)
-    return acc, sq
+    return tl.where(zs[None, :] == NZ, sq[:, None], acc)
 
 
 @triton.jit
@@ -141,76 +146,137 @@ def _rcp(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def _mix_block(z_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, n_split, norm_eps, hc_eps,
-               post_mult, tb, M: tl.constexpr, NZP: tl.constexpr, BT: tl.constexpr, ITERS: tl.constexpr,
-               SC: tl.constexpr, FAST: tl.constexpr):
-    """Token block tb: add the split partials in split order (SC splits' loads issued together; the loads
-    bypass L1 since other programs wrote them), then sigmoid / softmax / Sinkhorn in registers. (Loading the
-    SC splits as one [SC, BT, M, M] block and summing it left the result in a layout replicated SC-fold, and
-    the Sinkhorn steps then ran SC times over in every thread: sm_90 SASS grew with SC.)"""
-    toks = tb * BT + tl.arange(0, BT)
-    tok_ok = toks < T
+def _softmax4(a, b, c, d, eps, FAST: tl.constexpr):
+    m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+    a, b, c, d = tl.exp(a - m), tl.exp(b - m), tl.exp(c - m), tl.exp(d - m)
+    s = _rcp((a + b) + (c + d), FAST)
+    return a * s + eps, b * s + eps, c * s + eps, d * s + eps
+
+
+@triton.jit
+def _norm4(a, b, c, d, eps, FAST: tl.constexpr):
+    s = _rcp((a + b) + (c + d) + eps, FAST)     # a tree: a shorter serial chain
+    return a * s, b * s, c * s, d * s
+
+
+@triton.jit
+def _load4(p, ok):
+    return (tl.load(p, mask=ok, other=0.0), tl.load(p + 1, mask=ok, other=0.0), tl.load(p + 2, mask=ok, other=0.0),
+            tl.load(p + 3, mask=ok, other=0.0))
+
+
+@triton.jit
+def _store4(p, a, b, c, d, ok):
+    tl.store(p, a, mask=ok)
+    tl.store(p + 1, b, mask=ok)
+    tl.store(p + 2, c, mask=ok)
+    tl.store(p + 3, d, mask=ok)
+
+
+@triton.jit
+def _sinkhorn4(comb_ptr, toks, tok_ok, hc_eps, ITERS: tl.constexpr, FAST: tl.constexpr):
+    """M = 4: each token's 16 logits (just written to comb) reloaded as 16 [BT] tensors, so a token's whole
+    softmax + Sinkhorn runs inside one thread with explicit sums: no cross-lane traffic in the 2 * ITERS serial
+    steps (a [BT, 4, 4] block spends shuffles on every step; [BT, 4] row tensors too, unless BT * 4 exceeds
+    the program's threads). Same arithmetic as the twin up to the reciprocal (one per row / column, then
+    products)."""
+    o = comb_ptr + toks * 16
+    c00, c01, c02, c03 = _load4(o, tok_ok)
+    c10, c11, c12, c13 = _load4(o + 4, tok_ok)
+    c20, c21, c22, c23 = _load4(o + 8, tok_ok)
+    c30, c31, c32, c33 = _load4(o + 12, tok_ok)
+    c00, c01, c02, c03 = _softmax4(c00, c01, c02, c03, hc_eps, FAST)
+    c10, c11, c12, c13 = _softmax4(c10, c11, c12, c13, hc_eps, FAST)
+    c20, c21, c22, c23 = _softmax4(c20, c21, c22, c23, hc_eps, FAST)
+    c30, c31, c32, c33 = _softmax4(c30, c31, c32, c33, hc_eps, FAST)
+    for it in range(ITERS):       # a column step, then a row step except after the last column one (a loop, not
+        # unrolled: measured this way; unrolled inside the deleted one-launch kernel, the build took 23 s, not 3)
+        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps, FAST)
+        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps, FAST)
+        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps, FAST)
+        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps, FAST)
+        if it < ITERS - 1:
+            c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, hc_eps, FAST)
+            c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, hc_eps, FAST)
+            c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, hc_eps, FAST)
+            c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, hc_eps, FAST)
+    _store4(o, c00, c01, c02, c03, tok_ok)
+    _store4(o + 4, c10, c11, c12, c13, tok_ok)
+    _store4(o + 8, c20, c21, c22, c23, tok_ok)
+    _store4(o + 12, c30, c31, c32, c33, tok_ok)
+
+
+@triton.jit
+def _sinkhorn_block(comb_ptr, toks, tok_ok, hc_eps, M: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr):
+    """Any power-of-two M: the logits reloaded as one [BT, M, M] block (sums across lanes)."""
     j = tl.arange(0, M)
-    sq = tl.zeros([BT], tl.float32)
-    zp = tl.zeros([BT, M], tl.float32)
-    zq = tl.zeros([BT, M], tl.float32)
-    zc = tl.zeros([BT, M, M], tl.float32)
-    for s0 in range(0, n_split, SC):
-        for i in tl.static_range(SC):        # SC independent loads in flight, each in the accumulators' layout
-            s = s0 + i
-            ok = tok_ok & (s < n_split)
-            row = (s * T + toks).to(tl.int64)
-            sq += tl.load(sq_ptr + row, mask=ok, other=0.0, cache_modifier=".cg")
-            zrow = row * NZP
-            zp += tl.load(z_ptr + zrow[:, None] + j[None, :], mask=ok[:, None], other=0.0, cache_modifier=".cg")
-            zq += tl.load(z_ptr + zrow[:, None] + M + j[None, :], mask=ok[:, None], other=0.0, cache_modifier=".cg")
-            zc += tl.load(z_ptr + zrow[:, None, None] + 2 * M + j[None, :, None] * M + j[None, None, :],
-                          mask=ok[:, None, None], other=0.0, cache_modifier=".cg")
-    inv_rms = 1.0 / tl.sqrt(sq / K + norm_eps)
-    s0 = tl.load(scale_ptr)
-    s1 = tl.load(scale_ptr + 1)
-    s2 = tl.load(scale_ptr + 2)
-    pre = tl.sigmoid(zp * inv_rms[:, None] * s0 + tl.load(base_ptr + j)[None, :]) + hc_eps
-    post = tl.sigmoid(zq * inv_rms[:, None] * s1 + tl.load(base_ptr + M + j)[None, :]) * post_mult
-    c = zc * inv_rms[:, None, None] * s2 + tl.load(base_ptr + 2 * M + j[:, None] * M + j[None, :])[None, :, :]
-    tl.store(pre_ptr + toks[:, None] * M + j[None, :], pre, mask=tok_ok[:, None])
-    tl.store(post_ptr + toks[:, None] * M + j[None, :], post, mask=tok_ok[:, None])
-    # one reciprocal per row / column and products (not 16 divisions per token per step): within a few ulps of
-    # the twin's divisions, far inside the fp32 tolerance after 20 steps. The loop is a serial chain of 2 *
-    # ITERS sums and reciprocals (H200, T=64: 2.2 of the mixing launch's 5.0 us), hence FAST reciprocals.
+    o = comb_ptr + toks[:, None, None] * (M * M) + j[None, :, None] * M + j[None, None, :]
+    c = tl.load(o, mask=tok_ok[:, None, None], other=0.0)
     c = tl.exp(c - tl.max(c, 2)[:, :, None])
     c = c * _rcp(tl.sum(c, 2), FAST)[:, :, None] + hc_eps
     c = c * _rcp(tl.sum(c, 1) + hc_eps, FAST)[:, None, :]
     for _ in tl.static_range(ITERS - 1):
         c = c * _rcp(tl.sum(c, 2) + hc_eps, FAST)[:, :, None]
         c = c * _rcp(tl.sum(c, 1) + hc_eps, FAST)[:, None, :]
-    tl.store(comb_ptr + toks[:, None, None] * (M * M) + j[None, :, None] * M + j[None, None, :], c,
-             mask=tok_ok[:, None, None])
+    tl.store(o, c, mask=tok_ok[:, None, None])
 
 
 @triton.jit
-def _hc_partial_kernel(r_ptr, fn_ptr, z_ptr, sq_ptr, T, K, NZ, M: tl.constexpr, BT: tl.constexpr, NZP: tl.constexpr,
-                       BK: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr,
-                       UPCAST: tl.constexpr, PF: tl.constexpr = False):
-    """First launch, program (token block, split of M*H): partial z = r . fn and sum of r^2 over the split's
-    columns, stored per split."""
+def _finish(z_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, NZ, n_split, norm_eps, hc_eps, post_mult,
+            tb, M: tl.constexpr, NZP: tl.constexpr, BT: tl.constexpr, ITERS: tl.constexpr, SC: tl.constexpr,
+            FAST: tl.constexpr):
+    """Token block tb: add the split partials z [n_split, T, NZP] in split order (SC splits' loads in flight;
+    whole [BT, NZP] rows, so every thread adds its own elements: no cross-lane sums, and a fixed order, so
+    deterministic; the loads bypass L1 since other programs wrote them), then the sigmoids on the [BT, NZP]
+    block; the comb logits go to the output and come back per token for the Sinkhorn loop (a CTA barrier
+    between: the same program wrote them)."""
+    toks = tb * BT + tl.arange(0, BT)
+    tok_ok = toks < T
+    n = tl.arange(0, NZP)
+    acc = tl.zeros([BT, NZP], tl.float32)
+    for s0 in range(0, n_split, SC):
+        for i in tl.static_range(SC):
+            s = s0 + i
+            acc += tl.load(z_ptr + (s * T + toks)[:, None].to(tl.int64) * NZP + n[None, :],
+                           mask=tok_ok[:, None] & (s < n_split), other=0.0, cache_modifier=".cg")
+    sq = tl.sum(tl.where(n[None, :] == NZ, acc, 0.0), 1)
+    inv_rms = 1.0 / tl.sqrt(sq / K + norm_eps)
+    scale = tl.where(n < M, tl.load(scale_ptr), tl.where(n < 2 * M, tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)))
+    x = acc * inv_rms[:, None] * scale[None, :] + tl.load(base_ptr + n, mask=n < NZ, other=0.0)[None, :]
+    sig = tl.sigmoid(x)
+    row = toks[:, None]
+    col = n[None, :]
+    tl.store(pre_ptr + row * M + col, sig + hc_eps, mask=tok_ok[:, None] & (col < M))
+    tl.store(post_ptr + row * M + (col - M), sig * post_mult, mask=tok_ok[:, None] & (col >= M) & (col < 2 * M))
+    tl.store(comb_ptr + row * (M * M) + (col - 2 * M), x, mask=tok_ok[:, None] & (col >= 2 * M) & (col < NZ))
+    tl.debug_barrier()                  # the logits other threads stored are read back below
+    if M == 4:
+        _sinkhorn4(comb_ptr, toks, tok_ok, hc_eps, ITERS, FAST)
+    else:
+        _sinkhorn_block(comb_ptr, toks, tok_ok, hc_eps, M, ITERS, FAST)
+
+
+@triton.jit
+def _hc_partial_kernel(r_ptr, fn_ptr, z_ptr, T, K, NZ, BT: tl.constexpr, NZP: tl.constexpr, BK: tl.constexpr,
+                       SPLIT: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                       PF: tl.constexpr):
+    """First launch, program (token block, split of M*H): partial z = r . fn with the sum of r^2 over the split's
+    columns in column NZ, stored per split."""
     tb = tl.program_id(0)
     sp = tl.program_id(1)
-    acc, sq = _partial_z(r_ptr, fn_ptr, T, K, NZ, tb, sp, BT, NZP, BK, SPLIT, MODE, PRECISION, UPCAST, PF)
+    acc = _partial_z(r_ptr, fn_ptr, T, K, NZ, tb, sp, BT, NZP, BK, SPLIT, MODE, PRECISION, UPCAST, PF)
     toks = tb * BT + tl.arange(0, BT)
     zs = tl.arange(0, NZP)
-    tl.store(z_ptr + (sp * T + toks[:, None]).to(tl.int64) * NZP + zs[None, :], acc,
-             mask=(toks[:, None] < T) & (zs[None, :] < NZ))
-    tl.store(sq_ptr + sp * T + toks, sq, mask=toks < T)
+    tl.store(z_ptr + (sp * T + toks[:, None]).to(tl.int64) * NZP + zs[None, :], acc, mask=toks[:, None] < T)
 
 
 @triton.jit
-def _hc_mix_kernel(z_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, n_split, norm_eps,
-                   hc_eps, post_mult, M: tl.constexpr, NZP: tl.constexpr, BT: tl.constexpr, ITERS: tl.constexpr,
-                   SC: tl.constexpr, FAST: tl.constexpr = False):
-    """Second launch: one program per token block."""
-    _mix_block(z_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, n_split, norm_eps, hc_eps,
-               post_mult, tl.program_id(0), M, NZP, BT, ITERS, SC, FAST)
+def _hc_mix_kernel(z_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, NZ, n_split, norm_eps, hc_eps,
+                   post_mult, M: tl.constexpr, NZP: tl.constexpr, BT: tl.constexpr, ITERS: tl.constexpr,
+                   SC: tl.constexpr, FAST: tl.constexpr):
+    """Second launch of the two-launch form: one program per token block."""
+    _finish(z_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, NZ, n_split, norm_eps, hc_eps, post_mult,
+            tl.program_id(0), M, NZP, BT, ITERS, SC, FAST)
 
 
 def split_fn_bf16(fn: torch.Tensor) -> torch.Tensor:
@@ -223,12 +289,12 @@ def split_fn_bf16(fn: torch.Tensor) -> torch.Tensor:
     return torch.stack([hi, mid, lo]).contiguous()
 
 
-# Forms measured and deleted: ONE launch (the last program of each token block, by a ticket counter, adds the
-# partials and mixes): 20 us at T=64 (session 3), 36.5 us with the wide reduce and per-lane Sinkhorn (session 4,
-# round 1) against 14.7 for two launches; a wide split reduce ([sc, tokens, ...] blocks over all of a program's
-# threads): 15.8-18.5 us (session 3); M = 4's Sinkhorn as 16 per-token values in one thread (no cross-lane sums):
-# 14.8 us against 14.7 for the [tokens, 4, 4] block form (session 3). Loading all 40 split partials at once
-# (sc=64) made the mixing launch 6.0 us against 5.0 (session 4).
+# Forms measured and deleted: a wide split reduce ([sc, tokens, ...] blocks over all of a program's threads):
+# 15.8-18.5 us at T=64 (session 3). Loading all 40 split partials at once (sc=64) made the mixing launch 6.0 us
+# against 5.0 (session 4). The [tokens, 4, 4] block Sinkhorn (two shuffles per step; kept for M != 4): mixing
+# launch 4.6 us against 3.5 per-token (session 5). ONE launch (session 5, with the per-token Sinkhorn and
+# loop-carried partial sums): 12.9 / 12.5 us at T=64 against 12.8 for two launches, 19.0 against 18.0 at
+# T=256 (H200 rounds 1-2): the ticket and the last program's serial tail cost what the second launch did.
 # Hardware reciprocals in the Sinkhorn loop (compiled kernels; the interpreter divides).
 FAST_RCP_DEFAULT = True
 # The first pass loads the next step's r and fn tiles before this step's products. H200 session 4 round 1
@@ -253,28 +319,28 @@ def hc_mixes_triton(residual, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iter
     split of fn made in registers from the fp32 fn; with fn_parts = split_fn_bf16(fn) given, the parts are read
     instead) and "ieee" otherwise; "ieee"/"tf32x3"/"tf32" force the one-dot fp32 path. None for block_t/
     block_k/split/num_warps picks the per-path defaults below; sc: split partials loaded at once by the mixing
-    launch; mix_bt / mix_warps: tokens and warps per program of the mixing launch (2 tokens on one warp: the
-    sm_90 build has no barriers and the fewest instructions per thread of those tried); prefetch (None:
-    PREFETCH_DEFAULT): the first pass loads a step ahead; fast_rcp (None: FAST_RCP_DEFAULT): rcp.approx in the
-    Sinkhorn loop."""
+    launch; mix_bt / mix_warps: tokens and warps per program of the mixing launch; prefetch (None: PREFETCH_DEFAULT): the first pass loads a step ahead; fast_rcp (None: FAST_RCP_DEFAULT):
+    rcp.approx in the Sinkhorn loop."""
     _check(residual, fn, base, scale)
     T, M, H = residual.shape
     check(M & (M - 1) == 0, f"the Triton path needs a power-of-two stream count, got {M}")
     check(iters >= 1, f"sinkhorn iterations must be >= 1, got {iters}")
     check(sc & (sc - 1) == 0 and mix_bt & (mix_bt - 1) == 0, f"sc and mix_bt must be powers of two ({sc}, {mix_bt})")
     K, NZ = M * H, (2 + M) * M
-    NZP = max(16, triton.next_power_of_2(NZ))
+    NZP = max(16, triton.next_power_of_2(NZ + 1))       # column NZ carries the sum of squares
     if precision is None:
         precision = "bf16x3" if residual.dtype == torch.bfloat16 else _precision()
     split_fn = precision == "bf16x3"
     check(not split_fn or residual.dtype == torch.bfloat16, "precision bf16x3 needs a bf16 residual")
     if split_fn:
-        # bf16x3: 16-token blocks at decode sizes, 64 at prefill sizes (fewer re-reads of fn); at decode sizes
-        # 512-wide splits (8 loop steps per program, 160 programs at T=64). H200 session 1 (one launch): splits
-        # of 2048 / 1024 / 512 / 256: 31 / 21 / 22 / 20 us at T=64 (the per-program loop is latency-bound)
+        # bf16x3: 16-token blocks at decode sizes, 64 at prefill sizes (fewer re-reads of fn). Up to 128 tokens
+        # 256-wide splits in 128-wide steps (2 loop steps per program, 320 programs at T=64): H200 first pass
+        # 5.9 us against 7.9 for 512-wide splits in 64-wide steps (session 4 round 3; the per-program loop is
+        # latency-bound), which stay the default at 129-256 tokens
+        small = T <= 128
         block_t = block_t or (16 if T <= 256 else 64)
-        block_k = block_k or 64
-        split = split or (512 if T <= 256 else 2048)
+        block_k = block_k or (128 if small else 64)
+        split = split or (256 if small else 512 if T <= 256 else 2048)
     else:
         # fp32 FMA dot: D's best in the H200 sweep (32-token blocks, 512-wide splits, block_k 128); 64-token
         # blocks spilled ~9 KB per thread and ran 50x slower
@@ -288,7 +354,6 @@ def hc_mixes_triton(residual, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iter
     dev = residual.device
     r = residual.reshape(T, K).contiguous()
     z = empty((n_split, T, NZP), torch.float32, dev)
-    sq = empty((n_split, T), torch.float32, dev)
     mode = 0
     if split_fn:
         mode, w = (2, fn_parts) if fn_parts is not None else (1, fn.float().contiguous())
@@ -299,15 +364,14 @@ def hc_mixes_triton(residual, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iter
     comb = empty((T, M, M), torch.float32, dev)
     base, scale = base.float().contiguous(), scale.float().contiguous()
     fast = (FAST_RCP_DEFAULT if fast_rcp is None else fast_rcp) and _CAN_RCP
-    pf = (PREFETCH_DEFAULT if prefetch is None else prefetch) and mode != 2
-    _hc_partial_kernel[(n_tb, n_split)](r, w, z, sq, T, K, NZ, M=M, BT=block_t, NZP=NZP, BK=block_k, SPLIT=split,
-                                        MODE=mode, PRECISION="ieee" if split_fn else precision,
-                                        UPCAST=INTERPRETING, PF=pf,
+    pf = (PREFETCH_DEFAULT if prefetch is None else prefetch) and mode != 2 and split // block_k > 1
+    _hc_partial_kernel[(n_tb, n_split)](r, w, z, T, K, NZ, BT=block_t, NZP=NZP, BK=block_k, SPLIT=split, MODE=mode,
+                                        PRECISION="ieee" if split_fn else precision, UPCAST=INTERPRETING, PF=pf,
                                         num_warps=num_warps or (8 if block_t >= (32 if split_fn else 64) else 4),
                                         **({} if num_stages is None else dict(num_stages=num_stages)))
     if only_partial:            # (benchmark: time the streaming pass alone)
         return None
-    _hc_mix_kernel[(triton.cdiv(T, mix_bt),)](z, sq, base, scale, pre, post, comb, T, K, n_split, norm_eps, hc_eps,
+    _hc_mix_kernel[(triton.cdiv(T, mix_bt),)](z, base, scale, pre, post, comb, T, K, NZ, n_split, norm_eps, hc_eps,
                                               post_mult, M=M, NZP=NZP, BT=mix_bt, ITERS=iters, SC=sc, FAST=fast,
                                               num_warps=mix_warps)
     return HcMixes(pre, post, comb)

@@ -19,12 +19,16 @@ Triton, two launches:
     maxima keeps a few k candidates, whose exact top-k is taken (`_threshold_select_row`); by default each chunk of a row
     (`default_chunks`) picks its own exact top-k, then one program per row picks the top-k of those chunks * k
     candidates (the row's top-k is among them: an entry beaten by k entries of its own chunk is beaten by k in
-    the row). H200 at N=64, L=16384, k=512 (session 4 round 2): threshold 26.4 us unsorted / 30.3 sorted,
-    chunked 29.3 / 32.0 (before the range skip 27.5 / 30.0), one program per row 36-41, torch.topk 77. Both are
-    chains of ~30 dependent CTA-wide reductions, latency-bound. Running the threshold select in the score
-    kernel's last program of each row (one launch) measured 157-158 us against ~96 (the select's chain in a
-    4-warp program becomes the tail), and folding the chunk stage into the score kernel 99 us against 100: both
-    removed.
+    the row). Each chunk search stops at the first exact cut (count(keys >= t) == k: random scores meet one
+    several two-bit steps before the last), and unsorted winners are written straight from registers.
+    H200 at N=64, L=16384, k=512 (scores in L2): session 5 round 2, chunked 24.8 us unsorted with 4-warp chunk
+    programs (8 warps 28.7; round 1, before the direct writes: 26.0 with 8 warps, stage 1 alone 16.9, stage 2
+    9.3), threshold 24.7; session 4: chunked 29.3 / 32.0 sorted, threshold 26.4 / 30.3, one program per row
+    36-41, torch.topk 77. Both are chains of ~20-30 dependent CTA-wide reductions, latency-bound. Measured and
+    removed: the threshold select run by the score kernel's last program of each row (one launch: 157-158 us
+    against ~96), the chunk stage folded into the score kernel (99 us against 100), programmatic dependent launch
+    between the score kernel and the select launches (35.8 against 28.7 alone, 103.7 against 98.4 after the
+    scores: the early-launched programs wait on SMs the producer needs).
 The candidate-block restriction of layers 24/28/... is expressed by the caller through key_start/key_len of a
 gathered pool, or by -inf scores (not selectable).
 Cost: N * max_len * Di * bytes(keys) read once, + N * max_len * 4 written and re-read from L2 by the select,
@@ -214,11 +218,13 @@ def _key_range(base, n, keys, offs, BLOCK: tl.constexpr, RESIDENT: tl.constexpr)
 @triton.jit
 def _kth_key(base, n, keys, n_take, mx, mn, offs, BLOCK: tl.constexpr, RESIDENT: tl.constexpr,
              PASSES: tl.constexpr = 16):
-    """The n_take-th largest of the n order keys (1 <= n_take <= the selectable keys, which lie in [mn, mx]),
-    two bits per counting reduction: the largest t with count(keys >= t) >= n_take. The leading bits mn and mx
-    share are the answer's too, so the search starts below them (random scores in a narrow range, such as the
-    candidates above a threshold, skip several of the 16 reductions). PASSES < 16: stop after that many
-    reductions with the bits found so far and zeros below: a lower bound of the answer (never above it)."""
+    """A cut t for the n_take largest of the n order keys (1 <= n_take <= the selectable keys, which lie in
+    [mn, mx]): the n_take-th largest key, or any t above the (n_take+1)-th largest and at most the n_take-th
+    (count(keys >= t) == n_take: the same winners; the search stops as soon as it meets one, which random scores
+    do several reductions before the last; `exact` (returned second) says it did). Two bits per counting reduction: the largest t with count(keys >= t)
+    >= n_take. The leading bits mn and mx share are the answer's too, so the search starts below them. PASSES <
+    16: stop after that many reductions with the bits found so far and zeros below: a lower bound of the answer
+    (never above it)."""
     x = mx ^ mn
     b0 = tl.zeros([], tl.int32)
     same = tl.full([], 1, tl.int32)
@@ -227,14 +233,19 @@ def _kth_key(base, n, keys, n_take, mx, mn, offs, BLOCK: tl.constexpr, RESIDENT:
         b0 += same
     low = (tl.full([], 1, tl.uint64) << (32 - 2 * b0).to(tl.uint64)) - 1      # the bits still to find
     prefix = (mx.to(tl.uint64) - (mx.to(tl.uint64) & low)).to(tl.uint32)
-    for b in range(b0, tl.minimum(b0 + PASSES, 16)):
+    b_end = tl.minimum(b0 + PASSES, 16)
+    b = b0
+    exact = tl.zeros([], tl.int32)
+    while b < b_end:
         step = tl.full([], 1, tl.uint32) << (30 - 2 * b)
         t1 = prefix | step
         t2 = prefix | (2 * step)
         t3 = prefix | (3 * step)
         c1, c2, c3 = _count3(base, 0, n, keys, t1, t2, t3, offs, BLOCK, RESIDENT)
         prefix = tl.where(c3 >= n_take, t3, tl.where(c2 >= n_take, t2, tl.where(c1 >= n_take, t1, prefix)))
-    return prefix
+        exact = ((c1 == n_take) | (c2 == n_take) | (c3 == n_take)).to(tl.int32)
+        b = tl.where(exact != 0, b_end, b + 1)                                   # exact cut found: stop
+    return prefix, exact
 
 
 @triton.jit
@@ -253,13 +264,32 @@ def _select_chunk(base, n, k, idx_ptr, val_ptr, out, map_base, seg0, BLOCK: tl.c
         keys = _load_keys(base, 0, offs, n)
     n_sel, mx, mn = _key_range(base, n, keys, offs, BLOCK, RESIDENT)
     n_take = tl.minimum(n_sel, k)
-    prefix = _kth_key(base, n, keys, tl.maximum(n_take, 1), mx, mn, offs, BLOCK, RESIDENT)
-    # prefix = the n_take-th largest key; take every key above it and the `rem` lowest-id keys equal to it
-    rem = n_take - _count_at_least(base, 0, n, keys, prefix + 1, offs, BLOCK, RESIDENT)
+    prefix, exact = _kth_key(base, n, keys, tl.maximum(n_take, 1), mx, mn, offs, BLOCK, RESIDENT)
+    # prefix = the n_take-th largest key (or an exact cut: then every key >= it wins); take every key above it and
+    # the `rem` lowest-id keys equal to it
+    rem = n_take
+    if exact == 0:
+        rem = n_take - _count_at_least(base, 0, n, keys, prefix + 1, offs, BLOCK, RESIDENT)
+    at = tl.arange(0, KP)                              # k <= KP: the output row in one block
     if RESIDENT:
+        # one scan for both running counts (keys above the cut in the low 16 bits, keys equal to it above: a
+        # resident block has < 2**16 entries); the first `rem` equal keys are taken
+        gt = keys > prefix
         eq = (keys == prefix) & (keys != 0)
-        sel = ((keys > prefix) | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= rem))) & (n_take > 0)
-        pos = tl.cumsum(sel.to(tl.int32), 0) - 1
+        cs = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), 0)
+        sel = (gt | (eq & ((cs >> 16) <= rem))) & (n_take > 0)
+        pos = (cs & 0xFFFF) + tl.minimum(cs >> 16, rem) - 1
+        if not SORTED:
+            # winners in entry order: written straight from registers (no store / barrier / reload round trip)
+            if MAP:
+                ids = tl.load(map_base + offs, mask=sel, other=-1)
+            else:
+                ids = seg0 + offs.to(tl.int64)
+            tl.store(idx_ptr + out + pos, ids, mask=sel)
+            tl.store(val_ptr + out + pos, tl.load(base + offs, mask=sel, other=float("-inf")), mask=sel)
+            tl.store(idx_ptr + out + at, -1, mask=(at >= n_take) & (at < k))
+            tl.store(val_ptr + out + at, float("-inf"), mask=(at >= n_take) & (at < k))
+            return
         tl.store(idx_ptr + out + pos, offs.to(tl.int64), mask=sel)
     else:
         taken_eq = tl.zeros([], tl.int32)
@@ -272,7 +302,6 @@ def _select_chunk(base, n, k, idx_ptr, val_ptr, out, map_base, seg0, BLOCK: tl.c
             tl.store(idx_ptr + out + pos, (start + offs).to(tl.int64), mask=sel)
             taken_eq += tl.sum(eq.to(tl.int32), 0)
             cnt += tl.sum(sel.to(tl.int32), 0)
-    at = tl.arange(0, KP)                              # k <= KP: the output row in one block
     tl.store(idx_ptr + out + at, -1, mask=(at >= n_take) & (at < k))     # padding after the winners
     tl.debug_barrier()                                 # this program's index stores are visible to all its threads
     got = at < n_take
@@ -328,7 +357,7 @@ def _threshold_select_row(base, row, L, k, cand_val_ptr, cand_idx_ptr, idx_ptr, 
     if n_groups >= k:
         # 6 reductions below the maxima's common leading bits: a lower bound of their k-th largest, close enough
         # (12 more bits) that few extra candidates pass, for 10 reductions less
-        t = tl.maximum(_kth_key(base, 0, gkeys, k, mx, mn, goffs, NGB, True, 6), 1)
+        t = tl.maximum(_kth_key(base, 0, gkeys, k, mx, mn, goffs, NGB, True, 6)[0], 1)
     c0 = row * CAP
     offs = tl.arange(0, CB)
     cnt = tl.zeros([], tl.int32)
@@ -454,7 +483,9 @@ def topk_select_triton(scores: torch.Tensor, k: int, sorted: bool = True, block:
     chunks = default_chunks(L, k) if chunks is None else max(1, min(chunks, triton.cdiv(L, k)))
     if chunks == 1:
         return _select_launch(scores, k, 1, sorted, block, num_warps)
-    cand_idx, cand_val = _select_launch(scores, k, chunks, False, block, num_warps)
+    # first stage: 4 warps per chunk program (H200, N=64, L=16384, k=512, scores in L2: 24.8 us for both stages
+    # against 28.7 with 8 warps; before the direct winner writes 8 warps were faster, 26.0 vs 27.2)
+    cand_idx, cand_val = _select_launch(scores, k, chunks, False, block, num_warps or 4)
     return _select_launch(cand_val, k, 1, sorted, None, num_warps2, id_map=cand_idx)
 
 

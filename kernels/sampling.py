@@ -33,23 +33,23 @@ are distinct ids under one key, those of other rows or positions distinct keys; 
 row) is far below anything such a mixer's statistics show; the tests check the law end to end (binomial bounds
 and chi-square against softmax computed in float64).
 Cost: per token a load, a max, an FMA + exp2 (ex2.approx.ftz: one instruction) and an add (~10 instructions
-with the per-lane hash and logs amortised over 16 tokens), and per (row, segment) program ONE block reduction
-(the packed best lane: score and lane number). The inverse-CDF pick inside the lane runs only for the row's
-winning lane, in the finish kernel (`_late_token`: the pass's operations on that lane's 16 tokens, in the same
-order). Before (session 2) the pick ran in the pass for every lane (~14 instructions per token); the per-token
-Gumbel noise before that (a hash and two logs per token, ~41 instructions) made the pass arithmetic-bound.
+with the per-lane hash and logs amortised over 16 tokens, ~3 more for the in-lane pick: add, compare, count),
+and per program ONE block reduction (the packed best lane: score and token id). Before (session 2) the pick took
+~14 instructions per token; the per-token Gumbel noise before that (a hash and two logs per token, ~41
+instructions) made the pass arithmetic-bound.
 Greedy rows (T <= 0): per lane the first maximum, then the highest score / lowest id across lanes.
-The Triton path is one program per (row, segment) with the whole segment in registers, each writing one packed
-int64 (ordered score bits, then the complement of the lane number (greedy rows: of the token id), so an integer
-max picks the highest score and then the lowest number), and `_finish_late_kernel` takes the row's max and picks
-the token in the winning lane: two launches.
-Rows with top-k/top-p first get their exact tau from kernels/threshold.py: rows with top_k <= 64 by a candidate
-pass (one read: each segment keeps its tokens above a bound from its lane maxima) and a per-row merge; other
+The Triton path is one program per (row, PL lanes of a segment) with its [PL, 16] block in registers (a thread
+holds PL / (32 * warps) lanes side by side: 16-byte loads at 4; `pass_shape`), each writing one packed int64
+(ordered score bits, then the complement of the token id, so an integer max picks the highest score and then the
+lowest id), and `_finish_kernel` takes each row's max: two launches. Masked rows load each bitmask word once per
+thread and k for the lanes a thread holds side by side (`threshold._load_words`), not once per token.
+Rows with top-k/top-p first get their exact tau from kernels/threshold.py: rows with top_k <= 64 by the lane
+path (one read pass storing every lane's max, then a per-row merge that gathers the few lanes that can hold
+top-k tokens and also DRAWS the row's token with this rule on them: such rows skip the pass, and when the host
+knows every row is one (sample_from_logits does) the pass and the finish do not run: two launches in all); other
 filtered rows by the histogram path (histogram pass, selection, candidate compaction, tau). Those kernels run
 only when some row may filter: decided on the host when top_k/top_p come from the host (sample_from_logits does
 this), otherwise assumed.
-Persistent variant (`persistent=P`): P programs per SM loop over the (row, segment) items and issue the next
-item's loads before computing the current one (`_segment_loop_kernel`; same draws).
 Measured on an H200: see benchmarks/kernels_sampling.py (its docstring holds the latest table).
 """
 from dataclasses import dataclass
@@ -58,9 +58,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import rng
+from . import rng, threshold
 from .backend import INTERPRETING, check, empty, use_triton
-from .threshold import _below, _ordered, exp2_w, needs_histogram_path, thresholds_and_paths, thresholds_triton
+from .threshold import (_below, _ordered, exp2_w, lane_block, lane_pick, lane_score, needs_histogram_path,
+                        pack_lanes, segment_pack, thresholds_and_paths, thresholds_triton)
 
 NEG_INF = float("-inf")
 
@@ -69,7 +70,7 @@ NEG_INF = float("-inf")
 class RowParams:
     """Per-row sampling parameters as device tensors (built by `row_params`)."""
     inv_temperature: torch.Tensor   # float32 [R]; 1/T, or 1.0 for greedy rows
-    greedy: torch.Tensor            # bool [R]
+    greedy: torch.Tensor            # bool [R] (kernels also take integers: nonzero = greedy)
     top_k: torch.Tensor             # int64 [R]; 0 = off
     top_p: torch.Tensor             # float32 [R]; 1.0 = off
     keys: torch.Tensor              # int64 [R]; rng row keys (32-bit values)
@@ -240,217 +241,46 @@ def sample_torch(logits, params: RowParams, bitmask=None, mask_rows=None, seg: i
 
 # ---------------------------------------------------------------------------------------------- Triton pieces
 @triton.jit
-def pack_best(score, ids):
-    """Per-lane best (score, id) -> one int64 per program: ordered score bits high, (2**32-1-id) low, so that an
-    integer max picks the highest score and, among equal scores, the lowest id (the first maximum)."""
-    bm = tl.max(score, 0)
-    bid = tl.min(tl.where(score == bm, ids, 2147483647), 0)
-    return pack_scalar(bm, bid)
-
-
-@triton.jit
-def pack_scalar(score, token):
-    """One (score, id) pair -> the packed int64 of `pack_best`."""
-    key = _ordered(score.to(tl.int32, bitcast=True)).to(tl.int64)
-    return (key << 32) + (4294967295 - token.to(tl.int64))
-
-
-@triton.jit
-def _first_above(w, cdf, target, lane, NONE: tl.constexpr):
-    """The first lane with w > 0 whose running sum exceeds target (NONE if there is none)."""
-    return tl.min(tl.where((w > 0) & (cdf > target), lane, NONE), 0)
-
-
-@triton.jit
-def lane_pick(w, gid, key, LW: tl.constexpr):
-    """Inverse-CDF draw inside every lane of a [LANES, LW] block of weights >= 0 (each lane held by one thread:
-    no communication): (S [LANES], k [LANES]) = the lane mass and the first k whose running sum exceeds u * S
-    (u = uniform(key, U_ID + gid), the target kept below S). Twin: lane_draw_torch.
-    A lane's running sum is accumulated in-thread in k order, so it never decreases and it only grows at a w > 0:
-    S is its last entry (= the largest running sum at a kept token, the twin's S), and the first entry above
-    the target is the count of entries at or below it, a token with w > 0 (the target is > 0 when S > 0).
-    ~3 instructions per token (add, compare, count)."""
-    cdf = tl.cumsum(w, 1)
-    k = tl.arange(0, LW)[None, :]
-    s = tl.max(tl.where(k == LW - 1, cdf, float("-inf")), 1)              # the last entry: a register pick
-    target = _below(rng.uniform_tl(key, gid + 1073741824) * s, s)            # U_ID + g
-    return s, tl.sum((cdf <= target[:, None]).to(tl.int32), 1)
-
-
-@triton.jit
-def lane_score(m, s, key, gid, FAST: tl.constexpr):
-    """M_g + ln S_g + G_g per lane (G_ID + g), -inf for an empty lane."""
-    g = rng.gumbel_tl(key, gid + 1610612736, FAST)                          # G_ID + g
-    return tl.where(s > 0, m + tl.log(tl.maximum(s, 1e-30)) + g, float("-inf"))
-
-
-@triton.jit
-def pack_lanes(score, token):
-    """The packed best (score, lowest id on ties) of a block's lanes: one block reduction."""
-    key = _ordered(score.to(tl.int32, bitcast=True)).to(tl.int64)
-    return tl.max((key << 32) + (4294967295 - token.to(tl.int64)), 0)
-
-
-@triton.jit
-def _kept_x(logits_ptr, tau_ptr, row, start, offs, V, inv_t, words, bits, HAS_MASK: tl.constexpr,
-            HAS_TAU: tl.constexpr, FULL: tl.constexpr):
-    """Logits of tokens start + offs of a row as fp32, -inf where not kept (padding, banned, below tau). With
-    HAS_TAU the values are z = x / T, else raw logits x (which order like z: 1/T > 0). FULL: no token is past V
-    (no bounds checks). words/bits (broadcastable to offs): each token's bitmask word and its bit as a mask
-    (1 << bit index: one AND per token)."""
-    ptrs = logits_ptr + row * V + start + offs
-    if FULL:
-        x = tl.load(ptrs).to(tl.float32)
-    else:
-        x = tl.load(ptrs, mask=offs < V - start, other=float("-inf")).to(tl.float32)
-    if HAS_MASK:
-        x = tl.where((words & bits) != 0, x, float("-inf"))
+def segment_block(logits_ptr, tau_ptr, bitmask_ptr, row, seg, inv_t, mrow, bitmask_stride, V, HAS_MASK: tl.constexpr,
+                  HAS_TAU: tl.constexpr, FULL: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr,
+                  PL: tl.constexpr, sub, VEC: tl.constexpr, FAST: tl.constexpr):
+    """Lanes sub * PL .. sub * PL + PL - 1 of segment `seg` of a row as a [PL, LW] block of kept values
+    (threshold.lane_block): raw logits x, -inf where banned or padding; with HAS_TAU z = x / T, -inf below the
+    row's tau (raw logits order like z: 1/T > 0). Returns (start, lane, pos, x): lane, pos from the segment's
+    start."""
+    start = seg * (LANES * LW)
+    lane, pos, x = lane_block(logits_ptr, bitmask_ptr, row, start, V, mrow, bitmask_stride, HAS_MASK, FULL, LANES, LW,
+                              PL, sub, VEC, FAST)
     if HAS_TAU:
         x = x * inv_t
         x = tl.where(x >= tl.load(tau_ptr + row), x, float("-inf"))
-    return x
-
-
-@triton.jit
-def segment_block(logits_ptr, tau_ptr, bitmask_ptr, row, seg, inv_t, mrow, bitmask_stride, V, HAS_MASK: tl.constexpr,
-                  HAS_TAU: tl.constexpr, FULL: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr):
-    """Segment `seg` of a row as a [LANES, LW] block of kept logits (`_kept_x`): token start + k * LANES + l, lanes
-    along dim 0 (contiguous in memory, spread over threads), a lane's tokens along dim 1 (strided; held by one
-    thread, so per-lane work needs no communication). Returns (start, lane, pos, x)."""
-    start = seg * (LANES * LW)
-    lane = tl.arange(0, LANES)
-    k = tl.arange(0, LW)
-    pos = lane[:, None] + k[None, :] * LANES
-    words = 0
-    if HAS_MASK:
-        # token start + pos sits in word (start + pos) // 32 at bit pos % 32 (start, LANES multiples of 32); the
-        # offsets keep dim 0 first in contiguity so that the words load takes the logits' layout
-        wptr = bitmask_ptr + mrow * bitmask_stride + (start + k[None, :] * LANES) // 32 + lane[:, None] // 32
-        if FULL:
-            words = tl.load(wptr, mask=mrow >= 0, other=-1)
-        else:
-            words = tl.load(wptr, mask=(mrow >= 0) & (start + pos < V), other=-1)
-    x = _kept_x(logits_ptr, tau_ptr, row, start, pos, V, inv_t, words, (1 << (lane % 32))[:, None], HAS_MASK,
-                HAS_TAU, FULL)
     return start, lane, pos, x
 
 
 @triton.jit
-def _segment_body(logits_ptr, packed_ptr, tau_ptr, row, seg, inv_t, greedy, key, bitmask_ptr, mrow,
-                  bitmask_stride, V, n_seg, HAS_MASK: tl.constexpr, HAS_TAU: tl.constexpr, FULL: tl.constexpr,
-                  LANES: tl.constexpr, LW: tl.constexpr, FAST: tl.constexpr, LATE: tl.constexpr = False):
+def _segment_body(logits_ptr, packed_ptr, tau_ptr, row, prog, n_prog, inv_t, greedy, key, bitmask_ptr, mrow,
+                  bitmask_stride, V, HAS_MASK: tl.constexpr, HAS_TAU: tl.constexpr, FULL: tl.constexpr,
+                  LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr, VEC: tl.constexpr, FAST: tl.constexpr):
+    seg = prog // (LANES // PL)
     start, lane, pos, x = segment_block(logits_ptr, tau_ptr, bitmask_ptr, row, seg, inv_t, mrow, bitmask_stride, V,
-                                       HAS_MASK, HAS_TAU, FULL, LANES, LW)
-    tl.store(packed_ptr + row * n_seg + seg, segment_pack(x, seg, inv_t, greedy, key, HAS_TAU, LANES, LW, FAST,
-                                                          LATE))
-
-
-@triton.jit
-def segment_pack(x, seg, inv_t, greedy, key, HAS_TAU: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr,
-                 FAST: tl.constexpr, LATE: tl.constexpr = False):
-    """The packed best lane of a segment block x [LANES, LW] of kept logits (`segment_block`): greedy rows the
-    first maximum, others the lane draw (module docstring). LATE: non-greedy rows pack (score, lane number) and
-    leave the inverse-CDF pick inside the lane to the finish, which does it for the row's winning lane only
-    (`_late_pick`): the pass then spends per token only a max, an FFMA, an exp2 and an add."""
-    lane = tl.arange(0, LANES)
-    start = seg * (LANES * LW)
-    xm = tl.max(x, 1)                                       # per lane, in-thread
-    if greedy:
-        pos = lane[:, None] + tl.arange(0, LW)[None, :] * LANES
-        first = tl.min(tl.where(x == xm[:, None], pos, LANES * LW), 1)
-        packed = pack_lanes(xm, start + first)
-    else:
-        # weights exp(z - M_g) = 2^(x * c - M_g * log2 e), c = log2(e) / T (log2 e when x is z already)
-        c = 1.4426950408889634
-        m = xm
-        if not HAS_TAU:
-            c = inv_t * 1.4426950408889634
-            m = xm * inv_t                                  # = the lane's max z exactly: rounding is monotone
-        ref = tl.where(m > float("-inf"), m, 0.0) * 1.4426950408889634
-        gid = seg * LANES + lane
-        if LATE:
-            cdf = tl.cumsum(exp2_w(x * c - ref[:, None], FAST), 1)             # in-thread, in k order
-            s = tl.max(tl.where(tl.arange(0, LW)[None, :] == LW - 1, cdf, float("-inf")), 1)
-            packed = pack_lanes(lane_score(m, s, key, gid, FAST), gid)
-        else:
-            s, kk = lane_pick(exp2_w(x * c - ref[:, None], FAST), gid, key, LW)
-            packed = pack_lanes(lane_score(m, s, key, gid, FAST), start + tl.minimum(kk, LW - 1) * LANES + lane)
-    return packed
-
-
-@triton.jit
-def _item_load(logits_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride,
-               item, n_items, V, n_seg, HAS_MASK: tl.constexpr, HAS_TAU: tl.constexpr, LANES: tl.constexpr,
-               LW: tl.constexpr):
-    """Issue the loads of work item `item` = row * n_seg + seg (nothing past n_items): the raw logits block, its
-    mask words and the row's parameters. Nothing here waits for the data (the caller uses it one item later)."""
-    live = item < n_items
-    row = (item // n_seg).to(tl.int64)
-    start = (item % n_seg) * (LANES * LW)
-    lane = tl.arange(0, LANES)
-    k = tl.arange(0, LW)
-    pos = lane[:, None] + k[None, :] * LANES
-    lim = tl.where(live, V - start, 0)
-    x = tl.load(logits_ptr + row * V + start + pos, mask=pos < lim, other=float("-inf"))
-    inv_t = tl.load(inv_t_ptr + row, mask=live, other=1.0)
-    greedy = tl.load(greedy_ptr + row, mask=live, other=0)
-    key = tl.load(keys_ptr + row, mask=live, other=0)
-    tau = float("-inf")
-    if HAS_TAU:
-        tau = tl.load(tau_ptr + row, mask=live, other=float("-inf"))
-    words = 0
-    if HAS_MASK:
-        mrow = tl.load(mask_rows_ptr + row, mask=live, other=-1)
-        wptr = bitmask_ptr + mrow * bitmask_stride + (start + k[None, :] * LANES) // 32 + lane[:, None] // 32
-        words = tl.load(wptr, mask=(mrow >= 0) & (pos < lim), other=-1)
-    return x, words, inv_t, greedy, key, tau
-
-
-@triton.jit
-def _segment_loop_kernel(logits_ptr, packed_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys_ptr, bitmask_ptr,
-                         mask_rows_ptr, bitmask_stride, V, n_seg, n_items, HAS_MASK: tl.constexpr,
-                         HAS_TAU: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, FAST: tl.constexpr):
-    """Persistent variant of `_segment_kernel`: program p handles items p, p + P, p + 2P, ... (item = row * n_seg
-    + seg) and issues the loads of its next item before computing the current one, so a program's arithmetic
-    overlaps its own next read (with one program per item, every program's loads complete together at the end
-    of the read and all the arithmetic follows it)."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    x, words, inv_t, greedy, key, tau = _item_load(logits_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys_ptr, bitmask_ptr,
-                                                   mask_rows_ptr, bitmask_stride, pid, n_items, V, n_seg, HAS_MASK,
-                                                   HAS_TAU, LANES, LW)
-    lane = tl.arange(0, LANES)
-    for item in range(pid, n_items, nprog):
-        xn, wn, inv_tn, greedyn, keyn, taun = _item_load(logits_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys_ptr,
-                                                         bitmask_ptr, mask_rows_ptr, bitmask_stride, item + nprog,
-                                                         n_items, V, n_seg, HAS_MASK, HAS_TAU, LANES, LW)
-        z = x.to(tl.float32)
-        if HAS_MASK:
-            z = tl.where((words & (1 << (lane % 32))[:, None]) != 0, z, float("-inf"))
-        if HAS_TAU:
-            z = z * inv_t
-            z = tl.where(z >= tau, z, float("-inf"))
-        seg = item % n_seg
-        packed = segment_pack(z, seg, inv_t, greedy != 0, key.to(tl.uint32), HAS_TAU, LANES, LW, FAST)
-        tl.store(packed_ptr + item, packed)
-        x, words, inv_t, greedy, key, tau = xn, wn, inv_tn, greedyn, keyn, taun
+                                       HAS_MASK, HAS_TAU, FULL, LANES, LW, PL, prog % (LANES // PL), VEC, FAST)
+    tl.store(packed_ptr + row * n_prog + prog, segment_pack(x, lane, pos, start, seg, inv_t, greedy, key, HAS_TAU,
+                                                            LANES, LW, FAST))
 
 
 @triton.jit
 def _segment_kernel(logits_ptr, packed_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys_ptr,
-                    bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_seg, out_ptr, count_ptr, NEG_INF_KEY,
-                    HAS_MASK: tl.constexpr, HAS_TAU: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr,
-                    ONE_LAUNCH: tl.constexpr, NCP: tl.constexpr, FAST: tl.constexpr, done_ptr=None,
-                    DONE: tl.constexpr = False, LATE: tl.constexpr = False):
-    """Program (row, segment): the segment as [LANES, LW] in registers (lane l: tokens start + k * LANES + l,
-    held by one thread). Every lane computes in-thread its max, weights, running sum and inverse-CDF candidate,
-    then its score M_g + ln S_g + G_g (greedy rows: max z and its first id); one block reduction packs the
-    segment's best lane.
-    ONE_LAUNCH: the row's last program to finish (a per-row counter, acq_rel) also reduces the row's packs into
-    out_ptr and resets the counter, saving `_finish_kernel`'s launch.
-    DONE: rows whose done entry is not -2 were drawn already (the top-k merge): their programs return at once."""
+                    bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, HAS_MASK: tl.constexpr,
+                    HAS_TAU: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr,
+                    VEC: tl.constexpr, FAST: tl.constexpr, done_ptr=None, DONE: tl.constexpr = False):
+    """Program (row, part): PL lanes of one segment (LANES // PL parts per segment) as [PL, LW] in registers (lane
+    l: tokens start + k * LANES + l, held by one thread). Every lane computes in-thread its max, weights, running
+    sum and inverse-CDF candidate, then its score M_g + ln S_g + G_g (greedy rows: max z and its first id); one
+    block reduction packs the part's best lane.
+    DONE: rows whose done entry is not -2 are drawn by the finish (from the top-k merge's kept set): their
+    programs return at once."""
     row = tl.program_id(0).to(tl.int64)
-    seg = tl.program_id(1)
+    prog = tl.program_id(1)
     if DONE:
         if tl.load(done_ptr + row) != -2:
             return
@@ -460,117 +290,27 @@ def _segment_kernel(logits_ptr, packed_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys
     mrow = -1
     if HAS_MASK:
         mrow = tl.load(mask_rows_ptr + row)
-    if (seg + 1) * (LANES * LW) <= V:
-        _segment_body(logits_ptr, packed_ptr, tau_ptr, row, seg, inv_t, greedy, key, bitmask_ptr, mrow,
-                      bitmask_stride, V, n_seg, HAS_MASK, HAS_TAU, True, LANES, LW, FAST, LATE)
+    if (prog // (LANES // PL) + 1) * (LANES * LW) <= V:
+        _segment_body(logits_ptr, packed_ptr, tau_ptr, row, prog, n_prog, inv_t, greedy, key, bitmask_ptr, mrow,
+                      bitmask_stride, V, HAS_MASK, HAS_TAU, True, LANES, LW, PL, VEC, FAST)
     else:
-        _segment_body(logits_ptr, packed_ptr, tau_ptr, row, seg, inv_t, greedy, key, bitmask_ptr, mrow,
-                      bitmask_stride, V, n_seg, HAS_MASK, HAS_TAU, False, LANES, LW, FAST, LATE)
-    if ONE_LAUNCH:
-        # release: this program's pack is visible before its count; the last one acquires all of them
-        if tl.atomic_add(count_ptr + row, 1, sem="acq_rel") == n_seg - 1:
-            c = tl.arange(0, NCP)
-            p = tl.load(packed_ptr + row * n_seg + c, mask=c < n_seg, other=-9223372036854775807, volatile=True)
-            best = tl.max(p, 0)
-            tl.store(out_ptr + row, tl.where((best >> 32) > NEG_INF_KEY, 4294967295 - (best & 4294967295), -1))
-            tl.atomic_xchg(count_ptr + row, 0)                  # ready for the next launch
+        _segment_body(logits_ptr, packed_ptr, tau_ptr, row, prog, n_prog, inv_t, greedy, key, bitmask_ptr, mrow,
+                      bitmask_stride, V, HAS_MASK, HAS_TAU, False, LANES, LW, PL, VEC, FAST)
+
+
+@triton.jit
+def _packed_token(packed_ptr, row, n_chunks, NEG_INF_KEY, BLOCK: tl.constexpr):
+    """A row's token from its chunks' packed winners: the max, unpacked (-1 if the best score is -inf)."""
+    c = tl.arange(0, BLOCK)
+    best = tl.max(tl.load(packed_ptr + row * n_chunks + c, mask=c < n_chunks, other=-9223372036854775807), 0)
+    return tl.where((best >> 32) > NEG_INF_KEY, 4294967295 - (best & 4294967295), -1)
 
 
 @triton.jit
 def _finish_kernel(packed_ptr, out_ptr, n_chunks, NEG_INF_KEY, BLOCK: tl.constexpr, done_ptr=None,
                    DONE: tl.constexpr = False):
-    """Per row: max over the chunk winners, then unpack to a token id (-1 if the best score is -inf); DONE: the
-    rows drawn already keep their token."""
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, BLOCK)
-    drawn = -2
-    if DONE:
-        drawn = tl.load(done_ptr + row)
-    if drawn != -2:
-        tl.store(out_ptr + row, drawn.to(tl.int64))
-    else:
-        p = tl.load(packed_ptr + row * n_chunks + c, mask=c < n_chunks, other=-9223372036854775807)
-        best = tl.max(p, 0)
-        tok = 4294967295 - (best & 4294967295)
-        tl.store(out_ptr + row, tl.where((best >> 32) > NEG_INF_KEY, tok, -1))
-
-
-@triton.jit
-def _late_token(logits_ptr, row, g, inv_t, key, tau, bitmask_ptr, mrow, bitmask_stride, V,
-                HAS_MASK: tl.constexpr, HAS_TAU: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr,
-                FAST: tl.constexpr):
-    """The inverse-CDF pick inside lane g of a row, with the very operations of the segment pass in the same order
-    (scalars, k = 0 .. LW-1: the lane max, weights, running sum; `lane_pick`'s rule), so its lane mass is the one
-    the pass scored. Three unrolled sweeps over the lane's LW logits (16 loads, from L2)."""
-    start = (g // LANES) * (LANES * LW)
-    l = g % LANES
-    if not FAST:     # the interpreter: one vector (numpy's running sums are sequential too), much faster there
-        k = tl.arange(0, LW)
-        x = _lane_x(logits_ptr, row, start + k * LANES + l, inv_t, tau, bitmask_ptr, mrow, bitmask_stride, V,
-                    HAS_MASK, HAS_TAU)
-        s, kk = lane_pick(_lane_w(x[None, :], inv_t, HAS_TAU, FAST), g[None], key, LW)
-        return start + tl.minimum(tl.sum(kk, 0), LW - 1) * LANES + l
-    xm = float("-inf")
-    for k in tl.static_range(LW):
-        xm = tl.maximum(xm, _lane_x(logits_ptr, row, start + k * LANES + l, inv_t, tau, bitmask_ptr, mrow,
-                                    bitmask_stride, V, HAS_MASK, HAS_TAU))
-    c = 1.4426950408889634
-    m = xm
-    if not HAS_TAU:
-        c = inv_t * 1.4426950408889634
-        m = xm * inv_t
-    ref = tl.where(m > float("-inf"), m, 0.0) * 1.4426950408889634
-    s = 0.0
-    for k in tl.static_range(LW):
-        x = _lane_x(logits_ptr, row, start + k * LANES + l, inv_t, tau, bitmask_ptr, mrow, bitmask_stride, V,
-                    HAS_MASK, HAS_TAU)
-        s = s + exp2_w(x * c - ref, FAST)
-    target = _below(rng.uniform_tl(key, g + 1073741824) * s, s)               # U_ID + g
-    cdf = 0.0
-    kk = 0
-    for k in tl.static_range(LW):
-        x = _lane_x(logits_ptr, row, start + k * LANES + l, inv_t, tau, bitmask_ptr, mrow, bitmask_stride, V,
-                    HAS_MASK, HAS_TAU)
-        cdf = cdf + exp2_w(x * c - ref, FAST)
-        kk += (cdf <= target).to(tl.int32)
-    return start + tl.minimum(kk, LW - 1) * LANES + l
-
-
-@triton.jit
-def _lane_w(x, inv_t, HAS_TAU: tl.constexpr, FAST: tl.constexpr):
-    """Weights of a [1, LW] lane block as the segment pass computes them (`segment_pack`)."""
-    xm = tl.max(x, 1)
-    c = 1.4426950408889634
-    m = xm
-    if not HAS_TAU:
-        c = inv_t * 1.4426950408889634
-        m = xm * inv_t
-    ref = tl.where(m > float("-inf"), m, 0.0) * 1.4426950408889634
-    return exp2_w(x * c - ref[:, None], FAST)
-
-
-@triton.jit
-def _lane_x(logits_ptr, row, t, inv_t, tau, bitmask_ptr, mrow, bitmask_stride, V, HAS_MASK: tl.constexpr,
-            HAS_TAU: tl.constexpr):
-    """Token t's kept value as the segment pass sees it (`_kept_x`): raw logit, or z = x / T when tau applies."""
-    x = tl.load(logits_ptr + row * V + t, mask=t < V, other=float("-inf")).to(tl.float32)
-    if HAS_MASK:
-        w = tl.load(bitmask_ptr + mrow * bitmask_stride + t // 32, mask=(mrow >= 0) & (t < V), other=-1)
-        x = tl.where((w & (1 << (t % 32))) != 0, x, float("-inf"))
-    if HAS_TAU:
-        x = x * inv_t
-        x = tl.where(x >= tau, x, float("-inf"))
-    return x
-
-
-@triton.jit
-def _finish_late_kernel(packed_ptr, out_ptr, n_chunks, NEG_INF_KEY, logits_ptr, inv_t_ptr, greedy_ptr, tau_ptr,
-                        keys_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, BLOCK: tl.constexpr,
-                        HAS_MASK: tl.constexpr, HAS_TAU: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr,
-                        FAST: tl.constexpr, done_ptr=None, DONE: tl.constexpr = False):
-    """Per row of a LATE pass: the best packed (score, lane) over the segments; greedy rows packed a token id,
-    the others a lane whose token is picked here (`_late_token`); -1 if the best score is -inf. DONE: the rows
-    drawn already keep their token."""
+    """Per row: max over the chunk winners, then unpack to a token id (-1 if the best score is -inf). DONE: rows
+    whose token the top-k merge drew already (done != -2) keep it (the pass skipped them)."""
     row = tl.program_id(0).to(tl.int64)
     drawn = -2
     if DONE:
@@ -578,36 +318,20 @@ def _finish_late_kernel(packed_ptr, out_ptr, n_chunks, NEG_INF_KEY, logits_ptr, 
     if drawn != -2:
         tl.store(out_ptr + row, drawn.to(tl.int64))
     else:
-        c = tl.arange(0, BLOCK)
-        p = tl.load(packed_ptr + row * n_chunks + c, mask=c < n_chunks, other=-9223372036854775807)
-        best = tl.max(p, 0)
-        tok = 4294967295 - (best & 4294967295)
-        if (best >> 32) <= NEG_INF_KEY:
-            tok = tok * 0 - 1
-        elif tl.load(greedy_ptr + row) == 0:
-            mrow = -1
-            if HAS_MASK:
-                mrow = tl.load(mask_rows_ptr + row)
-            tau = float("-inf")
-            if HAS_TAU:
-                tau = tl.load(tau_ptr + row)
-            tok = _late_token(logits_ptr, row, tok, tl.load(inv_t_ptr + row), tl.load(keys_ptr + row).to(tl.uint32),
-                              tau, bitmask_ptr, mrow, bitmask_stride, V, HAS_MASK, HAS_TAU, LANES, LW, FAST)
-        tl.store(out_ptr + row, tok)
+        tl.store(out_ptr + row, _packed_token(packed_ptr, row, n_chunks, NEG_INF_KEY, BLOCK))
 
 
-# ordered key of float("-inf") (fp32 bits 0xFF800000, negative: flip the 31 low bits)
-NEG_INF_KEY = (0xFF800000 - (1 << 32)) ^ 0x7FFFFFFF
+NEG_INF_KEY = threshold.NEG_INF_KEY
 
 
 def finish_packed(packed: torch.Tensor, drawn: torch.Tensor | None = None) -> torch.Tensor:
-    """[R, n_chunks] packed chunk winners -> int64 [R] token ids (one small kernel); drawn: int32 [R] tokens
-    drawn already (-2: none), which win."""
+    """[R, n_chunks] packed chunk winners -> int64 [R] token ids (one small kernel); drawn: int64 [R] tokens drawn
+    already by the top-k merge (-2: none), which win."""
     R, n = packed.shape
     out = empty((R,), torch.int64, packed.device)
     if R:
-        _finish_kernel[(R,)](packed, out, n, NEG_INF_KEY, BLOCK=max(16, triton.next_power_of_2(n)),
-                             done_ptr=drawn, DONE=drawn is not None, num_warps=1)
+        _finish_kernel[(R,)](packed, out, n, NEG_INF_KEY, BLOCK=max(16, triton.next_power_of_2(n)), done_ptr=drawn,
+                             DONE=drawn is not None, num_warps=1)
     return out
 
 
@@ -619,19 +343,43 @@ def may_filter(params: RowParams, V: int) -> bool:
     return bool((((params.top_k > 0) & (params.top_k < V)) | (params.top_p < 1)).any())
 
 
+# Program shape of the sampling pass: (lanes per program, warps) -> lanes per thread = lanes / (32 * warps).
+# Measured on an H200 (2026-11-30, B=64 / 256, us; round 1 of session 5, mask words loaded by the layout-proof
+# asm): T=1 256x2 12.2 / 35.1, 256x8 11.3 / 36.7, 128x1 12.1 / 35.2, 128x4 12.0 / 35.8; greedy 256x2 11.5 / 34.2,
+# 128x4 11.6 / 34.5; masked rows gain from more, smaller programs (256x2 16.2 / 50.1, 256x8 15.4 / 45.2,
+# 128x1 16.6 / 47.6, 128x4 14.6 / 43.3). So: unmasked 256x8 below 128 rows, 256x2 from there; masked 128x4.
+# Variants removed after session 3 (same draws, never faster): a persistent pass prefetching its next item
+# (P=1..4 programs per SM: 21.8 / 14.0 / 13.8 / 12.5 us at B=64), one launch with a per-row completion counter
+# (13.3 us), the in-lane pick moved to the finish for the winning lane (12.5 / 35.5 us).
+PASS_SHAPE = (256, 2)           # unmasked rows from 128 rows (below: SMALL_SHAPE)
+SMALL_SHAPE = (256, 8)
+MASKED_SHAPE = (128, 4)
+SPEC_SHAPE = (256, 2)           # the speculative statistics / residual passes: 50.5 us vs 55.1 at 256x8 (R1)
+
+
+def pass_shape(lanes: int, shape=None, masked: bool = False, rows: int = 0) -> tuple[int, int, int]:
+    """(lanes per program, warps, lanes per thread) for a rule with `lanes` lanes per segment: `shape`, else the
+    measured defaults above (masked: MASKED_SHAPE; unmasked: SMALL_SHAPE below 128 rows, PASS_SHAPE from there)."""
+    pl, warps = shape or (MASKED_SHAPE if masked else SMALL_SHAPE if rows < 128 else PASS_SHAPE)
+    pl = min(pl, lanes)
+    warps = max(1, min(warps, pl // 32))
+    return pl, warps, max(1, pl // (32 * warps))
+
+
 def sample_triton(logits, params: RowParams, bitmask=None, mask_rows=None, seg: int = SEG, lanes: int = LANES,
-                  num_warps: int = 2, filters: bool | None = None, one_launch: bool = False,
-                  persistent: int = 0, histogram: bool | None = None, draw: bool = False, late: bool = False):
-    """Two launches (+ the threshold launches when rows may filter: kernels/threshold.py). num_warps=2: with
-    16-byte loads a warp covers 128 lanes, so 2 warps hold all 256 lanes and a lane's 16 tokens stay in one thread
-    (more warps split the lanes' tokens across warps: every per-lane sum then crosses warps; measured on an H200,
-    B=64: 13.7 us at 2 warps, 21.3 at 4, 45.1 at 8). seg, lanes: segment size and lanes per segment (powers of
-    two, lanes a multiple of 32 when a bitmask is given; other values than SEG, LANES draw other tokens than the
-    default rule: for benchmarks and tests on small vocabularies).
-    Variants with the same draws, off by default because an H200 showed no gain (2026-11-29, B=64 / 256):
-    late=True (the in-lane pick in the finish, for the winning lane only: 12.5 / 35.5 us vs 12.2 / 35.1),
-    draw=True (top-k rows drawn in the top-k merge: 49.0 / 138.6 vs 47.9 / 132.6), persistent=P (12.5 at P=4),
-    one_launch=True (13.4)."""
+                  filters: bool | None = None, histogram: bool | None = None, draw: bool = True, shape=None,
+                  lane_only: bool = False):
+    """Two launches (+ the threshold launches when rows may filter: kernels/threshold.py): the pass, one program
+    per (row, PL lanes of a segment), then a per-row finish. seg, lanes: segment size and lanes per segment
+    (powers of two, lanes a multiple of 32 when a bitmask is given; other values than SEG, LANES draw other tokens
+    than the default rule: for benchmarks and tests on small vocabularies). shape: (lanes per program, warps),
+    default `pass_shape`'s; a thread holds lanes / (32 * warps) lanes side by side (16-byte loads at 4).
+    draw (default): the top-k merge draws its rows' tokens (threshold.lane_path: the same rule on the lanes that
+    hold kept tokens) and the pass skips them; lane_only (the host knows every row is a sampled row with
+    0 < top_k <= threshold.KMAX, as sample_from_logits does): the pass and the finish do not run at all (two
+    launches in all, one read of the logits). Session 4's candidate path (per-unit candidates above a bound found
+    by 8 bisection steps on the lane maxima, a merge for tau, then this pass drawing) measured 51.3 / 131.5 us
+    for top-k50 p0.9 at B=64 / 256 against this lane path's 38.3 / 92.4 (H200, 2026-11-30) and was deleted."""
     lanes = min(lanes, seg)
     if bitmask is not None:
         check(lanes % 32 == 0, f"a masked sampling pass needs lanes % 32 == 0, got lanes={lanes}")
@@ -642,70 +390,29 @@ def sample_triton(logits, params: RowParams, bitmask=None, mask_rows=None, seg: 
     mrows = default_mask_rows(mask_rows, R, logits.device) if has_mask else None
     has_tau = may_filter(params, V) if filters is None else filters
     drawn = None
-    if has_tau and draw and not persistent and not one_launch:
-        # candidate-path rows get their token from the top-k merge; the pass skips them
+    if has_tau and draw:
         tau, _, drawn = thresholds_and_paths(logits, params, bitmask, mrows, histogram=histogram, draw=(seg, lanes))
+        if lane_only:
+            return drawn
     elif has_tau:
-        tau = thresholds_triton(logits, params, bitmask, mrows, histogram=histogram)
+        tau = thresholds_and_paths(logits, params, bitmask, mrows, histogram=histogram)[0]
     else:
         tau = logits
-    n_seg = triton.cdiv(V, seg)
-    packed = empty((R, n_seg), torch.int64, logits.device)
-    if persistent:
-        n_items = R * n_seg
-        grid = min(n_items, persistent * _sm_count(logits.device))
-        _segment_loop_kernel[(grid,)](
-            logits, packed, params.inv_temperature, params.greedy, tau, params.keys,
-            bitmask if has_mask else logits, mrows if has_mask else packed, bitmask.stride(0) if has_mask else 0,
-            V, n_seg, n_items, HAS_MASK=has_mask, HAS_TAU=has_tau, LANES=lanes, LW=seg // lanes,
-            FAST=not INTERPRETING, num_warps=num_warps)
-        return finish_packed(packed)
-    out = empty((R,), torch.int64, logits.device) if one_launch else packed
-    _segment_kernel[(R, n_seg)](
+    pl, warps, vec = pass_shape(lanes, shape, has_mask, R)
+    n_prog = triton.cdiv(V, seg) * (lanes // pl)
+    packed = empty((R, n_prog), torch.int64, logits.device)
+    _segment_kernel[(R, n_prog)](
         logits, packed, params.inv_temperature, params.greedy, tau, params.keys,
         bitmask if has_mask else logits, mrows if has_mask else packed, bitmask.stride(0) if has_mask else 0,
-        V, n_seg, out, _row_counters(R, logits.device) if one_launch else packed, NEG_INF_KEY, HAS_MASK=has_mask,
-        HAS_TAU=has_tau, LANES=lanes, LW=seg // lanes, ONE_LAUNCH=one_launch,
-        NCP=max(16, triton.next_power_of_2(n_seg)), FAST=not INTERPRETING, done_ptr=drawn, DONE=drawn is not None,
-        LATE=late and not one_launch, num_warps=num_warps)
-    if one_launch:
-        return out
-    if not late:
-        return finish_packed(packed, drawn)
-    final = empty((R,), torch.int64, logits.device)
-    _finish_late_kernel[(R,)](packed, final, n_seg, NEG_INF_KEY, logits, params.inv_temperature, params.greedy, tau,
-                              params.keys, bitmask if has_mask else logits, mrows if has_mask else packed,
-                              bitmask.stride(0) if has_mask else 0, V, BLOCK=max(16, triton.next_power_of_2(n_seg)),
-                              HAS_MASK=has_mask, HAS_TAU=has_tau, LANES=lanes, LW=seg // lanes,
-                              FAST=not INTERPRETING, done_ptr=drawn, DONE=drawn is not None, num_warps=1)
-    return final
+        V, n_prog, HAS_MASK=has_mask, HAS_TAU=has_tau, LANES=lanes, LW=seg // lanes, PL=pl, VEC=vec,
+        FAST=not INTERPRETING, done_ptr=drawn, DONE=drawn is not None, num_warps=warps)
+    return finish_packed(packed, drawn)
 
 
-_SMS: dict = {}
-
-
-def _sm_count(device) -> int:
-    """Multiprocessors of a CUDA device (cached); a nominal 4 elsewhere (the interpreter: tests)."""
-    key = str(device)
-    if key not in _SMS:
-        _SMS[key] = torch.cuda.get_device_properties(device).multi_processor_count if torch.device(device).type == \
-            "cuda" else 4
-    return _SMS[key]
-
-
-_COUNTERS: dict = {}
-
-
-def _row_counters(R: int, device) -> torch.Tensor:
-    """Per-row completion counters for the one-launch pass: zeros, kept zero by the kernel itself (the last
-    program of a row resets it), allocated once per device and grown as needed. One one-launch pass at a time
-    per device (two concurrent streams would share the counters)."""
-    key = str(device)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < R:
-        buf = torch.zeros(max(R, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
+def lane_rows_only(params: RowParams, V: int, kmax: int = threshold.KMAX) -> bool:
+    """Is every row a sampled row with 0 < top_k <= kmax (the top-k merge then draws every token)? Host params."""
+    k = params.top_k
+    return bool(((k > 0) & (k <= kmax) & (k < V) & ~params.greedy.bool()).all())
 
 
 # ---------------------------------------------------------------------------------------------- dispatch
@@ -744,12 +451,30 @@ def sample_from_logits(logits: torch.Tensor, temperature, top_k, top_p, seed, po
     rows with top-k/top-p add a histogram pass and a candidate pass (kernels/threshold.py).
     """
     check_logits_and_mask(logits, bitmask, mask_rows)
-    # the filter check runs on the host-side values, before they move to the GPU (no sync)
-    filters = histogram = None
-    if not any(isinstance(x, torch.Tensor) and x.is_cuda for x in (temperature, top_k, top_p)):
-        host = row_params(logits.shape[0], "cpu", temperature, top_k, top_p, 0, 0)
-        filters, histogram = may_filter(host, logits.shape[1]), needs_histogram_path(host, logits.shape[1])
-    params = row_params(logits.shape[0], logits.device, temperature, top_k, top_p, seed, position)
+    R, V = logits.shape
+    filters = histogram = params = None
+    lane_only = False
+    on_gpu = [isinstance(x, torch.Tensor) and x.is_cuda for x in (temperature, top_k, top_p, seed, position)]
+    if not any(on_gpu[:3]):
+        # the filter check runs on the host-side values, before they move to the GPU (no sync)
+        host = row_params(R, "cpu", temperature, top_k, top_p, seed if not on_gpu[3] else 0,
+                          position if not on_gpu[4] else 0)
+        filters, histogram = may_filter(host, V), needs_histogram_path(host, V)
+        lane_only = lane_rows_only(host, V)
+        if logits.is_cuda and not any(on_gpu):
+            params = to_device(host, logits.device)         # two copies, no kernel launches
+    if params is None:
+        params = row_params(R, logits.device, temperature, top_k, top_p, seed, position)
     if use_triton(logits):
-        return sample_triton(logits, params, bitmask, mask_rows, filters=filters, histogram=histogram)
+        return sample_triton(logits, params, bitmask, mask_rows, filters=filters, histogram=histogram,
+                             lane_only=lane_only)
     return sample_torch(logits, params, bitmask, mask_rows)
+
+
+def to_device(params: RowParams, device) -> RowParams:
+    """Host-built RowParams on `device` in two copies (one int64 [3, R], one fp32 [2, R]) instead of one copy per
+    field plus the elementwise kernels row_params runs on the device; greedy arrives as int64 (kernels test it
+    against 0)."""
+    ints = torch.stack([params.greedy.to(torch.int64), params.top_k, params.keys]).to(device, non_blocking=True)
+    floats = torch.stack([params.inv_temperature, params.top_p]).to(device, non_blocking=True)
+    return RowParams(floats[0], ints[0], ints[1], floats[1], ints[2])

@@ -21,14 +21,15 @@ Draws (bonus, residual, and the q fallback of an empty residual) are the two-lev
 kernels/sampling.py: the bonus is exactly sample_from_logits' draw for that row and position; the residual draw
 runs the same rule on the weights max(q - p, 0), with segment score ln R_c + G_c (RESIDUAL stream).
 
-Work (Triton path, `_accept_triton`, nine launches, no host synchronisation): parameters expanded to rows; the
-top-k/top-p threshold (four launches that exit at once on rows without filters); ONE statistics pass over all
-rows, per (row, segment) with the segment in registers as in kernels/sampling.py: the segment's kept max and
-mass, plus the last rows' bonus candidates and the greedy rows' argmax (per-lane work in-thread, a few block
-reductions per program: memory-bound); the ratio test per request (merges the segment statistics, writes the
-final token unless the final row rejected a draft); one residual pass over the final rows that rejected (their
-logits + draft probabilities only; other programs exit); a tiny finish. Bytes: every logits row once, plus
-logits and draft probabilities of the rejecting final rows.
+Work (Triton path, `_accept_triton`, no host synchronisation, no torch ops on the parameters): four launches
+when the host says no request filters, else first a per-row copy of the filter parameters and the top-k/top-p
+threshold launches. ONE statistics pass over all rows, per (row, part of a segment) with the block in registers
+as in kernels/sampling.py (its program shape): the kept max and mass, plus the last rows' bonus candidates and
+the greedy rows' argmax (each program finds its request from cu_rows and derives 1/T and its rng key while its
+logits loads are in flight); the ratio test per request (merges the statistics, writes the final token unless
+the final row rejected a draft); one residual pass over the final rows that rejected (their logits + draft
+probabilities only; other programs exit); a tiny finish. Bytes: every logits row once, plus logits and draft
+probabilities of the rejecting final rows.
 """
 from dataclasses import dataclass
 
@@ -38,11 +39,11 @@ import triton.language as tl
 
 from . import rng
 from .backend import INTERPRETING, check, empty, use_triton
-from .sampling import (LANES, LOG2E, NEG_INF, NEG_INF_KEY, SEG, RowParams, check_logits_and_mask,
+from .sampling import (LANES, LOG2E, NEG_INF, NEG_INF_KEY, SEG, SPEC_SHAPE, RowParams, check_logits_and_mask,
                        default_mask_rows, exp2_w, kept_z_torch, lane_draw_torch, lane_gumbel_torch, lane_pick,
-                       lane_score, lane_scores_torch, lanes_view, masked_z_torch, pack_lanes, pick_lane, segment_block,
-                       may_filter, thresholds_torch, thresholds_triton)
-from .threshold import needs_histogram_path
+                       lane_score, lane_scores_torch, lanes_view, masked_z_torch, pack_lanes, pass_shape, pick_lane,
+                       row_params, segment_block, may_filter, thresholds_torch, thresholds_triton)
+from .threshold import lane_keys, needs_histogram_path
 
 
 _NEG_INF_KEY = tl.constexpr(NEG_INF_KEY)
@@ -153,90 +154,124 @@ def _final_torch(logits, params: RowParams, rows_f, draft_f, residual, draft_pro
 
 # ---------------------------------------------------------------------------------------------- Triton pieces
 @triton.jit
-def _stats_kernel(logits_ptr, mc_ptr, sc_ptr, pack_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys_ptr, last_ptr,
-                  bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_seg, HAS_MASK: tl.constexpr, LANES: tl.constexpr,
-                  LW: tl.constexpr, FAST: tl.constexpr):
-    """Program (row, segment), the segment in registers as in sampling._segment_kernel: the kept max M_c and mass
-    S_c = sum exp(z - M_c), and one packed candidate: greedy rows the first maximum; the last row of a
-    non-greedy request its bonus draw (exactly sample_from_logits' segment candidate: FRESH key at its
-    position); other rows -inf (unused). Full segments skip the bounds checks."""
-    if (tl.program_id(1) + 1) * (LANES * LW) <= V:
-        _stats_body(logits_ptr, mc_ptr, sc_ptr, pack_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys_ptr, last_ptr,
-                    bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_seg, HAS_MASK, True, LANES, LW, FAST)
-    else:
-        _stats_body(logits_ptr, mc_ptr, sc_ptr, pack_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys_ptr, last_ptr,
-                    bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_seg, HAS_MASK, False, LANES, LW, FAST)
+def _request_of_row(cu_ptr, r, B, NB: tl.constexpr):
+    """The request b whose rows [cu[b], cu[b+1]) hold row r: how many of cu[1..B] are <= r (one vector load of
+    cu_rows and a block sum instead of a serial search)."""
+    i = tl.arange(0, NB)
+    cu = tl.load(cu_ptr + 1 + i, mask=i < B, other=4611686018427387904)
+    return tl.sum((cu <= r).to(tl.int32), 0)
 
 
 @triton.jit
-def _stats_body(logits_ptr, mc_ptr, sc_ptr, pack_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys_ptr, last_ptr,
-                bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_seg, HAS_MASK: tl.constexpr, FULL: tl.constexpr,
-                LANES: tl.constexpr, LW: tl.constexpr, FAST: tl.constexpr):
+def _request_params(temp_ptr, b):
+    """(greedy, 1/T) of request b from its temperature, as sampling.row_params computes them (T <= 0: greedy,
+    1/T = 1; IEEE division, like torch's)."""
+    t = tl.load(temp_ptr + b)
+    greedy = t <= 0
+    return greedy, tl.where(greedy, 1.0, tl.math.div_rn(1.0, tl.where(greedy, 1.0, t)))
+
+
+@triton.jit
+def _stats_kernel(logits_ptr, mc_ptr, sc_ptr, pack_ptr, cu_ptr, temp_ptr, seed_ptr, pos_ptr, tau_ptr, bitmask_ptr,
+                  mask_rows_ptr, bitmask_stride, V, n_prog, B, C_FRESH, HAS_MASK: tl.constexpr,
+                  HAS_TAU: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr, VEC: tl.constexpr,
+                  NB: tl.constexpr, FAST: tl.constexpr):
+    """Program (row, part of a segment; the sampling pass's program shape): the kept max M_c and mass
+    S_c = sum exp(z - M_c) of its PL lanes, and one packed candidate: greedy rows the first maximum; the last row
+    of a non-greedy request its bonus draw (the lane rule, FRESH key at its position); other rows -inf (unused).
+    The logits loads are issued first; the row's request and parameters are looked up while they are in flight
+    (no per-row parameter arrays, no expand launch). Full segments skip the bounds checks."""
+    if (tl.program_id(1) // (LANES // PL) + 1) * (LANES * LW) <= V:
+        _stats_body(logits_ptr, mc_ptr, sc_ptr, pack_ptr, cu_ptr, temp_ptr, seed_ptr, pos_ptr, tau_ptr, bitmask_ptr,
+                    mask_rows_ptr, bitmask_stride, V, n_prog, B, C_FRESH, HAS_MASK, HAS_TAU, True, LANES, LW, PL, VEC,
+                    NB, FAST)
+    else:
+        _stats_body(logits_ptr, mc_ptr, sc_ptr, pack_ptr, cu_ptr, temp_ptr, seed_ptr, pos_ptr, tau_ptr, bitmask_ptr,
+                    mask_rows_ptr, bitmask_stride, V, n_prog, B, C_FRESH, HAS_MASK, HAS_TAU, False, LANES, LW, PL,
+                    VEC, NB, FAST)
+
+
+@triton.jit
+def _stats_body(logits_ptr, mc_ptr, sc_ptr, pack_ptr, cu_ptr, temp_ptr, seed_ptr, pos_ptr, tau_ptr, bitmask_ptr,
+                mask_rows_ptr, bitmask_stride, V, n_prog, B, C_FRESH, HAS_MASK: tl.constexpr, HAS_TAU: tl.constexpr,
+                FULL: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr, VEC: tl.constexpr,
+                NB: tl.constexpr, FAST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    seg = tl.program_id(1)
-    inv_t = tl.load(inv_t_ptr + row)
-    greedy = tl.load(greedy_ptr + row) != 0
+    prog = tl.program_id(1)
+    seg = prog // (LANES // PL)
     mrow = -1
     if HAS_MASK:
         mrow = tl.load(mask_rows_ptr + row)
-    start, lane, pos, z = segment_block(logits_ptr, tau_ptr, bitmask_ptr, row, seg, inv_t, mrow, bitmask_stride, V,
-                                       HAS_MASK, True, FULL, LANES, LW)
+    start, lane, pos, z = segment_block(logits_ptr, tau_ptr, bitmask_ptr, row, seg, 1.0, mrow, bitmask_stride, V,
+                                       HAS_MASK, False, FULL, LANES, LW, PL, prog % (LANES // PL), VEC, FAST)
+    b = _request_of_row(cu_ptr, row, B, NB)
+    first = tl.load(cu_ptr + b)
+    last = row == tl.load(cu_ptr + b + 1) - 1
+    greedy, inv_t = _request_params(temp_ptr, b)
+    z = z * inv_t
+    if HAS_TAU:
+        z = tl.where(z >= tl.load(tau_ptr + row), z, float("-inf"))
     ml = tl.max(z, 1)                                              # per lane, in-thread
     ref = tl.where(ml > float("-inf"), ml, 0.0) * 1.4426950408889634
     w = exp2_w(z * 1.4426950408889634 - ref[:, None], FAST)
-    m = tl.max(ml, 0)
-    packed = pack_lanes(tl.full([LANES], float("-inf"), tl.float32), start + lane)
+    keys = lane_keys(tl.full([PL], float("-inf"), tl.float32), start + lane)
     if greedy:
-        packed = pack_lanes(ml, start + tl.min(tl.where(z == ml[:, None], pos, LANES * LW), 1))
-    elif tl.load(last_ptr + row) != 0:
-        key = tl.load(keys_ptr + row).to(tl.uint32)
+        keys = lane_keys(ml, start + tl.min(tl.where(z == ml[:, None], pos, LANES * LW), 1))
+    elif last:
+        key = rng.row_key_tl(tl.load(seed_ptr + b), tl.load(pos_ptr + b) + (row - first), C_FRESH)
         gid = seg * LANES + lane
         sl, kk = lane_pick(w, gid, key, LW)
-        packed = pack_lanes(lane_score(ml, sl, key, gid, FAST), start + tl.minimum(kk, LW - 1) * LANES + lane)
+        keys = lane_keys(lane_score(ml, sl, key, gid, FAST), start + tl.minimum(kk, LW - 1) * LANES + lane)
     lane_mass = tl.sum(w, 1)
-    o = row * n_seg + seg
+    m = tl.max(ml, 0)
+    sm = tl.sum(tl.where(ml > float("-inf"), lane_mass * tl.exp2((ml - tl.where(
+        m > float("-inf"), m, 0.0)) * 1.4426950408889634), 0.0), 0)
+    packed = tl.max(keys, 0)
+    o = row * n_prog + prog
     tl.store(mc_ptr + o, m)
-    tl.store(sc_ptr + o, tl.sum(tl.where(ml > float("-inf"), lane_mass * tl.exp2((ml - tl.where(
-        m > float("-inf"), m, 0.0)) * 1.4426950408889634), 0.0), 0))
+    tl.store(sc_ptr + o, sm)
     tl.store(pack_ptr + o, packed)
 
 
 @triton.jit
-def _residual_kernel(logits_ptr, probs_ptr, rows_ptr, drafts_ptr, residual_ptr, keys_ptr, inv_t_ptr, tau_ptr,
-                     m_ptr, s_ptr, mc_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_seg, res_ptr, q_ptr,
-                     HAS_MASK: tl.constexpr, HAS_PROBS: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr,
-                     FAST: tl.constexpr):
-    """Program (request, segment) on a request whose final row rejected its draft (others exit at once): the
-    segment candidates of the residual r = max(q - p, 0) and of q (the fallback when r is empty in floating
-    point), both two-level draws with the request's RESIDUAL key. Per token: q from the row's (m, s) and the
-    segment max, the draft probability, a subtraction, two lane sums. Full segments skip the bounds checks."""
-    if (tl.program_id(1) + 1) * (LANES * LW) <= V:
-        _residual_body(logits_ptr, probs_ptr, rows_ptr, drafts_ptr, residual_ptr, keys_ptr, inv_t_ptr, tau_ptr,
-                       m_ptr, s_ptr, mc_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_seg, res_ptr, q_ptr,
-                       HAS_MASK, HAS_PROBS, True, LANES, LW, FAST)
+def _residual_kernel(logits_ptr, probs_ptr, rows_ptr, drafts_ptr, residual_ptr, keys_ptr, temp_ptr, tau_ptr,
+                     m_ptr, s_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, res_ptr, q_ptr,
+                     HAS_MASK: tl.constexpr, HAS_PROBS: tl.constexpr, HAS_TAU: tl.constexpr, LANES: tl.constexpr,
+                     LW: tl.constexpr, PL: tl.constexpr, VEC: tl.constexpr, FAST: tl.constexpr):
+    """Program (request, part of a segment) on a request whose final row rejected its draft (others exit at once):
+    the candidates of the residual r = max(q - p, 0) and of q (the fallback when r is empty in floating point),
+    both lane draws with the request's RESIDUAL key. Per token: q from the row's (m, s) and the lane max, the
+    draft probability, a subtraction, two lane sums. Full segments skip the bounds checks."""
+    if (tl.program_id(1) // (LANES // PL) + 1) * (LANES * LW) <= V:
+        _residual_body(logits_ptr, probs_ptr, rows_ptr, drafts_ptr, residual_ptr, keys_ptr, temp_ptr, tau_ptr,
+                       m_ptr, s_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, res_ptr, q_ptr,
+                       HAS_MASK, HAS_PROBS, HAS_TAU, True, LANES, LW, PL, VEC, FAST)
     else:
-        _residual_body(logits_ptr, probs_ptr, rows_ptr, drafts_ptr, residual_ptr, keys_ptr, inv_t_ptr, tau_ptr,
-                       m_ptr, s_ptr, mc_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_seg, res_ptr, q_ptr,
-                       HAS_MASK, HAS_PROBS, False, LANES, LW, FAST)
+        _residual_body(logits_ptr, probs_ptr, rows_ptr, drafts_ptr, residual_ptr, keys_ptr, temp_ptr, tau_ptr,
+                       m_ptr, s_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, res_ptr, q_ptr,
+                       HAS_MASK, HAS_PROBS, HAS_TAU, False, LANES, LW, PL, VEC, FAST)
 
 
 @triton.jit
-def _residual_body(logits_ptr, probs_ptr, rows_ptr, drafts_ptr, residual_ptr, keys_ptr, inv_t_ptr, tau_ptr,
-                   m_ptr, s_ptr, mc_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_seg, res_ptr, q_ptr,
-                   HAS_MASK: tl.constexpr, HAS_PROBS: tl.constexpr, FULL: tl.constexpr, LANES: tl.constexpr,
-                   LW: tl.constexpr, FAST: tl.constexpr):
+def _residual_body(logits_ptr, probs_ptr, rows_ptr, drafts_ptr, residual_ptr, keys_ptr, temp_ptr, tau_ptr,
+                   m_ptr, s_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, res_ptr, q_ptr,
+                   HAS_MASK: tl.constexpr, HAS_PROBS: tl.constexpr, HAS_TAU: tl.constexpr, FULL: tl.constexpr,
+                   LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr, VEC: tl.constexpr, FAST: tl.constexpr):
     b = tl.program_id(0)
-    seg = tl.program_id(1)
+    prog = tl.program_id(1)
+    seg = prog // (LANES // PL)
     if tl.load(residual_ptr + b) != 0:
         row = tl.load(rows_ptr + b)
-        inv_t = tl.load(inv_t_ptr + row)
+        inv_t = _request_params(temp_ptr, b)[1]
         d = tl.load(drafts_ptr + b)
         key = tl.load(keys_ptr + b).to(tl.uint32)
         mrow = -1
         if HAS_MASK:
             mrow = tl.load(mask_rows_ptr + row)
         start, lane, pos, z = segment_block(logits_ptr, tau_ptr, bitmask_ptr, row, seg, inv_t, mrow, bitmask_stride,
-                                           V, HAS_MASK, True, FULL, LANES, LW)
+                                           V, HAS_MASK, HAS_TAU, FULL, LANES, LW, PL, prog % (LANES // PL), VEC, FAST)
+        if not HAS_TAU:
+            z = z * inv_t
         ml = tl.max(z, 1)                                          # per lane, in-thread
         live = ml > float("-inf")
         w = exp2_w(z * 1.4426950408889634 - (tl.where(live, ml, 0.0) * 1.4426950408889634)[:, None], FAST)
@@ -253,38 +288,36 @@ def _residual_body(logits_ptr, probs_ptr, rows_ptr, drafts_ptr, residual_ptr, ke
         g = rng.gumbel_tl(key, gid + 1610612736, FAST)                   # G_ID + g, as lane_score
         r_score = tl.where(sr > 0, tl.log(tl.maximum(sr, 1e-30)) + g, float("-inf"))
         sq, kq = lane_pick(w, gid, key, LW)
-        o = b * n_seg + seg
+        o = b * n_prog + prog
         tl.store(res_ptr + o, pack_lanes(r_score, start + tl.minimum(kr, LW - 1) * LANES + lane))
-        tl.store(q_ptr + o, pack_lanes(lane_score(ml, sq, key, gid, FAST), start + tl.minimum(kq, LW - 1) * LANES + lane))
+        tl.store(q_ptr + o, pack_lanes(lane_score(ml, sq, key, gid, FAST),
+                                       start + tl.minimum(kq, LW - 1) * LANES + lane))
 
 
 @triton.jit
-def _expand_rows_kernel(cu_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, seed_ptr, pos_ptr, C_FRESH,
-                        row_inv_t_ptr, row_greedy_ptr, row_top_k_ptr, row_top_p_ptr, row_keys_ptr, row_last_ptr):
-    """Program (request): copy its parameters onto each of its rows (what the per-row kernels read), with each
-    row's FRESH key (seed, position + j) and whether it is the request's last row."""
+def _expand_rows_kernel(cu_ptr, temp_ptr, top_k_ptr, top_p_ptr, row_inv_t_ptr, row_greedy_ptr, row_top_k_ptr,
+                        row_top_p_ptr, NR: tl.constexpr):
+    """Program (request): its filter parameters on each of its rows (what the threshold kernels read; only when
+    some request may filter)."""
     b = tl.program_id(0)
     start = tl.load(cu_ptr + b)
     n = tl.load(cu_ptr + b + 1) - start
-    inv_t = tl.load(inv_t_ptr + b)
-    greedy = tl.load(greedy_ptr + b)
+    greedy, inv_t = _request_params(temp_ptr, b)
     top_k = tl.load(top_k_ptr + b)
     top_p = tl.load(top_p_ptr + b)
-    seed = tl.load(seed_ptr + b)
-    pos0 = tl.load(pos_ptr + b)
-    for j in range(0, n):
+    for j0 in range(0, n, NR):
+        j = j0 + tl.arange(0, NR)
+        ok = j < n
         r = start + j
-        tl.store(row_inv_t_ptr + r, inv_t)
-        tl.store(row_greedy_ptr + r, greedy)
-        tl.store(row_top_k_ptr + r, top_k)
-        tl.store(row_top_p_ptr + r, top_p)
-        tl.store(row_keys_ptr + r, rng.row_key_tl(seed, pos0 + j, C_FRESH).to(tl.int64))
-        tl.store(row_last_ptr + r, (j == n - 1).to(tl.int8))
+        tl.store(row_inv_t_ptr + r, inv_t + tl.zeros([NR], tl.float32), mask=ok)
+        tl.store(row_greedy_ptr + r, greedy.to(tl.int8) + tl.zeros([NR], tl.int8), mask=ok)
+        tl.store(row_top_k_ptr + r, top_k + tl.zeros([NR], tl.int64), mask=ok)
+        tl.store(row_top_p_ptr + r, top_p + tl.zeros([NR], tl.float32), mask=ok)
 
 
 @triton.jit
 def _merge(mc_ptr, sc_ptr, pack_ptr, ro, n_seg, NCP: tl.constexpr):
-    """A row's (m, s, packed best) from its segments' (M_c, S_c, candidate)."""
+    """A row's (m, s, packed best) from its parts' (M_c, S_c, candidate)."""
     c = tl.arange(0, NCP)
     mc = tl.load(mc_ptr + ro * n_seg + c, mask=c < n_seg, other=float("-inf"))
     sc = tl.load(sc_ptr + ro * n_seg + c, mask=c < n_seg, other=0.0)
@@ -296,50 +329,54 @@ def _merge(mc_ptr, sc_ptr, pack_ptr, ro, n_seg, NCP: tl.constexpr):
 
 
 @triton.jit
-def _accept_kernel(logits_ptr, probs_ptr, drafts_ptr, cu_ptr, seed_ptr, pos_ptr, inv_t_ptr, greedy_ptr, tau_ptr,
+def _accept_kernel(logits_ptr, probs_ptr, drafts_ptr, cu_ptr, seed_ptr, pos_ptr, temp_ptr, tau_ptr,
                    mc_ptr, sc_ptr, pack_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_seg,
                    m_ptr, s_ptr, n_acc_ptr, rows_f_ptr, draft_f_ptr, residual_ptr, keys_f_ptr, tokens_ptr, final_ptr,
-                   C_VERIFY, C_RESIDUAL, HAS_MASK: tl.constexpr, HAS_PROBS: tl.constexpr, NCP: tl.constexpr,
-                   NR: tl.constexpr):
-    """Program (request): merge its rows' segment statistics and run the ratio test of NR rows at a time (all
-    their loads in flight together; the rows of a chunk are independent), up to the first rejection; write the
-    accepted drafts (-1 on the other rows). A request that needs no residual (all drafts accepted: the bonus
-    draw of its last row; greedy: the argmax of its final row) gets its final token here; the others get the
-    residual pass's inputs."""
+                   C_VERIFY, C_RESIDUAL, HAS_MASK: tl.constexpr, HAS_PROBS: tl.constexpr, HAS_TAU: tl.constexpr,
+                   NCP: tl.constexpr, NR: tl.constexpr):
+    """Program (request): merge its rows' statistics and run the ratio test of NR rows at a time (all their loads
+    in flight together; the rows of a chunk are independent), up to the first rejection; write the accepted
+    drafts (-1 on the other rows). A request that needs no residual (all drafts accepted: the bonus draw of its
+    last row; greedy: the argmax of its final row) gets its final token here; the others get the residual
+    pass's inputs."""
     b = tl.program_id(0)
     start = tl.load(cu_ptr + b)
     n = tl.load(cu_ptr + b + 1) - start
     seed = tl.load(seed_ptr + b)
     pos0 = tl.load(pos_ptr + b)
-    inv_t = tl.load(inv_t_ptr + b)
-    greedy = tl.load(greedy_ptr + b) != 0
+    greedy, inv_t = _request_params(temp_ptr, b)
     n_acc = n - 1
     jj = tl.arange(0, NR)
     c = tl.arange(0, NCP)
+    bests = tl.full([NR], -9223372036854775807, tl.int64)            # the first chunk's packed winners
     for j0 in range(0, n, NR):
         j = j0 + jj
         live = j < n
         r = start + j
         ro = r.to(tl.int64)
+        test = live & (j < n - 1)                                  # rows that verify a draft
+        d = tl.load(drafts_ptr + r, mask=test, other=-1)
         o = ro[:, None] * n_seg + c[None, :]
         okc = live[:, None] & (c[None, :] < n_seg)
         mc = tl.load(mc_ptr + o, mask=okc, other=float("-inf"))
         sc = tl.load(sc_ptr + o, mask=okc, other=0.0)
         best = tl.max(tl.load(pack_ptr + o, mask=okc, other=-9223372036854775807), 1)
+        if j0 == 0:
+            bests = best
         m = tl.max(mc, 1)
         s = tl.sum(tl.where(mc > float("-inf"), sc * tl.exp2((mc - tl.where(m > float("-inf"), m, 0.0)[:, None])
                                                                * 1.4426950408889634), 0.0), 1)
         tl.store(m_ptr + r, m, mask=live)
         tl.store(s_ptr + r, s, mask=live)
-        test = live & (j < n - 1)                                  # rows that verify a draft
-        d = tl.load(drafts_ptr + r, mask=test, other=-1)
         dc = tl.minimum(tl.maximum(d, 0), V - 1)
         z = tl.load(logits_ptr + ro * V + dc, mask=test, other=0.0).to(tl.float32) * inv_t
         if HAS_MASK:
             mrow = tl.load(mask_rows_ptr + r, mask=test, other=-1)
             w = tl.load(bitmask_ptr + tl.maximum(mrow, 0) * bitmask_stride + dc // 32, mask=test, other=-1)
             z = tl.where((((w >> (dc % 32).to(tl.int32)) & 1) != 0) | (mrow < 0), z, float("-inf"))
-        kept = (z >= tl.load(tau_ptr + r, mask=test, other=0.0)) & (z > float("-inf"))
+        kept = z > float("-inf")
+        if HAS_TAU:
+            kept = kept & (z >= tl.load(tau_ptr + r, mask=test, other=0.0))
         q = tl.where(kept, tl.exp(z - m) / s, 0.0)
         amax = 4294967295 - (best & 4294967295)                    # greedy rows: the first maximum
         q = tl.where(greedy, tl.where((dc == amax) & ((best >> 32) > _NEG_INF_KEY), 1.0, 0.0), q)
@@ -361,7 +398,10 @@ def _accept_kernel(logits_ptr, probs_ptr, drafts_ptr, cu_ptr, seed_ptr, pos_ptr,
     tl.store(residual_ptr + b, residual.to(tl.int8))
     tl.store(keys_f_ptr + b, rng.row_key_tl(seed, pos0 + n_acc, C_RESIDUAL).to(tl.int64))
     if not residual:
-        best = _merge(mc_ptr, sc_ptr, pack_ptr, rows_f.to(tl.int64), n_seg, NCP)[2]
+        if n_acc < NR:          # the final row's winner was loaded with the first chunk (no second round trip)
+            best = tl.max(tl.where(jj == n_acc, bests, -9223372036854775807), 0)
+        else:
+            best = _merge(mc_ptr, sc_ptr, pack_ptr, rows_f.to(tl.int64), n_seg, NCP)[2]
         tok = tl.where((best >> 32) > _NEG_INF_KEY, 4294967295 - (best & 4294967295), -1)
         tl.store(final_ptr + b, tok)
         tl.store(tokens_ptr + rows_f, tok)
@@ -385,44 +425,45 @@ def _finish_residual_kernel(res_ptr, q_ptr, rows_f_ptr, residual_ptr, final_ptr,
         tl.store(tokens_ptr + tl.load(rows_f_ptr + b), tok)
 
 
-def _accept_triton(logits, cu_rows, draft_tokens, draft_probs, req: RowParams, seed, position, bitmask, mrows,
-                   num_warps=2, stages=9, filters=None, histogram=None):
-    """The whole acceptance step in nine launches (four of them the top-k/top-p threshold, which exits at once on
-    rows without filters) and no host synchronisation: expand parameters to rows, thresholds, one statistics
-    pass over all rows (with the last rows' bonus draws), the per-request ratio test, the residual pass over the
-    final rows that rejected, the residual finish. stages < 9 stops after that many launches (benchmarks time
-    the stages by differences; the result is then unfinished)."""
+def _accept_triton(logits, cu_rows, draft_tokens, draft_probs, temperature, top_k, top_p, seed, position, bitmask,
+                   mrows, stages=9, filters=None, histogram=None, shape=None):
+    """The whole acceptance step in four launches when the host says no request filters (statistics pass with
+    the bonus draws, ratio test, residual pass, residual finish), three more otherwise (per-row filter
+    parameters, then the top-k/top-p thresholds: kernels/threshold.py), no host synchronisation, no torch ops
+    on the parameters (each kernel derives 1/T, greedy and its rng keys from the per-request tensors).
+    temperature, top_k, top_p, seed, position: per-request device tensors [B]. shape: the pass's program shape
+    (sampling.pass_shape). stages < 9 stops after that many launches (benchmarks time the stages by
+    differences; the result is then unfinished)."""
     R, V = logits.shape
     B = cu_rows.numel() - 1
     dev = logits.device
-    greedy = req.greedy.to(torch.int8)
-    rows = RowParams(torch.empty(R, dtype=torch.float32, device=dev), torch.empty(R, dtype=torch.int8, device=dev),
-                     torch.empty(R, dtype=torch.int64, device=dev), torch.empty(R, dtype=torch.float32, device=dev),
-                     torch.empty(R, dtype=torch.int64, device=dev))
-    last = torch.empty(R, dtype=torch.int8, device=dev)
-    _expand_rows_kernel[(B,)](cu_rows, req.inv_temperature, greedy, req.top_k, req.top_p, seed, position,
-                              rng.stream_constant(rng.FRESH), rows.inv_temperature, rows.greedy, rows.top_k,
-                              rows.top_p, rows.keys, last, num_warps=1)
-    if stages < 2:
-        return None
-    if filters is False:             # the host knows no row filters: no threshold launches (grids that would exit)
-        tau = torch.full((R,), NEG_INF, dtype=torch.float32, device=dev)
-    else:
+    has_tau = filters is not False
+    tau = logits
+    if has_tau:
+        rows = RowParams(torch.empty(R, dtype=torch.float32, device=dev),
+                         torch.empty(R, dtype=torch.int8, device=dev),
+                         torch.empty(R, dtype=torch.int64, device=dev), torch.empty(R, dtype=torch.float32, device=dev),
+                         logits)
+        _expand_rows_kernel[(B,)](cu_rows, temperature, top_k, top_p, rows.inv_temperature, rows.greedy, rows.top_k,
+                                  rows.top_p, NR=8, num_warps=1)
         tau = thresholds_triton(logits, rows, bitmask, mrows, histogram=histogram)
     if stages < 6:
         return None
     seg, lanes = LAYOUT
-    n_seg = triton.cdiv(V, seg)
-    mc = torch.empty((R, n_seg), dtype=torch.float32, device=dev)
+    pl, warps, vec = pass_shape(lanes, shape or SPEC_SHAPE)
+    n_prog = triton.cdiv(V, seg) * (lanes // pl)
+    mc = torch.empty((R, n_prog), dtype=torch.float32, device=dev)
     sc = torch.empty_like(mc)
-    pack = torch.empty((R, n_seg), dtype=torch.int64, device=dev)
+    pack = torch.empty((R, n_prog), dtype=torch.int64, device=dev)
     has_mask, has_probs = bitmask is not None, draft_probs is not None
     bm = bitmask if has_mask else logits
-    mr = mrows if has_mask else tau
+    mr = mrows if has_mask else cu_rows
     stride = bitmask.stride(0) if has_mask else 0
-    _stats_kernel[(R, n_seg)](logits, mc, sc, pack, rows.inv_temperature, rows.greedy, tau, rows.keys, last, bm, mr,
-                              stride, V, n_seg, HAS_MASK=has_mask, LANES=lanes, LW=seg // lanes, FAST=not INTERPRETING,
-                              num_warps=num_warps)
+    consts = dict(HAS_MASK=has_mask, HAS_TAU=has_tau, LANES=lanes, LW=seg // lanes, PL=pl, VEC=vec,
+                  FAST=not INTERPRETING)
+    _stats_kernel[(R, n_prog)](logits, mc, sc, pack, cu_rows, temperature, seed, position, tau, bm, mr, stride, V,
+                               n_prog, B, rng.stream_constant(rng.FRESH), NB=max(16, triton.next_power_of_2(B)),
+                               num_warps=warps, **consts)
     if stages < 7:
         return None
     m = torch.empty(R, dtype=torch.float32, device=dev)
@@ -434,23 +475,22 @@ def _accept_triton(logits, cu_rows, draft_tokens, draft_probs, req: RowParams, s
     keys_f = torch.empty(B, dtype=torch.int64, device=dev)
     tokens = empty((R,), torch.int64, dev)
     final = empty((B,), torch.int64, dev)
-    ncp = max(16, triton.next_power_of_2(n_seg))
+    ncp = max(16, triton.next_power_of_2(n_prog))
     _accept_kernel[(B,)](logits, draft_probs if has_probs else logits, draft_tokens, cu_rows, seed, position,
-                         req.inv_temperature, greedy, tau, mc, sc, pack, bm, mr, stride, V, n_seg, m, s,
+                         temperature, tau, mc, sc, pack, bm, mr, stride, V, n_prog, m, s,
                          n_acc, rows_f, draft_f, residual, keys_f, tokens, final, rng.stream_constant(rng.VERIFY),
-                         rng.stream_constant(rng.RESIDUAL), HAS_MASK=has_mask, HAS_PROBS=has_probs, NCP=ncp,
-                         NR=8, num_warps=1)
+                         rng.stream_constant(rng.RESIDUAL), HAS_MASK=has_mask, HAS_PROBS=has_probs, HAS_TAU=has_tau,
+                         NCP=ncp, NR=8, num_warps=1)
     if stages < 8:
         return None
-    res_c = torch.empty((B, n_seg), dtype=torch.int64, device=dev)
+    res_c = torch.empty((B, n_prog), dtype=torch.int64, device=dev)
     q_c = torch.empty_like(res_c)
-    _residual_kernel[(B, n_seg)](
-        logits, draft_probs if has_probs else logits, rows_f, draft_f, residual, keys_f, rows.inv_temperature, tau,
-        m, s, mc, bm, mr, stride, V, n_seg, res_c, q_c, HAS_MASK=has_mask, HAS_PROBS=has_probs, LANES=lanes,
-        LW=seg // lanes, FAST=not INTERPRETING, num_warps=num_warps)
+    _residual_kernel[(B, n_prog)](
+        logits, draft_probs if has_probs else logits, rows_f, draft_f, residual, keys_f, temperature, tau,
+        m, s, bm, mr, stride, V, n_prog, res_c, q_c, HAS_PROBS=has_probs, num_warps=warps, **consts)
     if stages < 9:
         return None
-    _finish_residual_kernel[(B,)](res_c, q_c, rows_f, residual, final, tokens, n_seg, BLOCK=ncp, num_warps=1)
+    _finish_residual_kernel[(B,)](res_c, q_c, rows_f, residual, final, tokens, n_prog, BLOCK=ncp, num_warps=1)
     return AcceptResult(n_acc, tokens, final)
 
 
@@ -486,17 +526,21 @@ def speculative_accept(logits: torch.Tensor, cu_rows: torch.Tensor, draft_tokens
     mrows = default_mask_rows(mask_rows, R, logits.device) if bitmask is not None else None
     triton_path = use_triton(logits) if backend == "auto" else backend == "triton"
     if triton_path:
-        from .sampling import _per_row, row_params
-        # device tensors stay where they are (no host copies: the step can be captured in a CUDA graph)
-        seed = _per_row(seed, B, torch.int64, logits.device, "seed")
-        position = _per_row(position, B, torch.int64, logits.device, "position")
+        from .sampling import _per_row
+        # device tensors stay where they are (no host copies: the step can be captured in a CUDA graph); the
+        # kernels derive 1/T, greedy and the rng keys themselves (no torch ops on the parameters)
+        dev = logits.device
+        seed = _per_row(seed, B, torch.int64, dev, "seed")
+        position = _per_row(position, B, torch.int64, dev, "position")
         if not any(isinstance(x, torch.Tensor) and x.is_cuda for x in (temperature, top_k, top_p)):
-            host = row_params(B, "cpu", temperature, top_k, top_p, 0, 0)
+            host = row_params(B, "cpu", temperature, top_k, top_p, 0, 0)        # validates on the host
             filters = may_filter(host, V) if filters is None else filters
             histogram = needs_histogram_path(host, V) if histogram is None else histogram
-        req = row_params(B, logits.device, temperature, top_k, top_p, seed, position)      # validates shapes
-        return _accept_triton(logits, cu_rows, draft_tokens, draft_probs, req, seed, position, bitmask, mrows,
-                              filters=filters, histogram=histogram)
+        temperature = _per_row(temperature, B, torch.float32, dev, "temperature")
+        top_k = _per_row(top_k, B, torch.int64, dev, "top_k")
+        top_p = _per_row(top_p, B, torch.float32, dev, "top_p")
+        return _accept_triton(logits, cu_rows, draft_tokens, draft_probs, temperature, top_k, top_p, seed, position,
+                              bitmask, mrows, filters=filters, histogram=histogram)
     rows = _rows(cu_rows, R, temperature, top_k, top_p, seed, position)
     tau, m, s, argmax = _stats_torch(logits, rows.params, bitmask, mrows)
     n_acc = _accept_and_finalise(logits, rows, tau, m, s, argmax, draft_tokens, draft_probs, bitmask, mrows, B)

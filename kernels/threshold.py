@@ -1,14 +1,19 @@
 """The exact top-k/top-p threshold tau of every row, in a few parallel passes instead of a 32-step bisection.
 
 Two paths, both exact:
-- candidate path (rows with 0 < top_k <= KMAX, and rows with top-p alone, which try k = KMAX and keep the
-  result when those KMAX tokens carry >= p of the row's mass, i.e. the kept set is inside them; two launches, one
-  read of the row): `_cand_kernel` per (row,
-  4096-token segment) finds t_c, a value with >= k of its 256 lane maxima above it (so the row's k-th largest z is
-  >= t_c), and writes its tokens >= t_c compactly; `_cand_tau_kernel` per row keeps the candidates >= max_c t_c
-  (exactly the row's tokens above that bound, a superset of the top-k set), finds the k-th largest among them and
-  applies top-p on the top-k set (all pairs when it is small). A segment with more than CAND candidates (massive
-  ties) sends its row to the exact row-wide bisection inside the merge.
+- lane path (rows with 0 < top_k <= KMAX, and rows with top-p alone, which try k = KMAX and keep the result when
+  those KMAX tokens carry >= p of the row's mass, i.e. the kept set is inside them; two launches, one read of the
+  row; `lane_path`): `_lane_max_kernel` per (row, PL lanes of a segment) stores every lane's max z (a lane: the
+  16 tokens of the sampling rule's lane, held by one thread: no block reduction at all) and, for top-p-alone
+  rows, its mass; `_lane_merge_kernel` per row picks an upper set of lanes by lane max holding >= k lanes
+  (`_lane_bound`: up to three 64-bin histograms until at most LCAP = 128 lanes remain). Every token >= the
+  smallest selected lane max sits in a selected lane and at least k tokens do, so the top-k set is inside them:
+  the merge gathers those lanes' tokens ([LCAP, 16], from L2), finds t_k and top-p on the top-k set by all
+  pairs (`_block_tau`; a histogram top slice first when there are more than KP = 128 candidates) and, when
+  sampling, draws the row's token with the sampling pass's own per-lane operations on those lanes restricted to
+  z >= tau (every other lane holds no kept token: it would score -inf in the pass). More than LCAP lanes tied at
+  the bound (massive ties) send the row to the exact row-wide bisection and a draw by a loop over the row, in
+  the merge.
 - histogram path (top_k > KMAX; top-p alone when the KMAX largest carry less than p), below.
 
 Definition (kernels/sampling.py): the top-k set K = {v : fewer than k allowed tokens have z > z_v}; v in K is
@@ -47,10 +52,8 @@ SMALL = 256           # candidates up to this many take the short-block variant 
 GATHER_LANES = 512    # lanes of the candidate pass's [lanes, CHUNK / lanes] blocks
 BIN_LIMIT = 1 << 24   # |z * INV_W| is clamped here (bin numbers and bin edges stay exact in fp32)
 KMAX = 64             # rows with 0 < top_k <= KMAX take the candidate path (two launches, one read)
-CAND = 128            # candidates a (row, segment) program may keep on that path; more: the row's exact fallback
 KP = 128              # top-k sets up to this size get top-p by all pairs (larger: a bisection)
-KD = 64               # top-k sets up to this size get their token drawn in the merge (larger: the sampling pass)
-SEG_STEPS = 8         # bisection steps on a segment's lane maxima
+HB = 64               # bins of the merge's top-slice histogram (many candidates: one histogram, not halvings)
 
 
 @triton.jit
@@ -161,35 +164,92 @@ def _select_kernel(greedy_ptr, top_k_ptr, top_p_ptr, todo_ptr, V, n_chunks, cmax
     tl.store(ncand_ptr + row, ncand)
 
 
+def _words_asm(vec: int) -> str:
+    """PTX for `_load_words` over `vec` packed elements (operands: vec outputs, then vec addresses, vec word
+    offsets, vec predicates): element 0 loads its word; every other element copies element 0's word when its word
+    offset is the same and loads its own otherwise. Packed elements are consecutive registers of one thread, and
+    which tokens those are depends on the layout Triton picks: side-by-side lanes of one word when the logits
+    load is vectorised ([VEC, 1] per thread), but lanes 64 apart (other words) when it is not (a vocabulary that
+    is not a multiple of 16, say). The first form of this asm (session 4) copied element 0's word blindly, so
+    masked rows drew wrong tokens at V = 9,000 and 1,000 on an H200 while the interpreter (tl.load) passed."""
+    o, a, w, p = 0, vec, 2 * vec, 3 * vec
+    lines = [f"setp.ne.b32 p, ${p}, 0;", f"mov.b32 ${o}, -1;", f"@p ld.global.nc.b32 ${o}, [${a}];"]
+    for i in range(1, vec):
+        lines += [f"mov.b32 ${o + i}, ${o};", f"setp.ne.and.b32 q, ${w + i}, ${w}, p;",
+                  f"@q ld.global.nc.b32 ${o + i}, [${a + i}];"]
+    return "{ .reg .pred p, q; " + " ".join(lines) + " }"
+
+
+WORDS_ASM_4 = tl.constexpr(_words_asm(4))
+WORDS_ASM_2 = tl.constexpr(_words_asm(2))
+
+
 @triton.jit
-def lane_block_z(logits_ptr, bitmask_ptr, row, start, V, inv_t, mrow, bitmask_stride, HAS_MASK: tl.constexpr,
-                 FULL: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr):
-    """z = x / T of the tokens start + k * LANES + l as a [LANES, LW] block (lanes along dim 0, contiguous in
-    memory and spread over threads; a lane's LW tokens along dim 1, held by one thread, so per-lane reductions
-    need no communication), -inf for padding and banned tokens. FULL: no token is past V (no bounds checks).
-    Returns (z, position in the block)."""
-    lane = tl.arange(0, LANES)
+def _load_words(bitmask_ptr, woff, ok, VEC: tl.constexpr, FAST: tl.constexpr):
+    """The bitmask words of a [lanes, LW] block (woff: each token's word offset from bitmask_ptr, int32; ok: a
+    scalar, False = unmasked row: all bits set). On a GPU the VEC elements a thread packs share one load when they
+    sit in one word (lanes side by side: a plain tl.load would issue VEC loads of the same address), whatever the
+    layout (`_words_asm`); the interpreter loads per element."""
+    wptr = bitmask_ptr + woff
+    if FAST and VEC == 4:
+        addr = wptr.to(tl.int64, bitcast=True)
+        pred = ((woff == woff) & ok).to(tl.int32)
+        return tl.inline_asm_elementwise(WORDS_ASM_4, "=r,=r,=r,=r,l,l,l,l,r,r,r,r,r,r,r,r",
+                                         [addr, woff.to(tl.int32), pred], dtype=tl.int32, is_pure=True, pack=4)
+    elif FAST and VEC == 2:
+        addr = wptr.to(tl.int64, bitcast=True)
+        pred = ((woff == woff) & ok).to(tl.int32)
+        return tl.inline_asm_elementwise(WORDS_ASM_2, "=r,=r,l,l,r,r,r,r", [addr, woff.to(tl.int32), pred],
+                                         dtype=tl.int32, is_pure=True, pack=2)
+    else:
+        return tl.load(wptr, mask=ok, other=-1)
+
+
+@triton.jit
+def lane_block(logits_ptr, bitmask_ptr, row, start, V, mrow, bitmask_stride, HAS_MASK: tl.constexpr,
+               FULL: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr, sub, VEC: tl.constexpr,
+               FAST: tl.constexpr):
+    """Raw logits (fp32) of the tokens start + k * LANES + l, l = sub * PL .. sub * PL + PL - 1, as a [PL, LW]
+    block: lanes along dim 0 (contiguous in memory, VEC side by side per thread: 16 / 8 / 4-byte loads, spread
+    over threads), a lane's LW tokens along dim 1 (held by one thread, so per-lane reductions need no
+    communication); -inf for padding and banned tokens. FULL: no token is past V (no bounds checks).
+    Returns (lane, pos, x): lane and pos counted from start."""
+    lane = sub * PL + tl.arange(0, PL)
     k = tl.arange(0, LW)
     pos = lane[:, None] + k[None, :] * LANES
+    pos = tl.max_contiguous(tl.multiple_of(pos, [VEC, 1]), [VEC, 1])
     ptrs = logits_ptr + row * V + start + pos
     if FULL:
         x = tl.load(ptrs).to(tl.float32)
     else:
-        x = tl.load(ptrs, mask=start + pos < V, other=float("-inf")).to(tl.float32)
+        x = tl.load(ptrs, mask=pos < V - start, other=float("-inf")).to(tl.float32)
     if HAS_MASK:
-        # the word offsets keep dim 0 first in contiguity, so the words load takes the logits' layout
-        wptr = bitmask_ptr + mrow * bitmask_stride + (start + k[None, :] * LANES) // 32 + lane[:, None] // 32
+        # token start + pos sits in word (start + pos) // 32 at bit pos % 32 (start, LANES multiples of 32); the
+        # offsets keep dim 0 first in contiguity so that the words load takes the logits' layout
+        woff = (start + k[None, :] * LANES) // 32 + lane[:, None] // 32
         if FULL:
-            words = tl.load(wptr, mask=mrow >= 0, other=-1)
+            words = _load_words(bitmask_ptr + mrow * bitmask_stride, woff, mrow >= 0, VEC, FAST)
         else:
-            words = tl.load(wptr, mask=(mrow >= 0) & (start + pos < V), other=-1)
+            words = tl.load(bitmask_ptr + mrow * bitmask_stride + woff, mask=(mrow >= 0) & (pos < V - start),
+                            other=-1)
         x = tl.where((words & (1 << (lane % 32))[:, None]) != 0, x, float("-inf"))
+    return lane, pos, x
+
+
+@triton.jit
+def lane_block_z(logits_ptr, bitmask_ptr, row, start, V, inv_t, mrow, bitmask_stride, HAS_MASK: tl.constexpr,
+                 FULL: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr, sub,
+                 VEC: tl.constexpr, FAST: tl.constexpr):
+    """`lane_block` as z = x / T. Returns (z, position in the block)."""
+    lane, pos, x = lane_block(logits_ptr, bitmask_ptr, row, start, V, mrow, bitmask_stride, HAS_MASK, FULL, LANES, LW,
+                              PL, sub, VEC, FAST)
     return x * inv_t, pos
 
 
 @triton.jit
 def row_block_z(logits_ptr, bitmask_ptr, mask_rows_ptr, inv_t_ptr, row, start, V, bitmask_stride,
-                HAS_MASK: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr):
+                HAS_MASK: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr, sub,
+                VEC: tl.constexpr, FAST: tl.constexpr):
     """`lane_block_z` of row `row` from `start`, with the row's mask row and 1/T loaded here; the bounds-checked
     form only for the block that reaches past V."""
     mrow = -1
@@ -198,17 +258,18 @@ def row_block_z(logits_ptr, bitmask_ptr, mask_rows_ptr, inv_t_ptr, row, start, V
     inv_t = tl.load(inv_t_ptr + row)
     if start + LANES * LW <= V:
         z, pos = lane_block_z(logits_ptr, bitmask_ptr, row, start, V, inv_t, mrow, bitmask_stride, HAS_MASK,
-                              True, LANES, LW)
+                              True, LANES, LW, PL, sub, VEC, FAST)
     else:
         z, pos = lane_block_z(logits_ptr, bitmask_ptr, row, start, V, inv_t, mrow, bitmask_stride, HAS_MASK,
-                              False, LANES, LW)
+                              False, LANES, LW, PL, sub, VEC, FAST)
     return z, pos
 
 
 @triton.jit
 def _gather_kernel(logits_ptr, inv_t_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_chunks, low_ptr,
                    ncand_ptr, offset_ptr, cand_ptr, HAS_MASK: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr,
-                   INV_W: tl.constexpr, BIN_LIMIT: tl.constexpr, CMAX: tl.constexpr):
+                   INV_W: tl.constexpr, BIN_LIMIT: tl.constexpr, CMAX: tl.constexpr, VEC: tl.constexpr,
+                   FAST: tl.constexpr):
     """Program (row, chunk): the chunk's candidates (z in a bin >= the lowest candidate bin), written compactly
     at the chunk's offset in lane-major order (one scan over the lanes' counts, then a running count inside each
     lane, held by one thread)."""
@@ -216,7 +277,7 @@ def _gather_kernel(logits_ptr, inv_t_ptr, bitmask_ptr, mask_rows_ptr, bitmask_st
     chunk = tl.program_id(1)
     if tl.load(ncand_ptr + row) > 0:
         z, pos = row_block_z(logits_ptr, bitmask_ptr, mask_rows_ptr, inv_t_ptr, row, chunk * (LANES * LW), V,
-                             bitmask_stride, HAS_MASK, LANES, LW)
+                             bitmask_stride, HAS_MASK, LANES, LW, LANES, 0, VEC, FAST)
         is_c = ((z > float("-inf")) & (_bin(z, INV_W, BIN_LIMIT) >= tl.load(low_ptr + row))).to(tl.int32)
         per_lane = tl.sum(is_c, 1)
         lane_start = tl.cumsum(per_lane, 0) - per_lane
@@ -231,17 +292,49 @@ def _ordered(x):
 
 
 @triton.jit
-def _count_mass_above(logits_ptr, row, V, inv_t, bitmask_ptr, mrow, bitmask_stride, t, m, s,
-                      HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
-    cnt = tl.zeros([BLOCK], tl.int32)
-    mass = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, V, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        z = load_z(logits_ptr, row, cols, V, inv_t, bitmask_ptr, mrow, bitmask_stride, HAS_MASK)
+def _count_mass_above(t, z, e, logits_ptr, row, V, inv_t, bitmask_ptr, mrow, bitmask_stride, m,
+                      HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, FROM_ROW: tl.constexpr):
+    """(count, sum of exp(z - m)) of the values > t: of block z (weights e) or, FROM_ROW, of the row in memory
+    (one pass over it)."""
+    if FROM_ROW:
+        cnt = tl.zeros([BLOCK], tl.int32)
+        mass = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            zr = load_z(logits_ptr, row, cols, V, inv_t, bitmask_ptr, mrow, bitmask_stride, HAS_MASK)
+            above = zr > t
+            cnt += above.to(tl.int32)
+            mass += tl.where(above, tl.exp(zr - m), 0.0)
+        return tl.sum(cnt, 0), tl.sum(mass, 0)
+    else:
         above = z > t
-        cnt += above.to(tl.int32)
-        mass += tl.where(above, tl.exp(z - m), 0.0)
-    return tl.sum(cnt, 0), tl.sum(mass, 0) / s
+        return tl.sum(above.to(tl.int32), 0), tl.sum(tl.where(above, e, 0.0), 0)
+
+
+@triton.jit
+def _bisect(z, e, zmin, m, top_k, top_p, s, logits_ptr, row, V, inv_t, bitmask_ptr, mrow, bitmask_stride,
+            HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, FROM_ROW: tl.constexpr):
+    """Smallest t among the values (block z with weights e, or FROM_ROW the row in memory) with keep(t):
+    count(z > t) < k and mass(z > t) < p * s (s: the mass p is relative to); keep is monotone in t and true at
+    t = m. A bisection on the ordered fp32 bits between zmin and m (<= 32 steps, each a count: two block
+    reductions, or a pass over the row)."""
+    cnt, mass = _count_mass_above(zmin, z, e, logits_ptr, row, V, inv_t, bitmask_ptr, mrow, bitmask_stride, m,
+                                  HAS_MASK, BLOCK, FROM_ROW)
+    tau = zmin
+    if (cnt >= top_k) | (mass >= _p_limit(top_p, s)):
+        lo = _ordered(zmin.to(tl.int32, bitcast=True)).to(tl.int64)      # keep(lo) is false
+        hi = _ordered(m.to(tl.int32, bitcast=True)).to(tl.int64)         # keep(hi) is true
+        while hi - lo > 1:
+            mid = lo + (hi - lo) // 2
+            t = _ordered(mid.to(tl.int32)).to(tl.float32, bitcast=True)
+            cnt, mass = _count_mass_above(t, z, e, logits_ptr, row, V, inv_t, bitmask_ptr, mrow, bitmask_stride, m,
+                                          HAS_MASK, BLOCK, FROM_ROW)
+            if (cnt < top_k) & (mass < _p_limit(top_p, s)):
+                hi = mid
+            else:
+                lo = mid
+        tau = _ordered(hi.to(tl.int32)).to(tl.float32, bitcast=True)
+    return tau
 
 
 @triton.jit
@@ -286,36 +379,12 @@ def _bisect_tau(logits_ptr, row, V, inv_t, top_k, top_p, bitmask_ptr, mrow, bitm
     if m > float("-inf"):
         sk = s
         if top_k < V:                                   # K = {z >= t_k}: its mass renormalises top-p
-            t_k = _bisect_row(logits_ptr, row, V, inv_t, top_k, 2.0, bitmask_ptr, mrow, bitmask_stride, zmin, m,
-                              s, HAS_MASK, BLOCK)
+            t_k = _bisect(zmin, zmin, zmin, m, top_k, 2.0, s, logits_ptr, row, V, inv_t, bitmask_ptr, mrow,
+                          bitmask_stride, HAS_MASK, BLOCK, True)
             sk = _mass_at_least(logits_ptr, row, V, inv_t, bitmask_ptr, mrow, bitmask_stride, t_k, m, HAS_MASK,
                                 BLOCK)
-        tau = _bisect_row(logits_ptr, row, V, inv_t, top_k, top_p, bitmask_ptr, mrow, bitmask_stride, zmin, m, sk,
-                          HAS_MASK, BLOCK)
-    return tau
-
-
-@triton.jit
-def _bisect_row(logits_ptr, row, V, inv_t, top_k, top_p, bitmask_ptr, mrow, bitmask_stride, zmin, m, s,
-                HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
-    """Smallest t among the row's values with keep(t): count(z > t) < k and mass(z > t) < p * s (s: the mass p
-    is relative to); keep is monotone in t and true at t = max."""
-    cnt, mass = _count_mass_above(logits_ptr, row, V, inv_t, bitmask_ptr, mrow, bitmask_stride, zmin, m, s,
-                                  HAS_MASK, BLOCK)
-    tau = zmin
-    if (cnt >= top_k) | (mass >= _p_limit(top_p, 1.0)):
-        lo = _ordered(zmin.to(tl.int32, bitcast=True)).to(tl.int64)      # keep(lo) is false
-        hi = _ordered(m.to(tl.int32, bitcast=True)).to(tl.int64)         # keep(hi) is true
-        while hi - lo > 1:
-            mid = lo + (hi - lo) // 2
-            t = _ordered(mid.to(tl.int32)).to(tl.float32, bitcast=True)
-            cnt, mass = _count_mass_above(logits_ptr, row, V, inv_t, bitmask_ptr, mrow, bitmask_stride, t,
-                                          m, s, HAS_MASK, BLOCK)
-            if (cnt < top_k) & (mass < _p_limit(top_p, 1.0)):
-                hi = mid
-            else:
-                lo = mid
-        tau = _ordered(hi.to(tl.int32)).to(tl.float32, bitcast=True)
+        tau = _bisect(zmin, zmin, zmin, m, top_k, top_p, sk, logits_ptr, row, V, inv_t, bitmask_ptr, mrow,
+                      bitmask_stride, HAS_MASK, BLOCK, True)
     return tau
 
 
@@ -330,31 +399,28 @@ def _bisect_candidates(cand_ptr, n, m, s, top_k, top_p, V, BLOCK: tl.constexpr):
     zmin = tl.min(tl.where(z > float("-inf"), z, float("inf")), 0)
     sk = s
     if top_k < V:
-        t_k = _bisect_block(z, e, zmin, m, top_k, 2.0, 1.0)
+        t_k = _bisect(z, e, zmin, m, top_k, 2.0, 1.0, cand_ptr, 0, V, 1.0, cand_ptr, 0, 0, False, BLOCK, False)
         sk = tl.sum(tl.where(z >= t_k, e, 0.0), 0)
-    return _bisect_block(z, e, zmin, m, top_k, top_p, sk)
+    return _bisect(z, e, zmin, m, top_k, top_p, sk, cand_ptr, 0, V, 1.0, cand_ptr, 0, 0, False, BLOCK, False)
 
 
 @triton.jit
-def _bisect_block(z, e, zmin, m, top_k, top_p, s):
-    """Smallest t among the values of block z (weights e) with count(z > t) < k and mass(z > t) < p * s:
-    bisection on the ordered fp32 bits between the smallest value and m (<= 32 steps, each a compare and two
-    block reductions)."""
-    above = z > zmin
-    tau = zmin
-    if (tl.sum(above.to(tl.int32), 0) >= top_k) | (tl.sum(tl.where(above, e, 0.0), 0) >= _p_limit(top_p, s)):
-        lo = _ordered(zmin.to(tl.int32, bitcast=True)).to(tl.int64)          # keep(lo) is false
-        hi = _ordered(m.to(tl.int32, bitcast=True)).to(tl.int64)             # keep(hi) is true
-        while hi - lo > 1:
-            mid = lo + (hi - lo) // 2
-            t = _ordered(mid.to(tl.int32)).to(tl.float32, bitcast=True)
-            above = z > t
-            if (tl.sum(above.to(tl.int32), 0) < top_k) & (tl.sum(tl.where(above, e, 0.0), 0) < _p_limit(top_p, s)):
-                hi = mid
-            else:
-                lo = mid
-        tau = _ordered(hi.to(tl.int32)).to(tl.float32, bitcast=True)
-    return tau
+def _pairs_above(ptr, n, m, N: tl.constexpr, JB: tl.constexpr):
+    """(z [N], count [N], mass [N]): the n values at ptr (-inf padding) and, for each, the count and the sum of
+    exp(z - m) of the values strictly larger: all pairs, JB columns at a time (independent blocks, no serial
+    search)."""
+    i = tl.arange(0, N)
+    z = tl.load(ptr + i, mask=i < n, other=float("-inf"))
+    cnt = tl.zeros([N], tl.int32)
+    mass = tl.zeros([N], tl.float32)
+    for j0 in tl.static_range(0, N, JB):
+        j = j0 + tl.arange(0, JB)
+        zj = tl.load(ptr + j, mask=j < n, other=float("-inf"))
+        ej = tl.where(zj > float("-inf"), tl.exp(zj - m), 0.0)
+        gt = zj[None, :] > z[:, None]
+        cnt += tl.sum(gt.to(tl.int32), 1)
+        mass += tl.sum(tl.where(gt, ej[None, :], 0.0), 1)
+    return z, cnt, mass
 
 
 @triton.jit
@@ -364,17 +430,7 @@ def _direct_candidates(cand_ptr, n, m, s, top_k, top_p, V, BLOCK: tl.constexpr, 
     each other); K = the candidates with count < k (all of K is among them when top-k filters; otherwise s is
     the row's whole mass); kept iff in K and mass < p * mass(K); tau = the smallest kept candidate (the largest
     one is always kept). Exact on the candidates for the same reason as _bisect_candidates."""
-    i = tl.arange(0, BLOCK)
-    z = tl.load(cand_ptr + i, mask=i < n, other=float("-inf"))
-    cnt = tl.zeros([BLOCK], tl.int32)
-    mass = tl.zeros([BLOCK], tl.float32)
-    for j0 in tl.static_range(0, BLOCK, JB):
-        j = j0 + tl.arange(0, JB)
-        zj = tl.load(cand_ptr + j, mask=j < n, other=float("-inf"))
-        ej = tl.where(zj > float("-inf"), tl.exp(zj - m), 0.0)
-        gt = zj[None, :] > z[:, None]
-        cnt += tl.sum(gt.to(tl.int32), 1)
-        mass += tl.sum(tl.where(gt, ej[None, :], 0.0), 1)
+    z, cnt, mass = _pairs_above(cand_ptr, n, m, BLOCK, JB)
     live = z > float("-inf")
     in_k = (cnt < top_k) & live
     sk = s
@@ -442,6 +498,66 @@ def _below(target, s):
 
 
 @triton.jit
+def lane_pick(w, gid, key, LW: tl.constexpr):
+    """Inverse-CDF draw inside every lane of a [lanes, LW] block of weights >= 0 (each lane held by one thread:
+    no communication): (S [lanes], k [lanes]) = the lane mass and the first k whose running sum exceeds u * S
+    (u = uniform(key, U_ID + gid), the target kept below S). Twin: lane_draw_torch.
+    A lane's running sum is accumulated in-thread in k order, so it never decreases and it only grows at a w > 0:
+    S is its last entry (= the largest running sum at a kept token, the twin's S), and the first entry above
+    the target is the count of entries at or below it, a token with w > 0 (the target is > 0 when S > 0).
+    ~3 instructions per token (add, compare, count)."""
+    cdf = tl.cumsum(w, 1)
+    k = tl.arange(0, LW)[None, :]
+    s = tl.max(tl.where(k == LW - 1, cdf, float("-inf")), 1)              # the last entry: a register pick
+    target = _below(rng.uniform_tl(key, gid + 1073741824) * s, s)            # U_ID + g
+    return s, tl.sum((cdf <= target[:, None]).to(tl.int32), 1)
+
+
+@triton.jit
+def lane_score(m, s, key, gid, FAST: tl.constexpr):
+    """M_g + ln S_g + G_g per lane (G_ID + g), -inf for an empty lane."""
+    g = rng.gumbel_tl(key, gid + 1610612736, FAST)                          # G_ID + g
+    return tl.where(s > 0, m + tl.log(tl.maximum(s, 1e-30)) + g, float("-inf"))
+
+
+@triton.jit
+def lane_keys(score, token):
+    """Per lane one int64: ordered score bits high, (2**32-1-token) low, so that an integer max picks the highest
+    score and, among equal scores, the lowest token id."""
+    key = _ordered(score.to(tl.int32, bitcast=True)).to(tl.int64)
+    return (key << 32) + (4294967295 - token.to(tl.int64))
+
+
+@triton.jit
+def pack_lanes(score, token):
+    """The packed best (score, lowest id on ties) of a block's lanes: one block reduction."""
+    return tl.max(lane_keys(score, token), 0)
+
+
+@triton.jit
+def segment_pack(x, lane, pos, start, seg, inv_t, greedy, key, HAS_TAU: tl.constexpr, LANES: tl.constexpr,
+                 LW: tl.constexpr, FAST: tl.constexpr):
+    """The packed best lane of a block x [lanes, LW] of kept logits (`segment_block`: lane, pos from the segment's
+    start): greedy rows the first maximum, others the lane draw (module docstring)."""
+    xm = tl.max(x, 1)                                       # per lane, in-thread
+    if greedy:
+        first = tl.min(tl.where(x == xm[:, None], pos, LANES * LW), 1)
+        packed = pack_lanes(xm, start + first)
+    else:
+        # weights exp(z - M_g) = 2^(x * c - M_g * log2 e), c = log2(e) / T (log2 e when x is z already)
+        c = 1.4426950408889634
+        m = xm
+        if not HAS_TAU:
+            c = inv_t * 1.4426950408889634
+            m = xm * inv_t                                  # = the lane's max z exactly: rounding is monotone
+        ref = tl.where(m > float("-inf"), m, 0.0) * 1.4426950408889634
+        gid = seg * LANES + lane
+        s, kk = lane_pick(exp2_w(x * c - ref[:, None], FAST), gid, key, LW)
+        packed = pack_lanes(lane_score(m, s, key, gid, FAST), start + tl.minimum(kk, LW - 1) * LANES + lane)
+    return packed
+
+
+@triton.jit
 def _is_cand_row(row, V, greedy_ptr, top_k_ptr, top_p_ptr, KMAX: tl.constexpr):
     """(candidate-path row?, k used for its candidates, top-p alone?): rows with 0 < top_k <= KMAX, and rows with
     top-p alone, which try the KMAX largest (their kept set is inside when those carry mass >= p)."""
@@ -453,65 +569,17 @@ def _is_cand_row(row, V, greedy_ptr, top_k_ptr, top_p_ptr, KMAX: tl.constexpr):
 
 
 @triton.jit
-def scatter32(ptr, val, ok, FAST: tl.constexpr):
-    """Store val (32-bit) at ptr where ok, element by element in the layout the values already have. FAST (GPUs):
-    inline PTX, so that Triton does not first convert the whole block to the layout it picks for a data-dependent
-    store (a shared-memory round trip of every element: ~50 barriers for a [256, 16] block); the interpreter:
-    tl.store."""
-    if FAST:
-        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }",
-                                  "=r,l,r,r", [ptr.to(tl.int64, bitcast=True), val.to(tl.int32, bitcast=True),
-                                               ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.store(ptr, val, mask=ok)
-
-
-@triton.jit
-def _cand_kernel(logits_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride,
-                 V, n_seg, cval_ptr, cid_ptr, cnt_ptr, tc_ptr, sm_ptr, ss_ptr, HAS_MASK: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr,
-                 CAND: tl.constexpr, KMAX: tl.constexpr, STEPS: tl.constexpr, IDS: tl.constexpr, FAST: tl.constexpr):
-    """Program (row, segment) of a row with 0 < top_k <= KMAX: the segment as [LANES, LW] (lane l: tokens start +
-    j * LANES + l, held by one thread), its lane maxima, and t_c = a value with at least k lane maxima >= it (a
-    bisection on the lane maxima; -inf when fewer than k lanes hold an allowed token). At least k tokens of the
-    row are >= t_c, so the row's k-th largest z is >= t_c: every token of the top-k set is >= t_c. The segment's
-    tokens >= t_c (a few more than k) are written compactly (lane-major; at most CAND, their count n_c may say
-    more: the row then takes the exact fallback)."""
-    row = tl.program_id(0).to(tl.int64)
-    seg = tl.program_id(1)
-    is_c, top_k, p_only = _is_cand_row(row, V, greedy_ptr, top_k_ptr, top_p_ptr, KMAX)
-    if is_c:
-        start = seg * (LANES * LW)
-        z, pos = row_block_z(logits_ptr, bitmask_ptr, mask_rows_ptr, inv_t_ptr, row, start, V, bitmask_stride,
-                             HAS_MASK, LANES, LW)
-        lm = tl.max(z, 1)                                            # lane maxima, in-thread
-        live = lm > float("-inf")
-        if p_only:                       # top-p alone needs the row's whole mass: the segment's max and sum
-            mseg = tl.max(lm, 0)
-            ref = tl.where(mseg > float("-inf"), mseg, 0.0)
-            tl.store(sm_ptr + row * n_seg + seg, mseg)
-            tl.store(ss_ptr + row * n_seg + seg, tl.sum(tl.sum(tl.where(z > float("-inf"), tl.exp(z - ref), 0.0),
-                                                               1), 0))
-        t = float("-inf")
-        if tl.sum(live.to(tl.int32), 0) >= top_k:
-            lo = tl.min(tl.where(live, lm, float("inf")), 0)         # invariant: >= k lane maxima are >= lo
-            hi = tl.max(lm, 0)
-            for _ in tl.static_range(STEPS):
-                mid = lo * 0.5 + hi * 0.5                            # no overflow for any finite lo, hi
-                ok = tl.sum((lm >= mid).to(tl.int32), 0) >= top_k
-                lo = tl.where(ok, mid, lo)
-                hi = tl.where(ok, hi, mid)
-            t = lo
-        keep = ((z >= t) & (z > float("-inf"))).to(tl.int32)
-        per_lane = tl.sum(keep, 1)
-        lane_start = tl.cumsum(per_lane, 0) - per_lane
-        at = lane_start[:, None] + tl.cumsum(keep, 1) - 1
-        o = row * n_seg + seg
-        ok = (keep != 0) & (at < CAND)
-        scatter32(cval_ptr + o * CAND + at, z, ok, FAST)
-        if IDS:
-            scatter32(cid_ptr + o * CAND + at, (start + pos).to(tl.int32), ok, FAST)
-        tl.store(cnt_ptr + o, tl.sum(per_lane, 0))
-        tl.store(tc_ptr + o, t)
+def _top_slice(z, live, m, lo, k, HB: tl.constexpr):
+    """(sel, n): the live entries of block z in the top bins of an HB-bin histogram of [lo, m] (lo = the smallest
+    live entry), down to the first bin where the count reaches k: an upper set (the bin number falls as z
+    grows) with >= k entries, so it holds every entry >= the k-th largest. One histogram and one scan instead
+    of a dozen halvings; n may exceed what the caller can take (ties, or most entries in one bin)."""
+    scale = HB / tl.where(m > lo, m - lo, 1.0)                        # m == lo: every live entry in bin 0
+    b = tl.where(live, tl.minimum(tl.floor((m - tl.where(live, z, m)) * scale), HB - 1.0), HB - 1.0).to(tl.int32)
+    cum = tl.cumsum(tl.histogram(b, HB, mask=live), 0)
+    bstar = tl.min(tl.where(cum >= k, tl.arange(0, HB), HB - 1), 0)
+    sel = live & (b <= bstar)
+    return sel, tl.sum(sel.to(tl.int32), 0)
 
 
 @triton.jit
@@ -556,20 +624,168 @@ def _kth_largest(z, k, lo_v, VSTEPS: tl.constexpr):
 
 
 @triton.jit
-def _cand_tau_kernel(logits_ptr, tau_ptr, path_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, keys_ptr,
-                     bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_seg, cval_ptr, cid_ptr, cnt_ptr, tc_ptr,
-                     sm_ptr, ss_ptr, scratch_ptr, sid_ptr, tok_ptr, HAS_MASK: tl.constexpr, NCP: tl.constexpr, CAND: tl.constexpr,
-                     KMAX: tl.constexpr, KP: tl.constexpr, JB: tl.constexpr, BLOCK: tl.constexpr,
-                     DRAW: tl.constexpr, KD: tl.constexpr, SEG: tl.constexpr, LANES: tl.constexpr,
-                     FAST: tl.constexpr):
-    """Program (row): tau of a candidate-path row from its segments' candidates, and path[row]: the number of
-    candidates kept (>= 1), -1 (a segment overflowed: the exact row-wide bisection ran here), -2 (no filter:
-    tau = -inf) or -3 (filters the candidate path does not take: the histogram path writes tau).
-    The candidates >= t_row = max_c t_c are exactly the row's tokens >= t_row, a superset of the top-k set K.
-    t_k = their k-th largest (K = {z >= t_k}), then top-p on K: all pairs when |K| <= KP (each member's mass of
-    strictly larger members, against p * mass(K)), a bisection otherwise.
-    DRAW: also draw the row's token from the kept set when |K| <= KD (tok[row], else -2: the sampling pass draws
-    it), by the lane rule of kernels/sampling.py restricted to the kept tokens (`_draw_kept`)."""
+def _block_tau(z, n_live, top_k, top_p, p_only, lim_row, V, scratch_ptr, KP: tl.constexpr, JB: tl.constexpr,
+               HB: tl.constexpr, HIST: tl.constexpr):
+    """(tau, path) from a block z of candidates (-inf padding; n_live > 0 of them) that holds every token of its row
+    above some bound with at least k tokens above it (so K, the top-k set, is inside): t_k = their k-th largest,
+    then top-p on K: all pairs when the selected candidates are at most KP (each one's count and mass of strictly
+    larger ones: K = count < k, kept = in K and mass < p * mass(K)), a bisection otherwise. Top-p alone (p_only:
+    k = KMAX tried) is relative to the row's mass lim_row: path -3 when K carries less than p of it (the kept set
+    may reach below K). path: n_live, or -3. scratch_ptr: KP floats of this row's scratch. HIST: the block is
+    large enough for a histogram top slice (smaller blocks are replicated over the warps: halvings instead)."""
+    path = n_live
+    m = tl.max(z, 0)
+    live = z > float("-inf")
+    t_k = tl.min(tl.where(live, z, float("inf")), 0)
+    sel = live
+    n_sel = n_live
+    if n_live > KP:              # many candidates: keep a top slice holding >= k of them
+        if HIST:
+            sel, n_sel = _top_slice(z, live, m, t_k, top_k, HB)
+        if n_sel > KP:           # a slice too dense (ties): t_k by halving, then K alone
+            t_k = _kth_largest(z, top_k, t_k, 12)
+            sel = z >= t_k
+            n_sel = tl.sum(sel.to(tl.int32), 0)
+    if n_sel <= KP:
+        # the usual case: the selected candidates compacted, then all pairs (no serial search)
+        at = tl.cumsum(sel.to(tl.int32), 0) - 1
+        tl.store(scratch_ptr + at, z, mask=sel)
+        tl.debug_barrier()                              # the block's stores before its loads
+        zi, cnt_gt, mass = _pairs_above(scratch_ptr, n_sel, m, KP, JB)
+        in_k = (zi > float("-inf")) & (cnt_gt < top_k)
+        sk = tl.sum(tl.where(in_k, tl.exp(zi - m), 0.0), 0)
+        lim_mass = sk                # top-p is relative to the top-k set's mass ...
+        if p_only:                   # ... or to the whole row's: K must then carry >= p of it
+            lim_mass = lim_row
+            if sk < top_p * lim_mass * 1.0001:          # (margin for the sums' rounding)
+                path = -3
+        keep = in_k & (mass < _p_limit(top_p, lim_mass))
+        tau = tl.min(tl.where(keep, zi, float("inf")), 0)
+        tl.debug_barrier()                              # every load of the scratch before a later reuse
+    else:                            # |K| > KP (massive ties): top-p on K by a bisection
+        e = tl.where(sel, tl.exp(z - m), 0.0)
+        sk = tl.sum(e, 0)
+        lim_mass = sk
+        if p_only:
+            lim_mass = lim_row
+            if sk < top_p * lim_mass * 1.0001:
+                path = -3
+        tau = t_k
+        if (top_p < 1.0) & (path != -3):
+            tau = _bisect(tl.where(sel, z, float("-inf")), e, t_k, m, V + 1, top_p, lim_mass, scratch_ptr, 0, V, 1.0,
+                          scratch_ptr, 0, 0, False, 16, False)
+    return tau, path
+
+
+# ---------------------------------------------------------------------------------------------- lane path
+@triton.jit
+def _lane_max_kernel(logits_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, bitmask_ptr, mask_rows_ptr,
+                     bitmask_stride, V, n_lanes, lmax_ptr, lmass_ptr, HAS_MASK: tl.constexpr, LANES: tl.constexpr,
+                     LW: tl.constexpr, PL: tl.constexpr, VEC: tl.constexpr, KMAX: tl.constexpr, FAST: tl.constexpr):
+    """Program (row, PL lanes of a segment) of a candidate-path row: every lane's max z stored (-inf: nothing
+    allowed), and for top-p-alone rows its mass sum exp(z - max) (the row's mass for the merge). No block
+    reduction: a lane's LW tokens sit in one thread (the sampling pass's lanes, so the merge can draw)."""
+    row = tl.program_id(0).to(tl.int64)
+    prog = tl.program_id(1)
+    is_c, top_k, p_only = _is_cand_row(row, V, greedy_ptr, top_k_ptr, top_p_ptr, KMAX)
+    if is_c:
+        seg = prog // (LANES // PL)
+        sub = prog % (LANES // PL)
+        z, pos = row_block_z(logits_ptr, bitmask_ptr, mask_rows_ptr, inv_t_ptr, row, seg * (LANES * LW), V,
+                             bitmask_stride, HAS_MASK, LANES, LW, PL, sub, VEC, FAST)
+        lm = tl.max(z, 1)                                            # in-thread
+        g = row * n_lanes + seg * LANES + sub * PL + tl.arange(0, PL)
+        tl.store(lmax_ptr + g, lm)
+        if p_only:
+            ref = tl.where(lm > float("-inf"), lm, 0.0)
+            tl.store(lmass_ptr + g, tl.sum(tl.where(z > float("-inf"), tl.exp(z - ref[:, None]), 0.0), 1))
+
+
+@triton.jit
+def _lane_bound(lm, live, n_live, top_k, LCAP: tl.constexpr, HB: tl.constexpr, ROUNDS: tl.constexpr):
+    """(lo, n): the lanes with max >= lo (n of them, at least min(k, n_live)) are an upper set of the live lanes
+    holding >= k lanes, cut down by up to ROUNDS histograms until at most LCAP lanes remain: each round bins the
+    undecided lanes (max in [lo, hi]) into HB bins; the lanes above the bin where the count reaches k are in, those
+    below out, and the bin itself (its own [lo, hi]) is split next round. Bins are monotone in the value, so every
+    set here is a value interval: two scalars carry the state, no per-lane flags. Every token >= lo sits in a
+    selected lane and at least k tokens do (each selected lane's max), so the top-k set is inside those lanes."""
+    lo = tl.min(tl.where(live, lm, float("inf")), 0)
+    hi = tl.max(lm, 0)
+    need = top_k
+    n = n_live
+    for _ in tl.static_range(ROUNDS):
+        if (n > LCAP) & (hi > lo):
+            undecided = (lm >= lo) & (lm <= hi)
+            scale = HB / (hi - lo)
+            b = tl.minimum(tl.floor((hi - tl.where(undecided, lm, hi)) * scale), HB - 1.0).to(tl.int32)
+            hist = tl.histogram(b, HB, mask=undecided)
+            cum = tl.cumsum(hist, 0)
+            bins = tl.arange(0, HB)
+            bstar = tl.min(tl.where(cum >= need, bins, HB - 1), 0)
+            need -= tl.sum(tl.where(bins == bstar, cum - hist, 0), 0)         # the lanes above bin bstar are in
+            in_b = undecided & (b == bstar)
+            lo = tl.min(tl.where(in_b, lm, float("inf")), 0)
+            hi = tl.max(tl.where(in_b, lm, float("-inf")), 0)
+            n = tl.sum((lm >= lo).to(tl.int32), 0)
+    return lo, n
+
+
+@triton.jit
+def _kept_column(logits_ptr, row, t, ok, V, inv_t, tau, bitmask_ptr, mrow, bitmask_stride, HAS_MASK: tl.constexpr):
+    """z of the tokens t (one per lane) as the sampling pass sees them with tau: -inf where banned, padding (ok
+    false or t >= V) or below tau."""
+    ok = ok & (t < V)
+    x = tl.load(logits_ptr + row * V + t, mask=ok, other=float("-inf")).to(tl.float32)
+    if HAS_MASK:
+        w = tl.load(bitmask_ptr + mrow * bitmask_stride + t // 32, mask=ok & (mrow >= 0), other=-1)
+        x = tl.where(((w >> (t % 32)) & 1) != 0, x, float("-inf"))
+    z = x * inv_t
+    return tl.where(z >= tau, z, float("-inf"))
+
+
+@triton.jit
+def _draw_lanes(logits_ptr, row, gl, ok, V, inv_t, tau, key, bitmask_ptr, mrow, bitmask_stride,
+                HAS_MASK: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, FAST: tl.constexpr):
+    """The packed best of the lanes gl (ok: real lanes) by the sampling pass's rule with tau (`segment_pack`), one
+    token column k at a time: three unrolled sweeps over the LW columns (loads from L1/L2) make every per-lane
+    step elementwise, in the pass's own order (the max, then the running sum over k = 0 .. LW-1), so the draw is
+    the pass's bit for bit and threads do not communicate until the final packed max."""
+    base = (gl // LANES) * (LANES * LW) + gl % LANES                 # the lane's first token
+    m = tl.where(ok, float("-inf"), float("-inf"))
+    for k in tl.static_range(LW):
+        m = tl.maximum(m, _kept_column(logits_ptr, row, base + k * LANES, ok, V, inv_t, tau, bitmask_ptr, mrow,
+                                       bitmask_stride, HAS_MASK))
+    ref = tl.where(m > float("-inf"), m, 0.0) * 1.4426950408889634
+    s = tl.zeros_like(m)
+    for k in tl.static_range(LW):
+        s += exp2_w(_kept_column(logits_ptr, row, base + k * LANES, ok, V, inv_t, tau, bitmask_ptr, mrow,
+                                 bitmask_stride, HAS_MASK) * 1.4426950408889634 - ref, FAST)
+    target = _below(rng.uniform_tl(key, gl + 1073741824) * s, s)             # U_ID + g
+    cdf = tl.zeros_like(m)
+    kk = tl.zeros_like(gl)
+    for k in tl.static_range(LW):
+        cdf += exp2_w(_kept_column(logits_ptr, row, base + k * LANES, ok, V, inv_t, tau, bitmask_ptr, mrow,
+                                   bitmask_stride, HAS_MASK) * 1.4426950408889634 - ref, FAST)
+        kk += (cdf <= target).to(kk.dtype)
+    return pack_lanes(lane_score(m, s, key, gl, FAST), base + tl.minimum(kk, LW - 1) * LANES)
+
+
+@triton.jit
+def _lane_merge_kernel(logits_ptr, tau_ptr, path_ptr, tok_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, keys_ptr,
+                       bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_lanes, lmax_ptr, lmass_ptr, lane_ptr,
+                       scratch_ptr, HAS_MASK: tl.constexpr, NG: tl.constexpr, LCAP: tl.constexpr,
+                       KMAX: tl.constexpr, KP: tl.constexpr, JB: tl.constexpr, HB: tl.constexpr,
+                       ROUNDS: tl.constexpr, BLOCK: tl.constexpr, DRAW: tl.constexpr, LANES: tl.constexpr,
+                       LW: tl.constexpr, FAST: tl.constexpr, UPTO: tl.constexpr = 4):
+    """Program (row) of a candidate-path row: the lanes that may hold top-k tokens (`_lane_bound` on the stored
+    lane maxima), their tokens gathered as a [LCAP, LW] block, tau from them (`_block_tau`), and with DRAW the
+    row's token by the sampling rule on those lanes restricted to z >= tau (`segment_pack`, the pass's very
+    operations per lane; every other lane holds no kept token, so it would score -inf in the pass). path[row]:
+    gathered candidates (>= 1), -1 (more than LCAP lanes tie at the bound: exact row bisection, and the draw by a
+    loop over the row here), -2 (nothing to filter or nothing allowed: tau = -inf), -3 (left to the histogram
+    path: tau and the draw come later). tok[row]: the drawn token, -2 where the sampling pass must draw.
+    UPTO < 4 (benchmarks, to time the stages by differences; the result is then wrong): 1 gathers the top lane
+    only, 2 adds the lane bound, 3 adds tau, 4 the draw."""
     row = tl.program_id(0).to(tl.int64)
     is_c, top_k, p_only = _is_cand_row(row, V, greedy_ptr, top_k_ptr, top_p_ptr, KMAX)
     top_p = tl.load(top_p_ptr + row)
@@ -577,114 +793,128 @@ def _cand_tau_kernel(logits_ptr, tau_ptr, path_ptr, inv_t_ptr, greedy_ptr, top_k
     tau = float("-inf")
     tok = -2
     if is_c:
-        c = tl.arange(0, NCP)
-        okc = c < n_seg
-        cnt = tl.load(cnt_ptr + row * n_seg + c, mask=okc, other=0)
-        if tl.max(cnt, 0) <= CAND:
-            t_row = tl.max(tl.load(tc_ptr + row * n_seg + c, mask=okc, other=float("-inf")), 0)
-            # all slots as one flat block (slot idx // CAND, entry idx % CAND)
-            idx = tl.arange(0, NCP * CAND)
-            ci = idx // CAND
-            ok = (ci < n_seg) & (idx % CAND < tl.load(cnt_ptr + row * n_seg + ci, mask=ci < n_seg, other=0))
-            z = tl.load(cval_ptr + row * n_seg * CAND + idx, mask=ok, other=float("-inf"))
-            z = tl.where(z >= t_row, z, float("-inf"))
-            live = z > float("-inf")
-            n_live = tl.sum(live.to(tl.int32), 0)
-            path = tl.where(n_live > 0, n_live, -2)                  # -2: nothing allowed, tau = -inf
-            if n_live > 0:
-                m = tl.max(z, 0)
-                t_k = tl.min(tl.where(live, z, float("inf")), 0)
-                if n_live > top_k:
-                    t_k = _kth_largest(z, top_k, t_k, 12)
-                in_k = z >= t_k
-                e = tl.where(in_k, tl.exp(z - m), 0.0)
-                sk = tl.sum(e, 0)
-                tau = t_k
-                ik = in_k.to(tl.int32)
-                nk = tl.sum(ik, 0)
-                lim_mass = sk                    # top-p is relative to the top-k set's mass ...
-                if p_only:                       # ... or to the whole row's: K must then carry >= p of it
-                    smc = tl.load(sm_ptr + row * n_seg + c, mask=okc, other=float("-inf"))
-                    ssc = tl.load(ss_ptr + row * n_seg + c, mask=okc, other=0.0)
-                    lim_mass = tl.sum(tl.where(smc > float("-inf"), ssc * tl.exp(smc - m), 0.0), 0)
-                    if sk < top_p * lim_mass * 1.0001:         # (margin for the sums' rounding)
-                        path = -3                # the kept set may reach below K: the histogram path decides
-                        nk = KP + 1
-                        top_p = 2.0
-                if nk <= KP:
-                    # compact K into this row's scratch (values, and ids for the draw)
-                    at = tl.cumsum(ik, 0) - 1
-                    tl.store(scratch_ptr + row * KP + at, z, mask=in_k)
-                    if DRAW:
-                        tl.store(sid_ptr + row * KP + at, tl.load(cid_ptr + row * n_seg * CAND + idx, mask=in_k,
-                                                                  other=0), mask=in_k)
-                    tl.debug_barrier()                              # the block's stores before its loads
-                    i = tl.arange(0, KP)
-                    zk = tl.load(scratch_ptr + row * KP + i, mask=i < nk, other=float("-inf"))
-                    if top_p < 1.0:
-                        mass = tl.zeros([KP], tl.float32)
-                        for j0 in tl.static_range(0, KP, JB):
-                            jj = j0 + tl.arange(0, JB)
-                            zj = tl.load(scratch_ptr + row * KP + jj, mask=jj < nk, other=float("-inf"))
-                            ej = tl.where(zj > float("-inf"), tl.exp(zj - m), 0.0)
-                            mass += tl.sum(tl.where(zj[None, :] > zk[:, None], ej[None, :], 0.0), 1)
-                        keep = (zk > float("-inf")) & (mass < top_p * lim_mass)
-                        tau = tl.min(tl.where(keep, zk, float("inf")), 0)
-                    if DRAW:
-                        if nk <= KD:                                # pairs over a [KD, KD] block
-                            d = tl.arange(0, KD)
-                            zd = tl.load(scratch_ptr + row * KP + d, mask=d < nk, other=float("-inf"))
-                            idd = tl.load(sid_ptr + row * KP + d, mask=d < nk, other=0)
-                            tok = _draw_kept(tl.where(zd >= tau, zd, float("-inf")), idd,
-                                             tl.load(keys_ptr + row).to(tl.uint32), SEG, LANES, FAST)
-                elif top_p < 1.0:
-                    tau = _bisect_block(tl.where(in_k, z, float("-inf")), e, t_k, m, V + 1, top_p, lim_mass)
-        else:
-            path = -1
-            mrow = -1
-            if HAS_MASK:
-                mrow = tl.load(mask_rows_ptr + row)
-            tau = _bisect_tau(logits_ptr, row, V, tl.load(inv_t_ptr + row), top_k, top_p, bitmask_ptr, mrow,
-                              bitmask_stride, HAS_MASK, BLOCK)
+        mrow = -1
+        if HAS_MASK:
+            mrow = tl.load(mask_rows_ptr + row)
+        inv_t = tl.load(inv_t_ptr + row)
+        g = tl.arange(0, NG)
+        lm = tl.load(lmax_ptr + row * n_lanes + g, mask=g < n_lanes, other=float("-inf"))
+        live = lm > float("-inf")
+        n_live = tl.sum(live.to(tl.int32), 0)
+        tok = -1                                                    # nothing allowed
+        if n_live > 0:
+            m = tl.max(lm, 0)
+            lim_row = 0.0
+            if p_only:
+                lms = tl.load(lmass_ptr + row * n_lanes + g, mask=live, other=0.0)
+                lim_row = tl.sum(tl.where(live, lms * tl.exp(lm - m), 0.0), 0)
+            lo = m
+            n_sel = n_live * 0 + 1
+            if UPTO >= 2:
+                lo, n_sel = _lane_bound(lm, live, n_live, top_k, LCAP, HB, ROUNDS)
+            key = tl.load(keys_ptr + row).to(tl.uint32)
+            if n_sel <= LCAP:
+                sel = lm >= lo                                      # (-inf lanes never: lo is a live lane's max)
+                at = tl.cumsum(sel.to(tl.int32), 0) - 1
+                tl.store(lane_ptr + row * LCAP + at, g, mask=sel)
+                tl.debug_barrier()                                  # the lane list's stores before its loads
+                i = tl.arange(0, LCAP)
+                gl = tl.load(lane_ptr + row * LCAP + i, mask=i < n_sel, other=0)
+                seg = gl // LANES
+                lane = gl % LANES
+                k = tl.arange(0, LW)
+                pos = lane[:, None] + k[None, :] * LANES              # from the segment's start
+                t = seg[:, None] * (LANES * LW) + pos                 # token ids
+                ok = (i < n_sel)[:, None] & (t < V)
+                x = tl.load(logits_ptr + row * V + t, mask=ok, other=float("-inf")).to(tl.float32)
+                if HAS_MASK:
+                    w = tl.load(bitmask_ptr + mrow * bitmask_stride + t // 32, mask=ok & (mrow >= 0), other=-1)
+                    x = tl.where(((w >> (t % 32)) & 1) != 0, x, float("-inf"))
+                z = x * inv_t
+                # the candidates: the gathered tokens >= lo (every token >= lo is here, at least k of them, so the
+                # top-k set is inside; usually ~k + a few, so the all-pairs block takes them without a top slice)
+                zf = tl.reshape(z, [LCAP * LW])
+                zf = tl.where(zf >= lo, zf, float("-inf"))
+                n_c = tl.sum((zf > float("-inf")).to(tl.int32), 0)
+                if UPTO >= 3:
+                    tau, path = _block_tau(zf, n_c, top_k, top_p, p_only, lim_row, V, scratch_ptr + row * KP, KP,
+                                           JB, HB, LCAP * LW >= 1024)
+                else:
+                    tau = tl.max(zf, 0) + n_c
+                if DRAW & (path != -3) & (UPTO >= 4):
+                    best = _draw_lanes(logits_ptr, row, gl, i < n_sel, V, inv_t, tau, key, bitmask_ptr, mrow,
+                                       bitmask_stride, HAS_MASK, LANES, LW, FAST)
+                    tok = tl.where((best >> 32) > NEG_INF_KEY_C, 4294967295 - (best & 4294967295), -1).to(tl.int32)
+            else:
+                path = -1
+                real_k = tl.load(top_k_ptr + row)                  # top-p alone tried KMAX: the real k here
+                real_k = tl.where((real_k > 0) & (real_k < V), real_k, V + 1)
+                tau = _bisect_tau(logits_ptr, row, V, inv_t, real_k, top_p, bitmask_ptr, mrow, bitmask_stride,
+                                  HAS_MASK, BLOCK)
+                if DRAW:                                            # rare (massive ties): the draw by a row loop
+                    best = tl.full([], -9223372036854775807, tl.int64)
+                    for c in range(0, tl.cdiv(V, LANES * LW)):
+                        lane, pos, x = lane_block(logits_ptr, bitmask_ptr, row, c * (LANES * LW), V, mrow,
+                                                  bitmask_stride, HAS_MASK, False, LANES, LW, LANES, 0, 1, FAST)
+                        z = x * inv_t
+                        best = tl.maximum(best, segment_pack(tl.where(z >= tau, z, float("-inf")), lane, pos,
+                                                             c * (LANES * LW), c, inv_t, False, key, True, LANES,
+                                                             LW, FAST))
+                    tok = tl.where((best >> 32) > NEG_INF_KEY_C, 4294967295 - (best & 4294967295), -1).to(tl.int32)
+        if path == -3:
+            tok = -2
     elif (tl.load(greedy_ptr + row) == 0) & (((top_k > 0) & (top_k < V)) | (top_p < 1.0)):
         path = -3
     if path != -3:
         tl.store(tau_ptr + row, tau)
     tl.store(path_ptr + row, path)
     if DRAW:
-        tl.store(tok_ptr + row, tok)
+        tl.store(tok_ptr + row, tok.to(tl.int64))
 
 
-@triton.jit
-def _draw_kept(z, ids, key, SEG: tl.constexpr, LANES: tl.constexpr, FAST: tl.constexpr):
-    """The token the sampling pass with tau would draw, from the kept tokens alone (z [KP], -inf padding; ids):
-    lane g = (id // SEG) * LANES + id % LANES, place in its lane k = id % SEG // LANES; per lane M_g, weights
-    w = 2^(z log2 e - M_g log2 e), mass S_g, inverse-CDF pick with u_g (first kept k whose running sum > the
-    target), score M_g + ln S_g + G_g; the best lane's pick (lowest id on equal scores). All by pairs over the
-    block: a token's lane-mates are the kept tokens with its lane number (lanes with nothing kept score -inf, as
-    in the pass). Sums run in another order than the pass's in-thread running sums (a draw can differ from the
-    pass's only where u_g * S_g falls within rounding of a boundary)."""
-    live = z > float("-inf")
-    g = (ids // SEG) * LANES + ids % LANES
-    kk = (ids % SEG) // LANES
-    same = (g[:, None] == g[None, :]) & live[None, :]                       # [i, j]: j is a kept lane-mate of i
-    zj = z[None, :]
-    mg = tl.max(tl.where(same, zj, float("-inf")), 1)
-    ref = tl.where(mg > float("-inf"), mg, 0.0) * 1.4426950408889634
-    from_sampling_exp2 = exp2_w(z * 1.4426950408889634 - ref, FAST)
-    w = tl.where(live, from_sampling_exp2, 0.0)
-    wj = w[None, :]
-    sg = tl.sum(tl.where(same, wj, 0.0), 1)
-    cdf = tl.sum(tl.where(same & (kk[None, :] <= kk[:, None]), wj, 0.0), 1)
-    target = _below(rng.uniform_tl(key, g + 1073741824) * sg, sg)                 # U_ID + g
-    above = cdf > target
-    # the pick of lane g: the lane-mate above the target with the smallest k
-    earlier = tl.sum((same & (kk[None, :] < kk[:, None]) & (cdf[None, :] > target[:, None])).to(tl.int32), 1)
-    pick = live & above & (earlier == 0)
-    score = tl.where(pick, mg + tl.log(tl.maximum(sg, 1e-30)) + rng.gumbel_tl(key, g + 1610612736, FAST), float("-inf"))
-    best = tl.max(score, 0)
-    tok = tl.min(tl.where((score == best) & pick, ids, 2147483647), 0)
-    return tl.where(best > float("-inf"), tok, -1)
+# ordered key of float("-inf") (fp32 bits 0xFF800000, negative: flip the 31 low bits)
+NEG_INF_KEY = (0xFF800000 - (1 << 32)) ^ 0x7FFFFFFF
+NEG_INF_KEY_C = tl.constexpr(NEG_INF_KEY)
+LCAP = 128            # lanes the lane path's merge gathers at most (x LW tokens each)
+LANE_SHAPE = (128, 4)  # lane-maxima pass: (lanes per program, warps); R1: top-k50 sampling 34.8 / 86.4 us at
+                      # B=64 / 256 vs 38.3 / 92.4 at 256x2, 35.8 / 91.1 at 256x8
+MERGE_WARPS = 16      # warps of the lane path's merge (R1: 31.4 / 81.0 us at 16 vs 38.3 / 92.4 at 8; R2: 32 warps
+                      # 34.2 / 85.9, 4 warps 67.2 / 102.8; R3: 8 warps at B=256, two programs per SM, 82.7 vs 77.8)
+
+
+def lane_path(logits, params, bitmask, mrows, tau, path, tok, seg, lanes, kmax=KMAX, lcap=LCAP, rounds=3,
+              shape=None, block=1024, stages=2, upto=4):
+    """The lane path's two launches for candidate-path rows (writes tau, path and, when tok is a tensor, the drawn
+    tokens): `_lane_max_kernel` over (row, part of a segment), then `_lane_merge_kernel` per row."""
+    R, V = logits.shape
+    dev = logits.device
+    has_mask = bitmask is not None
+    n_seg = triton.cdiv(V, seg)
+    n_l = n_seg * lanes
+    pl, warps = shape or LANE_SHAPE
+    pl = min(pl, lanes)
+    warps = max(1, min(warps, pl // 32))
+    vec = max(1, pl // (32 * warps))
+    lmax = torch.empty((R, n_l), dtype=torch.float32, device=dev)
+    lmass = torch.empty_like(lmax)
+    bm = bitmask if has_mask else logits
+    mr = mrows if has_mask else path
+    stride = bitmask.stride(0) if has_mask else 0
+    _lane_max_kernel[(R, n_seg * (lanes // pl))](
+        logits, params.inv_temperature, params.greedy, params.top_k, params.top_p, bm, mr, stride, V, n_l, lmax, lmass,
+        HAS_MASK=has_mask, LANES=lanes, LW=seg // lanes, PL=pl, VEC=vec, KMAX=kmax, FAST=not INTERPRETING,
+        num_warps=warps)
+    if stages < 2:
+        return
+    lane_buf = torch.empty((R, lcap), dtype=torch.int32, device=dev)
+    scratch = torch.empty((R, KP), dtype=torch.float32, device=dev)
+    draw = tok is not None
+    _lane_merge_kernel[(R,)](
+        logits, tau, path, tok if draw else path, params.inv_temperature, params.greedy, params.top_k, params.top_p,
+        params.keys, bm, mr, stride, V, n_l, lmax, lmass, lane_buf, scratch, HAS_MASK=has_mask,
+        NG=max(16, triton.next_power_of_2(n_l)), LCAP=lcap, KMAX=kmax, KP=KP, JB=32, HB=HB, ROUNDS=rounds,
+        BLOCK=min(block, triton.next_power_of_2(V)), DRAW=draw, LANES=lanes, LW=seg // lanes,
+        FAST=not INTERPRETING, UPTO=upto, num_warps=MERGE_WARPS)
 
 
 def needs_histogram_path(params, V: int, kmax: int = KMAX) -> bool | None:
@@ -704,22 +934,25 @@ def thresholds_triton(logits, params, bitmask, mrows, block=1024, cmax=CMAX, chu
 
 
 def thresholds_and_paths(logits, params, bitmask, mrows, block=1024, cmax=CMAX, chunk=CHUNK, stages=6,
-                         tau_warps=8, histogram=None, kmax=KMAX, cand=CAND, seg_steps=SEG_STEPS, draw=None):
+                         tau_warps=8, histogram=None, kmax=KMAX, draw=None, lcap=LCAP, rounds=3, lane_shape=None):
     """(tau [R] fp32, path int32 [R]) for every row (params: sampling.RowParams; mrows: int64 [R] when bitmask
     is given). path: >= 1 the candidates a row's tau came from, -1 an exact bisection fallback, -2 no filtering.
-    Rows with 0 < top_k <= kmax: the candidate path, two launches (`_cand_kernel`: one read of the row,
-    `_cand_tau_kernel`). Other filtered rows: the histogram path, four launches (skipped when the host knows no
-    row needs it: histogram=False; None asks needs_histogram_path). No host synchronisation.
-    draw=(seg, lanes): the merge also draws candidate-path rows' tokens by the sampling rule with that layout;
-    the result gains a third entry, tok int32 [R] (-2 where the sampling pass must draw).
-    cmax, chunk, kmax, cand (powers of two) are parameters so that tests can force fallbacks and several
-    chunks on a small vocabulary; stages < 6 stops after that many launches (benchmarks time each stage by
-    differences; the result is then unfinished)."""
+    Rows with 0 < top_k <= kmax (and top-p alone, trying k = kmax): the lane path, two launches (`lane_path`:
+    the lane maxima, one read of the row; the per-row merge). Other filtered rows: the histogram path, four
+    launches (skipped when the host knows no row needs it: histogram=False; None asks needs_histogram_path). No
+    host synchronisation.
+    draw=(seg, lanes): the lane path works on the sampling rule's lanes of that layout and also draws the row's
+    token (kernels/sampling.py's rule); the result gains a third entry, tok int64 [R] (-2 where the sampling pass
+    must draw: rows off the lane path, and top-p-alone rows left to the histogram path).
+    cmax, chunk (the lane layout's segment when draw is None), kmax, lcap (powers of two) are parameters so that
+    tests can force fallbacks and several segments on a small vocabulary; stages < 6 stops after that many
+    launches (benchmarks time each stage by differences; the result is then unfinished). lane_shape: the
+    lane-maxima pass's (lanes per program, warps), default LANE_SHAPE."""
     R, V = logits.shape
     dev = logits.device
     tau = empty((R,), torch.float32, dev)
     path = empty((R,), torch.int32, dev)
-    tok = empty((R,), torch.int32, dev) if draw else path
+    tok = empty((R,), torch.int64, dev) if draw else None
     done = (lambda: (tau, path, tok)) if draw else (lambda: (tau, path))
     if R == 0:
         return done()
@@ -727,32 +960,15 @@ def thresholds_and_paths(logits, params, bitmask, mrows, block=1024, cmax=CMAX, 
     chunk = min(chunk, max(16, triton.next_power_of_2(V)))
     cmax = min(cmax, max(16, triton.next_power_of_2(V)))          # there are never more candidates than tokens
     n_chunks = triton.cdiv(V, chunk)
-    greedy = params.greedy.to(torch.int8)
+    greedy = params.greedy                  # bool or int8: the kernels test it against 0
     bm = bitmask if has_mask else logits
     mr = mrows if has_mask else path
     stride = bitmask.stride(0) if has_mask else 0
-    # candidate path: segments of `chunk` tokens as [lanes, chunk / lanes] blocks (2 warps hold 256 lanes)
-    lanes = min(256, chunk)
-    cval = torch.empty((R, n_chunks, cand), dtype=torch.float32, device=dev)
-    cid = torch.empty((R, n_chunks, cand), dtype=torch.int32, device=dev) if draw else cval
-    cnt = torch.empty((R, n_chunks), dtype=torch.int32, device=dev)
-    tc = torch.empty((R, n_chunks), dtype=torch.float32, device=dev)
-    sm = torch.empty((R, n_chunks), dtype=torch.float32, device=dev)
-    ss = torch.empty_like(sm)
-    _cand_kernel[(R, n_chunks)](logits, params.inv_temperature, greedy, params.top_k, params.top_p, bm, mr, stride, V,
-                                n_chunks, cval, cid, cnt, tc, sm, ss, HAS_MASK=has_mask, LANES=lanes, LW=chunk // lanes, CAND=cand,
-                                KMAX=kmax, STEPS=seg_steps, IDS=bool(draw), FAST=not INTERPRETING, num_warps=2)
+    seg, lanes = draw or (chunk, min(256, chunk))
+    lane_path(logits, params, bitmask, mrows, tau, path, tok, seg, min(lanes, seg), kmax, lcap, rounds, lane_shape,
+              block, stages)
     if stages < 2:
         return done()
-    scratch = torch.empty((R, KP), dtype=torch.float32, device=dev)
-    sid = torch.empty((R, KP), dtype=torch.int32, device=dev) if draw else scratch
-    dseg, dlanes = draw if draw else (4096, 256)
-    _cand_tau_kernel[(R,)](logits, tau, path, params.inv_temperature, greedy, params.top_k, params.top_p, params.keys,
-                           bm, mr, stride, V, n_chunks, cval, cid, cnt, tc, sm, ss, scratch, sid, tok,
-                           HAS_MASK=has_mask,
-                           NCP=max(2, triton.next_power_of_2(n_chunks)), CAND=cand, KMAX=kmax, KP=KP, JB=32,
-                           BLOCK=min(block, triton.next_power_of_2(V)), DRAW=bool(draw), KD=KD, SEG=dseg, LANES=dlanes,
-                           FAST=not INTERPRETING, num_warps=8)
     if histogram is None:
         histogram = needs_histogram_path(params, V, kmax)
     if histogram is False or stages < 3:
@@ -780,12 +996,12 @@ def thresholds_and_paths(logits, params, bitmask, mrows, block=1024, cmax=CMAX, 
         return done()
     glanes = min(GATHER_LANES, chunk)
     _gather_kernel[(R, n_chunks)](logits, params.inv_temperature, bm, mr, stride, V, n_chunks, low, ncand, offsets,
-                                  cand_h, HAS_MASK=has_mask, LANES=glanes, LW=chunk // glanes, CMAX=cmax, num_warps=4,
-                                  **consts)
+                                  cand_h, HAS_MASK=has_mask, LANES=glanes, LW=chunk // glanes, CMAX=cmax,
+                                  VEC=max(1, glanes // 128), FAST=not INTERPRETING, num_warps=4, **consts)
     if stages < 6:
         return done()
     _tau_kernel[(R,)](logits, tau, params.inv_temperature, greedy, params.top_k, params.top_p, path, bm, mr, stride,
                       V, m, s, ncand, cand_h, HAS_MASK=has_mask, BLOCK=min(block, triton.next_power_of_2(V)),
                       CMAX=cmax, SMALL=min(SMALL, cmax), num_warps=tau_warps)
     path = torch.where(path == -3, ncand, path)
-    return (tau, path, tok) if draw else (tau, path)
+    return done()

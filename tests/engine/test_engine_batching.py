@@ -18,15 +18,6 @@ MODEL = PrefixHashModel()
 PROMPTS = [f"Request number {i}: {'word ' * (i % 7)}" for i in range(24)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Many tiny ops per step: intra-op threads only add synchronisation (and thrash on a shared box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def make_engine(**kw) -> LLMEngine:
     return LLMEngine(MODEL, TOK, EngineConfig(**kw))
 

@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_spec_grammar import MECHANISMS, MODEL, _target, _world  # noqa: E402
 from test_spec_harness import Procedure, exact_procedure_law, max_abs_diff, toy_automaton  # noqa: E402
-from test_spec_toys import GRAMMAR, make_matcher, single_thread  # noqa: E402,F401
+from test_spec_toys import GRAMMAR, make_matcher  # noqa: E402
 from test_grammar_draft_automaton import real  # noqa: E402,F401  (a module fixture: the regex on the real vocabulary)
 
 from deepinfer_sg.engine import grammar_drafting as G  # noqa: E402

@@ -113,3 +113,70 @@ def test_steps_in_and_out_of_inference_mode_share_the_caches():
             with torch.inference_mode():
                 out = m.forward_step([StepChunk(c, torch.tensor([k]), 1)])
         assert torch.isfinite(out.logits).all()
+
+
+def _allocated_cache_bytes(model, caches) -> int:
+    """Oracle: bytes of every distinct storage the caches' tensors and the model's slabs / arenas live in (from
+    torch's own storage sizes, whatever the arenas' books say)."""
+    seen = {}
+
+    def add(t):
+        if t is not None:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    def add_rows(holder, name):    # the buffer behind a (buffer, first row, rows[, ring]) attribute
+        t = getattr(holder, "_" + name)
+        if t is not None:
+            add(t[0])
+    for c in caches:
+        add_rows(c, "tokens")
+        for lc in c.layers:
+            add(lc.win)
+            add_rows(lc, "ikeys")
+            for s in (lc.comp, lc.icomp):
+                if s is not None:
+                    for name in ("tok_kv", "tok_gate", "entries", "latents"):
+                        add_rows(s, name)
+    for d in (model.__dict__.get("_window_slabs", {}), model.__dict__.get("_row_arenas", {})):
+        for s in d.values():
+            add(s.data)
+    return sum(seen.values())
+
+
+def test_the_pool_counts_what_the_slab_and_arenas_reserve_before_they_grow():
+    """Mixed lengths (one long sequence, short ones: every arena slot reserves the longest one's rows), sequences
+    admitted one per step until the slab's and arenas' slots double, rows doubling as the long one grows: before
+    every step, the pool's used bytes plus the growth it predicts for the step's tokens (what the scheduler
+    checks against the limit) cover everything allocated for the caches after it (the oracle: torch's storage
+    sizes), while the rows in use alone (the old books) fall short of it."""
+    from deepinfer_sg.engine import testing
+    from deepinfer_sg.engine.cache_pool import CachePool
+    from deepinfer_sg.engine.model import StepChunk
+    from test_model_batched import _random_model
+    m = _random_model(testing.tiny_v41_config(), seed=6)
+    pool = CachePool(m, limit_bytes=1 << 40)        # (growth model measured on the model)
+    g = torch.Generator().manual_seed(6)
+    short_of = 0
+    for step in range(48):
+        steps = [[StepChunk(c, torch.randint(0, 512, (1,), generator=g), 1) for c in pool.live.values()]]
+        fresh = 0
+        if step % 4 == 0 and len(pool.live) < 10:   # an admission (charged before it is allocated, as the
+            n = 60 if not pool.live else 3 + len(pool.live)    # scheduler does); its prefill runs first
+            fresh = pool.growth.bytes_for(n)
+            steps.insert(0, [StepChunk(pool.allocate(str(len(pool.live))), torch.randint(0, 512, (n,), generator=g),
+                                       1)])
+        for chunks in steps:
+            if not chunks:
+                continue
+            if fresh:
+                before, fresh = pool.used_bytes() - sum(ch.cache.nbytes() for ch in chunks) + fresh, 0
+            else:
+                before = pool.used_bytes() + pool.growth.per_token * len(chunks)
+            m.forward_step(chunks)
+            caches = list(pool.live.values())
+            actual = _allocated_cache_bytes(m, caches)
+            assert before >= actual, f"step {step}: the pool counted {before} bytes, {actual} are allocated"
+            short_of += sum(c.nbytes() for c in caches) < actual
+    assert len(m._window_slabs) == 1 and next(iter(m._window_slabs.values())).data.shape[1] == 16   # slots doubled
+    assert max(a.data.shape[1] for a in m._row_arenas.values()) >= 128                              # rows doubled
+    assert short_of > 40, "the rows in use should under-count the reserved storage in most steps"

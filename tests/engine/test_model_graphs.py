@@ -60,6 +60,10 @@ def test_emulated_graph_replays_equal_eager_steps(name):
     caches = [m.new_cache() for _ in PROMPTS]
     m.forward_step([StepChunk(c, torch.randint(0, vocab, (n,), generator=g), 1) for c, n in zip(caches, PROMPTS)])
     eager = copy.deepcopy(caches)
+    # the eager run on a copy of the model: its caches take slots in their own slab / arenas (sharing them would
+    # grow them midway, which drops the graphs and restarts the warm-up)
+    m_eager = copy.deepcopy(m)
+    m_eager.cuda_graphs = False
     m._graphs = graphs = SegmentGraphs(emulate=True, warm=1)
     modes = []
     kept = []     # every step's outputs: a later replay must not change them (they are copies, not graph buffers)
@@ -76,7 +80,8 @@ def test_emulated_graph_replays_equal_eager_steps(name):
                     mode["n"] = begin(T, dev)
                     return mode["n"]
                 graphs.begin_step = spy
-            outs[use_graphs] = m.forward_step([StepChunk(cs[i], t, t.shape[0]) for i, t in chunks])
+            outs[use_graphs] = (m if use_graphs else m_eager).forward_step(
+                [StepChunk(cs[i], t, t.shape[0]) for i, t in chunks])
             if use_graphs:
                 del graphs.begin_step
                 modes.append(mode["n"])
@@ -100,7 +105,11 @@ def test_emulated_graph_replays_equal_eager_steps(name):
     # one segment per eager attention core + 1 per size (more where a new index bucket was captured later); the
     # other layers' cores ran inside the segments
     eager = batched.eager_layers(m)
-    assert 0 < len(eager) < m.config.num_layers
+    if name == "v4":     # V4's overlapping / index compressors update eagerly between segments
+        assert 0 < len(eager) < m.config.num_layers
+    else:                # V4.1: every cache update inside the graph (compress_step): one segment, embedding to head
+        assert eager == []
+        assert all(key[:3] == ("span", None, None) for size in graphs._sizes.values() for key in size.segments)
     assert modes.count("capture") == 3 and graphs.captures >= 3 * (len(eager) + 1)
     assert all(len(size.segments) >= len(eager) + 1 for size in graphs._sizes.values())
 
@@ -122,7 +131,7 @@ def test_graphs_are_dropped_when_the_weights_move_or_the_kernels_change():
     for _ in range(2):
         m.forward_step([StepChunk(c, torch.tensor([7]), 1)])
     assert m._graphs._sizes
-    m.fused_mhc = True        # the segments would run other kernels: recapture
+    m.fused_mhc = not m.fused_mhc     # the segments would run other kernels: recapture
     assert not m._graphs._sizes
 
 
@@ -153,3 +162,45 @@ def test_a_size_is_captured_on_its_third_step_by_default_and_old_sizes_are_dropp
     assert modes[4:7] == ["eager", "eager", "capture"]
     assert modes[7:10] == ["eager", "eager", "capture"]     # size 4 (least recently used) dropped here
     assert modes[10:] == ["eager", "eager", "capture"] and sorted(graphs._sizes) == [4, 6]   # warm again first
+
+
+def test_a_v41_decode_step_is_one_graph_and_one_upload_of_its_index_lists(monkeypatch):
+    """V4.1: the compressors' cache updates run inside the graph (compress_step), so a replayed decode / verify step
+    runs ONE segment, and every index list the host makes for it, the token ids and positions included, goes to
+    the device in ONE copy (BatchPlan.flush); the graph reads that upload in place (no staging copy per input).
+    Checked by counting (emulated graphs, CPU); the replays' results are checked against eager steps above."""
+    from deepinfer_sg.engine import transfer
+    m = MODELS["v41"]()
+    m._graphs = graphs = SegmentGraphs(emulate=True, warm=1)
+    vocab = m.config.vocab_size
+    g = torch.Generator().manual_seed(4)
+    caches = [m.new_cache() for _ in PROMPTS]
+    m.forward_step([StepChunk(c, torch.randint(0, vocab, (n,), generator=g), 1) for c, n in zip(caches, PROMPTS)])
+    counts = {"run": 0, "flush": 0, "uploads": 0, "stage": 0}
+    real_run, real_flush, real_stage = SegmentGraphs.run, batched.BatchPlan.flush, SegmentGraphs.stage
+    real_many = transfer.to_device_many
+
+    def count(name, real):
+        def f(*a, **k):
+            counts[name] += 1
+            return real(*a, **k)
+        return f
+    monkeypatch.setattr(SegmentGraphs, "run", count("run", real_run))
+    monkeypatch.setattr(batched.BatchPlan, "flush", count("flush", real_flush))
+    monkeypatch.setattr(SegmentGraphs, "stage", count("stage", real_stage))
+    for mod in ("model", "batched", "arena", "compressor", "compress_step"):   # multi-part uploads made elsewhere
+        monkeypatch.setattr(f"deepinfer_sg.engine.{mod}.to_device_many", count("uploads", real_many), raising=False)
+    for step in range(5):
+        for k in counts:
+            counts[k] = 0
+        rows = [1, 1, 1, 1] if step % 2 == 0 else [2, 1, 2, 2]     # decode rows, verify rows (T = 4, 7)
+        if step == 4:
+            rows = [1, 1, 1, 1]
+        m.forward_step([StepChunk(c, torch.randint(0, vocab, (n,), generator=g), n) for c, n in zip(caches, rows)])
+        for c, n in zip(caches, rows):
+            if n > 1:
+                c.rollback(n - 1)
+    # the last step (T = 4, third time: a replay) ran one segment and flushed its index lists once
+    assert counts["run"] == 1 and counts["flush"] == 1, counts
+    # no other upload (the token ids and positions came with the flush) and nothing staged (copied) per replay
+    assert counts["uploads"] == 0 and counts["stage"] == 0, counts

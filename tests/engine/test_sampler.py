@@ -1,8 +1,6 @@
-"""Sampler: distributions against hand-computed softmax/top-k/top-p (chi-square), masks, batch independence,
-mask filling on worker threads overlapping the forward, and one bad matcher failing only its row."""
+"""Sampler: distributions against hand-computed softmax/top-k/top-p (chi-square), masks, batch independence
+(mask filling itself: test_mask_fill.py)."""
 from __future__ import annotations
-
-import threading
 
 import numpy as np
 import pytest
@@ -10,8 +8,8 @@ import torch
 from scipy import stats
 
 from deepinfer_sg.engine import sampler as S
-from deepinfer_sg.engine.sampler import (MaskFiller, SamplingRow, apply_token_bitmask_torch, counter_uniform,
-                                         sample_batch)
+from deepinfer_sg.engine.mask_fill import MaskJob
+from deepinfer_sg.engine.sampler import SamplingRow, apply_token_bitmask_torch, counter_uniform, sample_batch
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 
@@ -63,7 +61,7 @@ def test_greedy_is_masked_argmax_and_dead_rows_give_minus_one(use_fused, monkeyp
     monkeypatch.setattr(S, "FUSED_ON_CPU", use_fused)
     logits = torch.tensor([[0.0, 5.0, 1.0, 3.0], [1.0, 2.0, 3.0, 4.0]])
     bitmask = torch.tensor([[0b1101], [0]], dtype=torch.int32)       # row 0: tokens 0, 2, 3; row 1: nothing
-    job = S.MaskJob(num_rows=2, rows=[0, 1], bitmask=bitmask)
+    job = MaskJob(num_rows=2, rows=[0, 1], bitmask=bitmask)
     rows = [SamplingRow(0.0, -1, 1.0, 1, 0), SamplingRow(1.0, -1, 1.0, 1, 0)]
     assert sample_batch(logits.clone(), rows, job) == [3, -1]
 
@@ -102,38 +100,6 @@ def test_bitmask_torch_reference_against_bool_expansion():
                 assert out[r, v] == logits[r, v]
             else:
                 assert out[r, v] == float("-inf")
-
-
-class EventMatcher:
-    """fill_mask blocks until the forward has started: only possible if masks run on another thread."""
-
-    def __init__(self, started: threading.Event, allowed: int):
-        self.started, self.allowed = started, allowed
-
-    def fill_mask(self, bitmask, row):
-        assert self.started.wait(timeout=20), "mask filling did not overlap the forward"
-        bitmask[row].zero_()
-        bitmask[row, self.allowed // 32] = 1 << (self.allowed % 32)
-
-
-class BrokenMatcher:
-    def fill_mask(self, bitmask, row):
-        raise RuntimeError("boom")
-
-
-def test_masks_are_filled_while_the_forward_runs_and_errors_stay_in_their_row():
-    filler = MaskFiller(num_threads=2)
-    started = threading.Event()
-    job = filler.start([(0, EventMatcher(started, 37)), (2, BrokenMatcher())], num_rows=3, vocab_size=64)
-    started.set()                      # "the forward": runs on this thread while the workers wait for it
-    errors = job.wait()
-    assert set(errors) == {2} and "boom" in errors[2]
-    logits = torch.zeros(3, 64)
-    tokens = sample_batch(logits, [SamplingRow(0.0, -1, 1.0, 0, 0)] * 3, job)
-    assert tokens[0] == 37             # row 0: only token 37 allowed
-    assert tokens[1] == 0              # row 1: unmasked, argmax of zeros = lowest id
-    assert tokens[2] == -1             # row 2: its matcher failed, nothing allowed
-    filler.shutdown()
 
 
 # ---------------------------------------------------------------- inverse-CDF draws over a real-sized row

@@ -9,7 +9,7 @@ from deepinfer_sg.engine import speculative as S
 from deepinfer_sg.engine import verify_schedule as VS
 from test_spec_harness import Procedure, World, enumerate_drafts, exact_procedure_law, max_abs_diff
 from test_spec_lossless import chi_square_pvalue, run_sampled
-from test_spec_toys import GRAMMAR, DfaMatcher, exact_verify_outcomes, make_matcher, single_thread  # noqa: F401
+from test_spec_toys import GRAMMAR, DfaMatcher, exact_verify_outcomes, make_matcher
 
 MODEL = VS.StepTimeModel.from_table({1: 1.0, 2: 1.3, 3: 1.5, 4: 1.9, 5: 2.0, 6: 2.6, 8: 3.0, 12: 4.0})
 MECHANISMS = {

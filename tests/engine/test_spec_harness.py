@@ -17,7 +17,7 @@ import torch
 from deepinfer_sg.engine import grammar_drafting as G
 from deepinfer_sg.engine import speculative as S
 from deepinfer_sg.engine import verify_schedule as VS
-from test_spec_toys import DfaMatcher, exact_verify_outcomes, single_thread  # noqa: F401 (autouse fixture)
+from test_spec_toys import DfaMatcher, exact_verify_outcomes
 
 
 @dataclass

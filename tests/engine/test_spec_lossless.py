@@ -9,7 +9,6 @@ from deepinfer_sg.engine import grammar_drafting as G
 from deepinfer_sg.engine import speculative as S
 from deepinfer_sg.engine import verify_schedule as VS
 from test_spec_harness import Procedure, World, exact_procedure_law, max_abs_diff, product_law
-from test_spec_toys import single_thread  # noqa: F401 (autouse fixture)
 
 MODEL = VS.StepTimeModel.from_table({1: 1.0, 2: 1.3, 3: 1.5, 4: 1.9, 5: 2.0, 6: 2.6, 8: 3.0, 12: 4.0})
 MODES = ["fixed", "sync", "async"]

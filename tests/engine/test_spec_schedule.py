@@ -6,7 +6,7 @@ import torch
 
 from deepinfer_sg.engine import speculative as S
 from deepinfer_sg.engine import verify_schedule as VS
-from test_spec_toys import exact_verify_outcomes, single_thread  # noqa: F401 (autouse fixture)
+from test_spec_toys import exact_verify_outcomes
 
 
 # ------------------------------------------------------------------------------------------ step time model

@@ -8,20 +8,9 @@ the cell's length computed here from the spec, so the law we obtain is the exact
 """
 import itertools
 
-import pytest
 import torch
 
 from deepinfer_sg.engine import speculative as S
-
-
-@pytest.fixture(autouse=True)
-def single_thread():
-    """These tests run thousands of tiny tensor ops; with intra-op threads on a busy machine each op waits
-    for the pool (measured ~3000x slower). Imported by every test_spec module; restores the setting."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # ------------------------------------------------------------------------------------------ DFA matcher

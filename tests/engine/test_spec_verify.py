@@ -6,7 +6,7 @@ import torch
 from scipy.stats import chisquare
 
 from deepinfer_sg.engine import speculative as S
-from test_spec_toys import exact_verify_outcomes, random_dist, single_thread  # noqa: F401 (autouse fixture)
+from test_spec_toys import exact_verify_outcomes, random_dist
 
 M64 = (1 << 64) - 1
 

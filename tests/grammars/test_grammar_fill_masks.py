@@ -134,3 +134,97 @@ def test_fill_masks_with_finished_matchers(compiler, ds_tokenizer, raw_lltokeniz
     out = fill_masks([m, matchers[1]])
     raws[0].unsafe_compute_mask_ptr(want.data_ptr(), want.shape[1] * 4)
     assert not m.is_terminated() and torch.equal(out[0], want[0])
+
+
+def test_fill_masks_at_given_rows_and_triggered_batches(compiler, ds_tokenizer, raw_lltokenizer):
+    """`rows=` places each mask at its own row and leaves the others untouched; Triggered matchers in a batch
+    (free text, forcing the trigger, inside the grammar) get the masks they give one at a time. Oracles: raw
+    llguidance matchers fed the same prefix (inner grammar), the free-text row and the forced trigger token by
+    hand."""
+    import numpy as np
+    from llguidance import LLMatcher
+
+    trigger = [128806, 128808]
+    spec = JsonSchema(SCHEMA, whitespace="compact")
+    plain = compiler.compile(spec)
+    trig = compiler.compile(Triggered(spec, trigger, bound_token_id=trigger[0]))
+    ids = encode(ds_tokenizer, '{"n":3,"s":"abc"}')
+    words = (DEEPSEEK_VOCAB + 31) // 32
+
+    def raw_row(prefix):
+        raw = LLMatcher(raw_lltokenizer, plain.grammar, log_level=0)
+        assert raw.try_consume_tokens(prefix) == len(prefix)
+        return torch.from_numpy(np.frombuffer(raw.compute_bitmask(), dtype=np.int32).copy())[:words]
+
+    free_row = allocate_bitmask(1, DEEPSEEK_VOCAB)
+    trig.matcher().fill_mask(free_row, 0)
+    assert bin(int(free_row[0, 0]) & 0xFFFFFFFF).count("1") >= 30  # free text: nearly every id allowed
+    forcing_row = torch.zeros(words, dtype=torch.int32)
+    forcing_row[trigger[1] // 32] = 1 << (trigger[1] % 32)
+    cases = []  # (matcher, expected row)
+    for k in (0, 2, 5):
+        m = plain.matcher()
+        assert all(m.accept(t) for t in ids[:k])
+        cases.append((m, raw_row(ids[:k])))
+    for k in (0, 3):
+        m = trig.matcher()
+        assert all(m.accept(t) for t in trigger + ids[:k])
+        cases.append((m, raw_row(ids[:k])))
+    m = trig.matcher()
+    assert m.accept(trigger[0]) and m.is_constrained()  # the bound token: the rest of the trigger is forced
+    cases.append((m, forcing_row))
+    m = trig.matcher()
+    assert m.accept(ids[0]) and not m.is_constrained()
+    cases.append((m, free_row[0]))
+    for order in (list(range(len(cases))), list(reversed(range(len(cases))))):
+        ms = [cases[i][0] for i in order]
+        rows = [2 * j + 1 for j in range(len(ms))]  # every other row: the even rows must stay as they were
+        out = torch.full((2 * len(ms) + 1, words), 7, dtype=torch.int32)
+        errors: dict = {}
+        fill_masks(ms, out=out, rows=rows, errors=errors)
+        assert not errors
+        for j, i in enumerate(order):
+            assert torch.equal(out[rows[j]], cases[i][1]), (j, i)
+        assert (out[0::2] == 7).all()
+        for j, i in enumerate(order):  # one at a time, the same
+            one = allocate_bitmask(1, DEEPSEEK_VOCAB)
+            cases[i][0].fill_mask(one, 0)
+            assert torch.equal(one[0], cases[i][1])
+    import pytest
+    with pytest.raises(ValueError):
+        fill_masks([cases[0][0]], rows=[-1])
+    with pytest.raises(ValueError):
+        fill_masks([cases[0][0]], [[1]], rows=[0])
+
+
+def test_xgrammar_batch_without_drafts(xgr_compiler, ds_tokenizer):
+    """xgrammar matchers in a no-draft batch (one xgrammar batch call), at scattered rows, one of them finished:
+    each row equals xgrammar's own single-matcher mask at the same prefix (a GrammarMatcher built here), the
+    finished one allows EOS alone (hand-set)."""
+    import xgrammar as xgr
+
+    compiled = xgr_compiler.compile(JsonSchema(SCHEMA, whitespace="compact"))
+    ids = encode(ds_tokenizer, '{"n":3,"s":"abc"}')
+    words = (DEEPSEEK_VOCAB + 31) // 32
+    ms, want = [], []
+    for k in (0, 2, 4, len(ids)):
+        m = compiled.matcher()
+        assert all(m.accept(t) for t in ids[:k])
+        raw = xgr.GrammarMatcher(compiled.compiled)
+        assert all(raw.accept_token(t) for t in ids[:k])
+        buf = xgr.allocate_token_bitmask(1, DEEPSEEK_VOCAB)
+        raw.fill_next_token_bitmask(buf, 0)
+        ms.append(m)
+        want.append(buf[0, :words])
+    assert ms[-1].accept(EOS) and ms[-1].is_terminated()
+    eos_row = torch.zeros(words, dtype=torch.int32)
+    eos_row[EOS // 32] = 1 << (EOS % 32)
+    want[-1] = eos_row
+    out = torch.full((9, words), 7, dtype=torch.int32)
+    rows = [8, 1, 5, 3]
+    errors: dict = {}
+    fill_masks(ms, out=out, rows=rows, errors=errors)
+    assert not errors
+    for r, w in zip(rows, want):
+        assert torch.equal(out[r], w), r
+    assert (out[[0, 2, 4, 6, 7]] == 7).all()

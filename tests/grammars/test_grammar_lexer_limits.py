@@ -136,3 +136,26 @@ def test_maskbench_fuel_schema_has_no_wrong_answer(compiler):
     assert res["refused"] is None
     assert set(res["outcomes"]) <= {"pass", "runtime_refused"}, res["outcomes"]
     assert all("lexer" in e for e in res["runtime_errors"])
+
+
+def test_survivor_with_rollbacks_is_rebuilt_at_its_kept_prefix(compiler, ds_tokenizer, raw_lltokenizer):
+    """A matcher that rolled back (some of it not yet dropped from its history: no accept since) when another
+    sequence exhausts the shared lexer is rebuilt at exactly the tokens it kept (oracle: raw llguidance fed them)."""
+    compiled = compiler.compile(JsonSchema(SCHEMA, whitespace="bounded"))
+    short = encode(ds_tokenizer, SHORT)
+    assert len(short) >= 4
+    a = compiled.matcher()
+    for t in short[:4]:
+        ours_mask(a)
+        assert a.accept(t)
+    a.rollback(2)
+    ours_mask(a)
+    assert a.accept(short[2])  # kept: short[:3]
+    a.rollback(1)  # kept: short[:2], with the last rollback still pending in the history
+    f = a.fork()
+    b = compiled.matcher()
+    with pytest.raises(ConstraintError, match="lexer"):
+        walk_until_refused(b, encode(ds_tokenizer, LONG), with_masks=False)
+    for m in (a, f):
+        assert torch.equal(ours_mask(m), raw_mask_at(raw_lltokenizer, compiled.grammar, short[:2]))
+        assert all(m.accept(t) for t in short[2:]) and m.accept(EOS)

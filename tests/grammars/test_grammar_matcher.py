@@ -157,3 +157,20 @@ def test_out_of_range_ids_are_rejected(compiler, xgr_compiler):
         # the rejections left the state as it was: an integer is still accepted from the start, to the end
         ids = c.vocab.tokenizer.encode("42", add_special_tokens=False).ids
         assert all(m.accept(t) for t in ids) and m.accept(EOS) and m.is_terminated()
+
+
+def test_accept_fast_path_range_excludes_every_added_token(compiler, ds_tokenizer):
+    """accept() sends ids inside llguidance_matcher's plain range straight to llguidance; EOS and every added
+    token (the tokenizer's own list) must fall outside it, or EOS would reach llguidance and an added token
+    would skip the careful rollback. The DeepSeek vocabulary's own range holds ordinary text ids (the fast path
+    is used); the process-wide range is within every registered vocabulary's."""
+    from deepinfer_sg.grammars import llguidance_matcher as lm
+
+    compiler.compile(Regex(r"[a-z]+"))  # (registers the vocabulary, as any compile does)
+    added = set(ds_tokenizer.get_added_tokens_decoder())
+    assert EOS in added
+    lo, hi = lm.plain_range(compiler.vocab)
+    assert lo <= lm._PLAIN_LO <= lm._PLAIN_HI <= hi
+    assert not any(lo < i < hi for i in added)
+    text = encode(ds_tokenizer, '{"name": "Ada Lovelace", "age": 36} and some plain words')
+    assert all(lo < i < hi for i in text)

@@ -31,6 +31,15 @@ def ours_mask(m):
 WORDS = (DEEPSEEK_VOCAB + 31) // 32
 
 
+def fed(compiled, prefix):
+    """A fresh matcher of `compiled` fed `prefix`, with a mask computed before each token (as an engine does)."""
+    m = compiled.matcher()
+    for t in prefix:
+        ours_mask(m)
+        assert m.accept(t)
+    return m
+
+
 def raw_llg_mask(raw):
     words = torch.from_numpy(np.frombuffer(raw.compute_bitmask(), dtype=np.int32).copy())
     assert not words[WORDS:].any()  # llguidance may round up to one more word; never any bit there
@@ -172,25 +181,18 @@ def test_triggered_rollback_across_trigger_and_termination(compiler, ds_tokenize
     compiled = compiler.compile(Triggered(spec, trigger))
     seq = encode(ds_tokenizer, "hi there") + trigger + body + ([EOS] if inner == "json" else [])
 
-    def fed(prefix):
-        m = compiled.matcher()
-        for t in prefix:
-            ours_mask(m)
-            assert m.accept(t)
-        return m
-
-    full = fed(seq)
+    full = fed(compiled, seq)
     assert full.is_terminated() == (inner == "json")
     for back in range(1, len(seq) + 1):
-        m = fed(seq)
+        m = fed(compiled, seq)
         m.rollback(back)
-        ref = fed(seq[: len(seq) - back])
+        ref = fed(compiled, seq[: len(seq) - back])
         assert m.is_constrained() == ref.is_constrained() and not m.is_terminated()
         assert torch.equal(ours_mask(m), ours_mask(ref)), back
-    m = fed(seq)
+    m = fed(compiled, seq)
     for back in range(1, len(seq) + 1):
         m.rollback(1)
-        ref = fed(seq[: len(seq) - back])
+        ref = fed(compiled, seq[: len(seq) - back])
         assert torch.equal(ours_mask(m), ours_mask(ref)), back
 
 
@@ -280,3 +282,64 @@ def test_long_history_rollback_and_repair(dsml, ds_tokenizer, raw_lltokenizer, w
             assert torch.equal(ours_mask(e), raw_llg_mask(raw)), (n, back)
         assert all(m.accept(t) for t in seq[len(seq) - back:])  # and forward again
         assert torch.equal(ours_mask(m), raw_llg_mask(raw_llg_at(raw_lltokenizer, compiled.grammar, seq)))
+
+
+def test_added_token_inside_a_json_string_rolls_back_right(compiler, ds_tokenizer, raw_lltokenizer):
+    """`｜DSML｜` is a non-special added token, so a JSON string may hold it: a JSON matcher that accepted one takes
+    the careful rollback path (RiskyLLGuidanceMatcher), as a DSML matcher does. Walked with masks,
+    then rolled back to every depth (one call, one token at a time, from a fork, and across EOS); each mask equals
+    a fresh raw matcher fed the kept prefix."""
+    compiled = compiler.compile(JsonSchema({"type": "string"}, whitespace="compact"))
+    seq = encode(ds_tokenizer, '"a<｜DSML｜ x<｜DSML｜"')
+    assert seq.count(DSML) == 2
+
+    def expect(m, kept):
+        assert torch.equal(ours_mask(m), raw_llg_mask(raw_llg_at(raw_lltokenizer, compiled.grammar, kept))), kept
+
+    for back in range(1, len(seq) + 1):
+        m = fed(compiled, seq)
+        ours_mask(m)
+        m.rollback(back)
+        expect(m, seq[: len(seq) - back])
+        assert all(m.accept(t) for t in seq[len(seq) - back:])  # and forward again
+        expect(m, seq)
+    m = fed(compiled, seq + [EOS])
+    f = m.fork()
+    for back in range(1, len(seq) + 1):
+        for w in (m, f):
+            ours_mask(w)
+            w.rollback(1)
+        expect(m, seq[: len(seq) + 1 - back])
+        expect(f, seq[: len(seq) + 1 - back])
+
+
+def test_json_random_walks_with_rollbacks_forks_and_history(compiler, ds_tokenizer, raw_lltokenizer):
+    """The plain (no added token) path: seeded walks through a JSON schema with masks, rollbacks of 1-4 tokens,
+    forks and re-accepts; every mask equals a fresh raw matcher fed the kept tokens, the history (what a repair
+    replays) equals them too, and rolling back past them is refused with ValueError."""
+    import random
+
+    compiled = compiler.compile(JsonSchema(SCHEMA, whitespace="compact"))
+    seq = encode(ds_tokenizer, '{"name":"Grace Hopper","tags":[1,22,333,4444,55555]}')
+    rng = random.Random(3)
+    for _ in range(3):
+        m, kept, pos = compiled.matcher(), [], 0
+        while pos < len(seq):
+            ours_mask(m)
+            assert m.accept(seq[pos])
+            kept.append(seq[pos])
+            pos += 1
+            if rng.random() < 0.35:
+                k = rng.randint(1, min(4, len(kept)))
+                m.rollback(k)
+                del kept[-k:]
+                pos -= k
+                if rng.random() < 0.5:
+                    m = m.fork()
+                assert m.history() == kept
+                raw = raw_llg_at(raw_lltokenizer, compiled.grammar, kept)
+                assert torch.equal(ours_mask(m), raw_llg_mask(raw)), kept
+        with pytest.raises(ValueError, match="only"):
+            m.rollback(len(kept) + 1)
+        assert m.history() == kept and torch.equal(ours_mask(m), raw_llg_mask(
+            raw_llg_at(raw_lltokenizer, compiled.grammar, kept)))

@@ -52,7 +52,7 @@ def corpus():
 
 def test_scan_agrees_with_the_full_path():
     seen = {schema_support.SCAN_AS_IS: 0, schema_support.SCAN_PREPARE: 0, schema_support.SCAN_INVALID: 0,
-            "no unsupported": 0, "no ref siblings": 0}
+            "no unsupported": 0, "no ref siblings": 0, "targeted": 0}
     for name, schema in corpus():
         found = schema_support.scan(schema)
         seen[found] += 1
@@ -80,6 +80,14 @@ def test_scan_agrees_with_the_full_path():
             if not ref_siblings:
                 seen["no ref siblings"] += 1
                 assert schema_support.prepare(schema, ref_siblings=False) == prepared, name
+                # the targeted rewrite (only the marked subschemas): the full one up to annotations, in the same
+                # key order, and the input untouched
+                before = json.dumps(schema)
+                *_, dirty = schema_support.scan_marks(schema)
+                targeted = schema_support.prepare(schema, ref_siblings=False, dirty=dirty)
+                assert json.dumps(strip_annotations(targeted)) == json.dumps(prepared), name
+                assert json.dumps(schema) == before, name
+                seen["targeted"] += 1
     assert all(seen.values()), seen  # the corpus exercises all three outcomes (and both skips)
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from deepinfer_sg.kernels.decode_attention import sparse_attention, sparse_attention_torch, sparse_attention_triton
-from helpers import on_dev
+from helpers import DEVICE, on_dev
 
 
 def _inputs(gen, N=5, H=6, D=32, Pw=40, Pc=30, Kw=9, Kc=7, dtype=torch.float32):
@@ -77,16 +77,16 @@ def test_bad_shapes_raise():
         sparse_attention(q, win_kv, win_idx[:-1], sink)
 
 
-@pytest.mark.parametrize("splits,one_loop", [(1, False), (3, False), (5, False), (1, True), (3, True), (4, True)])
-def test_key_splits_match_formula(splits, one_loop):
+@pytest.mark.parametrize("splits,unchain", [(1, False), (3, False), (5, False), (3, True), (4, True)])
+def test_key_splits_match_formula(splits, unchain):
     """Flash-decoding splits (a split straddling the window/compressed boundary, splits with no valid keys, a row
-    with no keys at all), keys pool by pool or in one loop, against the float64 formula."""
+    with no keys at all), chained and unchained, against the float64 formula."""
     gen = torch.Generator().manual_seed(40 + splits)
     q, win_kv, win_idx, cmp_kv, cmp_idx, sink = _inputs(gen, N=5, H=20, D=32, Kw=40, Kc=33)
     win_idx[2, 10:] = -1                                   # row 2: the later window splits see only padding
     ref = _naive(q, win_kv, win_idx, cmp_kv, cmp_idx, sink)
     out = sparse_attention_triton(*on_dev((q, win_kv, win_idx, sink, cmp_kv, cmp_idx)), block_h=16, block_k=16,
-                                  splits=splits, one_loop=one_loop).cpu()
+                                  splits=splits, unchain=unchain).cpu()
     assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
     assert out[4].abs().max() == 0
 
@@ -118,11 +118,10 @@ def test_all_heads_program_matches_formula():
 
 
 @pytest.mark.parametrize("splits,block_k", [(1, 16), (3, 16), (4, 32)])
-def test_all_heads_one_loop_matches_formula(splits, block_k):
-    """All heads of a row per program (20 heads in a 64-head tile), window + compressed keys in one loop (the
-    N >= 192 default), with fused key splits, against the float64 formula: a row whose later keys are all
-    padding, a row with no keys at all, a row with large scores (its running max jumps); also without compressed
-    keys."""
+def test_all_heads_unchained_matches_formula(splits, block_k):
+    """All heads of a row per program (20 heads in a 64-head tile), unchained (the default form at 64 heads),
+    with fused key splits, against the float64 formula: a row whose later keys are all padding, a row with no
+    keys at all, a row with large scores (its running max jumps); also without compressed keys."""
     gen = torch.Generator().manual_seed(90 + splits)
     q, win_kv, win_idx, cmp_kv, cmp_idx, sink = _inputs(gen, N=5, H=20, D=32, Kw=40, Kc=33)
     win_idx[2, 10:] = -1
@@ -133,17 +132,57 @@ def test_all_heads_one_loop_matches_formula(splits, block_k):
         ref = _naive(q, win_kv, win_idx, cmp_kv, ci, sink)
         args = (q, win_kv, win_idx, sink) + ((cmp_kv, cmp_idx) if with_cmp else (None, None))
         out = sparse_attention_triton(*on_dev(args), block_h=64, block_k=block_k, num_warps=8, splits=splits,
-                                      one_loop=True).cpu().double()
+                                      unchain=True).cpu().double()
         assert torch.isfinite(out).all()
         assert float((out - ref).norm() / ref.norm()) < 1e-5
         assert out[4].abs().max() == 0
 
 
 def test_all_heads_two_head_blocks():
-    """80 heads: two 64-head tiles per row (the second with 48 masked rows), with key splits, one loop."""
+    """80 heads: two 64-head tiles per row (the second with 48 masked rows), with key splits, unchained."""
     gen = torch.Generator().manual_seed(80)
     q, win_kv, win_idx, cmp_kv, cmp_idx, sink = _inputs(gen, N=5, H=80, D=32, Kw=20, Kc=17)
     ref = _naive(q, win_kv, win_idx, cmp_kv, cmp_idx, sink)
     out = sparse_attention_triton(*on_dev((q, win_kv, win_idx, sink, cmp_kv, cmp_idx)), block_h=64, block_k=16,
-                                  splits=2, one_loop=True).cpu().double()
+                                  splits=2, unchain=True).cpu().double()
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("splits,block_k,dtype", [(1, 16, torch.float32), (2, 32, torch.float32),
+                                                  (1, 64, torch.bfloat16), (2, 64, torch.bfloat16),
+                                                  (3, 16, torch.bfloat16)])
+def test_unchained_matches_formula(splits, block_k, dtype):
+    """The unchained form (P and the rescale factors handed to the P@V dot through a per-program scratch, a barrier
+    between, two buffers by key-block parity) against the float64 formula: several key blocks per program (a
+    parity reuse race would show), a row whose later keys are padding, a row with no keys, a row whose running
+    max jumps. Compiled, only bf16 pools take the unchained path (fp32 ones fall back to the chained form)."""
+    gen = torch.Generator().manual_seed(70 + splits + block_k)
+    q, win_kv, win_idx, cmp_kv, cmp_idx, sink = _inputs(gen, N=5, H=20, D=32, Kw=70, Kc=61, dtype=dtype)
+    win_idx[2, 10:] = -1
+    q[1] *= 12.0 if dtype == torch.float32 else 3.0
+    ref = _naive(q, win_kv, win_idx, cmp_kv, cmp_idx, sink)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for _ in range(2):
+        out = sparse_attention_triton(*on_dev((q, win_kv, win_idx, sink, cmp_kv, cmp_idx)), block_h=64,
+                                      block_k=block_k, num_warps=8, splits=splits, unchain=True).cpu().double()
+        assert torch.isfinite(out).all()
+        assert float((out - ref).norm() / ref.norm()) < tol
+        assert out[4].abs().max() == 0
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="V4 decode shapes: too slow for the interpreter; runs compiled")
+@pytest.mark.parametrize("N", [64, 200])
+def test_default_dispatch_at_v4_decode_shapes(N):
+    """The dispatched launch (default_config) at the model's shapes (64 heads, D = 512, 128 window + 512 gathered
+    compressed keys, bf16) against the twin in fp32: the configurations the engine runs."""
+    gen = torch.Generator().manual_seed(N)
+    q = torch.randn(N, 64, 512, generator=gen).bfloat16()
+    win = torch.randn(N * 128, 512, generator=gen).bfloat16()
+    cmp_ = torch.randn(N * 600, 512, generator=gen).bfloat16()
+    wi = torch.arange(N)[:, None] * 128 + torch.arange(128)
+    ci = torch.arange(N)[:, None] * 600 + torch.randperm(600, generator=gen)[:512]
+    wi[3, 100:] = -1
+    sink = torch.randn(64, generator=gen)
+    ref = sparse_attention_torch(q.float(), win.float(), wi, sink, cmp_.float(), ci)
+    out = sparse_attention(*on_dev((q, win, wi, sink, cmp_, ci))).cpu().float()
+    assert float((out - ref).norm() / ref.norm()) < 1e-2

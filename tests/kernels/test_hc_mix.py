@@ -66,8 +66,9 @@ def test_twin_matches_formulas():
 
 
 @pytest.mark.parametrize("T,M,H,dtype,iters", [(5, 4, 24, torch.float32, 20), (37, 4, 100, torch.bfloat16, 20),
-                                               (3, 2, 40, torch.float32, 3)])
+                                               (3, 2, 40, torch.float32, 3), (19, 2, 40, torch.bfloat16, 20)])
 def test_triton_matches_twin(T, M, H, dtype, iters):
+    """M = 2 takes the [tokens, M, M] Sinkhorn block, M = 4 the per-token one."""
     gen = torch.Generator().manual_seed(T * H)
     x = _params(gen, T, M, H, dtype)
     ref = hc_mixes_torch(*x, iters=iters)
@@ -79,9 +80,10 @@ def test_triton_matches_twin(T, M, H, dtype, iters):
 @pytest.mark.parametrize("T,mix_bt,sc,fast", [(37, 2, 16, True), (5, 8, 16, False), (37, 16, 4, True),
                                              (21, 4, 2, False)])
 def test_mixing_blocks_match_twin(T, mix_bt, sc, fast):
-    """Mixing-launch shapes on a token count that leaves partial blocks; sc: split partials loaded at once (6
+    """Mixing shapes on a token count that leaves partial blocks; sc: split partials loaded at once (6
     splits: a partial last chunk when sc does not divide them); fast: hardware reciprocals in the Sinkhorn loop
-    (compiled kernels; the interpreter divides). Columns of the result sum to 1 (the loop ends on a column step)."""
+    (compiled kernels; the interpreter divides). Columns of the result sum to 1 (the loop ends on a column
+    step)."""
     gen = torch.Generator().manual_seed(T + mix_bt)
     x = _params(gen, T, 4, 48, torch.bfloat16)
     ref = hc_mixes_torch(*x)
@@ -89,6 +91,21 @@ def test_mixing_blocks_match_twin(T, mix_bt, sc, fast):
     for a, b in zip(to_cpu((out.pre, out.post, out.comb)), (ref.pre, ref.post, ref.comb)):
         assert torch.allclose(a, b, atol=2e-5, rtol=1e-4), (a - b).abs().max()
     assert torch.allclose(to_cpu(out.comb).sum(1), torch.ones(T, 4), atol=1e-4)
+
+
+@pytest.mark.parametrize("block_t,split,block_k", [(16, 64, 32), (32, 128, 64)])
+def test_decode_tiles_repeat_bit_for_bit(block_t, split, block_k):
+    """Two calls on the same input give the same bits (the partials are added in split order, whatever order
+    the programs ran in), and both match the float64 formula; 2 loop steps per program as the decode default."""
+    gen = torch.Generator().manual_seed(100 + block_t)
+    x = _params(gen, 37, 4, 72, torch.bfloat16)
+    ref = _naive(x[0].double(), x[1].double(), x[2].double(), x[3].double(), 20)
+    kw = dict(block_t=block_t, block_k=block_k, split=split, mix_bt=16, mix_warps=4)
+    a = hc_mixes_triton(*on_dev(x), **kw)
+    b = hc_mixes_triton(*on_dev(x), **kw)
+    for u, v, w in zip((a.pre, a.post, a.comb), (b.pre, b.post, b.comb), ref):
+        assert torch.equal(u, v)
+        assert torch.allclose(u.cpu().double(), w, atol=2e-5, rtol=1e-4), (u.cpu().double() - w).abs().max()
 
 
 def test_bad_shapes_raise():
@@ -112,7 +129,7 @@ def test_bf16_residual_paths_match_float64_formula(precision, prefetch):
         assert torch.allclose(a.cpu().double(), b, atol=2e-5, rtol=1e-4), (a.cpu().double() - b).abs().max()
 
 
-@pytest.mark.parametrize("parts,sc,mix_bt", [(False, 4, 2), (False, 8, 8), (True, 1, 2), (True, 2, 4)])
+@pytest.mark.parametrize("parts,sc,mix_bt", [(False, 4, 16), (False, 8, 8), (True, 1, 2), (True, 2, 4)])
 def test_fn_forms_agree_with_formula(parts, sc, mix_bt):
     """fn split in registers or read as bf16 parts; several token blocks, a split count (5) that is not a
     multiple of sc; two fresh inputs."""

@@ -182,3 +182,24 @@ def test_threshold_select_matches_stable_sort(L, k, cap, sorted_):
     s[4, ::3] = -0.0
     s[5] = float("-inf")
     _check_select(s, k, sorted_, cap=cap)
+
+
+@pytest.mark.parametrize("G,k,chunks,cap", [(200, 24, None, None), (600, 12, None, 64), (330, 16, 3, None),
+                                            (20, 32, None, None)])
+def test_unsorted_select_is_already_in_id_order(G, k, chunks, cap):
+    """sorted=False returns the winners as ascending entry ids, then -1 padding, on every select path (one program
+    per row, the chunked two-launch select, the threshold select, k > G): exactly what engine/batched.py's
+    `topk_ids` gets after re-sorting, so that sort is the identity (and `idx[:, :min(k, G)]` is its result)."""
+    from deepinfer_sg.kernels.indexer import topk_select_triton
+    gen = torch.Generator().manual_seed(G + k)
+    s = torch.randn(5, G, generator=gen).round()                  # ties across chunks
+    s[1, G // 3:] = float("-inf")                                  # fewer selectable entries than k
+    s[2] = float("-inf")                                           # none
+    s[3] = torch.where(torch.rand(G, generator=gen) < 0.5, torch.zeros(G), -torch.zeros(G))   # +0.0 / -0.0
+    idx, _ = to_cpu(topk_select_triton(on_dev(s), k, sorted=False, chunks=chunks, cap=cap))
+    resorted = torch.where(idx >= 0, idx, G).sort(dim=1).values[:, :min(k, G)]
+    resorted = torch.where(resorted < G, resorted, -1)
+    assert torch.equal(idx[:, :min(k, G)], resorted)
+    ref_i, _ = _in_entry_order(*_stable_topk(s, k), G)
+    assert torch.equal(idx, ref_i)
+

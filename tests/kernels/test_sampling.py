@@ -7,7 +7,7 @@ import torch
 
 from deepinfer_sg.kernels import processed_probs, rng, sample_from_logits
 from deepinfer_sg.kernels.sampling import row_params, sample_torch, sample_triton
-from helpers import assert_matches_distribution, bit_allowed, on_dev, params_on_dev, random_bitmask
+from helpers import DEVICE, assert_matches_distribution, bit_allowed, on_dev, params_on_dev, random_bitmask
 
 
 def test_rng_triton_matches_torch_bit_for_bit():
@@ -128,19 +128,42 @@ def test_triton_matches_twin_mixed_rows(vocab):
             assert bit_allowed(bm, int(mrows[r]), int(a[r]))
 
 
-def test_one_launch_pass_matches_twin_and_resets_its_counters():
-    """The one-launch variant (the last program of a row reduces it) draws the twin's tokens, launch after
-    launch: its per-row counters must be back at zero each time."""
+@pytest.mark.parametrize("vocab", [9000, 8720])
+@pytest.mark.parametrize("shape", [None, (256, 2), (128, 1), (64, 1), (256, 8), (64, 2)])
+def test_pass_shapes_draw_the_twins_tokens(shape, vocab):
+    """Every program shape of the pass (lanes per program, warps: 4, 2 or 1 lanes per thread side by side, mask
+    words loaded once per thread and k) draws the twin's tokens on masked, greedy, hot and cold rows with a
+    partial last segment. Both vocabularies matter on a GPU: 8,720 (a multiple of 16) gets vectorised logits loads
+    and so a layout with a thread's lanes side by side; 9,000 does not (a thread's lanes 64 apart, in other mask
+    words): the packed mask-word load must be right in both (session 4's was not in the second)."""
     gen = torch.Generator().manual_seed(14)
-    R, vocab = 7, 1000
+    R = 7
     logits = torch.randn(R, vocab, generator=gen) * 3
     bm = random_bitmask(R, vocab, gen, density=0.7)
-    p = row_params(R, "cpu", torch.tensor([1.0, 0.5, 0.0, 1.0, 2.0, 1.0, 0.7]), 0, 1.0, seed=torch.arange(R),
+    mrows = torch.tensor([0, 1, -1, 3, 4, 5, 6])
+    p = row_params(R, "cpu", torch.tensor([1.0, 0.5, 0.0, 1.0, 2.0, 0.0, 0.7]), 0, 1.0, seed=torch.arange(R),
                    position=3)
-    want = sample_torch(logits, p, bm, seg=256, lanes=64)
-    for _ in range(3):
-        got = sample_triton(on_dev(logits), params_on_dev(p), on_dev(bm), seg=256, lanes=64, one_launch=True)
-        assert torch.equal(got.cpu(), want)
+    want = sample_torch(logits, p, bm, mrows)
+    got = sample_triton(on_dev(logits), params_on_dev(p), on_dev(bm), on_dev(mrows), shape=shape)
+    assert torch.equal(got.cpu(), want)
+    for r in range(R):
+        if int(mrows[r]) >= 0:
+            assert bit_allowed(bm, int(mrows[r]), int(want[r]))
+
+
+def test_host_params_moved_in_two_copies_draw_the_same_tokens():
+    """sample_from_logits builds host-given parameters on the host and moves them in two packed copies (greedy
+    as an integer): the kernels draw the twin's tokens from that form too."""
+    from deepinfer_sg.kernels.sampling import to_device
+    gen = torch.Generator().manual_seed(15)
+    R, vocab = 6, 700
+    logits = torch.randn(R, vocab, generator=gen) * 2
+    p = row_params(R, "cpu", torch.tensor([1.0, 0.0, 0.7, 1.0, 0.0, 2.0]), torch.tensor([0, 0, 5, 0, 3, 0]),
+                   torch.tensor([1.0, 1.0, 1.0, 0.8, 1.0, 1.0]), seed=torch.arange(R) * 5, position=11)
+    moved = to_device(p, DEVICE)
+    assert moved.greedy.dtype == torch.int64 and moved.greedy.cpu().tolist() == [0, 1, 0, 0, 1, 0]
+    got = sample_triton(on_dev(logits), moved, seg=256, lanes=64).cpu()
+    assert torch.equal(got, sample_torch(logits, p, seg=256, lanes=64))
 
 
 def test_batch_composition_does_not_change_samples():
@@ -215,13 +238,17 @@ def test_unit_and_gumbel_from_bits_match_twin_bit_for_bit():
     assert torch.allclose(g.cpu(), ref, rtol=1e-6, atol=1e-6) and float(ref.max()) > 5   # reached the series region
 
 
-@pytest.mark.parametrize("seg,lanes", [(64, 4), (4096, 256)])
-def test_top_k_rows_drawn_by_the_merge_match_twin_and_pass(seg, lanes):
-    """draw=True: rows with 0 < top_k <= 64 get their token from the top-k merge (the lane rule on the kept tokens
-    alone, lane-mates found by pairs); late=True: the in-lane pick runs in the finish for the winning lane. On a
-    layout where kept tokens share lanes (64 lanes of 16 for 1000 tokens) and on the default one, with masks and
-    temperatures: the same tokens as the twin and as the default pass with tau."""
+@pytest.mark.parametrize("seg,lanes,lane_shape", [(64, 4, None), (4096, 256, None), (4096, 256, (256, 2))])
+def test_top_k_rows_drawn_by_the_merge_match_twin_and_pass(seg, lanes, lane_shape, monkeypatch):
+    """draw=True: rows with 0 < top_k <= 64 get their token from the top-k merge (the sampling rule on the lanes
+    it gathered, restricted to the kept tokens; the pass skips those rows); lane_only (every row such a row): the
+    merge's tokens are the result, no pass at all. On a layout where kept tokens share lanes (64 lanes of 16 for
+    1000 tokens) and on the default one, with masks and temperatures: the same tokens as the twin and as the pass
+    with tau."""
+    from deepinfer_sg.kernels import threshold
     from deepinfer_sg.kernels.threshold import thresholds_and_paths
+    if lane_shape:                                                  # another lane-maxima program shape
+        monkeypatch.setattr(threshold, "LANE_SHAPE", lane_shape)
     gen = torch.Generator().manual_seed(31 + seg)
     R, vocab = 12, 1000
     logits = torch.randn(R, vocab, generator=gen) * 2
@@ -237,8 +264,32 @@ def test_top_k_rows_drawn_by_the_merge_match_twin_and_pass(seg, lanes):
     want = sample_torch(logits, p, None if lanes < 32 else bm, None if lanes < 32 else mrows, seg=seg, lanes=lanes)
     masks = () if lanes < 32 else (on_dev(bm), on_dev(mrows))
     merged = sample_triton(on_dev(logits), params_on_dev(p), *masks, seg=seg, lanes=lanes, draw=True).cpu()
-    passed = sample_triton(on_dev(logits), params_on_dev(p), *masks, seg=seg, lanes=lanes).cpu()
-    late = sample_triton(on_dev(logits), params_on_dev(p), *masks, seg=seg, lanes=lanes, late=True).cpu()
-    assert torch.equal(merged, want) and torch.equal(passed, want) and torch.equal(late, want)
+    passed = sample_triton(on_dev(logits), params_on_dev(p), *masks, seg=seg, lanes=lanes, draw=False).cpu()
+    assert torch.equal(merged, want) and torch.equal(passed, want)
     drawn = thresholds_and_paths(on_dev(logits), params_on_dev(p), *(masks or (None, None)), draw=(seg, lanes))[2]
-    assert int((drawn.cpu() != -2).sum()) == R - 1                  # every top-k row came from the merge
+    assert int((drawn.cpu() != -2).sum()) == R - 1                   # every top-k row came from the merge
+    keep = torch.tensor([r for r in range(R) if r != 3])
+    sub = row_params(R - 1, "cpu", temperature[keep], top_k[keep], top_p[keep], seed=keep * 17 + 2, position=21)
+    sub_masks = () if lanes < 32 else (on_dev(bm), on_dev(mrows[keep]))
+    only = sample_triton(on_dev(logits[keep].contiguous()), params_on_dev(sub), *sub_masks, seg=seg, lanes=lanes,
+                         lane_only=True).cpu()
+    assert torch.equal(only, want[keep])
+
+
+def test_top_k_merge_draws_follow_the_exact_distribution():
+    """The top-k merge's own draws (lane_only: no sampling pass at all) over many seeds follow q from the
+    definition (top-k, then top-p on the renormalised top-k set, in float64 by hand), on a vocabulary spanning
+    several segments and lanes with masked tokens: binomial bounds per token, and no token outside the kept set."""
+    gen = torch.Generator().manual_seed(71)
+    vocab, n = 21, 300                                              # (the interpreter runs one merge per row)
+    logits = torch.randn(vocab, generator=gen) * 1.2
+    logits[3] = -float("inf")                                       # never drawn
+    q = _hand_q(logits, 0.8, 6, 0.9, [True] * vocab)
+    rows = logits.expand(n, vocab).contiguous()
+    p = row_params(n, "cpu", 0.8, 6, 0.9, seed=torch.arange(n) // 5, position=torch.arange(n) % 5)
+    toks = sample_triton(on_dev(rows), params_on_dev(p), seg=8, lanes=2, lane_only=True).cpu()
+    counts = torch.bincount(toks, minlength=vocab)
+    assert counts[[v for v in range(vocab) if q[v] == 0]].sum() == 0
+    assert_matches_distribution(counts, q, n, sigmas=4.5)
+    assert torch.equal(toks[:60], sample_torch(rows[:60], row_params(60, "cpu", 0.8, 6, 0.9, seed=torch.arange(60) // 5,
+                                                                       position=torch.arange(60) % 5), seg=8, lanes=2))

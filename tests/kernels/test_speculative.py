@@ -173,3 +173,46 @@ def test_bonus_token_is_the_plain_sample_at_that_position():
         res = speculative_accept(*args, backend=backend, **(kw if backend == "torch" else on_dev(kw)))
         assert res.num_accepted.cpu().tolist() == [L] * B
         assert torch.equal(res.final_tokens.cpu(), want)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_requests_longer_than_one_ratio_test_chunk(temperature):
+    """A request with more rows than the ratio test takes at once (8): every draft accepted (greedy: the argmax;
+    sampled: near-certain drafts), so the final token comes from a row past the first chunk; same as the twin."""
+    gen = torch.Generator().manual_seed(41)
+    vocab = 300
+    cu = torch.tensor([0, 11, 13, 23])
+    R = int(cu[-1])
+    logits = torch.randn(R, vocab, generator=gen)
+    logits[torch.arange(R), torch.randint(0, vocab, (R,), generator=gen)] += 30.0     # one dominant token per row
+    drafts = logits.argmax(1)
+    drafts[20] = (drafts[20] + 1) % vocab                            # request 2 rejects at its 8th row (j = 7)
+    kw = dict(temperature=temperature, top_k=0, top_p=1.0, seed=torch.tensor([3, 4, 5]),
+              position=torch.tensor([0, 50, 90]))
+    a = speculative_accept(logits, cu, drafts, None, backend="torch", **kw)
+    b = speculative_accept(*on_dev((logits, cu, drafts)), None, backend="triton", **on_dev(kw))
+    assert a.num_accepted.tolist() == [10, 1, 7]
+    assert torch.equal(a.num_accepted, b.num_accepted.cpu()) and torch.equal(a.tokens, b.tokens.cpu())
+    assert torch.equal(a.final_tokens, b.final_tokens.cpu())
+
+
+@pytest.mark.parametrize("shape", [(128, 4), (256, 8), (128, 1)])
+def test_pass_shapes_match_twin(shape, monkeypatch):
+    """The statistics and residual passes at other program shapes (parts of a segment per program, lanes per
+    thread): same acceptance, tokens and final tokens as the twin, with masks, draft probabilities and a partial
+    last segment."""
+    monkeypatch.setattr(spec_mod, "SPEC_SHAPE", shape)
+    gen = torch.Generator().manual_seed(43)
+    vocab = 4500
+    cu, logits, probs, drafts = _batch(gen, vocab, [3, 1, 4], noise=0.4)
+    R = int(cu[-1])
+    bm = random_bitmask(R, vocab, gen, density=0.8)
+    mrows = torch.arange(R)
+    mrows[2] = -1
+    kw = dict(temperature=torch.tensor([1.0, 0.0, 0.7]), top_k=0, top_p=1.0, seed=torch.tensor([1, 2, 3]),
+              position=torch.tensor([5, 6, 7]))
+    a = speculative_accept(logits, cu, drafts, probs, bitmask=bm, mask_rows=mrows, backend="torch", **kw)
+    b = speculative_accept(*on_dev((logits, cu, drafts, probs)), bitmask=on_dev(bm), mask_rows=on_dev(mrows),
+                           backend="triton", **on_dev(kw))
+    assert torch.equal(a.num_accepted, b.num_accepted.cpu()) and torch.equal(a.tokens, b.tokens.cpu())
+    assert torch.equal(a.final_tokens, b.final_tokens.cpu())

@@ -1,6 +1,7 @@
 """The top-k/top-p threshold kernels (kernels/threshold.py) against the definition, computed by brute force in
 float64 (every token's count and mass of strictly larger z; top-p on the renormalised top-k set), on both the fast
 path and the bisection fallback."""
+import pytest
 import torch
 
 from deepinfer_sg.kernels.sampling import masked_z_torch, row_params, sample_torch, sample_triton
@@ -91,10 +92,10 @@ def test_top_p_acts_on_the_renormalised_top_k_set():
     logits = torch.randn(R, V, generator=gen) * 0.5
     logits[:, :6] = torch.tensor([6.0, 5.8, 5.6, 5.4, 5.2, 5.0])     # six leaders over a wide flat tail
     path = _check(logits, 1.0, torch.tensor([4, 4, 6, 3]), torch.tensor([0.7, 0.7, 0.6, 0.9]), chunk=128)
-    # the histogram path (kmax below every k) with its fallback, and the candidate path's overflow fallback
+    # the histogram path (kmax below every k) with its fallback, and the lane path's overflow fallback (lcap 2)
     path_fb = _check(logits, 1.0, torch.tensor([4, 4, 6, 3]), torch.tensor([0.7, 0.7, 0.6, 0.9]), cmax=4, chunk=128,
                      kmax=2)
-    path_ov = _check(logits, 1.0, torch.tensor([4, 4, 6, 3]), torch.tensor([0.7, 0.7, 0.6, 0.9]), chunk=128, cand=2)
+    path_ov = _check(logits, 1.0, torch.tensor([4, 4, 6, 3]), torch.tensor([0.7, 0.7, 0.6, 0.9]), chunk=128, lcap=2)
     assert (path > 0).all() and (path_fb == -1).any() and (path_ov == -1).all()
     # the old rule (mass over the whole row) keeps all k tokens here: the tail carries most of the mass
     p = row_params(R, "cpu", 1.0, torch.tensor([4, 4, 6, 3]), torch.tensor([0.7, 0.7, 0.6, 0.9]), 0, 0)
@@ -103,10 +104,12 @@ def test_top_p_acts_on_the_renormalised_top_k_set():
     assert kept.sum(1).tolist() != [4, 4, 6, 3]
 
 
-def test_candidate_path_overflow_ties_and_masks():
-    """The candidate path (0 < top_k <= kmax) against the definition on its awkward rows: a segment with more
-    candidates than it may keep (the row's exact fallback), a top-k set larger than the all-pairs block (200 tied
-    leaders: the bisection), rows whose mask leaves fewer than k lanes alive, and k at the limit."""
+@pytest.mark.parametrize("lane_shape", [None, (128, 4), (256, 8)])
+def test_candidate_path_overflow_ties_and_masks(lane_shape):
+    """The lane path (0 < top_k <= kmax) against the definition on its awkward rows: more tied lanes at the bound
+    than the merge may gather (the row's exact fallback), a top-k set larger than the all-pairs block (200 tied
+    leaders: the bisection), rows whose mask leaves fewer than k lanes alive, and k at the limit; for each program
+    shape of the lane-maxima pass."""
     gen = torch.Generator().manual_seed(25)
     R, V = 6, 1500
     logits = torch.randn(R, V, generator=gen) * 2
@@ -117,9 +120,11 @@ def test_candidate_path_overflow_ties_and_masks():
     bm[3, :2] = -1                                         # 64 allowed tokens, all in segment 0: few live lanes
     top_k = torch.tensor([8, 50, 30, 40, 64, 3])
     top_p = torch.tensor([0.9, 0.8, 1.0, 0.7, 0.95, 1.0])
-    path = _check(logits, 0.8, top_k, top_p, bm, chunk=256)
+    path = _check(logits, 0.8, top_k, top_p, bm, chunk=256, lcap=256, lane_shape=lane_shape)
     assert (path >= 1).all()
-    path = _check(logits, 0.8, top_k, top_p, bm, chunk=256, cand=16)      # segments overflow: the fallback
+    path = _check(logits, 0.8, top_k, top_p, bm, chunk=256, lane_shape=lane_shape)     # 140 tied lanes > 128
+    assert int(path[1]) == -1 and int((path >= 1).sum()) >= 4
+    path = _check(logits, 0.8, top_k, top_p, bm, chunk=256, lcap=16, lane_shape=lane_shape)   # overflow: fallback
     assert (path == -1).any() and (path >= 1).any()
 
 
@@ -135,3 +140,19 @@ def test_top_p_alone_on_the_candidate_path_when_the_leaders_carry_the_mass():
     p = row_params(R, "cpu", 1.0, 0, torch.tensor([0.95, 0.5, 0.9, 0.6]), seed=torch.arange(R), position=3)
     cand_only = thresholds_and_paths(on_dev(logits), params_on_dev(p), None, None, chunk=512, histogram=False)[1]
     assert cand_only.cpu().tolist()[2:] == [-3, -3]          # left to the histogram path
+    # a unit with more candidates than its slots: the merge's exact bisection must use top-p alone (no k)
+    path = _check(logits, 1.0, 0, torch.tensor([0.95, 0.5, 0.9, 0.6]), chunk=512, lcap=8)
+    assert (path[:2] == -1).all()
+
+
+def test_merge_top_slice_on_many_candidates():
+    """Rows whose leading lanes are full of large tokens (20 lanes of 12 tokens far above the rest) leave hundreds
+    of candidates >= the lane bound (more than the merge's all-pairs block): the merge keeps the top bins of a
+    histogram holding >= k of them, then all pairs; exact against the definition."""
+    gen = torch.Generator().manual_seed(27)
+    R, V = 4, 3000
+    logits = torch.randn(R, V, generator=gen) * 3
+    ids = (torch.arange(20)[:, None] + torch.arange(12)[None, :] * 256).flatten()     # lanes 0..19, every k
+    logits[:, ids] = 12 + torch.randn(R, ids.numel(), generator=gen)
+    path = _check(logits, 1.0, torch.tensor([50, 50, 20, 64]), torch.tensor([1.0, 0.9, 0.5, 0.95]))
+    assert int((path > 128).sum()) >= 3, path               # the many-candidates branch ran (k = 20: fewer)

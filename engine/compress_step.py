@@ -1,0 +1,176 @@
+"""The compressors' cache updates of V4.1's kv-source layers inside the decode step's CUDA graph.
+
+Why: a compressor grows its caches by amounts the host decides (a ratio-2 group completes every other token), so
+these updates used to run eagerly between graph segments (batched.update_compressed: a projection, gathers of the
+open groups' token rows, appends), splitting a decode step into 4 graphs plus ~40 small launches and copies.
+Here the work is made fixed-size per token, so it runs inside the one graph of the step:
+  * every token row computes "its" group's entry: the group g = p // r its position p falls in, pooled from the
+    ratio's token rows (its own and the earlier ones of the group, this step's or a previous step's); only a row
+    that completes its group (p % r == r - 1) writes it to the group's arena row, the others write to the arena's
+    dump row (engine/arena.py), so the shapes are [T, ...] whatever completes;
+  * a gated compressor's per-token kv / gate projections live in a RING of `RING` rows per sequence at fixed
+    addresses (position p at row p % RING of the sequence's slot), written in place every step; no buffer is
+    rebuilt per step. The states point at their rows as (ring, first row, rows, RING) (cache.py reads them with
+    a gather). RING covers a rollback of max_rollback tokens plus a step of MAX_FAST_ROWS rows plus a group;
+  * the V4.1 index keys of a layer that owns them (k_norm(wk(latent)), rotated at the group's position) come from
+    the same row's latent, written the same way.
+The host side (`plan_layer`, before the graph) only does arithmetic on positions: arena room (growth, rows moved in
+from the reference path: rare), each row's destination rows, and the states' counts after the step.
+Same math as Compressor.step_many (the eager path, still used by V4's overlapping compressors and index
+compressors), row for row, so results are equal bit for bit.
+Cost per layer and step: the projections and one [T, r, W] gather + softmax for T rows (2x the groups that
+complete at ratio 2: noise next to the projections), three [T, D] row writes; host: O(T) integer work.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .arena import arena_for
+from .rope import apply_rope, rope_cos_sin
+
+RING = 64    # >= max_rollback (16) + MAX_FAST_ROWS (16) + ratio: rows a rollback or this step can still need
+
+# a layer's inputs to compress_rows (after batched.ENTRY_INPUTS in `span`'s per-layer inputs); None where absent
+INPUTS = ("ring_kv", "ring_g", "tok_kv_dst", "tok_g_dst", "grp_kv", "grp_g", "gpos", "ent", "ent_dst", "lat",
+          "lat_dst", "ik", "ik_dst")
+
+
+def in_graph(model, attn) -> bool:
+    """Whether a layer's cache updates run here (inside the step's graph): V4.1 compressors (no overlap, no ape),
+    with index keys only from the layer's own latents. Otherwise batched.update_compressed runs them eagerly."""
+    comp = getattr(attn, "compressor", None)
+    idx = getattr(attn, "indexer", None)
+    if comp is None or model.config.compressor_style != "v41" or comp.overlap or comp.ape is not None:
+        return False
+    if idx is not None and hasattr(idx, "compressor"):
+        return False
+    return not (idx is not None and hasattr(idx, "wk") and attn.spec.kv_source != attn.layer_id)
+
+
+def graph_layers(model) -> list[int]:
+    """The layers whose cache updates run here (fixed by the model's structure: computed once)."""
+    got = model.__dict__.get("_compress_graph_layers")
+    if got is None or got[0] is not model.layers:
+        got = model.__dict__["_compress_graph_layers"] = (
+            model.layers, [i for i, blk in enumerate(model.layers) if in_graph(model, blk.attn)])
+    return got[1]
+
+
+def _ring_reserve(arena, states, name: str) -> list[int]:
+    """Each state's token rows `name` in its ring slot of `arena` (RING rows per slot); rows held elsewhere
+    (the reference path's tensors, an eager gather buffer) are copied in at their positions' ring rows (one
+    gather + one index_copy for all such states). -> each state's slot."""
+    key = "_" + name
+    slots = [arena.slots.of(st) for st in states]
+    if arena._grow(max(slots) + 1, RING):
+        slots = [arena.slots.of(st) for st in states]     # (a growth renumbers the slots)
+    flat = arena.flat
+    moved, dst = [], []
+    for st, slot in zip(states, slots):
+        t = getattr(st, key)
+        if t is None or not t[2] or (t[0] is flat and len(t) == 4 and t[1] // RING == slot):
+            continue
+        moved.append(getattr(st, name))
+        dst.extend(slot * RING + p % RING for p in range(st.tok_start, st.tok_start + t[2]))
+    if moved:
+        rows = torch.tensor(dst, dtype=torch.long).to(flat.device)
+        flat.index_copy_(0, rows, torch.cat(moved).to(flat.dtype))
+        arena.moved_rows += len(dst)
+    return slots
+
+
+def plan_layer(model, attn, ctx, plan) -> list:
+    """Host side of one layer's compressor step for this step's rows (before the graph): arena room, each row's
+    destination rows, the states advanced to the end of the step (their rows are written by `compress_rows`),
+    the layer's pools in `plan.pools` (what batched.pool would give after the update).
+    -> the layer's INPUTS (device tensors; the arenas' flat tensors at fixed addresses)."""
+    i = attn.layer_id
+    comp = attn.compressor
+    r, W, D = comp.ratio, comp.wkv.weight.shape[0], comp.out_dim
+    dev = plan.device
+    dtype = model.embed.weight.dtype
+    seqs = ctx.seqs
+    states = [s.cache.layers[i].comp for s in seqs]
+    starts = np.asarray(plan.starts, dtype=np.int64)
+    ns = np.asarray(plan.ns, dtype=np.int64)
+    ends = starts + ns
+    for st, s0 in zip(states, plan.starts):
+        assert st.n_entries == s0 // r, "compressor state out of sync with the cache"
+    counts = (ends // r).tolist()
+    # per row: its sequence, position, group, whether it completes the group
+    seq = np.repeat(np.arange(len(seqs)), ns)
+    pos = np.repeat(starts - np.cumsum(ns) + ns, ns) + np.arange(int(ns.sum()))
+    grp = pos // r
+    done = pos % r == r - 1
+    like = torch.empty((0, D), dtype=dtype, device=dev)
+
+    def rows_in(arena, owners):
+        flat, first = arena.reserve(owners, counts)
+        return flat, first, np.where(done, np.asarray(first, dtype=np.int64)[seq] + grp, arena.dump)
+
+    ent, ent_first, ent_dst = rows_in(arena_for(model, i, "comp", "entries", like), states)
+    lat, _, lat_dst = rows_in(arena_for(model, i, "comp", "latents", like), states)
+    ik = ik_dst = None
+    idx = getattr(attn, "indexer", None)
+    if idx is not None and hasattr(idx, "wk"):
+        ik_like = torch.empty((0, idx.wk.weight.shape[0]), dtype=dtype, device=dev)
+        ik, ik_first, ik_dst = rows_in(arena_for(model, i, "layer", "ikeys", ik_like),
+                                       [s.cache.layers[i] for s in seqs])
+    ring_kv = ring_g = None
+    host = {"gpos": grp * r, "ent_dst": ent_dst, "lat_dst": lat_dst}
+    if ik is not None:
+        host["ik_dst"] = ik_dst
+    if comp.gated:
+        f32 = torch.empty((0, W), dtype=torch.float32, device=dev)
+        ring_kv = arena_for(model, i, "comp", "tok_kv", f32)
+        ring_g = arena_for(model, i, "comp", "tok_gate", f32)
+        members = grp[:, None] * r + np.arange(r)[None, :]              # the group's positions [T, r]
+        ring_slots = []
+        for name, arena in (("tok_kv", ring_kv), ("tok_gate", ring_g)):
+            ring_slots.append(_ring_reserve(arena, states, name))
+            base = np.asarray(ring_slots[-1], dtype=np.int64)[seq] * RING
+            host[name + "_dst"] = base + pos % RING
+            host[name + "_grp"] = base[:, None] + members % RING
+        for st, slot_kv, slot_g, s0, e in zip(states, *ring_slots, plan.starts, ends.tolist()):
+            keep = max(st.tok_start if st.rows("tok_kv") else s0, comp.keep_from(e, model.max_rollback))
+            st.tok_start = keep
+            st._tok_kv = (ring_kv.flat, slot_kv * RING + keep % RING, e - keep, RING) if e > keep else None
+            st._tok_gate = (ring_g.flat, slot_g * RING + keep % RING, e - keep, RING) if e > keep else None
+        ring_kv, ring_g = ring_kv.flat, ring_g.flat
+    else:
+        for st, e in zip(states, ends.tolist()):
+            st.tok_start, st._tok_kv, st._tok_gate = e, None, None
+    names = list(host)
+    got = dict(zip(names, plan.upload([host[k] for k in names], dev)))
+    # this step's pools of the layer (the arenas: no copy)
+    for kind in ("comp", "icomp", "ikeys"):
+        plan.pools.pop((kind, i), None)
+    G = max(counts)
+    plan.pools[("comp", i)] = (ent if G else None, *plan.per_row([ent_first, counts], dev), G)
+    if ik is not None:
+        plan.pools[("ikeys", i)] = (ik if G else None, *plan.per_row([ik_first, counts], dev), G)
+    return [ring_kv, ring_g, got.get("tok_kv_dst"), got.get("tok_gate_dst"), got.get("tok_kv_grp"),
+            got.get("tok_gate_grp"), got["gpos"], ent, got["ent_dst"], lat, got["lat_dst"], ik, got.get("ik_dst")]
+
+
+def compress_rows(model, attn, xn: torch.Tensor, ring_kv, ring_g, tok_kv_dst, tok_g_dst, grp_kv, grp_g, gpos,
+                  ent, ent_dst, lat, lat_dst, ik, ik_dst) -> None:
+    """Device side (pure, inside the step's graph): the layer's compressor rows from its attention-norm output
+    xn [T, H], written in place into the rings and arenas at the rows `plan_layer` chose (module docstring)."""
+    comp = attn.compressor
+    kv = comp.wkv(xn).float()
+    if comp.gated:
+        ring_kv.index_copy_(0, tok_kv_dst, kv)
+        ring_g.index_copy_(0, tok_g_dst, comp.wgate(xn).float())
+        pooled = (ring_kv[grp_kv] * ring_g[grp_g].softmax(dim=1)).sum(dim=1)     # [T, r, W] -> [T, W]
+    else:
+        pooled = kv                      # ratio 1: the entry is the token's own projection
+    latent = comp.norm(pooled.to(xn.dtype))
+    cos, sin = rope_cos_sin(model._freqs(attn.spec.rope), gpos)
+    ent.index_copy_(0, ent_dst, model._qdq(apply_rope(latent, cos, sin), "compressed").to(ent.dtype))
+    lat.index_copy_(0, lat_dst, latent.to(lat.dtype))
+    if ik is not None:
+        idx = attn.indexer
+        keys = model._qdq(apply_rope(idx.k_norm(idx.wk(latent)), cos, sin), "index")
+        ik.index_copy_(0, ik_dst, keys.to(ik.dtype))
