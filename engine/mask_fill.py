@@ -90,7 +90,7 @@ class MaskFiller:
         job.bitmask = self._buffer(num_rows, bitmask_words(vocab_size))
         matchers = [m for _, m in rows]
         job.work = partial(_fill_step, job.bitmask, rows, matchers, row_ids)
-        job.futures = [self.pool.submit(job.work)]
+        job.future = self.pool.submit(job.work)
         return job
 
     def shutdown(self):
@@ -102,17 +102,16 @@ class MaskJob:
     num_rows: int
     rows: list
     bitmask: Optional[torch.Tensor] = None
-    futures: Optional[list[Future]] = None
-    work: Optional[Callable[[], dict]] = None  # the fill itself (what the futures run)
+    future: Optional[Future] = None
+    work: Optional[Callable[[], dict]] = None  # the fill itself (what the future runs)
 
     def wait(self) -> dict[int, str]:
         """Block until filled; returns {row: error message} for rows whose matcher failed. A fill the mask thread
         has not picked up yet (nothing overlapped it: the caller waited at once) runs here instead, saving the
         two thread switches."""
-        errors = {}
-        for f in self.futures or []:
-            errors.update(self.work() if self.work is not None and f.cancel() else f.result())
-        return errors
+        if self.future is None:
+            return {}
+        return self.work() if self.future.cancel() else self.future.result()
 
     def apply(self, logits: torch.Tensor) -> None:
         if self.bitmask is None:
