@@ -83,6 +83,16 @@ def test_greedy_identical_to_plain_decoding(tiny, tiny_refs, drafter, schedule):
         assert dec.stats.steps < 9
 
 
+def test_host_token_ids_give_the_plain_decoding_tokens(tiny, tiny_refs):
+    """SpecDecoder(ids_on_host=True) (the engine's setting for the V4 model on a GPU, where the model uploads the
+    verify chunks' ids itself) must give the tokens of plain decoding. (On CPU both settings hand the model host
+    ids: what it saves on a GPU is not visible here.)"""
+    reqs = [SD.StandaloneRequest(p, max_tokens=10) for p in PROMPTS]
+    cfg = SD.SpecConfig(step_times=TABLE, n=4, schedule="fixed", drafter="self")
+    SD.generate(tiny, reqs, cfg, decoder=SD.SpecDecoder(tiny, cfg, ids_on_host=True))
+    assert [r.output for r in reqs] == [r[:10] for r in tiny_refs]
+
+
 def test_stop_token_and_max_tokens_inside_an_accepted_block(tiny, tiny_refs):
     ref = tiny_refs[0]
     k = next(i for i in range(3, 20) if ref[i] not in ref[:i])     # a token first seen mid-stream
