@@ -1,7 +1,7 @@
 """Overhead of our constraint layer over the backend it wraps, measured so that a 5% claim can be settled.
 
   python benchmarks/grammar_bench.py [--schemas 50] [--xgrammar 6] [--batch 64 256] [--drafts 5] [--data DIR]
-                                     [--before DIR] [--reps 1.0] [--out FILE]
+                                     [--before DIR] [--reps 1.0] [--batch-reps 1.0 ...] [--out FILE]
 
 Workload: a stratified subset of MaskBench dev schemas that raw llguidance compiles; each schema's first valid
 instance, compact JSON, tokenized by the real DeepSeek-V4 tokenizer (129,280 logits).
@@ -19,6 +19,9 @@ Sides (all in one process, on the same schemas, steps and thread pool):
   ours    ConstraintCompiler(backend="llguidance", cache off: every compile is real) + its matchers + fill_masks.
   before  (--before DIR: a folder holding an older `grammars/`) the same calls on that code, loaded as a separate
           package in this process: before/after numbers from the same run, under the same noise.
+  raw+safe, raw+prep   references: raw plus the least a memory-safe, repairable layer must do (fills, accept,
+          rollback), and raw plus the exact rewrite (compiles); printed as "vs ..." lines under a row (REFERENCES_NOTE).
+          Each reference side has its own compile (own lexer): see main().
 
 How a row is measured (why: single ours-then-raw passes moved +-5 points between runs on an idle 16-core host):
 every row is a list of PAIRS; in each repetition every side runs the same work once, in a freshly shuffled order
@@ -87,10 +90,19 @@ def load_grammars(folder: str, name: str):
 def as_handed(schema):
     """The schema exactly as our compiler hands it to llguidance: as given when schema_support.scan_marks finds
     nothing to rewrite, else prepare()'s rewrite of the subschemas it marked (see compiler._compile_json)."""
-    from deepinfer_sg.grammars.schema_support import SCAN_AS_IS, prepare, scan_marks
+    from deepinfer_sg.grammars import schema_support
 
-    code, _, ref_siblings, dirty = scan_marks(schema)
-    return schema if code == SCAN_AS_IS else prepare(schema, ref_siblings=ref_siblings, dirty=dirty)
+    return prepared_like_ours(schema, schema_support)
+
+
+def prepared_like_ours(schema, ss=None):
+    """as_handed, for the timed "raw+prep" reference: the module looked up once (see main), not imported per call."""
+    ss = ss or _SCHEMA_SUPPORT
+    code, _, ref_siblings, dirty = ss.scan_marks(schema)
+    return schema if code == ss.SCAN_AS_IS else ss.prepare(schema, ref_siblings=ref_siblings, dirty=dirty)
+
+
+_SCHEMA_SUPPORT = None  # deepinfer_sg.grammars.schema_support, set by main()
 
 
 def pick_schemas(n, lltok, data=DATA):
@@ -161,6 +173,12 @@ def print_rows(pairs, sides, rng):
             bmed, bci, *_ = summary(by_side["before"], by_side["raw"], rng)
             line += f"   {100 * bmed:+6.1f}% [{100 * bci[0]:+.1f}, {100 * bci[1]:+.1f}]"
         print(line)
+        for ref in (*REFERENCES, COMPILE_REFERENCE):
+            if by_side.get(ref):
+                med, ci, tot, tci, diff, ref_us = summary(by_side["ours"], by_side[ref], rng)
+                print(f"{'  vs ' + ref:30}{len(by_side[ref]):>7}{ref_us:>10.2f}{diff:>+10.2f}   "
+                      f"{f'{100 * med:+6.1f}% [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]':34}"
+                      f"{f'{100 * tot:+6.1f}% [{100 * tci[0]:+.1f}, {100 * tci[1]:+.1f}]':30}")
 
 
 # -- the sides --------------------------------------------------------------------------------------------------
@@ -204,11 +222,71 @@ def raw_side(template, mask):
     return Side(template.deep_copy, fill_of, accept_of, rollback_of)
 
 
+def raw_safe_side(template, mask):
+    """Reference "raw+safe": the raw client plus the least a layer needs to be memory-safe and repairable (see
+    REFERENCES): the tensor's address re-read per fill (a tensor re-pointed in place must not be written at its old
+    address), the accepted ids appended to a history and rollbacks counted (llguidance 1.9.1 matchers must be
+    rebuilt from their tokens after its rollback bug or a shared lexer's exhausted fuel)."""
+    nbytes = mask.shape[1] * 4
+    ptr = mask.data_ptr()
+
+    def fill_of(r):
+        def fill():
+            if mask.data_ptr() != ptr:  # (the one torch accessor: ~50 ns)
+                raise RuntimeError("the bitmask moved")
+            r.unsafe_compute_mask_ptr(ptr, nbytes)
+            if r.is_error():
+                raise RuntimeError(r.get_error())
+        return fill
+
+    def history_of(r):
+        history, back = [], 0
+
+        def accept(t):
+            if r.try_consume_tokens((t,)) == 1:
+                history.append(t)
+                return True
+            return False
+
+        def rollback(n):
+            nonlocal back
+            if not r.rollback(n):
+                raise RuntimeError(r.get_error())
+            back += n  # (the rolled-back ids leave the history at the next accept; this is all a rollback costs)
+        return accept, rollback
+
+    clients = {}  # matcher id -> its (accept, rollback), sharing one history
+
+    def client(r):
+        c = clients.get(id(r))
+        if c is None or c[2] is not r:
+            c = clients[id(r)] = (*history_of(r), r)
+        return c
+
+    return Side(template.deep_copy, fill_of, lambda r: client(r)[0], lambda r: client(r)[1])
+
+
+REFERENCES = {"raw+safe": raw_safe_side}  # walk references: name -> Side maker
+COMPILE_REFERENCE = "raw+prep"
+REFERENCES_NOTE = """\
+reference lines (ours against another client of the same llguidance, same pairs):
+  vs raw+safe   raw plus the least any layer needs to be memory-safe and repairable: the bitmask's address re-read
+                per fill (data_ptr(): a tensor re-pointed in place is followed, never written at its old address), the
+                accepted ids kept in a list and rollbacks counted (llguidance 1.9.1 must be rebuilt from the tokens
+                after its rollback bug or a shared lexer's exhausted fuel). What ours adds beyond that floor.
+  vs raw+prep   compiles: raw plus the work exactness takes: schema_support's scan (what to rewrite, value checks) and
+                exact rewrite (prepare: format -> our exact regex, oneOf of disjoint branches -> anyOf, ...) of the
+                schema, then raw llguidance on the result; raw llguidance on the schema as given compiles these
+                schemas too, but not exactly (e.g. its "date" format). What ours adds beyond the rewrite.
+(R1 of session 6 also measured fills through llguidance's own torch helper, llguidance.torch.fill_next_token_bitmask
++ is_error(): ours was 26% faster per token, 23% per one-call block.)"""
+
+
 def bench_schema(schema, ids, sides, pairs, rng, same, walks=3):
     """Compile pairs, then the lockstep walk (fills), then accept/rollback blocks, for one schema."""
     # compile: 5 repetitions, each side once per repetition, shuffled; previous results freed before the clock
     group = "compile, rewritten first" if same is not schema else "compile, schema as given"
-    compiles = {name: s["compile"] for name, s in sides.items()}
+    compiles = {name: s["compile"] for name, s in sides.items() if "compile" in s}
     for _ in range(5 if same is schema else 15):  # (few schemas are rewritten: more repetitions of those)
         order = list(compiles)
         rng.shuffle(order)
@@ -218,7 +296,7 @@ def bench_schema(schema, ids, sides, pairs, rng, same, walks=3):
             pairs.add("compile (all)", name, t1 - t0)
             pairs.add(group, name, t1 - t0)
     # fills along the instance, all sides in lockstep (a warm-up walk first: the lexers build states lazily)
-    ops = {name: s["side"] for name, s in sides.items()}
+    ops = {name: s["side"] for name, s in sides.items() if "side" in s}
     first = {name: len(pairs.t["fill per token"][name]) for name in ops}
     for w in range(1 + walks):
         ms = {name: op.make() for name, op in ops.items()}
@@ -347,6 +425,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, nargs="*", default=[64, 256])
     p.add_argument("--drafts", type=int, default=5)
     p.add_argument("--reps", type=float, default=1.0, help="scale the repetition counts (time vs interval width)")
+    p.add_argument("--batch-reps", type=float, nargs="*", default=[],
+                   help="per --batch size, scale its rows' repetitions further (default 1 each)")
     p.add_argument("--before", default=None, help="a folder holding an older grammars/ to measure in the same run")
     p.add_argument("--data", default=str(DATA), help="folder holding maskbench-dev/ (default ../shared/data)")
     p.add_argument("--seed", type=int, default=0)
@@ -361,7 +441,10 @@ def main(argv=None):
     from llguidance import LLMatcher, LLTokenizer
 
     import deepinfer_sg.grammars as ours_pkg
-    from deepinfer_sg.grammars import llguidance_matcher
+    from deepinfer_sg.grammars import llguidance_matcher, schema_support
+
+    global _SCHEMA_SUPPORT
+    _SCHEMA_SUPPORT = schema_support
 
     pkgs = {"ours": ours_pkg}
     if args.before:
@@ -384,6 +467,7 @@ def main(argv=None):
           f"ours from {os.path.dirname(ours_pkg.__file__)}" + (f", before from {args.before}" if args.before else ""))
     print(__doc__.split("Sides (")[0].strip().splitlines()[0])
     print(LEGEND)
+    print(REFERENCES_NOTE)
     opts = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
     mask = torch.zeros((1, (VOCAB + 31) // 32), dtype=torch.int32)
     pairs = Pairs()
@@ -398,6 +482,11 @@ def main(argv=None):
         sides = {"raw": {"compile": lambda same=same: LLMatcher(lltok, LLMatcher.grammar_from_json_schema(same, overrides=opts),
                                                                   log_level=0),
                          "side": raw_side(raw_template, mask)}}
+        sides[COMPILE_REFERENCE] = {"compile": lambda schema=schema: LLMatcher(
+            lltok, LLMatcher.grammar_from_json_schema(prepared_like_ours(schema), overrides=opts), log_level=0)}
+        for ref, make_side in REFERENCES.items():  # (each its own compile: a lexer shared by several sides stays
+            # warmer in the CPU caches than one side's own, which skewed accept by +40%)
+            sides[ref] = {"side": make_side(LLMatcher(lltok, grammar, log_level=0), mask)}
         for pname, pkg in pkgs.items():
             c = compilers[pname]
             compiled = c.compile(pkg.JsonSchema(schema, whitespace="compact"))
@@ -410,7 +499,10 @@ def main(argv=None):
 
     def sides_for(schema):
         same = as_handed(schema)
-        out = {"raw": raw_side(LLMatcher(lltok, LLMatcher.grammar_from_json_schema(same, overrides=opts), log_level=0), mask)}
+        grammar = LLMatcher.grammar_from_json_schema(same, overrides=opts)
+        out = {"raw": raw_side(LLMatcher(lltok, grammar, log_level=0), mask)}
+        out.update((ref, make_side(LLMatcher(lltok, grammar, log_level=0), mask))
+                   for ref, make_side in REFERENCES.items())
         for pname, pkg in pkgs.items():
             out[pname] = ours_side(compilers[pname].compile(pkg.JsonSchema(schema, whitespace="compact")), mask)
         return out
@@ -419,7 +511,7 @@ def main(argv=None):
     print_rows(pairs, list(pkgs) + ["raw"], nrng)
     print(f"(at {time.time() - t_start:.0f} s)")
 
-    for b in args.batch:
+    for bi, b in enumerate(args.batch):
         bpairs = Pairs()
         bsides = {"raw": {"batch_matcher": lambda schema: LLMatcher(
             lltok, LLMatcher.grammar_from_json_schema(as_handed(schema),
@@ -430,7 +522,8 @@ def main(argv=None):
             bsides[pname] = {"batch_matcher": lambda schema, c=c, pkg=pkg: c.compile(
                 pkg.JsonSchema(schema, whitespace="compact")).matcher(),
                 "accept": lambda m, t: m.accept(t), "fill_masks": pkg.fill_masks}
-        bench_batch(seqs, bsides, bpairs, rng, b, args.drafts, executor, reps=max(4, round(100 * args.reps)))
+        bench_batch(seqs, bsides, bpairs, rng, b, args.drafts, executor,
+                    reps=max(4, round(100 * args.reps * (args.batch_reps[bi] if bi < len(args.batch_reps) else 1))))
         print_rows(bpairs, list(pkgs) + ["raw"], nrng)
         print(f"(at {time.time() - t_start:.0f} s)")
     if args.xgrammar:

@@ -74,6 +74,29 @@ Measured (H200, copy ~4,250 GB/s, bf16 matmul 700-790 TFLOP/s; launch floor 0.7 
                          44.0 / 146.6-146.8 in rounds 1-2.) Select alone: chunked 25.0 unsorted / 27.5 sorted,
                          threshold 24.8; score + select 97.1 sorted / 94.6 unsorted (65% / 66%), with the threshold
                          select 98.0; scores alone 69.5 (92%).
+  session 6 round 1 (K2) attention (dispatch 42.9 / 111.2 us, again 43.0 / 111.2): the gathers' latency is not the
+                         bottleneck. Indices preloaded before the loops (Triton then keeps 1-2 gathers in flight
+                         across iterations instead of issuing the next block's after this block's P@V and waiting
+                         for it at the next iteration's top): N=64 S2 bk32 st3 47.6, st4 49.0, bk64 st2 46.6; one
+                         loop over both pools bk32 st4 42.1 (chained 51.3); N=256 S1 bk32 st3 134.3, st4 140.3,
+                         bk64 st2 120.3, one loop st3 125.8 / st4 133.2 (chained 137.6); 16 warps 51.7-73.7 at N=64,
+                         140.2-236.9 at N=256. Keys from L2 (N=256) 90.2. Select (scores in L2): 24.7 (2-bit steps);
+                         4-bit steps (15 counts per reduction) slower in both stages: stage 1 16.2 -> 30.3, stage 2
+                         8.3 -> 12.3, both 42.4, threshold 32.3; the merge by the chunks' last program (one launch)
+                         25.0 (4-bit 44.4). Score + select 92.0 (69%, two launches); scores alone 67.9 (95%).
+  session 6 round 2 (K2) dispatch 42.2 / 110.5 us (again 42.2 / 110.4), the one-loop preload form at N=64 41.6
+                         (round 1: 42.1 against 42.9: ~1.5%, within the spread between rounds; removed); keys
+                         from L2 34.4 / 90.6. Scores + select in one launch (tickets: score pieces first, then
+                         select chunks that wait for their row's scores, the row's last chunk merging): 4 chunks
+                         94.4 against 93.4 for the two launches, 8 chunks 105.2, 2 chunks 106.2, sorted 98.9
+                         (removed). Default rows: score + select 98.6 sorted / 96.0 unsorted (64% / 65%; round 1
+                         95.5 / 93.0), scores alone 69.3 (92%; round 1 67.9), select alone 25.2 unsorted.
+  session 6 round 3 (K2, final) dispatch 42.6 / 111.6 us (28% / 42%; session 5 dispatch, the same kernel, 43.1 /
+                         111.7); keys from L2 34.6 / 91.0; launch floor 0.7. Score + select 96.0 sorted / 93.4
+                         unsorted (66% / 68%), scores alone 68.0 (94%), select alone 24.6 unsorted. Select sweep:
+                         4-chunk w2 34.6, 8 chunks 25.5-27.9, merge w4 / w16 26.3; a shrinking search (the bucket
+                         holding the k-th key compacted to 256-1024 entries after 4-7 reductions) 26.8-31.6 against
+                         25.2 (behind the scores 95.3 against 92.8): removed.
 """
 import os
 import sys
@@ -88,13 +111,19 @@ from kbench import DEV, DRY, emit, rotating, row, S, time_ms
 TFLOPS = 700.0          # bf16 dense matmul rate for the flop floor until `matmul_rate` has measured it
 _RATE = {}
 
-# attention launch configurations: (N, keywords of sparse_attention_triton), most telling first per N
-# attention launch configurations beside the dispatched one: session 4's defaults (the "before" rows of this run)
-ATTN_VARIANTS = [(64, dict(block_h=16, block_k=64, num_warps=4, num_stages=2, splits=1, unchain=False)),
-                 (256, dict(block_h=64, block_k=32, num_warps=8, num_stages=2, splits=1, unchain=False))]
+# attention sweep variants (N, keywords of sparse_attention_triton) beside the dispatched launch (none left: session
+# 6's preload / one-loop / 16-warp forms lost, numbers above and in kernels/decode_attention.py)
+_U = dict(block_h=64, num_warps=8, unchain=True)
+ATTN_VARIANTS = []
+# session 5's dispatch (the "before" rows of this session): all heads, unchained, 64-key blocks, 2 stages
+BEFORE = dict(_U, block_k=64, num_stages=2)
 # select variants (label, topk_select_triton keywords), most telling first
 SELECT_VARIANTS = [("4 chunks (w4/w8)", dict(chunks=4, sorted=False)),
-                   ("4 chunks w8/w8", dict(chunks=4, num_warps=8, sorted=False)),
+                   ("4 chunks w2/w8", dict(chunks=4, num_warps=2, sorted=False)),
+                   ("8 chunks w2/w8", dict(chunks=8, num_warps=2, sorted=False)),
+                   ("8 chunks w4/w8", dict(chunks=8, sorted=False)),
+                   ("4 chunks w4/w4", dict(chunks=4, num_warps2=4, sorted=False)),
+                   ("4 chunks w4/w16", dict(chunks=4, num_warps2=16, sorted=False)),
                    ("threshold", dict(cap=2048, sorted=False))]
 
 
@@ -160,9 +189,9 @@ def attn_note(t_ms, byte_us, flop_us, err):
             f"({matmul_rate():.0f} TFLOP/s); {roof / (t_ms * 1e3):.0%} of roofline")
 
 
-def _session4_cfg(N):
-    """Session 4's dispatch (the "before" row): 16-head programs below 192 rows, all heads chained above."""
-    return dict(ATTN_VARIANTS[0 if N < 192 else 1][1])
+def _before_cfg(N, sms=132):
+    """Session 5's dispatch (the "before" row): all heads unchained, 64-key blocks, sms // N key splits."""
+    return dict(BEFORE, splits=max(1, min(8, sms // N)))
 
 
 def bench_attention(bw, l2, batches):
@@ -175,9 +204,9 @@ def bench_attention(bw, l2, batches):
         b = decode_attention.sparse_attention_torch(*s).float()
         cfg = decode_attention.default_config(N, H, D, Kw + Kc, sms=torch.cuda.get_device_properties(0)
                                               .multi_processor_count if not DRY else 132)
-        before = _session4_cfg(N)
+        before = _before_cfg(N)
         runs = (("sparse attention", {}, "default dispatch: " + " ".join(f"{k}={v}" for k, v in cfg.items())),
-                ("  session 4 dispatch", before, " ".join(f"{k}={v}" for k, v in before.items())))
+                ("  session 5 dispatch", before, " ".join(f"{k}={v}" for k, v in before.items())))
         for label, kw, what in runs:
             a = decode_attention.sparse_attention_triton(*s, **kw)
             err = float((a.float() - b).norm() / b.norm())
@@ -267,7 +296,7 @@ def _warm_one(task):
             H, D, Kw, Kc, pool = attn_shape()
             x = attn_inputs(v, H, D, Kw, Kc, pool)()
             decode_attention.sparse_attention(*x)
-            decode_attention.sparse_attention_triton(*x, **_session4_cfg(v))
+            decode_attention.sparse_attention_triton(*x, **_before_cfg(v))
         elif kind == "indexer-defaults":       # bench_indexer's kernels that no select / fused task builds
             N, Hi, Di, L, k = indexer_shape()
             x = indexer_inputs(N, Hi, Di, L)()
@@ -299,41 +328,35 @@ def warm(workers=8):
 
 def sweep(bw, l2):
     """The select variants first, then attention: the dispatched kernel twice (the spread between two timings of
-    one version) around ATTN_VARIANTS; stops adding rows after ATTN_SWEEP_S seconds (default 40)."""
-    t_end = time.time() + float(os.environ.get("ATTN_SWEEP_S", "40"))
+    one version) around ATTN_VARIANTS; stops adding attention rows ATTN_SWEEP_S seconds (default 40) after the
+    first."""
     N, Hi, Di, L, k = indexer_shape()
     scs = [torch.randn(N, L, device=DEV) for _ in range(4)]
     it = iter(range(1 << 30))
     ref = indexer._select(scs[0], k)
     for label, kw in SELECT_VARIANTS:
         if "cap" in kw and (L > indexer.RESIDENT_MAX or kw["cap"] >= L):
-            continue
+            kw = dict(kw, cap=indexer.threshold_cap(L, k))
+            if kw["cap"] is None:
+                continue
         got = indexer.topk_select_triton(scs[0], k, **kw)
         same = bool(torch.equal(got[0], ref[0])) if kw["sorted"] else bool(torch.equal(got[0].sort(1).values,
                                                                                       ref[0].sort(1).values))
         t = time_ms(lambda: indexer.topk_select_triton(scs[next(it) % 4], k, **kw))
         row("  sweep select", f"N={N} L={L} k={k} {label} sorted={kw['sorted']}", t, None, N * L * 4, bw,
             f"exact: {same}")
-    # the chunked select's two launches alone: 4 chunks' exact top-k, then the merge of their 4k candidates
-    t = time_ms(lambda: indexer._select_launch(scs[next(it) % 4], k, 4, False, None, 4))
-    row("  sweep select", f"N={N} L={L} k={k} stage 1 alone", t, None, N * L * 4, bw, "4 chunks")
-    cand = [indexer._select_launch(x, k, 4, False, None, 4) for x in scs]
-    t = time_ms(lambda: indexer._select_launch(cand[next(it) % 4][1], k, 1, False, None, None,
-                                               id_map=cand[next(it) % 4][0]))
-    row("  sweep select", f"N={N} {4 * k} candidates k={k} stage 2 alone", t, None, N * 4 * k * 12, bw, "merge")
     H, D, Kw, Kc, pool = attn_shape()
     sets = {}
     for N in S((64, 256), (2,)):
         nb = N * (Kw + Kc) * D * 2 + 2 * N * H * D * 2
         sets[N] = (rotating(attn_inputs(N, H, D, Kw, Kc, pool), nb, l2), nb)
     runs = [(N, "default dispatch", {}) for N in sets]
-    runs += [(S(v[0], 2), attn_label(v), v[1]) for v in ATTN_VARIANTS]
-    hot = dict(block_h=64, block_k=64, num_warps=8, num_stages=2, splits=1, unchain=True)
-    runs += [(S(256, 2), "dispatched (S1), keys from L2", dict(hot, hot=True)),
-             (S(256, 2), "dispatched (S1), 128 window keys only", dict(hot, keys="window")),
-             (S(256, 2), "dispatched (S1), no keys", dict(hot, keys="none"))]
+    runs += [(S(v[0], 2), attn_label(v).split(" ", 1)[1], v[1]) for v in ATTN_VARIANTS]
+    hot = dict(BEFORE, splits=1)
+    runs += [(S(256, 2), "session 5 (S1), keys from L2", dict(hot, hot=True))]
     runs += [(N, "default dispatch again", {}) for N in sets]
     fn = decode_attention.sparse_attention_triton
+    t_end = time.time() + float(os.environ.get("ATTN_SWEEP_S", "40"))
     for N, label, kw in runs:
         if time.time() > t_end:
             emit("  sweep attention: stopped (ATTN_SWEEP_S)")

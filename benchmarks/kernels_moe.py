@@ -78,6 +78,15 @@ Round 3 (final tree; all 27 MoE + 26 mHC tests pass compiled): decode tiles up t
   128-wide steps: T=64 10.6 us vs 11.5 with the old tiles (same run; first pass 5.9 vs 7.6, mixing launch 4.1 vs
   3.5 with twice the partials); default rows T=64 / 256 / 4096: 12.2 / 17.2 / 150.1 us (session 4: 13.2 / 18.4 /
   148.4); at T=256 the new tiles lose (22.0 vs 17.2), so 129-256 tokens keep the old ones.
+
+Session 6 (packed FP4 through new swapped-operand kernels: weights decoded in registers as the first wgmma
+operand, activations gathered in the decode's column order; H200, copy 4242-4274 GB/s), V4.1 shape, us:
+Round 1 (no prefetch):            T=64 / 8 / 256   3327 / 730 / 5343 (30-33% of the FP4 bytes), session 4's
+                                  two-dot kernel 2380 / - / 3737 (45-46%), kept fp8 2087 / 393 / 3294 (94-99%)
+Round 2 (activations + shifts a step ahead; 128-row tiles):
+                                  T=64 / 8 / 256   2168 / 476 / 3415 (44-50%), kept fp8 2144 / 451 / 3422
+  -> packed FP4 now moves half the bytes in the same time as fp8 (the decode is no longer the limit: three
+     decodes of 1.4-1.9 operations a weight time the same); fp8 stays the loader's CUDA default.
 """
 import math
 import os
@@ -274,61 +283,90 @@ def sweep(bw, l2):
     if "hc" in SWEEP_PARTS:
         _sweep_hc(bw, l2, one, S((64, 256, 4096), (5, 300)))
     if "moe" in SWEEP_PARTS:
-        _sweep_moe(bw, "tiles")
+        _sweep_moe(bw)
 
 
-def _sweep_moe(bw, which):
-    # --- MoE fp8 weights at the V4.1 shape: per-row scales (the old path) against the checkpoint's block scales
-    # (R=1: FP4 experts repacked to fp8, 1x32 groups; R=32: FP8 experts' 32x32 blocks), fp16 / bf16 widening
+def _moe_variants(T):
+    """(label, options) of the MoE sweep at T tokens (V4.1 shape): the kept fp8 default against packed FP4 at its
+    default tiles (moe.W4_TILES; session 6's tile and decode variants are in kernels/moe.py's notes). Options:
+    R (block shift rows; None: per-row scales only), W4 (packed FP4 bytes), the rest moe_experts_triton's."""
+    fp8 = dict(R=None, **moe.FP8_TILES)                       # the CUDA default: FP4 repacked to fp8
+    fp4 = dict(R=1, W4=True, **moe.W4_TILES)
+    return [("fp8 rows (default)", fp8), ("fp4 packed (W4_TILES)", fp4), ("fp4 packed 4 stages", dict(fp4, num_stages=4))]
+
+
+def _moe_case(s, v, cache=None):
+    """(inputs, options for moe_experts_triton, twin options, bytes moved) of a sweep variant on fp8 inputs s =
+    ((x, ids, weights, w1, w3, w2), row scales) at the V4.1 shape; `cache` (a dict) reuses the inputs of variants
+    with the same weight kind (R, W4)."""
+    kw = dict(v)
+    R = kw.pop("R", None)
+    w4 = kw.pop("W4", False)
+    key = (R, w4)
+    if cache is None or key not in cache:
+        (x, ids, wts, w1, w3, w2), sc = s
+        E, F, H = w1.shape
+        nb, touched = moe_bytes(s[0])
+        nb += sum(t.numel() * 4 for t in sc) * touched // E
+        scales, shifts, si = sc, None, s[0]
+        if R is not None:
+            scales, shifts = block_scaled_inputs(s[0], R)
+            nb += sum(g.numel() for g in shifts) * touched // E
+        if w4:                                   # packed FP4 bytes: half the weight bytes
+            si = (x, ids, wts) + tuple(torch.randint(0, 256, (w.shape[0], w.shape[1], w.shape[2] // 2), device=DEV,
+                                                     dtype=torch.uint8) for w in (w1, w3, w2))
+            nb -= touched * 3 * F * H // 2
+        got = si, dict(scales=scales, shifts=shifts, shift_rows=R or 1), nb
+        if cache is None:
+            return got[0], dict(kw, **got[1]), got[1], got[2]
+        cache[key] = got
+    si, tw, nb = cache[key]
+    return si, dict(kw, **tw), tw, nb
+
+
+def warm_moe(i: int, n: int):
+    """Build the MoE sweep's variants (every n-th from the i-th; run once on the V4.1 H and F with 16 experts:
+    the same specialisation, a fraction of the bytes)."""
+    H, F, K = REAL["H"], REAL["F"], REAL["K"]
+
+    def jobs():
+        for T in (64, 8, 256):
+            s = fp8_inputs(T, H, F, 16, K)
+            for label, v in _moe_variants(T):
+                si, kw, _, _ = _moe_case(s, v)
+                yield f"moe T={T} {label}", (lambda si=si, kw=kw: moe.moe_experts_triton(*si, **kw))
+    _run_share(i, n, jobs())
+
+
+def _sweep_moe(bw):
+    """Kept-quantized experts at the V4.1 shape: fp8 (the default) against packed FP4 kernels (_moe_variants);
+    each row checked against the twin (rel err) and timed."""
     H, F, E, K = REAL["H"], REAL["F"], REAL["E"], REAL["K"]
-    base = dict(tma=True, block_n=128, block_k=128, num_warps=8, fp8_compute="fp16")
-    for T in S((64, 256), (5,)):
+    for T in S((64, 8, 256), (5,)):
         if _left() < 0:
             emit("  sweep moe: stopped (time)")
             return
-        b32 = dict(block_k=32, num_warps=4, num_stages=3)   # block shifts: one 32-group per K tile
-        npf = dict(b32, prefetch=False)
-        if T <= 64:
-            variants = [("R=1 w4 st3", dict(b32, R=1)), ("R=1 w4 st3 no prefetch", dict(npf, R=1)),
-                        ("fp4 packed asm w4 st3", dict(b32, R=1, W4=True)),
-                        ("fp4 packed asm w4 st3 no prefetch", dict(npf, R=1, W4=True)),
-                        ("R=1 w4 st4", dict(b32, R=1, num_stages=4)), ("R=1 w4 st2", dict(b32, R=1, num_stages=2)),
-                        ("fp4 packed asm w4 st4", dict(b32, R=1, W4=True, num_stages=4)),
-                        ("R=32 w4 st3", dict(b32, R=32)), ("R=1 bn64 w2 st3", dict(b32, R=1, block_n=64, num_warps=2)),
-                        ("fp4 packed asm bn64 w2", dict(b32, R=1, W4=True, block_n=64, num_warps=2))]
-        else:
-            variants = [("R=1 w4 st3 no prefetch", dict(npf, R=1)),
-                        ("fp4 packed asm w4 st3 no prefetch", dict(npf, R=1, W4=True))]
-        s, sc = fp8_inputs(T, H, F, E, K)
-        nb8, touched = moe_bytes(s)
-        nb8 += sum(x.numel() * 4 for x in sc)
-        for label, v in variants:
+        s = fp8_inputs(T, H, F, E, K)
+        cache, refs = {}, {}
+        for label, v in _moe_variants(T):
             if _left() < 0:
                 emit("  sweep moe: stopped (time)")
                 break
-            kw = dict(base, **v)
-            R = kw.pop("R", None)
-            w4 = kw.pop("W4", False)
-            scales, nb, si = sc, nb8, s
-            if R is not None:
-                scales, shifts = block_scaled_inputs(s, R)
-                kw.update(shifts=shifts, shift_rows=R)
-                nb = nb8 + sum(g.numel() for g in shifts)
-            if w4:                                       # packed FP4 bytes: half the weight bytes
-                si = s[:3] + tuple(torch.randint(0, 256, (w.shape[0], w.shape[1], w.shape[2] // 2), device=DEV,
-                                                 dtype=torch.uint8) for w in s[3:])
-                nb -= touched * 3 * F * H // 2
             try:
-                a = moe.moe_experts_triton(*si, scales=scales, **kw).float()
-                b = moe.moe_experts_torch(*si, scales=scales, shifts=kw.get("shifts"), shift_rows=R or 1).float()
+                si, kw, tw, nb = _moe_case(s, v, cache)
+                a = moe.moe_experts_triton(*si, **kw).float()
+                key = (v.get("R"), v.get("W4", False))
+                if key not in refs:                     # the twin once per weight kind (seconds at this shape)
+                    refs[key] = moe.moe_experts_torch(*si, **tw).float()
+                b = refs[key]
                 err = float((a - b).norm() / b.norm())
-                t = time_ms(lambda: moe.moe_experts_triton(*si, scales=scales, **kw))
+                t = time_ms(lambda: moe.moe_experts_triton(*si, **kw))
             except Exception as e:                      # noqa: BLE001 - one variant must not end the sweep
-                emit(f"  sweep moe fp8 V4.1 T={T} {label}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                emit(f"  sweep moe V4.1 T={T} {label}: FAILED {type(e).__name__}: {str(e)[:300]}")
                 continue
-            row("  sweep moe fp8", f"V4.1 T={T} {label}", t, None, nb, bw, f"err {err:.0e}")
-            a = b = None
-        s = sc = None
+            row("  sweep moe", f"V4.1 T={T} {label}", t, None, nb, bw, f"err {err:.0e}")
+            a = b = si = None
+        s = cache = refs = None
         if not DRY:
             torch.cuda.empty_cache()
 
@@ -397,26 +435,34 @@ def _hc_runner(v):
     return (lambda x: hc_mix.hc_mixes_triton(*x[0], fn_parts=x[1] if use_parts else None, **kw)), kw
 
 
+def _run_share(i: int, n: int, jobs):
+    """Run every n-th of the (label, thunk) jobs from the i-th, untimed, printing each one's time (mostly the
+    kernels' build): n such processes beside a timed sweep fill Triton's disk cache ahead of it."""
+    for k, (label, job) in enumerate(jobs):
+        if k % n != i:
+            continue
+        t0 = time.time()
+        try:
+            job()
+            torch.cuda.synchronize()
+            print(f"warm {label}: {time.time() - t0:.1f} s", flush=True)
+        except Exception as e:                      # noqa: BLE001
+            print(f"warm {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+
 def warm(i: int, n: int):
-    """Build every n-th mHC sweep variant from the i-th by running it once on its real shape, untimed: run as n
-    processes beside the timed sweep, they fill Triton's disk cache ahead of it (building is most of the sweep's
-    time: ~2-3 s per variant)."""
+    """Build the mHC sweep's variants (every n-th from the i-th) by running each once on its real shape
+    (building is most of the sweep's time: ~2-3 s per variant)."""
     M, H = 4, 5120
-    k = 0
-    for T in (64, 256, 4096):
-        x = hc_inputs(T, M, H)
-        xs = (x, hc_mix.split_fn_bf16(x[1]))
-        for label, v in _hc_variants(T):
-            k += 1
-            if (k - 1) % n != i:
-                continue
-            t0 = time.time()
-            try:
-                hc_mix_alone(x, **v[1])() if isinstance(v, tuple) else _hc_runner(v)[0](xs)
-                torch.cuda.synchronize()
-                print(f"warm T={T} {label}: {time.time() - t0:.1f} s", flush=True)
-            except Exception as e:                      # noqa: BLE001
-                print(f"warm T={T} {label}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+    def jobs():
+        for T in (64, 256, 4096):
+            x = hc_inputs(T, M, H)
+            xs = (x, hc_mix.split_fn_bf16(x[1]))
+            for label, v in _hc_variants(T):
+                yield f"T={T} {label}", (lambda v=v, x=x, xs=xs: hc_mix_alone(x, **v[1])() if isinstance(v, tuple)
+                                         else _hc_runner(v)[0](xs))
+    _run_share(i, n, jobs())
 
 
 def _sweep_hc(bw, l2, one, batches):
@@ -485,15 +531,13 @@ def compile_cases():
         ("moe down fp8 R=1", moe._down_kernel, dict(y_ptr="*fp32", slot_pair_ptr="*i32", block_expert_ptr="*i32",
                                                     w2_desc="tensordesc<fp8e4nv[128,32]>", g2_ptr="*u8"),
          dict(BM=16, BN=128, BK=32, F32=False, TMA=True, FP8=True, CD=tl.float16, GS=True, GR=1), 8),
-        ("moe gate/up fp4 packed", moe._gate_up_kernel, dict(slot_pair_ptr="*i32", block_expert_ptr="*i32",
-                                                             w1_desc="tensordesc<u8[128,16]>",
-                                                             w3_desc="tensordesc<u8[128,16]>", g1_ptr="*u8",
-                                                             g3_ptr="*u8"),
-         dict(BM=16, BN=128, BK=32, F32=False, TMA=True, FP8=True, CD=tl.float16, GS=True, GR=1, W4=True, PF=True),
-         8),
-        ("moe down fp4 packed", moe._down_kernel, dict(y_ptr="*fp32", slot_pair_ptr="*i32", block_expert_ptr="*i32",
-                                                       w2_desc="tensordesc<u8[128,16]>", g2_ptr="*u8"),
-         dict(BM=16, BN=128, BK=32, F32=False, TMA=True, FP8=True, CD=tl.float16, GS=True, GR=1, W4=True), 8),
+        ("moe w4 gate/up", moe._w4_gate_up_kernel, dict(slot_pair_ptr="*i32", block_expert_ptr="*i32",
+                                                        w1_desc="tensordesc<i32[128,4]>",
+                                                        w3_desc="tensordesc<i32[128,4]>", g1_ptr="*u8", g3_ptr="*u8"),
+         dict(BM=16, BN=128, TMA=True, F32=False, GR=1), 4),
+        ("moe w4 down", moe._w4_down_kernel, dict(y_ptr="*fp32", slot_pair_ptr="*i32", block_expert_ptr="*i32",
+                                                  w2_desc="tensordesc<i32[128,4]>", g2_ptr="*u8"),
+         dict(BM=16, BN=128, TMA=True, F32=False, GR=1), 4),
         ("moe combine", moe._combine_kernel, dict(out_ptr="*bf16"), dict(K_TOP=6, BH=1024), 4),
         ("hc partial bf16x3", hc_mix._hc_partial_kernel, dict(r_ptr="*bf16"),
          dict(hc, BT=16, BK=128, SPLIT=256, MODE=1), 4),
@@ -505,7 +549,7 @@ def compile_cases():
          dict(M=4, BH=512, PRE=True), 4),
     ]
     # the grouped kernels' defaulted constexprs (block scales, packed FP4) must be given, or they become run-time
-    plain = dict(GS=False, GR=1, W4=False, PF=False)
+    plain = dict(GS=False, GR=1, PF=False)
     grouped = (moe._gate_up_kernel, moe._down_kernel)
     return [(n, k, x, dict(plain, **c) if k in grouped else c, w) for n, k, x, c, w in cases]
 
@@ -514,3 +558,5 @@ if __name__ == "__main__":          # python benchmarks/kernels_moe.py warm I N 
     import sys
     if sys.argv[1:2] == ["warm"]:
         warm(int(sys.argv[2]), int(sys.argv[3]))
+    if sys.argv[1:2] == ["warm_moe"]:
+        warm_moe(int(sys.argv[2]), int(sys.argv[3]))

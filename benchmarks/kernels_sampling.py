@@ -62,7 +62,34 @@ H200 numbers (torch 2.11 / Triton 3.6; copy 4,250-4,275 GB/s; us, fraction of co
                                 16 warps in round 2, the default again); top-k50 +mask 33.8 / 91.0; top-p0.95 peak
                                 50.3 / 126.8; top-p0.9 flat (histogram path, bisection fallback) 1,255 at B=64;
                                 speculative accept skipped by the budget (round 2: 48.9, 63%)
+  session 6 round 1 (2026-11-30; copy 4,250 GB/s; the compiled tests ran beside it: +-1 us noise), B=64 / 256:
+    top-p0.9 flat (top-p alone, histogram path with the bracketed cut, was 1,255 at B=64 by the row bisection):
+                                166.5 / 497.4 with the lane try (k = 64, fails on flat rows), 126.8 / 412.6 without;
+                                stages at B=64 without the lane try: histogram pass 53.9 (tl.histogram's ballots:
+                                ~75 instructions per token at 512 bins), select 5.9, gather 34.2, tau 18.9, sampling
+                                pass + finish 13.3; tau = the float64 definition on 64/64 and 256/256 rows (an fp32
+                                sorted-cumsum twin: 96.9% / 98.8%); 2,000 candidates per row
+    top-p0.95 peak              54.6 / 119.7 with the lane try (it succeeds), 120.4 / 397.9 without
+    pass shapes B=64            T=1 256x8 11.1, 256x4 11.4, 128x2 10.9, 64x2 11.2; T=0.7 +mask (random 50% masks)
+                                128x4 14.5, 256x4 15.3, 128x2 20.8, 64x2 14.4, 64x1 15.3, 128x4 mask-first 15.0;
+                                grammar-like masks (2% allowed, runs of 512 tokens) 128x4 14.5, mask-first 11.4
+    default rows                T=1 11.2 / 34.4; T=0.7 +mask 13.5 / 41.1; greedy 10.9 / 33.5; top-k50 p0.9 30.9 /
+                                77.9; top-k50 +mask 34.3 / 85.4; top-p0.95 peak 55.1 / 120.9; top-p0.9 flat 162.1
+  session 6 round 2 (copy 4,274 GB/s; the compiled tests from 28 s in), top-p alone, B=64 flat rows, whole tau
+  call (histogram path alone): defaults 113.6; HIST_WARPS 4 116.1, 16 131.6; GATHER_SHAPE (512, 8) 109.6,
+                                (256, 8) 103.0 (the new default), (1024, 8) 111.1, (256, 4) 113.1; SELECT_WARPS 4
+                                113.7, 16 114.9; TAU_WARPS 4 130.8, 16 113.9. Stages: histogram 55.0, select 8.3,
+                                gather 30.3, tau 18.9. Whole sampling call 126.6 (no lane try) / 159.1 (lane try);
+                                B=256 412.2 / 497.1; peaked rows 60.8 / 120.3 (B=64), 120.9 / 395.5 (B=256)
+    pass shapes B=64            (see kernels/sampling.py beside SMALL_SHAPE)
+    compiled tests              71 / 71 passed (8 processes, 43-57 s each)
+  Floor of the histogram path: its histogram pass is instruction-bound (1,832 SASS instructions per thread, x 8
+  warps x 2,048 programs at B=64 = 30M warp instructions: 32 us at 4 per SM per cycle, 55 us measured), so top-p
+  alone on flat rows cannot approach one read (8.7 us) this way; a sampling rule that needs no tau (proposals from
+  the full softmax, each kept iff the mass above it is < p * s: two passes) is the way to ~30 us.
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -94,9 +121,9 @@ def bench_sampling(bw, l2, batches):
                  ("sample greedy", dict(temperature=0.0, top_k=0, top_p=1.0), False, flat_logits),
                  ("sample top-k50 p0.9", dict(temperature=1.0, top_k=50, top_p=0.9), False, flat_logits),
                  ("sample top-k50 +mask", dict(temperature=0.7, top_k=50, top_p=1.0), True, flat_logits),
-                 ("sample top-p0.95 peak", dict(temperature=1.0, top_k=0, top_p=0.95), False, peaked_logits)]
-        if B == batches[0]:        # top-p alone on flat rows: thousands of candidates, the bisection fallback
-            cases.append(("sample top-p0.9 flat", dict(temperature=1.0, top_k=0, top_p=0.9), False, flat_logits))
+                 ("sample top-p0.95 peak", dict(temperature=1.0, top_k=0, top_p=0.95), False, peaked_logits),
+                 # top-p alone on flat rows: ~2,000 candidates in the bracketed bins (the bisection until session 5)
+                 ("sample top-p0.9 flat", dict(temperature=1.0, top_k=0, top_p=0.9), False, flat_logits)]
         for name, kw, masked, gen_rows in cases:
             p = sampling.row_params(B, DEV, seed=torch.arange(B, device=DEV),
                                     position=torch.arange(B, device=DEV) + 7, **kw)
@@ -105,7 +132,8 @@ def bench_sampling(bw, l2, batches):
             flt = kw["top_k"] > 0 or kw["top_p"] < 1         # known on the host, as sample_from_logits knows it
             hist = flt and not 0 < kw["top_k"] <= threshold.KMAX  # likewise: does a row need the histogram path
             only = 0 < kw["top_k"] <= threshold.KMAX and kw["temperature"] > 0      # every row a lane-path row
-            a = sampling.sample_triton(x, p, m, filters=flt, histogram=hist, lane_only=only)
+            lr = threshold.needs_lane_path(sampling.row_params(B, "cpu", **kw, seed=0, position=0), V)
+            a = sampling.sample_triton(x, p, m, filters=flt, histogram=hist, lane_only=only, lane_rows=lr)
             b = sampling.sample_torch(x, p, m)
             note = f"tokens equal to twin: {float((a == b).float().mean()):.1%}"
             if flt:
@@ -115,9 +143,9 @@ def bench_sampling(bw, l2, batches):
                 tau_ok = float((tau == sampling.thresholds_torch(z, p)).float().mean())
                 fast = path > 0
                 cands = float(path[fast].float().mean()) if bool(fast.any()) else 0.0
-                note += f"; tau equal {tau_ok:.0%}; fast path {int(fast.sum())}/{B} rows, {cands:.0f} candidates"
+                note += f"; tau = f64 twin {tau_ok:.0%}; fast path {int(fast.sum())}/{B} rows, {cands:.0f} candidates"
             t = time_ms(lambda: sampling.sample_triton(*(lambda s: (s[0], p, s[1]))(nxt()), filters=flt,
-                                                       histogram=hist, lane_only=only))
+                                                       histogram=hist, lane_only=only, lane_rows=lr))
             tt = time_ms(lambda: sampling.sample_torch(*(lambda s: (s[0], p, s[1]))(nxt())), graph=False)
             row(name, f"B={B} V={V}", t, tt, B * V * 4 + (B * W * 4 if masked else 0), bw, note)
 
@@ -224,9 +252,14 @@ def sweep(bw, l2):
     batches = S([64, 256], [3])
     floors(bw, l2, batches)
     SWEPT.append(True)
-    for part in (lambda: sweep_threshold(bw, l2), lambda: sweep_speculative(bw, l2)):
+    parts = dict(top_p_tune=sweep_top_p_tune, top_p=sweep_top_p, shapes=sweep_shapes, threshold=sweep_threshold,
+                 spec=sweep_speculative)
+    chosen = os.environ.get("K1_SWEEP")                    # a comma list of the parts to run (default: all)
+    for name, part in parts.items():
+        if chosen and name not in chosen.split(","):
+            continue
         try:                                   # one failing part must not hide the others' rows
-            part()
+            part(bw, l2)
         except Exception as e:                 # noqa: BLE001
             emit(f"  sweep part FAILED {type(e).__name__}: {str(e)[:600]}")
 
@@ -257,6 +290,116 @@ def sweep_speculative(bw, l2):
                                                                   None, None, filters=False, shape=shape))(nxt()))
         row("  sweep spec", f"B={B}x{L} lanes={shape[0]} w={shape[1]}", t, None, R * V * 4, bw,
             f"equal to twin {same:.1%}")
+
+
+def tau_fp32_sort(z, top_p):
+    """Top-p alone by one sort and an fp32 cumulative sum (session 5's twin): to show how often fp32 rounding alone
+    moves a flat row's margin against the float64 definition (sampling.thresholds_torch)."""
+    zs = z.sort(1, descending=True).values
+    e = torch.exp(zs - zs[:, :1])
+    above = torch.cumsum(e, 1) - e
+    first = torch.searchsorted(-zs, -zs, side="left")
+    keep = torch.gather(above, 1, first) < top_p[:, None] * e.sum(1, keepdim=True)
+    return torch.where(keep, zs, torch.full_like(zs, float("inf"))).min(1).values
+
+
+def sweep_top_p(bw, l2):
+    """Top-p alone (p 0.9 flat rows, p 0.95 peaked rows) at B=64 and 256: the histogram path's stages timed
+    cumulatively (2: the lane path's try with k = 64, 3: + histogram pass, 4: + select, 5: + gather, 6: + tau),
+    the whole sampling call with and without the lane path's try (P_ONLY_LANES), and tau against the float64
+    definition: the kernel's bracketed cut, its row-wide bisection (forced: cmax 16), an fp32 sort twin."""
+    for B in S([64, 256], [3]):
+        for label, gen_rows, top_p in (("top-p0.9 flat", flat_logits, 0.9), ("top-p0.95 peak", peaked_logits, 0.95)):
+            p = sampling.row_params(B, DEV, 1.0, 0, top_p, seed=torch.arange(B, device=DEV), position=0)
+            nxt = rotating(lambda: gen_rows(B), B * V * 4, l2)
+            x = nxt()
+            want = sampling.thresholds_torch(x, p)
+            tau, path = threshold.thresholds_and_paths(x, p, None, None, histogram=True)
+            fast = path > 0
+            note = (f"tau = f64 definition {float((tau == want).float().mean()):.1%}; fast {int(fast.sum())}/{B}, "
+                    f"{float(path[fast].float().mean()) if bool(fast.any()) else 0:.0f} candidates")
+            if label.endswith("flat"):
+                fb = threshold.thresholds_and_paths(x, p, None, None, histogram=True, cmax=16)[0]
+                f32 = tau_fp32_sort(x, p.top_p)
+                note += (f"; bisection fallback = f64 {float((fb == want).float().mean()):.1%}; "
+                         f"fp32 sort twin = f64 {float((f32 == want).float().mean()):.1%}")
+            emit(f"  sweep top-p B={B} {label}: {note}")
+            for p_lanes in (True, False):
+                prev = 0.0
+                stage_list = (2, 3, 4, 5, 6) if B == S(64, 3) and label.endswith("flat") and not p_lanes else ()
+                for stages in stage_list:
+                    t = time_ms(lambda: threshold.thresholds_and_paths(nxt(), p, None, None, histogram=True,
+                                                                        stages=stages, p_lanes=p_lanes,
+                                                                        lane_rows=None if p_lanes else False))
+                    row("  sweep top-p", f"B={B} {label[4:]} lanes={int(p_lanes)} st{stages}", t, None, B * V * 4,
+                        bw, f"stage {(t - prev) * 1e3:.1f} us")
+                    prev = t
+                keep = threshold.P_ONLY_LANES
+                threshold.P_ONLY_LANES = p_lanes
+                lr = None if p_lanes else False          # no lane-path row: its launches skipped
+                same = float((sampling.sample_triton(x, p, filters=True, histogram=True, lane_rows=lr) ==
+                              sampling.sample_torch(x, p)).float().mean())
+                t = time_ms(lambda: sampling.sample_triton(nxt(), p, filters=True, histogram=True, lane_rows=lr))
+                threshold.P_ONLY_LANES = keep
+                row("  sweep top-p sample", f"B={B} {label} lanes={int(p_lanes)}", t, None, B * V * 4, bw,
+                    f"tokens = twin {same:.1%}")
+
+
+def sweep_top_p_tune(bw, l2):
+    """Top-p alone on flat rows (B=64, histogram path alone): the four launches' program shapes, one knob at a
+    time from the defaults (threshold.HIST_WARPS, GATHER_SHAPE, TAU_WARPS), each timed as the whole tau call."""
+    B = S(64, 3)
+    p = sampling.row_params(B, DEV, 1.0, 0, 0.9, seed=torch.arange(B, device=DEV), position=0)
+    nxt = rotating(lambda: flat_logits(B), B * V * 4, l2)
+    x = nxt()
+    want = sampling.thresholds_torch(x, p)
+    knobs = [("HIST_WARPS", (4, 16)), ("GATHER_SHAPE", ((512, 8), (256, 8), (1024, 8), (256, 4))),
+             ("SELECT_WARPS", (4, 16)), ("TAU_WARPS", (4, 16))]
+    run = lambda: threshold.thresholds_and_paths(nxt(), p, None, None, histogram=True, p_lanes=False,  # noqa
+                                                 lane_rows=False)
+    t = time_ms(run)
+    row("  sweep top-p tune", f"B={B} p0.9 flat defaults", t, None, B * V * 4, bw)
+    for name, values in knobs:
+        keep = getattr(threshold, name)
+        for v in values:
+            setattr(threshold, name, v)
+            tau = threshold.thresholds_and_paths(x, p, None, None, histogram=True, p_lanes=False, lane_rows=False)[0]
+            t = time_ms(run)
+            row("  sweep top-p tune", f"B={B} p0.9 flat {name}={v}", t, None, B * V * 4, bw,
+                f"tau = f64 {float((tau == want).float().mean()):.0%}")
+        setattr(threshold, name, keep)
+
+
+def sweep_shapes(bw, l2):
+    """The sampling pass's program shapes (lanes per program x warps) at B=64, where T=1 and masked rows miss the
+    70% line: the defaults (SMALL_SHAPE, MASKED_SMALL_SHAPE) against session 5's, each twice, and MASK_FIRST."""
+    B = S(64, 3)
+    for masked, temp, shapes in ((False, 1.0, (sampling.SMALL_SHAPE, (256, 8), sampling.SMALL_SHAPE, (256, 8))),
+                                 (True, 0.7, (sampling.MASKED_SMALL_SHAPE, (128, 4), sampling.MASKED_SMALL_SHAPE,
+                                              (128, 4)))):
+        p = sampling.row_params(B, DEV, temp, 0, 1.0, seed=torch.arange(B, device=DEV), position=0)
+        nxt = rotating(lambda: (flat_logits(B), rand_bitmask(B) if masked else None), B * V * 4, l2)
+        x, m = nxt()
+        want = sampling.sample_torch(x, p, m)
+        variants = [(shape, False) for shape in shapes] + ([(sampling.MASKED_SMALL_SHAPE, True)] if masked else [])
+        for shape, first in variants:
+            run = lambda s: sampling.sample_triton(s[0], p, s[1], filters=False, shape=shape, mask_first=first)  # noqa
+            same = float((run((x, m)) == want).float().mean())
+            t = time_ms(lambda: run(nxt()))
+            row("  sweep pass shape", f"B={B} {'T=0.7 +mask' if masked else 'T=1'} {shape[0]}x{shape[1]}"
+                f"{' mask first' if first else ''}", t, None, B * V * 4 + (B * W * 4 if masked else 0), bw,
+                f"tokens = twin {same:.1%}")
+    # grammar-like masks: 2% of the vocabulary allowed, in runs of 512 tokens (whole sectors banned)
+    p = sampling.row_params(B, DEV, 0.7, 0, 1.0, seed=torch.arange(B, device=DEV), position=0)
+    nxt = rotating(lambda: (flat_logits(B), rand_bitmask(B, density=0.02, span=512)), B * V * 4, l2)
+    x, m = nxt()
+    want = sampling.sample_torch(x, p, m)
+    for first in (False, True):
+        run = lambda s: sampling.sample_triton(s[0], p, s[1], filters=False, mask_first=first)  # noqa: E731
+        same = float((run((x, m)) == want).float().mean())
+        t = time_ms(lambda: run(nxt()))
+        row("  sweep pass shape", f"B={B} sparse mask 2%{' mask first' if first else ''}", t, None,
+            B * V * 4 + B * W * 4, bw, f"tokens = twin {same:.1%} (floor: every logit read)")
 
 
 def sweep_threshold(bw, l2):
@@ -300,9 +443,11 @@ def sweep_threshold(bw, l2):
 def compile_cases():
     """(name, kernel, extra pointer types, constexprs, warps) for kernels.py --compile-check."""
     seg_types = {"greedy_ptr": "*i1", "out_ptr": "*i64", "count_ptr": "*i32"}
+    seg_flags = dict(DONE=False, MASK_FIRST=False)         # constexprs (an unlisted one would build as a run-time int)
     return [
         ("sample segment w8", sampling._segment_kernel, seg_types, dict(HAS_MASK=False, HAS_TAU=False, LANES=256,
-                                                                        LW=16, PL=256, VEC=1, FAST=True), 8),
+                                                                        LW=16, PL=256, VEC=1, FAST=True, **seg_flags),
+         8),
         ("topk lane max pass", threshold._lane_max_kernel, {"greedy_ptr": "*i8"},
          dict(HAS_MASK=True, LANES=256, LW=16, PL=128, VEC=1, KMAX=64, FAST=True), 4),
         ("topk lane merge", threshold._lane_merge_kernel, {"path_ptr": "*i32", "tok_ptr": "*i64", "lane_ptr": "*i32",
@@ -315,16 +460,21 @@ def compile_cases():
                                                             BIN_LIMIT=1 << 24), 8),
         ("threshold select", threshold._select_kernel, {}, dict(NCP=32, NB=512, INV_W=32.0, BIN_LIMIT=1 << 24,
                                                                 CMAX=4096), 8),
-        ("threshold gather", threshold._gather_kernel, {}, dict(HAS_MASK=True, LANES=512, LW=8, INV_W=32.0,
-                                                                BIN_LIMIT=1 << 24, CMAX=4096, VEC=4, FAST=True), 4),
-        ("threshold tau", threshold._tau_kernel, {}, dict(HAS_MASK=True, BLOCK=1024, CMAX=4096, SMALL=256), 8),
+        ("threshold gather", threshold._gather_kernel, {"outside_ptr": "*fp64"},
+         dict(HAS_MASK=True, LANES=512, LW=8, INV_W=32.0, BIN_LIMIT=1 << 24, CMAX=4096, VEC=4, FAST=True), 4),
+        ("threshold tau", threshold._tau_kernel, {"outside_ptr": "*fp64"},
+         dict(HAS_MASK=True, BLOCK=1024, CMAX=4096, SMALL=256, NCP=32, KP=128, HB=512), 8),
         ("sample segment pass", sampling._segment_kernel, seg_types, dict(HAS_MASK=False, HAS_TAU=False, LANES=256,
-                                                                          LW=16, PL=256, VEC=4, FAST=True), 2),
+                                                                          LW=16, PL=256, VEC=4, FAST=True,
+                                                                          **seg_flags), 2),
         ("sample segment +mask", sampling._segment_kernel, seg_types, dict(HAS_MASK=True, HAS_TAU=True, LANES=256,
-                                                                           LW=16, PL=128, VEC=1, FAST=True), 4),
+                                                                           LW=16, PL=128, VEC=1, FAST=True,
+                                                                           **seg_flags), 4),
+        ("sample segment +mask 1st", sampling._segment_kernel, seg_types,
+         dict(HAS_MASK=True, HAS_TAU=True, LANES=256, LW=16, PL=128, VEC=1, FAST=True, DONE=False, MASK_FIRST=True), 4),
         ("sample segment +mask v4", sampling._segment_kernel, seg_types, dict(HAS_MASK=True, HAS_TAU=True,
                                                                               LANES=256, LW=16, PL=256, VEC=4,
-                                                                              FAST=True), 2),
+                                                                              FAST=True, **seg_flags), 2),
         ("spec stats pass", speculative._stats_kernel, {"pack_ptr": "*i64"},
          dict(HAS_MASK=True, HAS_TAU=False, LANES=256, LW=16, PL=256, VEC=4, NB=64, FAST=True), 2),
         ("spec accept", speculative._accept_kernel, {"final_ptr": "*i64", "pack_ptr": "*i64"},

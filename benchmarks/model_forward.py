@@ -10,15 +10,22 @@ Per batch size: one prefill step (every sequence's random prompt), then `--decod
 (`fast_decode = True`) fed the same tokens, so the two runs do the same work and their logits are compared
 (max |diff| / max |logit|); then the same fast path with its dense segments as CUDA graphs (`cuda_graphs = True`,
 engine/step_graphs.py; the first warm-up step at a batch size runs eager, the second captures) compared with the
-eager fast path (max |diff|: "exact" when bit for bit equal); with --fused-mhc also the graphs path with the other
-mHC setting than the engine's default (model.fused_mhc; "unfused" or "fused", compared with the reference).
+eager fast path (max |diff|: "exact" when bit for bit equal); "ahead": the graphs path with each step planned while
+the device runs the previous one (Model.plan_step / launch, as engine/step_pipeline.py does; step time = the period
+between two steps' ends; printed with the host ms of launch, split at the graph run, and of the overlapped plan),
+"exact" vs eager; "unstacked": the graphs path with one GEMM per attention-norm projection
+(model.stack_projections = False, engine/projections.py), vs the fast path; with --fused-mhc also the graphs path
+with the other mHC setting than the engine's default (model.fused_mhc; "unfused" or "fused", vs the reference).
 Printed per path: step time, tokens/s, the bytes one step must read (dense weights
 + the routed experts hit in that step + the KV caches) and the roofline = measured read bandwidth / bytes per
 step, i.e. the speed of a perfect memory-bound implementation; plus the fast path's speed-up. After each batch:
 the device bytes the window slab and row arenas reserve against the rows in use (engine/arena.py).
 With OUT set, the table is also written to $OUT/model_forward.txt.
 
-`--profile` then looks at where one fast decode step's time goes, per batch size (fresh caches, after warm-up):
+`--profile` then looks at where one fast decode step's time goes, per batch size (fresh caches, after warm-up;
+every batch's host-clock and cProfile measurements first, then the torch.profiler ones: once CUPTI is attached it
+stays, and a CUDA-graph launch then costs the host ~0.3-1 ms instead of ~0.01-0.04, which made the step's one
+launch look like ~1 ms of host time in session 5):
 host time (until forward_step returns) vs the whole step (after a device sync), the device's kernel busy time, the
 number of kernel launches, graph launches, host->device copies and synchronizations (torch.profiler, CPU + CUDA
 activity; tables sorted by self CPU time in $OUT/profile_B<batch>.txt), the synchronizing calls that
@@ -155,15 +162,57 @@ def weight_bytes(model: Model) -> tuple[int, list[int]]:
     return dense, per_expert
 
 
-def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, warmup):
-    """Run the given token steps; -> (median timed step s, mean bytes per step, logits of every step)."""
+def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, warmup, ahead=False):
+    """Run the given token steps; -> (median timed step s, mean bytes per step, logits of every step).
+    ahead: plan each step while the device runs the one before (Model.plan_step / launch), as an engine loop
+    would: launch(n) -> plan(n+1) -> wait for step n; the step time is then the period between two steps' ends
+    (the planning of a step overlaps its predecessor; the benchmark's own bookkeeping between steps, ~13 ms at
+    batch 64, is left out), and `decode_run.host_ms` holds the median host time of launch (the token-dependent
+    half) and of plan_step (overlapped)."""
     times, bytes_, logits, all_times, experts = [], [], [], [], []
+    if ahead:
+        from deepinfer_sg.engine.model import StepRows
+        rows = [StepRows(c, 1, 1) for c in caches]
+        marks = []     # (time the step's graph run starts, ends): splits launch into before / in / after the replay
+        g = model._graphs
+        real_run = g.run
+
+        def run(*a, **k):
+            t = time.perf_counter()
+            out = real_run(*a, **k)
+            marks.append((t, time.perf_counter()))
+            return out
+        g.run = run
+        split = []
+    launch_ms, plan_ms = [], []
+    plan = model.plan_step(rows) if ahead else None
+    _sync(dev)
+    free = time.perf_counter()      # the end of the last step's bookkeeping (ahead: where a step's period starts)
     for s, toks in enumerate(toks_per_step):
-        counter.ids.clear(); _sync(dev)
-        t = time.perf_counter()
-        out = model.forward_step([StepChunk(c, toks[b:b + 1], 1) for b, c in enumerate(caches)])
-        _sync(dev)
-        dt = time.perf_counter() - t
+        counter.ids.clear()
+        if ahead:
+            t = free
+            t0 = time.perf_counter()
+            out = model.launch(plan, toks)
+            t1 = time.perf_counter()
+            plan = model.plan_step(rows) if s + 1 < len(toks_per_step) else None
+            t2 = time.perf_counter()
+            _sync(dev)
+            end = time.perf_counter()
+            if s >= warmup:
+                launch_ms.append((t1 - t0) * 1e3)
+                plan_ms.append((t2 - t1) * 1e3)
+                if marks:
+                    split.append(((marks[0][0] - t0) * 1e3, (marks[-1][1] - marks[0][0]) * 1e3,
+                                  (t1 - marks[-1][1]) * 1e3))
+            marks.clear()
+        else:
+            _sync(dev)
+            t = time.perf_counter()
+            out = model.forward_step([StepChunk(c, toks[b:b + 1], 1) for b, c in enumerate(caches)])
+            _sync(dev)
+            end = time.perf_counter()
+        dt = end - t
         all_times.append(dt)
         logits.append(out.logits.float())
         if counter.ids:   # (graph replays run no Python hooks: the eager / capture steps' expert counts stand in)
@@ -171,7 +220,13 @@ def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, wa
         if s >= warmup:
             times.append(dt)
             bytes_.append(dense + experts[-1] + sum(c.nbytes() for c in caches))
+        free = time.perf_counter()   # (the bookkeeping above, ~13 ms at batch 64, is not the model's)
     decode_run.warm_ms = [round(t * 1e3, 1) for t in all_times[:warmup]]   # first steps: compiles, graph capture
+    decode_run.host_ms = None
+    if ahead:
+        del model._graphs.run
+        decode_run.host_ms = (statistics.median(launch_ms), statistics.median(plan_ms),
+                              *(statistics.median(x[k] for x in split) if split else float("nan") for k in range(3)))
     return statistics.median(times), sum(bytes_) / len(bytes_), logits   # median: robust to a stray slow step
 
 
@@ -210,7 +265,10 @@ def run(args):
         results = {}
         has_graphs = hasattr(model, "cuda_graphs")
         ref = not args.skip_reference and (args.reference_max_batch is None or B <= args.reference_max_batch)
-        paths = (["reference"] if ref else []) + ["fast"] + (["graphs"] if has_graphs else [])
+        ahead = hasattr(model, "plan_step")
+        stacking = hasattr(model, "stack_projections")
+        paths = (["reference"] if ref else []) + ["fast"] + (["graphs"] if has_graphs else []) + \
+            (["ahead"] if has_graphs and ahead else []) + (["unstacked"] if has_graphs and stacking else [])
         if args.paths:
             paths = [p for p in paths if p in args.paths]
         fused_default = getattr(model, "fused_mhc", None)
@@ -220,11 +278,14 @@ def run(args):
         for path in paths:
             model.fast_decode = path != "reference"
             if has_graphs:
-                model.cuda_graphs = path in ("graphs", other_mhc)
+                model.cuda_graphs = path in ("graphs", "ahead", "unstacked", other_mhc)
+            if stacking:
+                model.stack_projections = path != "unstacked"
             if fused_default is not None:
                 model.fused_mhc = (not fused_default) if path == other_mhc else fused_default
             try:
-                step_s, sb, logits = decode_run(model, caches, toks, dev, counter, dense, per_expert, args.warmup)
+                step_s, sb, logits = decode_run(model, caches, toks, dev, counter, dense, per_expert, args.warmup,
+                                                ahead=path == "ahead")
             except Exception as e:   # (the graphs path is last: report, then go on eager)
                 import traceback
                 say(f"{'decode':8} {path:9} {B:5d} FAILED: {e!r}")
@@ -240,10 +301,11 @@ def run(args):
             diff = ""
             speed = ""
             # fast vs reference: relative (bf16 round-off can flip MoE routes); graphs vs fast: must be exactly 0
-            against = {"fast": "reference", "graphs": "fast", other_mhc: "reference"}.get(path)
+            against = {"fast": "reference", "graphs": "fast", "ahead": "fast", "unstacked": "fast",
+                       other_mhc: "reference"}.get(path)
             if against in results:
                 ref_s, ref_logits, _ = results[against]
-                if path == "graphs":
+                if path in ("graphs", "ahead"):
                     d = max((a - b).abs().max().item() for a, b in zip(logits, ref_logits))
                     diff = f"abs {d:.1e}" if d else "exact"
                 else:
@@ -251,25 +313,42 @@ def run(args):
                             for a, b in zip(logits, ref_logits))
                     diff = f"{d:12.2e}"
                 speed = f"{results.get('reference', results['fast'])[0] / step_s:7.1f}x"
+            host = "" if path != "ahead" else \
+                (f"   host ms: launch {decode_run.host_ms[0]:.2f} (before the graph run {decode_run.host_ms[2]:.2f}, "
+                 f"in it {decode_run.host_ms[3]:.2f}, after {decode_run.host_ms[4]:.2f}) + plan "
+                 f"{decode_run.host_ms[1]:.2f} (overlapped)")
             say(f"{'decode':8} {path:9} {B:5d} {step_s * 1e3:9.2f} {B / step_s:9.1f} {sb / 1e6:9.1f} {roof:11.1f} "
-                f"{B / step_s / roof:8.1%} {speed:>8} {diff:>12}   warm-up steps ms {decode_run.warm_ms}")
+                f"{B / step_s / roof:8.1%} {speed:>8} {diff:>12}   warm-up steps ms {decode_run.warm_ms}{host}")
         model.fast_decode = True
+        if stacking:
+            model.stack_projections = True
         if fused_default is not None:
             model.fused_mhc = fused_default
         memory_line(model, caches)
         del caches
     if args.profile:
         modes = ["graphs"] if hasattr(model, "cuda_graphs") else ["fast"]
-        for mode in modes:
-            if hasattr(model, "cuda_graphs"):
-                model.cuda_graphs = mode == "graphs"
-            for B in args.batches:
+        if args.paths and "unstacked" in args.paths and hasattr(model, "stack_projections"):
+            modes.append("unstacked")     # (its device kernel time against the stacked GEMMs')
+        states = []
+        for phase in ("host", "device"):     # every host measurement before the first torch.profiler (CUPTI)
+            for k, (mode, B) in enumerate((m, b) for m in modes for b in args.batches):
+                if hasattr(model, "cuda_graphs"):
+                    model.cuda_graphs = mode in ("graphs", "unstacked")
+                if hasattr(model, "stack_projections"):
+                    model.stack_projections = mode != "unstacked"
                 try:
-                    profile_fast(model, B, args, dev, mode)
+                    if phase == "host":
+                        states.append(profile_fast(model, B, args, dev, mode))
+                    elif states[k] is not None:
+                        profile_device(model, states[k], args, dev)
+                        states[k] = None     # (its caches go)
                 except Exception as e:   # report and go on (the table above is already written)
                     import traceback
                     say(f"profile {mode} batch {B} FAILED: {e!r}")
                     _out_file(f"failed_profile_B{B}.txt", traceback.format_exc())
+                    if phase == "host":
+                        states.append(None)
     say(f"total {time.perf_counter() - t0:.1f} s")
 
 
@@ -297,8 +376,11 @@ def _out_file(name: str, text: str) -> None:
         (Path(os.environ["OUT"]) / name).write_text(text)
 
 
-def profile_fast(model: Model, B: int, args, dev: torch.device, label: str = "fast") -> None:
-    """Where the time of one fast decode step goes at batch B (module docstring). Fresh caches, own prompt."""
+def profile_fast(model: Model, B: int, args, dev: torch.device, label: str = "fast") -> dict:
+    """Where the time of one fast decode step goes at batch B (module docstring). Fresh caches, own prompt. This
+    part measures with host clocks and cProfile only; `profile_device` (torch.profiler) must come after every
+    host measurement of the process: once CUPTI is attached it stays, and a graph launch then costs the host
+    ~0.3-1 ms instead of ~0.01-0.04 (R2 of session 6)."""
     V = model.config.vocab_size
     g = torch.Generator().manual_seed(1)
     caches = [model.new_cache() for _ in range(B)]
@@ -334,6 +416,45 @@ def profile_fast(model: Model, B: int, args, dev: torch.device, label: str = "fa
             torch.cuda.set_sync_debug_mode(0)
         for w in rec:
             syncs[f"{Path(w.filename).name}:{w.lineno}: {str(w.message).splitlines()[0][:70]}"] += 1
+    pr = cProfile.Profile()
+    for _ in range(3):      # (a sync after each step, as the engine does)
+        pr.enable()
+        step()
+        pr.disable()
+        _sync(dev)
+    buf = io.StringIO()
+    st = pstats.Stats(pr, stream=buf)
+    st.sort_stats("tottime").print_stats(40)
+    st.sort_stats("cumulative").print_stats(40)
+    _out_file(f"cprofile_{label}_B{B}.txt", buf.getvalue())
+    if hasattr(model, "plan_step"):     # the token-dependent half alone (Model.launch, as the "ahead" path runs it)
+        from deepinfer_sg.engine.model import StepRows
+        rows = [StepRows(c, 1, 1) for c in caches]
+        pl = cProfile.Profile()
+        for _ in range(3):
+            plan = model.plan_step(rows)
+            toks = torch.randint(0, V, (B,), generator=g)
+            _sync(dev)
+            pl.enable()
+            model.launch(plan, toks)
+            pl.disable()
+            _sync(dev)
+        lb = io.StringIO()
+        pstats.Stats(pl, stream=lb).sort_stats("tottime").print_stats(30)
+        _out_file(f"cprofile_launch_{label}_B{B}.txt", lb.getvalue())
+    top = io.StringIO()
+    pstats.Stats(pr, stream=top).sort_stats("tottime").print_stats(12)
+    return dict(B=B, label=label, caches=caches, step=step, host=host, whole=whole, syncs=syncs, top=top)
+
+
+def profile_device(model: Model, state: dict, args, dev: torch.device) -> None:
+    """torch.profiler of one step of `profile_fast`'s caches: launches, copies, syncs, device kernel time, the op
+    tables; then the profile line."""
+    B, label, step, host, whole, syncs, top = (state[k] for k in ("B", "label", "step", "host", "whole", "syncs",
+                                                                    "top"))
+    for _ in range(args.warmup + 1):     # (graphs again, after another mode's steps or a recapture)
+        step()
+    _sync(dev)
     # launches, copies, kernel time
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
@@ -378,19 +499,6 @@ def profile_fast(model: Model, B: int, args, dev: torch.device, label: str = "fa
         ops = prof_ops.key_averages(group_by_input_shape=True)
         _out_file(f"ops_{label}_B{B}.txt", ops.table(sort_by="device_time_total", row_limit=60, max_name_column_width=40,
                                                      max_shapes_column_width=70) + "\n")
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(3):
-        step()
-    _sync(dev)
-    pr.disable()
-    buf = io.StringIO()
-    st = pstats.Stats(pr, stream=buf)
-    st.sort_stats("tottime").print_stats(40)
-    st.sort_stats("cumulative").print_stats(40)
-    _out_file(f"cprofile_{label}_B{B}.txt", buf.getvalue())
-    top = io.StringIO()
-    pstats.Stats(pr, stream=top).sort_stats("tottime").print_stats(12)
     say(f"profile {label} batch {B}: step {statistics.median(whole) * 1e3:.2f} ms, host returns after "
         f"{statistics.median(host) * 1e3:.2f} ms; device kernel time {kernel_us / 1e3:.2f} ms; "
         f"{count['launch']} kernel launches + {count['graph']} graph launches, {count['memcpy']} memcpy, "
@@ -401,7 +509,6 @@ def profile_fast(model: Model, B: int, args, dev: torch.device, label: str = "fa
     start = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("ncalls")), 0)
     for ln in lines[start:start + 9]:
         say("  " + ln.rstrip()[:150])
-    del caches
 
 
 def main():
@@ -415,7 +522,8 @@ def main():
     ap.add_argument("--decode", type=int, default=8, help="timed decode steps per path")
     ap.add_argument("--warmup", type=int, default=2, help="untimed decode steps first (Triton compiles)")
     ap.add_argument("--skip-reference", action="store_true", help="time the fast path only")
-    ap.add_argument("--paths", nargs="+", default=None, choices=["reference", "fast", "graphs"],
+    ap.add_argument("--paths", nargs="+", default=None,
+                    choices=["reference", "fast", "graphs", "ahead", "unstacked"],
                     help="time only these decode paths (default: all; graphs is compared with fast when both run)")
     ap.add_argument("--fused-mhc", action="store_true",
                     help="also time the graphs path with the other mHC setting than the engine's default "

@@ -71,17 +71,19 @@ class Attention(nn.Module):
                 del self.indexer.wq_b, self.indexer.weights_proj
 
     # ---- building blocks ----
-    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [T, H] (attn-norm output) -> (q [T, nh, D] rotated, qr [T, Lq] for the indexer)."""
-        qr = self.q_norm(self.wq_a(x))
+    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, xa: torch.Tensor | None = None):
+        """x [T, H] (attn-norm output) -> (q [T, nh, D] rotated, qr [T, Lq] for the indexer). xa: wq_a(x) when
+        already computed (engine/projections.py)."""
+        qr = self.q_norm(self.wq_a(x) if xa is None else xa)
         q = self.wq_b(qr).view(x.shape[0], self.nh, self.D)
         if self.config.q_norm:
             q = rms_normalize(q, self.config.rms_norm_eps)
         return apply_rope(q, cos, sin), qr
 
-    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> window key/value [T, D], normalized and rotated."""
-        return apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   xkv: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] -> window key/value [T, D], normalized and rotated. xkv: wkv(x) when already computed."""
+        return apply_rope(self.kv_norm(self.wkv(x) if xkv is None else xkv), cos, sin)
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, block: int = 256) -> torch.Tensor:
         """q [n, nh, D] against keys [S, D] with additive bias [n, S] -> [n, nh, D]; queries in blocks of `block`."""

@@ -26,8 +26,8 @@ Everything between two eager cache updates (V4.1: the whole step, embedding to h
 run through step_graphs.SegmentGraphs: a CUDA graph on CUDA once a token count is warm, eager otherwise (same
 results bit for bit). Results equal the reference path to round-off (tests compare logits and cache states). The
 host makes every index list of a segment as int64 arrays (`Deferred`: windows' (base, lo) rows, pool starts /
-counts, compressor rows) and sends them in ONE copy (`BatchPlan.flush`) into a buffer the graph reads in place;
-the window indices and RoPE rotations are computed from them inside the graph; no host syncs here.
+counts, compressor rows) and sends them in ONE copy (`BatchPlan.layout`, then `send`) into a buffer the graph reads
+in place; the window indices and RoPE rotations are computed from them inside the graph; no host syncs here.
 
 Cost per layer: O(T * (W + k) * D) attention reads; per step O(T * D) cache writes per layer, plus moving rows
 into a slot when a sequence arrives from the reference path or its window reaches the end of its slot.
@@ -39,10 +39,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+import deepinfer_sg.kernels.index_rows as _index_rows
 import deepinfer_sg.kernels.indexer as _kindexer
 from deepinfer_sg.kernels import sparse_attention
 
-from . import compress_step
+from . import compress_step, projections
 from .arena import arena_for
 from .compressor import Sources
 from .indexer import candidate_block_mask, topk_mask
@@ -56,7 +57,7 @@ MAX_FAST_ROWS = 16   # chunks up to this many rows use the batched path (decode,
 @dataclass
 class Deferred:
     """A host int64 array on its way to the device: every one made during a step's host preparation goes up in
-    ONE copy (`BatchPlan.flush`); `plan.resolve(d)` is then its device view."""
+    ONE copy (`BatchPlan.layout` / `send`); `plan.resolve(d)` is then its device view."""
     k: int
     shape: tuple
 
@@ -86,10 +87,12 @@ class BatchPlan:
     win_lens: list = field(default_factory=list)
     win_new_rows: Deferred | None = None          # [T] row of each new token in win_all[layer].view(slots * cap, D)
     win_uniform: bool = False                     # every win_lens entry is None
-    pending: list = field(default_factory=list)   # (Deferred.k, host int64 array) waiting for the next flush
-    views: dict = field(default_factory=dict)     # Deferred.k -> device view after its flush
+    pending: list = field(default_factory=list)   # (Deferred.k, host int64 array) waiting for the next layout
+    views: dict = field(default_factory=dict)     # Deferred.k -> device view after its layout
+    laid: dict = field(default_factory=dict)      # Deferred.k -> (host array, offset) laid out, not sent yet
+    sends: list = field(default_factory=list)     # the laid-out uploads' send() calls
     deferred: int = 0                             # Deferred handles made so far
-    flushes: int = 0
+    flushes: int = 0                              # uploads laid out so far
 
     @property
     def spans(self) -> list[tuple[int, int, int]]:
@@ -104,33 +107,58 @@ class BatchPlan:
         self.pending.append((d.k, a))
         return d
 
+    def fill(self, d: Deferred, arr) -> None:
+        """Set the values of a Deferred made with placeholder values (the token ids' slot, filled at launch),
+        before its upload is sent (pending, or laid out by `layout` and not sent yet)."""
+        a = np.asarray(arr, dtype=np.int64)
+        if a.shape != d.shape:
+            raise ValueError(f"fill: {a.shape} values for a slot of shape {d.shape}")
+        for k, (dk, _) in enumerate(self.pending):
+            if dk == d.k:
+                self.pending[k] = (dk, a)
+                return
+        if d.k not in self.laid:
+            raise RuntimeError(f"fill: slot {d.k} was already uploaded")
+        flat, at = self.laid[d.k]
+        flat[at:at + a.size] = a.reshape(-1)
+
     def per_row(self, per_seq: list[list[int]], device=None) -> list[Deferred]:
-        """Per-sequence host lists spread to per-row int64 arrays (device views after the next flush)."""
+        """Per-sequence host lists spread to per-row int64 arrays (device views after the next layout)."""
         rs = np.asarray(self.row_seq, dtype=np.int64)
         return [self.defer(np.asarray(ps, dtype=np.int64)[rs]) for ps in per_seq]
 
     def upload(self, parts: list, device=None) -> list[Deferred]:
-        """Host int64 arrays for the next flush."""
+        """Host int64 arrays for the next layout."""
         return [self.defer(p) for p in parts]
 
-    def flush(self, graphs, device) -> None:
-        """Every pending array in ONE host->device copy: under CUDA graphs into a persistent buffer of this token
-        count (the graphs read the views in place, no copy per input); eagerly through pinned memory."""
+    def layout(self, graphs, device) -> None:
+        """Lay the pending arrays out in one upload (SegmentGraphs.prepare_upload: under CUDA graphs a persistent
+        buffer of this token count, whose views the graphs read in place): their device views exist from now on
+        (`resolve`), their values go up at `send` (until then `fill` may still set a slot)."""
         if not self.pending:
             return
         flat = np.concatenate([a.reshape(-1) for _, a in self.pending])
         layout = "_".join("x".join(map(str, a.shape)) for _, a in self.pending)     # (same name: same offsets)
-        buf = graphs.upload(f"plan{self.flushes}:{layout}", torch.from_numpy(flat), device)
+        views, send = graphs.prepare_upload(f"plan{self.flushes}:{layout}", torch.from_numpy(flat), device,
+                                            [a.shape for _, a in self.pending])
         at = 0
-        for k, a in self.pending:
-            v = buf[at:at + a.size].view(a.shape)
-            self.views[k] = graphs.fixed(v) if a.size else v
+        for (k, a), v in zip(self.pending, views):
+            self.views[k] = v
+            self.laid[k] = (flat, at)
             at += a.size
         self.pending = []
         self.flushes += 1
+        self.sends.append(send)
+
+    def send(self) -> None:
+        """Copy the laid-out uploads to the device (their values as they are now)."""
+        for send in self.sends:
+            send()
+        self.sends = []
+        self.laid = {}
 
     def resolve(self, x):
-        """The device view of a Deferred (after its flush); anything else as it is."""
+        """The device view of a Deferred (after its layout); anything else as it is."""
         if isinstance(x, Deferred):
             return self.views[x.k]
         return x
@@ -343,17 +371,18 @@ def select_ids(idx_mod, iq, w, keys, start, count, positions, ratio: int, G: int
     (ties -> lower id) among each row's visible ones, start..start + count of `keys` that its position can see
     (g < (p + 1) // ratio), and `cand` [T, G] where given. -> (ids [T, min(k, G)] ascending, -1 padded; visible
     [T, G]; scores [T, G])."""
-    g = torch.arange(G, device=iq.device)[None, :]
-    visible = (g < ((positions + 1) // ratio)[:, None]) & (g < count[:, None])
     scores = _index_scores(idx_mod, iq, w, keys, start, count, G)
-    return topk_ids(scores, visible if cand is None else visible & cand, k), visible, scores
+    # visible entries and the scores of the others at -inf: one launch on CUDA (kernels/index_rows.py)
+    visible, masked = _index_rows.visible_scores(scores, positions, count, ratio, cand)
+    if _kindexer.use_triton(scores):
+        return _select(masked, k), visible, scores
+    return topk_ids(scores, visible if cand is None else visible & cand, k, triton=False), visible, scores
 
 
 def entry_rows(ids: torch.Tensor, start: torch.Tensor, count: torch.Tensor, k: int) -> torch.Tensor:
     """Entry ids [T, w] (-1 = none) -> rows of the kv pool [T, bucket] for the attention kernel (-1 = no key;
     ids past a row's count dropped), padded with -1 to a power of two (at most k) so shapes hold for many steps."""
-    ent = torch.nn.functional.pad(ids, (0, _bucket(ids.shape[1], k) - ids.shape[1]), value=-1)
-    return _kernel_index(torch.where((ent >= 0) & (ent < count[:, None]), ent + start[:, None], -1))
+    return _index_rows.entry_rows(ids, start, count, _bucket(ids.shape[1], k))   # (int32 on CUDA: one launch)
 
 
 def topk_ids(scores: torch.Tensor, allowed: torch.Tensor, k: int, triton: bool | None = None) -> torch.Tensor:
@@ -365,9 +394,13 @@ def topk_ids(scores: torch.Tensor, allowed: torch.Tensor, k: int, triton: bool |
     turn it into ids; a re-sort here cost 2 more)."""
     if not (_kindexer.use_triton(scores) if triton is None else triton):
         return _mask_to_index(topk_mask(scores, allowed, k), k)
-    G = scores.shape[1]
-    idx, _ = _kindexer.topk_select_triton(scores.masked_fill(~allowed, float("-inf")), k, sorted=False)
-    return idx[:, :min(k, G)]
+    return _select(scores.masked_fill(~allowed, float("-inf")), k)
+
+
+def _select(masked: torch.Tensor, k: int) -> torch.Tensor:
+    """The select kernel on scores whose disallowed entries are -inf -> ids [T, min(k, G)] ascending, -1 padded."""
+    idx, _ = _kindexer.topk_select_triton(masked, k, sorted=False)
+    return idx[:, :min(k, masked.shape[1])]
 
 
 def _fit(mask: torch.Tensor, G: int) -> torch.Tensor:
@@ -385,10 +418,12 @@ def _mask_to_index(sel: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(idx < G, idx, torch.full_like(idx, -1))
 
 
-def pre_attention(model, block, R: torch.Tensor, a, cos: torch.Tensor, sin: torch.Tensor, e):
+def pre_attention(model, block, R: torch.Tensor, a, cos: torch.Tensor, sin: torch.Tensor, e, side: dict | None = None):
     """The dense work of a layer before its attention core, as one pure function (a CUDA-graph segment, see
     step_graphs.py): [Engram mix of the looked-up rows e] -> [DSpark capture] -> attention mHC mixes -> read-out
-    -> attn norm -> q / window kv projections -> [index queries on index-source layers].
+    -> attn norm -> q / window kv projections -> [index queries on index-source layers]. The projections of the
+    norm output run as one GEMM where engine/projections.py stacked them; side["comp"] then gets the in-graph
+    compressor's (for compress_step.compress_rows).
     -> (R, pre, post, comb, xn, q, kv, iq, w, feat); iq / w / feat None where the layer has none."""
     c = model.config
     i = block.layer_id
@@ -398,11 +433,16 @@ def pre_attention(model, block, R: torch.Tensor, a, cos: torch.Tensor, sin: torc
     feat = R.float().mean(dim=1).to(R.dtype) if i in c.dspark_target_layer_ids else None
     pre, post, comb = block.mixes(R, "attn", True)
     xn = block.attn_norm(hc_pre(R, a if c.hc_shifted else pre, fast=model.fused_mhc))
-    q, qr = attn.project_q(xn, cos, sin)
-    kv = model._qdq(attn.project_kv(xn, cos, sin), "window")
+    parts = (None if model.quant_sim or not model.stack_projections   # [q_a, kv, (w), (the compressor's)]
+             else projections.xn_products(model, attn, xn))
+    q, qr = attn.project_q(xn, cos, sin, xa=None if parts is None else parts[0])
+    kv = model._qdq(attn.project_kv(xn, cos, sin, xkv=None if parts is None else parts[1]), "window")
     iq = w = None
-    if attn.spec.index_source == i:
-        iq, w = attn.indexer.queries(qr, xn)
+    index = attn.spec.index_source == i
+    if parts is not None and side is not None and len(parts) > 2 + index:
+        side["comp"] = parts[2 + index:]
+    if index:
+        iq, w = attn.indexer.queries(qr, xn, wx=None if parts is None else parts[2])
         iq = model._qdq(apply_rope(iq, cos, sin), "index")
         if _kindexer.use_triton(iq):    # the score kernel's head weights: fp32, times Di^-0.5 (_index_scores)
             w = (w.float() * attn.indexer.idx_dim ** -0.5).contiguous()
@@ -520,11 +560,12 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
     for k, j in enumerate(full, start=first):
         blk = layers[j]
         cs = rope[blk.attn.spec.rope]
-        R, pre, post, comb, xn, q, kv, iq, w, feat = pre_attention(model, blk, R, a, *cs, per[n * k])
+        side = {}
+        R, pre, post, comb, xn, q, kv, iq, w, feat = pre_attention(model, blk, R, a, *cs, per[n * k], side)
         feats.append(feat)
         cmp = per[n * k + n0:n * k + n]
         if cmp[compress_step.INPUTS.index("ent")] is not None:    # the compressor's cache rows (compress_step)
-            compress_step.compress_rows(model, blk.attn, xn, *cmp)
+            compress_step.compress_rows(model, blk.attn, xn, *cmp, proj=side.get("comp"))
         o = core(k, j, q, kv, iq, w)
         R, a = post_attention(model, blk, o, R, pre, post, comb, *cs, token_ids)
     tail = [t for f, i2, c2 in zip(feats, extra[0::2], extra[1::2]) for t in (f, i2, c2)]

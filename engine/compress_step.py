@@ -62,9 +62,9 @@ def _ring_reserve(arena, states, name: str) -> list[int]:
     (the reference path's tensors, an eager gather buffer) are copied in at their positions' ring rows (one
     gather + one index_copy for all such states). -> each state's slot."""
     key = "_" + name
-    slots = [arena.slots.of(st) for st in states]
+    slots = arena.slots.of_all(states)
     if arena._grow(max(slots) + 1, RING):
-        slots = [arena.slots.of(st) for st in states]     # (a growth renumbers the slots)
+        slots = arena.slots.of_all(states)     # (a growth renumbers the slots)
     flat = arena.flat
     moved, dst = [], []
     for st, slot in zip(states, slots):
@@ -95,8 +95,12 @@ def plan_layer(model, attn, ctx, plan) -> list:
     starts = np.asarray(plan.starts, dtype=np.int64)
     ns = np.asarray(plan.ns, dtype=np.int64)
     ends = starts + ns
-    for st, s0 in zip(states, plan.starts):
-        assert st.n_entries == s0 // r, "compressor state out of sync with the cache"
+    have = np.asarray([0 if st._entries is None else st._entries[2] for st in states], dtype=np.int64)
+    if (have != starts // r).any():      # (reachable: a cache advanced or rolled back behind the model's back)
+        k = int(np.flatnonzero(have != starts // r)[0])
+        raise RuntimeError(f"layer {i}: sequence {k} of the step has {int(have[k])} compressed entries, but its "
+                           f"cache length {int(starts[k])} at ratio {r} needs {int(starts[k]) // r}: cache and "
+                           "compressor state out of sync (was the cache changed outside forward_step / rollback?)")
     counts = (ends // r).tolist()
     # per row: its sequence, position, group, whether it completes the group
     seq = np.repeat(np.arange(len(seqs)), ns)
@@ -132,11 +136,16 @@ def plan_layer(model, attn, ctx, plan) -> list:
             base = np.asarray(ring_slots[-1], dtype=np.int64)[seq] * RING
             host[name + "_dst"] = base + pos % RING
             host[name + "_grp"] = base[:, None] + members % RING
-        for st, slot_kv, slot_g, s0, e in zip(states, *ring_slots, plan.starts, ends.tolist()):
-            keep = max(st.tok_start if st.rows("tok_kv") else s0, comp.keep_from(e, model.max_rollback))
-            st.tok_start = keep
-            st._tok_kv = (ring_kv.flat, slot_kv * RING + keep % RING, e - keep, RING) if e > keep else None
-            st._tok_gate = (ring_g.flat, slot_g * RING + keep % RING, e - keep, RING) if e > keep else None
+        # each state keeps its token rows from `keep` on (numpy over the states; then three attributes each)
+        held = np.asarray([st.tok_start if st._tok_kv is not None and st._tok_kv[2] else s0
+                           for st, s0 in zip(states, plan.starts)], dtype=np.int64)
+        keep = np.maximum(held, comp.keep_from(ends, model.max_rollback))
+        first_kv = np.asarray(ring_slots[0], dtype=np.int64) * RING + keep % RING
+        first_g = np.asarray(ring_slots[1], dtype=np.int64) * RING + keep % RING
+        for st, kp, e, a, b in zip(states, keep.tolist(), ends.tolist(), first_kv.tolist(), first_g.tolist()):
+            st.tok_start = kp
+            st._tok_kv = (ring_kv.flat, a, e - kp, RING) if e > kp else None
+            st._tok_gate = (ring_g.flat, b, e - kp, RING) if e > kp else None
         ring_kv, ring_g = ring_kv.flat, ring_g.flat
     else:
         for st, e in zip(states, ends.tolist()):
@@ -155,14 +164,15 @@ def plan_layer(model, attn, ctx, plan) -> list:
 
 
 def compress_rows(model, attn, xn: torch.Tensor, ring_kv, ring_g, tok_kv_dst, tok_g_dst, grp_kv, grp_g, gpos,
-                  ent, ent_dst, lat, lat_dst, ik, ik_dst) -> None:
+                  ent, ent_dst, lat, lat_dst, ik, ik_dst, proj: list | None = None) -> None:
     """Device side (pure, inside the step's graph): the layer's compressor rows from its attention-norm output
-    xn [T, H], written in place into the rings and arenas at the rows `plan_layer` chose (module docstring)."""
+    xn [T, H], written in place into the rings and arenas at the rows `plan_layer` chose (module docstring).
+    proj: [wkv(xn), wgate(xn) if gated] when already computed (engine/projections.py)."""
     comp = attn.compressor
-    kv = comp.wkv(xn).float()
+    kv = (comp.wkv(xn) if proj is None else proj[0]).float()
     if comp.gated:
         ring_kv.index_copy_(0, tok_kv_dst, kv)
-        ring_g.index_copy_(0, tok_g_dst, comp.wgate(xn).float())
+        ring_g.index_copy_(0, tok_g_dst, (comp.wgate(xn) if proj is None else proj[1]).float())
         pooled = (ring_kv[grp_kv] * ring_g[grp_g].softmax(dim=1)).sum(dim=1)     # [T, r, W] -> [T, W]
     else:
         pooled = kv                      # ratio 1: the entry is the token's own projection

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -42,13 +43,14 @@ class Compressor(nn.Module):
     def new_state(self) -> CompressorState:
         return CompressorState(ratio=self.ratio)
 
-    def keep_from(self, end: int, max_rollback: int) -> int:
+    def keep_from(self, end, max_rollback: int):
         """First position whose token projections a state must keep once it holds tokens up to `end`: every group a
         rollback of up to max_rollback tokens can reopen (and, overlapping, the group before it). A ratio-1
         entry is its own token's projection: nothing to keep."""
         if self.ratio == 1 and not self.overlap:
             return end
-        return max(0, ((end - max_rollback) // self.ratio - (1 if self.overlap else 0)) * self.ratio)
+        k = ((end - max_rollback) // self.ratio - (1 if self.overlap else 0)) * self.ratio
+        return np.maximum(k, 0) if isinstance(k, np.ndarray) else max(0, k)    # (ints, or a numpy array of ends)
 
     def step(self, state: CompressorState, x: torch.Tensor, start: int,
              rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], keep_latents: bool,

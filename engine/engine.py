@@ -4,7 +4,8 @@ One step, spelled out so speculative decoding can slot into it:
     1. poll constraint compilations (ready -> schedulable; failed -> that request finishes with the error)
     2. schedule     : continuous batch of prefill chunks and decode rows under token + memory budgets
     3. masks        : start filling each constrained row's bitmask on CPU worker threads
-    4. forward      : model.forward_step(chunks) while the masks are being filled
+    4. forward      : model.forward_step(chunks) while the masks are being filled; in steady decode the step was
+                      planned during the previous step's device time and the next one is planned now (StepPipeline)
     5. sample       : wait for masks, apply them, temperature/top-k/top-p with counter-based randomness
     6. commit       : matchers accept the tokens, detokenize, stop checks, finish and free caches
 The engine is single-threaded apart from the grammar workers (compilation and mask filling).
@@ -27,6 +28,7 @@ from .request import (FINISH_CONSTRAINT_COMPLETE, FINISH_ERROR, FINISH_LENGTH, F
 from .mask_fill import MaskFiller
 from .sampler import SamplingRow, raw_logprobs, sample_batch, splitmix64
 from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from .step_pipeline import StepPipeline
 from .stats import EngineStats
 
 
@@ -99,6 +101,8 @@ class LLMEngine:
                                             gpu_memory_utilization=self.config.gpu_memory_utilization)
         self.scheduler = Scheduler(SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens), self.pool)
         self.masks = MaskFiller()
+        # plans each steady decode step while the device still runs the one before (engine/step_pipeline.py)
+        self.pipeline = StepPipeline(model)
         self.chunk_type = step_chunk_type(model)
         self._compiler = compiler
         self.requests: dict[str, Request] = {}
@@ -284,7 +288,8 @@ class LLMEngine:
         return chunks
 
     def _forward(self, chunks: list) -> torch.Tensor:
-        out = self.model.forward_step(chunks)
+        # no plan ahead with speculation: its steps verify varying row counts and roll caches back
+        out = self.pipeline.forward(chunks, plan_next=self.spec is None)
         if self.spec is not None and getattr(self.model, "mtp", None) is not None and out.draft_features is not None:
             from .dspark import update_draft_keys
             update_draft_keys(self.model, chunks, out.draft_features)   # the drafter reads every processed token
@@ -334,6 +339,7 @@ class LLMEngine:
         Alone in its batch: that request is the cause and fails with the error. Otherwise every request of the
         batch drops its cache and reruns alone (scheduler `suspect`), which pins the failure on the guilty one
         and lets the others continue; nothing they generated is lost."""
+        self.pipeline.cancel()
         self.stats.num_step_failures += 1
         reqs = list({id(c.request): c.request for c in batch.chunks if not c.request.finished}.values())
         why = _error_text(exc)
@@ -355,6 +361,7 @@ class LLMEngine:
         max_rows: the step's token budget left after the other chunks (verify rows are trimmed to it).
         extra_chunks: the step's other model chunks (prefills), run in the same forward; returns their logits."""
         from .spec_decode import SpecSequence
+        self.pipeline.cancel()      # speculation rolls caches back: no plan may be open on them
         reqs = [c.request for c in chunks]
         # start-up profile of the step-time curve (once; a SpecConfig.step_times table skips it)
         self.spec.ensure_time_model(min(self.config.max_num_seqs, 64 if self.device.type == "cuda" else 8))
@@ -472,6 +479,9 @@ class LLMEngine:
     def _finish(self, req: Request, reason: str, error: Optional[str] = None) -> None:
         if req.finished:
             return
+        # a plan made ahead holds its caches (and the slab / arena rows they reserved) until launched or cancelled:
+        # a finished request's cache must not outlive it there, e.g. when the engine goes idle after this step
+        self.pipeline.cancel()
         if req.detokenizer is not None and reason != FINISH_ERROR and not (reason == FINISH_STOP and req.params.stop
                                                                            and len(req.text) < len(req.detokenizer.text)):
             req.detokenizer.flush()
@@ -542,6 +552,7 @@ class LLMEngine:
         return [self.output(i) for i in ids]
 
     def close(self) -> None:
+        self.pipeline.cancel()
         self.masks.shutdown()
         if self._automata is not None:
             self._automata.close()

@@ -335,18 +335,21 @@ def ngram_windows(token_ids: torch.Tensor, history: torch.Tensor | Sequence[int]
 def hash_rows(classes: torch.Tensor, multipliers: Sequence[int], primes: list[list[int]], offsets: Sequence[int]) -> torch.Tensor:
     """Table row ids [T, (N-1)*heads] from class windows [T, N] (int64 math, n-major, head-minor).
 
-    acc = c0*m0; for n-gram size i+1: acc ^= ci*mi; row = acc % prime + offset."""
-    m = torch.tensor(list(multipliers), dtype=torch.long, device=classes.device)
-    prime = torch.tensor([p for per_n in primes for p in per_n], dtype=torch.long, device=classes.device)
-    offset = torch.tensor(list(offsets), dtype=torch.long, device=classes.device)
+    acc = c0*m0; for n-gram size i+1: acc ^= ci*mi; row = acc % prime + offset (products wrap around in int64).
+    Computed with NumPy on the host (a decode step hashes a few [T, N] arrays: torch's per-op cost, ~10 us on
+    the GPU host, was most of it), returned on the classes' device."""
+    c = classes.detach().cpu().numpy().astype(np.int64, copy=False)
+    m = np.asarray(list(multipliers), dtype=np.int64)
+    prime = np.asarray([p for per_n in primes for p in per_n], dtype=np.int64)
+    offset = np.asarray(list(offsets), dtype=np.int64)
     heads = len(primes[0])
-    acc = classes[:, 0] * m[0]
+    acc = c[:, 0] * m[0]
     mixes = []
-    for i in range(1, classes.shape[1]):
-        acc = acc ^ (classes[:, i] * m[i])
+    for i in range(1, c.shape[1]):
+        acc = acc ^ (c[:, i] * m[i])
         mixes.append(acc)
-    mix = torch.stack(mixes, dim=1).repeat_interleave(heads, dim=1)  # [T, (N-1)*heads]
-    return mix % prime + offset
+    mix = np.repeat(np.stack(mixes, axis=1), heads, axis=1)  # [T, (N-1)*heads]
+    return torch.from_numpy(mix % prime + offset).to(classes.device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -469,20 +472,33 @@ class EngramTable:
         out = values[torch.from_numpy(inverse.reshape(-1))]
         return out.reshape(*row_ids.shape, self.head_dim).to(row_ids.device)
 
-    def lookup_packed(self, row_ids: torch.Tensor) -> torch.Tensor | None:
+    def lookup_packed(self, row_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The raw stored bytes of the looked-up rows, uint8 [*row_ids.shape, head_dim + head_dim / 32]: the FP8
         E4M3 row, then its UE8M0 scale bytes (`unpack_rows` decodes them, on any device, to exactly `lookup`'s
         values). Why: a quarter of the bytes of fp32 rows to copy and pin, and no host-side dequantization (which
-        measured 3 ms per Engram layer at 64 tokens on a busy GPU host). None when the table is not FP8 + UE8M0."""
+        measured 3 ms per Engram layer at 64 tokens on a busy GPU host). None when the table is not FP8 + UE8M0.
+        out: a uint8 host tensor of the result's shape (e.g. the pinned buffer of the upload) to write into."""
         if self._weight_dtype != "F8_E4M3" or self._scale_dtype not in ("F8_E8M0", "U8"):
             return None
         ids = row_ids.detach().to("cpu", torch.long)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.rows):
             raise IndexError(f"engram row id out of range [0, {self.rows}): min {int(ids.min())}, max {int(ids.max())}")
         flat = ids.reshape(-1).numpy()
-        uniq, inverse = np.unique(flat, return_inverse=True)   # each page read once, in file order (memmap)
-        packed = np.concatenate([np.asarray(self._weight[uniq]), np.asarray(self._scale[uniq])], axis=1)
-        return torch.from_numpy(packed[inverse.reshape(-1)]).reshape(*row_ids.shape, -1)
+        W = self._weight.shape[1]
+        if isinstance(self._weight, np.memmap):   # each page read once, in file order
+            uniq, inverse = np.unique(flat, return_inverse=True)
+            packed = np.concatenate([np.asarray(self._weight[uniq]), np.asarray(self._scale[uniq])], axis=1)
+            return torch.from_numpy(packed[inverse.reshape(-1)]).reshape(*row_ids.shape, -1)
+        # in memory: gather straight into the result (no sort, no second copy: half the host time at 64 tokens)
+        shape = (*row_ids.shape, W + self._scale.shape[1])
+        if out is None:
+            out = torch.empty(shape, dtype=torch.uint8)
+        elif tuple(out.shape) != shape or out.dtype != torch.uint8:
+            raise ValueError(f"lookup_packed: out {out.dtype} {tuple(out.shape)} for rows of shape {shape}")
+        packed = out.numpy().reshape(flat.shape[0], -1)
+        packed[:, :W] = self._weight[flat]
+        packed[:, W:] = self._scale[flat]
+        return out
 
     def full(self) -> torch.Tensor:
         """All rows as float32 (only for small tables / tests)."""
@@ -542,9 +558,8 @@ class Engram(nn.Module):
         class_count = int(classes.max()) + 1
         self.multipliers = engram_multipliers(spec, layer_id, class_count)
         # A plain attribute, not a buffer: derived from the tokenizer, never part of a checkpoint, and it must
-        # survive meta-device construction / to_empty() in loaders. Copied per device on first use.
+        # survive meta-device construction / to_empty() in loaders. Read on the host (row_ids hashes there).
         self.token_classes = torch.from_numpy(classes)
-        self._classes_on: dict[torch.device, torch.Tensor] = {}
         # (not when built on the meta device: a loader will attach the checkpoint's table)
         if table is None and not self.wkv.weight.is_meta and self.num_rows * spec.head_dim <= MAX_RANDOM_TABLE_ELEMENTS:
             table = EngramTable.random(self.num_rows, spec.head_dim)
@@ -566,14 +581,10 @@ class Engram(nn.Module):
         sequence start, read as engram_pad_token_id)."""
         if windows.ndim != 2 or windows.shape[1] != self.spec.max_ngram_size:
             raise ValueError(f"engram windows must be [T, {self.spec.max_ngram_size}], got {tuple(windows.shape)}")
-        ids = windows.long()
-        # negative ids mark positions before the sequence start: they hash as the pad token
-        ids = torch.where(ids < 0, torch.full_like(ids, self.spec.pad_token_id), ids)
-        table = self._classes_on.get(ids.device)
-        if table is None:
-            table = self._classes_on.setdefault(ids.device, self.token_classes.to(ids.device))
-        classes = table[ids]
-        return hash_rows(classes, self.multipliers, self.primes, self.offsets)
+        # negative ids mark positions before the sequence start: they hash as the pad token (NumPy on the host)
+        w = windows.detach().cpu().numpy().astype(np.int64, copy=False)
+        classes = self.token_classes.numpy()[np.where(w < 0, self.spec.pad_token_id, w)]
+        return hash_rows(torch.from_numpy(classes), self.multipliers, self.primes, self.offsets).to(windows.device)
 
     def forward(self, residual: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
         return self.mix(residual, self.values(windows))
@@ -591,15 +602,23 @@ class Engram(nn.Module):
         e = self._table.lookup(rows).reshape(rows.shape[0], -1)
         return e.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else e.to(device)
 
-    def packed_values(self, windows: torch.Tensor, device=None) -> torch.Tensor:
+    def packed_shape(self, T: int) -> tuple | None:
+        """The shape of `packed_values` for T tokens, None when the table does not pack (not FP8 + UE8M0)."""
+        t = self._table
+        if t is None or t._weight_dtype != "F8_E4M3" or t._scale_dtype not in ("F8_E8M0", "U8"):
+            return None
+        return (T, self.spec.rows_per_token, t.head_dim + t._scale.shape[1])
+
+    def packed_values(self, windows: torch.Tensor, device=None, out: torch.Tensor | None = None) -> torch.Tensor:
         """`values` as the table's raw bytes, uint8 [T, (N-1)*heads, head_dim + head_dim / 32] on `device` (one
         asynchronous copy of a quarter of the bytes); `mix` decodes them on the device (same values bit for bit).
-        Falls back to `values` (fp32) for tables that are not FP8 + UE8M0."""
+        Falls back to `values` (fp32) for tables that are not FP8 + UE8M0. out: a host uint8 tensor of
+        `packed_shape` to write the bytes into (the pinned buffer of the caller's upload: no extra copy)."""
         if self._table is None:
             raise RuntimeError(f"engram layer {self.layer_id}: no table loaded (set `.table`, see EngramTable)")
         device = torch.device(windows.device if device is None else device)
         rows = self.row_ids(windows.cpu())
-        e = self._table.lookup_packed(rows)
+        e = self._table.lookup_packed(rows, out=out if self.packed_shape(rows.shape[0]) is not None else None)
         if e is None:
             return self.values(windows, device)
         return e.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else e.to(device)

@@ -32,10 +32,11 @@ class Indexer(nn.Module):
             self.wk = nn.Linear(head_dim, idx_dim, bias=False)
             self.k_norm = RMSNorm(idx_dim, eps)
 
-    def queries(self, qr: torch.Tensor, x: torch.Tensor):
-        """-> (iq [T, Hi, Di] before RoPE, head weights [T, Hi] fp32 incl. Hi^-0.5)."""
+    def queries(self, qr: torch.Tensor, x: torch.Tensor, wx: torch.Tensor | None = None):
+        """-> (iq [T, Hi, Di] before RoPE, head weights [T, Hi] fp32 incl. Hi^-0.5). wx: weights_proj(x) when
+        already computed (engine/projections.py)."""
         iq = self.wq_b(qr).view(qr.shape[0], self.n_heads, self.idx_dim)
-        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        w = (self.weights_proj(x) if wx is None else wx).float() * self.n_heads ** -0.5
         return iq, w
 
     def scores(self, iq: torch.Tensor, w: torch.Tensor, ik: torch.Tensor) -> torch.Tensor:

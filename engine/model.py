@@ -35,12 +35,13 @@ import importlib
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
 from deepinfer_sg import kernels
 
-from . import batched, compress_step
+from . import batched, compress_step, projections
 from .attention import Attention
 from .cache import LayerCache, SequenceCache
 from .compressor import Sources
@@ -90,6 +91,39 @@ class StepOutput:
 
 
 @dataclass
+class StepRows:
+    """One chunk of a step as `Model.plan_step` sees it: the cache, how many tokens the step runs for it, and how
+    many logit rows (the last ones) it returns."""
+    cache: SequenceCache
+    n: int
+    logit_rows: int = 1
+
+
+@dataclass
+class _Segment:
+    """One graph segment of a batched step, prepared on the host (Model._segment)."""
+    cores: list          # the layers whose attention core runs in it
+    per: list            # its per-layer inputs (Engram rows: None until filled at launch)
+    engram: list         # (index in per, layer) of the Engram rows to fill
+    key: tuple           # its graph key, without the inputs' shapes
+    fn: object           # batched.span with the segment's layers
+    shapes: list         # its inputs' shapes (the Engram rows' filled in at launch)
+
+
+@dataclass
+class StepPlan:
+    """A step planned by `Model.plan_step`, run by `Model.launch` (or dropped by `Model.cancel`), once."""
+    rows: list                     # StepRows, in chunk order
+    ctx: "StepContext"             # what the step knows (the batched path's BatchPlan in ctx.plan)
+    pos: list                      # every row's position (host)
+    total: int                     # tokens of the step
+    fast: bool                     # the batched path (else the reference path, all of it at launch)
+    saved: list | None = None      # the compressor states as they were (cancel restores them)
+    first: _Segment | None = None  # the first graph segment, prepared at plan time
+    state: str = "planned"         # planned | launched | cancelled
+
+
+@dataclass
 class _Seq:
     cache: SequenceCache
     start: int                  # position of the first row processed for this sequence
@@ -117,6 +151,23 @@ class StepContext:
     graph_ids: object = None                   # fast path: the token ids as the graph reads them (or a Deferred)
     compress: dict = field(default_factory=dict)   # fast path: layer -> compress_step inputs (updates in the graph)
     host_ids: torch.Tensor | None = None       # the token ids on the host, when they were given there
+
+
+def _compress_snapshot(model, seqs) -> list:
+    """The compressor states compress_step.plan_layer advances (what `Model.cancel` restores): a few numbers and
+    row tuples per (layer, sequence), no tensor copies."""
+    out = []
+    for i in compress_step.graph_layers(model):
+        for s in seqs:
+            lc = s.cache.layers[i]
+            st = lc.comp
+            out.append((lc, st, st.tok_start, st._tok_kv, st._tok_gate, st._entries, st._latents, lc._ikeys))
+    return out
+
+
+def _compress_restore(saved: list) -> None:
+    for lc, st, *v in saved:
+        st.tok_start, st._tok_kv, st._tok_gate, st._entries, st._latents, lc._ikeys = v
 
 
 class Block(nn.Module):
@@ -194,7 +245,10 @@ class Model(nn.Module):
         # 8: 11.01 ms per step vs 13.83 unfused; logits vs the reference path 2.0e-1 vs 2.1e-1 unfused: bf16 MoE
         # route flips either way)
         self._fused_mhc = True
+        self._stack_projections = True
+        self._stacked_at = -1       # SegmentGraphs.generation when projections.fuse last checked the weights
         self._graphs = SegmentGraphs()
+        self._open_plan = None      # a plan_step(undo=True) not yet launched or cancelled (one at a time)
         c = config
         with torch.device(device):
             self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
@@ -271,6 +325,19 @@ class Model(nn.Module):
             self.reset_graphs()       # the captured segments ran the other kernels
         self._fused_mhc = bool(on)
 
+    @property
+    def stack_projections(self) -> bool:
+        """Fast path: the projections of each layer's attention-norm output as one GEMM over their stacked weights
+        (engine/projections.py: the parameters become row blocks of one tensor; same values up to GEMM summation
+        order). False: one GEMM each. On by default."""
+        return self._stack_projections
+
+    @stack_projections.setter
+    def stack_projections(self, on: bool) -> None:
+        if bool(on) != self._stack_projections:
+            self.reset_graphs()       # the captured segments ran the other GEMMs
+        self._stack_projections = bool(on)
+
     def reset_graphs(self) -> None:
         """Forget the captured CUDA graphs (they read the weights where they were at capture time): needed after
         replacing parameters by other tensors; moving or casting the model (`to`, `set_dtype`) does it itself."""
@@ -339,74 +406,168 @@ class Model(nn.Module):
         """Run each chunk's tokens right after its cache's current length; advance the caches.
 
         Returns fp32 logits for the last `logit_rows` rows of each chunk (in chunk order) and, when the config
-        names DSpark target layers, their captured features for every processed token."""
-        c = self.config
-        dev = self.device
-        seqs, pos, ids, off = [], [], [], 0
-        if len({id(ch.cache) for ch in chunks}) != len(chunks):
-            raise ValueError("the same SequenceCache appears in two chunks of one step")
-        if not chunks:
-            raise ValueError("forward_step needs at least one StepChunk")
+        names DSpark target layers, their captured features for every processed token.
+        Same as `launch(plan_step(rows), ids)` (the two halves callers can overlap with the device's work)."""
+        rows, flat = self.step_ids(chunks)
+        return self.launch(self.plan_step(rows, undo=False), flat)
+
+    def step_ids(self, chunks: list[StepChunk]) -> tuple[list["StepRows"], torch.Tensor | None]:
+        """The chunks as plan_step's StepRows, and their token ids as one flat int64 tensor (on the host when they
+        all are, else on the model's device) for `launch`."""
+        ids = []
         for ch in chunks:
             t = ch.token_ids
-            if t.dtype != torch.long or t.dim() != 1:
-                t = t.long().reshape(-1)
-            n = t.shape[0]
-            if n == 0:
-                raise ValueError("StepChunk with no tokens")
-            if not 0 <= ch.logit_rows <= n:
-                raise ValueError(f"logit_rows {ch.logit_rows} not in 0..{n}")
-            if self.yoco_mode == "compact" and c.n_prefill_layer is not None and ch.logit_rows > self.yoco_keep:
-                raise ValueError(f"logit_rows {ch.logit_rows} > {self.yoco_keep} rows kept by YOCO compaction")
-            rect_lo = ch.cache.length + n - self.yoco_keep if self.yoco_mode != "off" else None
-            seqs.append(_Seq(ch.cache, ch.cache.length, n, off, rect_lo))
-            pos.extend(range(ch.cache.length, ch.cache.length + n))   # host-side: one copy below
-            ids.append(t)
-            off += n
-        # ids given on the host are checked there and copied once (no sync); device ids cost one sync
+            ids.append(t.long().reshape(-1) if t.dtype != torch.long or t.dim() != 1 else t)
+        rows = [StepRows(ch.cache, t.shape[0], ch.logit_rows) for ch, t in zip(chunks, ids)]
         on_host = all(t.device.type == "cpu" for t in ids)
-        all_ids = torch.cat(ids) if on_host or all(t.device == dev for t in ids) else torch.cat([t.to(dev) for t in ids])
-        if bool((all_ids < 0).any() | (all_ids >= c.vocab_size).any()):
-            bad = next(k for k, t in enumerate(ids) if bool(((t < 0) | (t >= c.vocab_size)).any()))
-            raise ValueError(f"token id outside 0..{c.vocab_size - 1} in chunk {bad}")
-        host_ids = all_ids if on_host else None
-        fast = batched.usable(self, [s.n for s in seqs])
-        if on_host and fast:      # ids and positions go up with the step's index lists (batched.BatchPlan.flush)
-            pos_t = all_ids = None
-        elif on_host:
-            all_ids, pos_t = to_device_many([all_ids, pos], dev)
-        else:
-            pos_t = to_device(pos, dev)
-        ctx = full_ctx = StepContext(seqs, pos_t, all_ids, host_ids=host_ids)
-        if fast:
-            ctx.plan = batched.make_plan(seqs, ctx.positions, rect=self.yoco_mode != "off", device=dev)
+        dev = self.device
+        flat = (torch.cat(ids) if ids and (on_host or all(t.device == dev for t in ids))
+                else torch.cat([t.to(dev) for t in ids]) if ids else None)
+        return rows, flat
+
+    @torch.no_grad()
+    def plan_step(self, rows: list["StepRows"], undo: bool = True) -> "StepPlan":
+        """The host half of a step that depends on counts, not on token values: for each StepRows(cache, n,
+        logit_rows) the step will run n tokens right after the cache's length. On the batched path this places
+        the windows (slab slots), plans the compressors' rows (arena room, destination rows, the states' counts
+        after the step) and makes every index list of the first graph segment (as host arrays for the step's one
+        upload). Call it while the device still runs the previous step (after that step's `launch` returned); then
+        `launch(plan, ids)` once the ids are known, or `cancel(plan)` (undo=True keeps what cancel restores).
+        One plan at a time: planning again (forward_step included) cancels a plan still open. Cost: the host work of the step minus the Engram lookups and the launch itself; no
+        device sync (device work it queues, rows moving into the slab / arenas, runs after the previous step)."""
+        c = self.config
+        dev = self.device
+        if self._open_plan is not None:
+            # a plan made ahead and still open (another engine or caller sharing this model planned it) is
+            # superseded: cancelling restores its caches, and its owner sees plan.state == "cancelled" and plans again
+            self.cancel(self._open_plan)
+        if not rows:
+            raise ValueError("forward_step needs at least one StepChunk")
+        if len({id(r.cache) for r in rows}) != len(rows):
+            raise ValueError("the same SequenceCache appears in two chunks of one step")
+        seqs, pos, off = [], [], 0
+        for k, r in enumerate(rows):
+            n = int(r.n)
+            if n <= 0:
+                raise ValueError(f"StepChunk {k} with no tokens")
+            if not 0 <= r.logit_rows <= n:
+                raise ValueError(f"logit_rows {r.logit_rows} not in 0..{n}")
+            if self.yoco_mode == "compact" and c.n_prefill_layer is not None and r.logit_rows > self.yoco_keep:
+                raise ValueError(f"logit_rows {r.logit_rows} > {self.yoco_keep} rows kept by YOCO compaction")
+            L = r.cache.length
+            seqs.append(_Seq(r.cache, L, n, off, L + n - self.yoco_keep if self.yoco_mode != "off" else None))
+            pos.extend(range(L, L + n))   # host-side: one copy later
+            off += n
+        plan = StepPlan(rows, StepContext(seqs, None, None), pos, off, batched.usable(self, [s.n for s in seqs]))
+        if not plan.fast:
+            return plan
+        ctx = plan.ctx
+        self._open_plan = plan if undo else None
+        try:
+            ctx.plan = batched.make_plan(seqs, None, rect=self.yoco_mode != "off", device=dev)
             ctx.graphs = self._graphs
+            if self.stack_projections and not self.quant_sim and self._stacked_at != self._graphs.generation:
+                # (checked again only after reset_graphs: every weight move / cast / replacement calls it)
+                if projections.fuse(self):
+                    self.reset_graphs()      # (the graphs read the weights where they were)
+                self._stacked_at = self._graphs.generation
             if self.cuda_graphs and not self.quant_sim:
                 self._graphs.begin_step(off, dev)
-            if pos_t is None:
-                ctx.plan.positions, ctx.graph_ids = ctx.plan.defer(pos), ctx.plan.defer(host_ids)
-            else:
-                ctx.graph_ids = self._graphs.stage("ids", all_ids)
-        for kind in ("main", "compress"):
-            freqs = self._freqs(kind)     # (on the device before any graph capture)
-            if ctx.plan is None:          # (the batched path computes them inside its graph, batched.span)
-                ctx.rope[kind] = rope_cos_sin(freqs, ctx.positions)
-        if c.engram_layer_ids:
-            ctx.windows = self._token_windows(ctx)
-        if ctx.plan is not None:
-            # every Engram table read (a host round trip) now, while the device is idle, not between the layers
-            if c.engram_layer_ids:
-                host_windows = ctx.windows.cpu()
-                g = self._graphs      # (under graphs: straight into a buffer the graph reads in place)
-                ctx.engram_rows = {
-                    i: g.fixed(g.upload(f"engram{i}", blk.engram.packed_values(host_windows, "cpu"), dev))
-                    for i, blk in enumerate(self.layers) if hasattr(blk, "engram")}
+            # positions and the ids go up with the step's index lists (one upload: batched.BatchPlan.layout); the
+            # ids' slot is filled at launch
+            ctx.plan.positions, ctx.graph_ids = ctx.plan.defer(pos), ctx.plan.defer(np.zeros(off, dtype=np.int64))
+            for kind in ("main", "compress"):
+                self._freqs(kind)     # (on the device before any graph capture)
+            if undo:
+                plan.saved = _compress_snapshot(self, seqs)
+            self._plan_fast(ctx, plan)
+        except BaseException:
+            self._open_plan = None
+            self._graphs.abort_step()
+            raise
+        return plan
 
+    def cancel(self, plan: "StepPlan") -> None:
+        """Forget a planned step that will not be launched: the caches are as before `plan_step` (the rows it moved
+        into the slab / arenas stay there, which changes no value)."""
+        if plan.state != "planned":
+            raise RuntimeError(f"cancel: this plan was already {plan.state}")
+        if plan.fast and plan.saved is None:
+            raise RuntimeError("cancel: plan_step(undo=False) kept no state to restore")
+        plan.state = "cancelled"
+        if plan.fast:
+            _compress_restore(plan.saved)
+            self._graphs.abort_step()
+        if self._open_plan is plan:
+            self._open_plan = None
+
+    @torch.no_grad()
+    def launch(self, plan: "StepPlan", token_ids: torch.Tensor) -> StepOutput:
+        """The token-dependent half of a step planned by `plan_step`: token_ids [T] (int64, the chunks' ids in
+        order; on the host as the engine gives them: then no sync) -> the step's StepOutput (forward_step's
+        contract). Enqueues the device work and returns without waiting for it."""
+        c = self.config
+        dev = self.device
+        if plan.state != "planned":
+            raise RuntimeError(f"launch: this plan was already {plan.state}")
+        if self._open_plan is not None and self._open_plan is not plan:
+            raise RuntimeError("launch: another step was planned after this one")
+        plan.state = "launched"
+        self._open_plan = None
+        ctx = full_ctx = plan.ctx
+        try:
+            if token_ids is None or token_ids.dim() != 1 or token_ids.shape[0] != plan.total:
+                raise ValueError(f"launch: token ids of shape {None if token_ids is None else tuple(token_ids.shape)}"
+                                 f" for a step of {plan.total} tokens")
+            all_ids = token_ids.long()
+            on_host = all_ids.device.type == "cpu"
+            # ids given on the host are checked there (no sync); device ids cost one sync
+            if not on_host and all_ids.device != dev:
+                all_ids = all_ids.to(dev)
+            if (bool(all_ids.numpy().min() < 0 or all_ids.numpy().max() >= c.vocab_size) if on_host and len(all_ids)
+                    else bool((all_ids < 0).any() | (all_ids >= c.vocab_size).any())):
+                bad = next(k for k, s in enumerate(ctx.seqs) if bool(
+                    ((all_ids[s.off:s.off + s.n] < 0) | (all_ids[s.off:s.off + s.n] >= c.vocab_size)).any()))
+                raise ValueError(f"token id outside 0..{c.vocab_size - 1} in chunk {bad}")
+            ctx.host_ids = all_ids if on_host else None
+            if plan.fast:
+                if on_host:      # into the upload's ids slot
+                    ctx.plan.fill(ctx.graph_ids, all_ids.numpy())
+                else:
+                    ctx.token_ids = all_ids
+                    ctx.graph_ids = self._graphs.stage("ids", all_ids)
+            else:
+                if on_host:
+                    ctx.token_ids, ctx.positions = to_device_many([all_ids, plan.pos], dev)
+                else:
+                    ctx.token_ids, ctx.positions = all_ids, to_device(plan.pos, dev)
+                for kind in ("main", "compress"):
+                    ctx.rope[kind] = rope_cos_sin(self._freqs(kind), ctx.positions)
+            if c.engram_layer_ids:
+                ctx.windows = self._token_windows(ctx)
+            if ctx.plan is not None:
+                # every Engram table read (a host round trip) now, while the device is idle, not between the layers
+                if c.engram_layer_ids:
+                    host_windows = ctx.windows.cpu()
+                    g = self._graphs      # (under graphs: straight into a buffer the graph reads in place)
+                    for i, blk in enumerate(self.layers):
+                        if hasattr(blk, "engram"):   # (the rows written straight into the upload's pinned buffer)
+                            shape = blk.engram.packed_shape(host_windows.shape[0])
+                            out = None if shape is None else g.host_buffer(f"engram{i}", shape, torch.uint8, dev)
+                            e = blk.engram.packed_values(host_windows, "cpu", out=out)
+                            ctx.engram_rows[i] = g.fixed(g.upload(f"engram{i}", e, dev))
+        except BaseException:
+            if plan.fast:
+                if plan.saved is not None:
+                    _compress_restore(plan.saved)
+                self._graphs.abort_step()
+            raise
+        chunks = plan.rows
         every_row = all(ch.logit_rows == s.n for s, ch in zip(ctx.seqs, chunks))   # decode, verify
         logits = None
         try:
             if ctx.plan is not None:
-                hfin, logits = self._layers_fast(ctx, every_row)
+                hfin, logits = self._layers_fast(ctx, every_row, plan.first)
             else:
                 R, a = self.embed_streams(ctx.token_ids)
                 for i, block in enumerate(self.layers):
@@ -480,68 +641,48 @@ class Model(nn.Module):
         R, a = block.ffn_sublayer(R, pre, ctx.token_ids)
         return R, a
 
-    def _layers_fast(self, ctx: StepContext, every_row: bool):
+    def _plan_fast(self, ctx: StepContext, plan: StepPlan) -> None:
+        """plan_step's batched-path part (host; depends on counts only): the windows' slab slots, the compressors'
+        rows inside the graph (compress_step.plan_layer: the states' counts after the step, the pools every later
+        layer reads), then the first graph segment: its index inputs (batched.span_inputs) laid out in the step's
+        one upload and resolved to their device views (`_segment`; the copy itself is sent at launch)."""
+        bp = ctx.plan
+        layers = self.layers
+        batched.prepare_windows(self, ctx, bp, self.embed.weight.new_empty((0, self.config.head_dim)))
+        ctx.compress = {i: compress_step.plan_layer(self, layers[i].attn, ctx, bp)
+                        for i in compress_step.graph_layers(self)}
+        nxt = (batched.eager_layers(self) + [None])[0]
+        plan.first = self._segment(ctx, None, nxt, all(r.logit_rows == r.n for r in plan.rows),
+                                   [batched.span_inputs(self, layers[j].attn, ctx, bp)
+                                    for j in range(len(layers) if nxt is None else nxt)])
+
+    def _layers_fast(self, ctx: StepContext, every_row: bool, first: "_Segment | None"):
         """Every layer on the batched path -> (final hidden [T, H], fp32 logits [T, V] when `every_row`, else None).
 
         Only the cache updates whose sizes the host decides (compressors, index keys: batched.update_compressed on
         the layers batched.eager_layers names) run eagerly; everything between two of them is one segment
         (batched.span): the rest of the previous such layer (its index selection and attention), every layer in
         between whole, the projections of the next one. The caches sit at fixed addresses (engine/arena.py), and
-        the index tensors a segment reads are made before it from host-side lengths. Segments run through
-        ctx.graphs: CUDA graphs on CUDA once the token count is warm, else eager. The first segment starts at the
-        embedding, the last one ends with the head; outputs that outlive the step are copied out of the graph's
-        buffers."""
+        the index tensors a segment reads are made before it from host-side lengths (the first segment's by
+        `_plan_fast`, at plan time: `first`). Segments run through ctx.graphs: CUDA graphs on CUDA once the token
+        count is warm, else eager. The first segment starts at the embedding, the last one ends with the head;
+        outputs that outlive the step are copied out of the graph's buffers."""
         g = ctx.graphs
         plan = ctx.plan
-        c = self.config
-        layers = list(self.layers)
-        batched.prepare_windows(self, ctx, plan, self.embed.weight.new_empty((0, c.head_dim)))
-        # the compressors' cache updates that run inside the graph: host plans first (they set the states' counts
-        # and the pools every later layer reads)
-        ctx.compress = {i: compress_step.plan_layer(self, layers[i].attn, ctx, plan)
-                        for i in compress_step.graph_layers(self)}
-        staged = {}
-
-        def stage(t):   # a view of the step's upload is read in place; another per-step tensor is staged once
-            if t is None or isinstance(t, batched.Deferred):
-                return plan.resolve(t)
-            if id(t) not in staged:
-                staged[id(t)] = g.stage(f"in{len(staged)}_{tuple(t.shape)}_{t.dtype}", t)
-            return staged[id(t)]
-
-        def fixed(t):
-            return None if t is None else g.fixed(t)
+        layers = self.layers
         chain = [None] * 8          # R, pre, post, comb, q, kv, iq, w of the layer updated last
-        prev = common = None
+        prev = None
         for nxt in batched.eager_layers(self) + [None]:
-            full = list(range(0 if prev is None else prev + 1, len(layers) if nxt is None else nxt))
-            cores = ([] if prev is None else [prev]) + full
-            raw = [batched.span_inputs(self, layers[j].attn, ctx, plan) for j in cores]
-            plan.flush(g, plan.device)      # every index list of the segment: one host->device copy
-            if common is None:
-                if isinstance(plan.positions, batched.Deferred):   # (host ids: they came with the flush)
-                    plan.positions = ctx.positions = plan.resolve(plan.positions)
-                    ctx.graph_ids = ctx.token_ids = plan.resolve(ctx.graph_ids)
-                    pos = plan.positions
-                else:
-                    pos = g.stage("pos", plan.positions)
-                common = [ctx.graph_ids, pos, g.fixed(plan.win_all), plan.resolve(plan.win_new_rows)]
-            per, meta = [], []
-            for j, (got, m) in zip(cores, raw):
-                e, win_rows, kv_pool, kv_start, kv_count, ids, keys, kstart, kcount, cand = got[:10]
-                per += [e if j != prev else None, stage(win_rows), fixed(kv_pool), stage(kv_start),
-                        stage(kv_count), ids, fixed(keys), stage(kstart), stage(kcount), cand]
-                per += [fixed(t) if name in _FIXED_COMPRESS else stage(t)
-                        for name, t in zip(compress_step.INPUTS, got[10:])]
-                meta.append(m)
-            if nxt is not None:
-                per.append(ctx.engram_rows.get(nxt))
-            shapes = tuple(None if t is None else tuple(t.shape) for t in per)
-            key = ("span", prev, nxt, every_row if nxt is None else None, tuple(meta), shapes)
-            outs = g.run(key, functools.partial(batched.span, self, prev, full, nxt, every_row, tuple(meta)),
-                         *chain, *common, *per)
-            head, tail = outs[:len(outs) - 3 * len(cores)], outs[len(outs) - 3 * len(cores):]
-            for j, (feat, ids, cand) in zip(cores, zip(tail[0::3], tail[1::3], tail[2::3])):
+            if prev is None and first is not None:
+                seg = first
+            else:
+                cores = ([] if prev is None else [prev]) + list(
+                    range(0 if prev is None else prev + 1, len(layers) if nxt is None else nxt))
+                seg = self._segment(ctx, prev, nxt, every_row,
+                                    [batched.span_inputs(self, layers[j].attn, ctx, plan) for j in cores])
+            outs = self._run_segment(ctx, seg, chain)
+            head, tail = outs[:len(outs) - 3 * len(seg.cores)], outs[len(outs) - 3 * len(seg.cores):]
+            for j, (feat, ids, cand) in zip(seg.cores, zip(tail[0::3], tail[1::3], tail[2::3])):
                 if feat is not None:
                     ctx.captures[j] = feat
                 if batched.core_kind(layers[j].attn) == "select":
@@ -561,6 +702,58 @@ class Model(nn.Module):
             hfin = hfin.clone()
             logits = logits.clone() if logits is not None else None
         return hfin, logits
+
+    def _segment(self, ctx: StepContext, prev, nxt, every_row: bool, raw: list) -> "_Segment":
+        """A graph segment's inputs (host side; no device work): its layers' span_inputs `raw` resolved to views of
+        the step's upload, laid out now (BatchPlan.layout) and sent by `_run_segment`; the Engram rows (token
+        dependent) are left as slots that `_run_segment` fills."""
+        g, plan = ctx.graphs, ctx.plan
+        full = list(range(0 if prev is None else prev + 1, len(self.layers) if nxt is None else nxt))
+        cores = ([] if prev is None else [prev]) + full
+        plan.layout(g, plan.device)     # every index list of the segment: one host->device copy (at its send)
+        staged = ctx.__dict__.setdefault("_staged", {})
+
+        def stage(t):   # a view of the step's upload is read in place; another per-step tensor is staged once
+            if t is None or isinstance(t, batched.Deferred):
+                return plan.resolve(t)
+            if id(t) not in staged:
+                staged[id(t)] = g.stage(f"in{len(staged)}_{tuple(t.shape)}_{t.dtype}", t)
+            return staged[id(t)]
+
+        def fixed(t):
+            return None if t is None else g.fixed(t)
+        per, meta, engram = [], [], []
+        for j, (got, m) in zip(cores, raw):
+            _, win_rows, kv_pool, kv_start, kv_count, ids, keys, kstart, kcount, cand = got[:10]
+            if j != prev:
+                engram.append((len(per), j))
+            per += [None, stage(win_rows), fixed(kv_pool), stage(kv_start),
+                    stage(kv_count), ids, fixed(keys), stage(kstart), stage(kcount), cand]
+            per += [fixed(t) if name in _FIXED_COMPRESS else stage(t)
+                    for name, t in zip(compress_step.INPUTS, got[10:])]
+            meta.append(m)
+        if nxt is not None:
+            engram.append((len(per), nxt))
+            per.append(None)
+        key = ("span", prev, nxt, every_row if nxt is None else None, tuple(meta))
+        fn = functools.partial(batched.span, self, prev, full, nxt, every_row, tuple(meta))
+        return _Segment(cores, per, engram, key, fn, [None if t is None else tuple(t.shape) for t in per])
+
+    def _run_segment(self, ctx: StepContext, seg: "_Segment", chain: list) -> tuple:
+        """Send the step's laid-out upload, fill the segment's Engram rows, run it (ctx.graphs)."""
+        g, plan = ctx.graphs, ctx.plan
+        plan.send()
+        if isinstance(plan.positions, batched.Deferred):     # positions (and host ids) came with the upload
+            plan.positions = ctx.positions = plan.resolve(plan.positions)
+        if isinstance(ctx.graph_ids, batched.Deferred):
+            ctx.graph_ids = ctx.token_ids = plan.resolve(ctx.graph_ids)
+        per, shapes = list(seg.per), list(seg.shapes)
+        for at, j in seg.engram:
+            e = per[at] = ctx.engram_rows.get(j)
+            shapes[at] = None if e is None else tuple(e.shape)
+        common = [ctx.graph_ids, plan.positions, g.fixed(plan.win_all), plan.resolve(plan.win_new_rows)]
+        key = seg.key + (tuple(shapes),)
+        return g.run(key, seg.fn, *chain, *common, *per)
 
     def _compact_layer(self, block: Block, R: torch.Tensor, a, ctx: StepContext):
         """The first decoder layer in YOCO `compact` mode: its compressed KV and index keys are built from every
@@ -605,14 +798,16 @@ class Model(nn.Module):
             m = 0 if tb is None else tb[2]
             cached.append((srcs.base(tb[0], None) + tb[1] if m else 0, m))
         pad = srcs.at
-        idx = []
-        for s, (base, m) in zip(ctx.seqs, cached):
-            for j in range(s.n):
-                # k steps back: a new token of this step / a cached token / before the sequence start (or
-                # beyond the kept ids)
-                idx.append([s.off + j - k if j >= k else (base + m + j - k if m + j >= k else pad) for k in range(N)])
+        # per row r of sequence q (j = r - off_q) and k steps back: a new token of this step (j >= k), a cached
+        # token (m_q + j >= k), or before the sequence start / beyond the kept ids (pad); numpy over [T, N]
+        ns = np.asarray([s.n for s in ctx.seqs], dtype=np.int64)
+        per = np.asarray([[s.off, base, m] for s, (base, m) in zip(ctx.seqs, cached)], dtype=np.int64)
+        off, base, m = (np.repeat(per[:, c], ns)[:, None] for c in range(3))
+        j = np.arange(T, dtype=np.int64)[:, None] - off
+        k = np.arange(N, dtype=np.int64)[None, :]
+        idx = np.where(j >= k, off + j - k, np.where(m + j >= k, base + m + j - k, pad))
         src = torch.cat([srcs.cat(ids, 0), ids.new_full((1,), -1)])
-        return src[to_device(idx, ids.device)]
+        return src[to_device(torch.from_numpy(idx), ids.device)]
 
     @staticmethod
     def _token_source(ctx: StepContext) -> torch.Tensor:
@@ -627,24 +822,27 @@ class Model(nn.Module):
     @staticmethod
     def _advance_tokens(ctx: StepContext) -> None:
         """cache.tokens += this step's ids (last keep_tokens kept) for every sequence with one gather; each cache
-        then points at its rows of the result (no per-sequence tensor operations). On the host when the ids are
-        (`_token_source`)."""
+        then points at its rows of the result (no per-sequence tensor operations; the row list by numpy). On the
+        host when the ids are (`_token_source`)."""
         ids = Model._token_source(ctx)
-        srcs, idx, views = Sources(ids.shape[0]), [], []
+        srcs = Sources(ids.shape[0])
+        per = []      # per sequence: first kept old row, kept old rows, first kept new row, kept new rows
         for s in ctx.seqs:
             cache = s.cache
-            b0 = len(idx)
             tb = cache._tokens
             m = 0 if tb is None else tb[2]
             keep_old = min(m, max(0, cache.keep_tokens - s.n))
-            if keep_old:
-                base = srcs.base(tb[0], None) + tb[1]
-                idx.extend(range(base + m - keep_old, base + m))
-            idx.extend(range(s.off + max(0, s.n - cache.keep_tokens), s.off + s.n))
-            views.append((b0, len(idx) - b0))
-        out = srcs.cat(ids, 0)[to_device(idx, ids.device)]
-        for s, (b0, m) in zip(ctx.seqs, views):
-            s.cache.set_rows("tokens", out, b0, m)
+            old = srcs.base(tb[0], None) + tb[1] + m - keep_old if keep_old else 0
+            new = min(s.n, cache.keep_tokens)
+            per.append((old, keep_old, s.off + s.n - new, new))
+        p = np.asarray(per, dtype=np.int64).reshape(-1, 4)
+        starts, lens = p[:, [0, 2]].reshape(-1), p[:, [1, 3]].reshape(-1)    # old part, new part of each
+        ends = np.cumsum(lens)
+        idx = np.repeat(starts - (ends - lens), lens) + np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64)
+        out = srcs.cat(ids, 0)[to_device(torch.from_numpy(idx), ids.device)]
+        firsts = (ends - lens)[0::2].tolist()
+        for s, b0, k in zip(ctx.seqs, firsts, (p[:, 1] + p[:, 3]).tolist()):
+            s.cache.set_rows("tokens", out, b0, k)
 
     def _qdq(self, x: torch.Tensor, kind: str) -> torch.Tensor:
         if not self.quant_sim:

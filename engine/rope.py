@@ -10,6 +10,8 @@ from typing import NamedTuple
 
 import torch
 
+from deepinfer_sg.kernels.rope import apply_rope as _kernel_rope
+
 from .config import ModelConfig, yarn_low_high
 
 
@@ -54,16 +56,11 @@ def apply_rope(x: torch.Tensor, cos, sin: torch.Tensor | None = None, inverse: b
     is a `Turns` and sin None).
 
     Math in fp32 (each pair as one complex number times cos + i sin), result in x's dtype. `inverse=True` rotates
-    by -angle (conjugate). Three kernels with Turns, five without (the decode step runs this on q, kv and the
-    attention output of every layer, inside its CUDA graph: each kernel is a graph node and a few microseconds of
-    device time)."""
+    by -angle (conjugate). One launch on CUDA (deepinfer_sg.kernels.rope, instead of the torch form's ~5: the
+    decode step runs this on q, kv, the attention output, the index queries and the compressors' entries of every
+    layer, inside its CUDA graph); the torch twin elsewhere."""
     if isinstance(cos, Turns):
         turn = cos.inv if inverse else cos.fwd
     else:
         turn = torch.complex(cos.float(), -sin.float() if inverse else sin.float())
-    r = turn.shape[-1] * 2
-    for _ in range(x.dim() - turn.dim()):
-        turn = turn.unsqueeze(-2)
-    pairs = torch.view_as_complex(x[..., -r:].float().unflatten(-1, (r // 2, 2)).contiguous())
-    out = torch.view_as_real(pairs * turn.to(x.device)).flatten(-2).to(x.dtype)
-    return torch.cat([x[..., :-r], out], dim=-1)
+    return _kernel_rope(x, torch.view_as_real(turn.to(x.device)))

@@ -40,7 +40,6 @@ from typing import Callable
 
 import torch
 
-from .transfer import to_device
 
 
 @dataclass
@@ -58,11 +57,25 @@ class _Size:
     static: dict = field(default_factory=dict)      # data_ptr -> (shape, stride) of in-place-readable tensors
     staged: dict = field(default_factory=dict)      # name -> persistent input buffer
     pinned: dict = field(default_factory=dict)      # name -> (its pinned host buffer, event of the last copy)
+    views: dict = field(default_factory=dict)       # upload name -> (its buffer, the views `upload_parts` made)
+    fixed_now: dict = field(default_factory=dict)   # id -> tensor `fixed()` this step (folded into static at capture)
     complete: bool = False
 
 
 def _signature(t: torch.Tensor):
     return (tuple(t.shape), t.stride(), t.dtype)
+
+
+def _views(buf: torch.Tensor, shapes: list) -> list[torch.Tensor]:
+    """Consecutive views of a flat buffer in the given shapes."""
+    views, at = [], 0
+    for shp in shapes:
+        n = 1
+        for d in shp:
+            n *= d
+        views.append(buf[at:at + n].view(shp))
+        at += n
+    return views
 
 
 class _EmulatedGraph:
@@ -87,9 +100,19 @@ class SegmentGraphs:
         self.mode = "eager"              # this step: "eager" | "capture" | "replay"
         self._cur: _Size | None = None
         self.captures = 0                # segments captured so far (for benchmarks / tests)
+        self.keep_graph = False          # keep each graph's cudaGraph_t (raw_cuda_graph(): probes count its nodes)
+        self._retired: list = []         # (event, sizes) dropped by reset(), freed once the event passed
+        self.generation = 0              # reset() calls so far (weights may have moved since a check made before)
 
     def reset(self) -> None:
-        """Drop every graph (weights moved, dtype changed, ...)."""
+        """Drop every graph (weights moved, dtype changed, ...). A replay may still be running (a step planned
+        ahead grows an arena while the device runs the previous step): the dropped graphs and their memory are
+        kept until an event recorded now has passed (checked at the next steps)."""
+        self.generation += 1
+        if self._sizes and not self.emulate:
+            done = torch.cuda.Event()
+            done.record()
+            self._retired.append((done, list(self._sizes.values())))
         self._sizes.clear()
         self._seen.clear()
         self.mode, self._cur = "eager", None
@@ -98,6 +121,8 @@ class SegmentGraphs:
     def begin_step(self, T: int, device: torch.device) -> str:
         """Pick this step's mode for T tokens (module docstring) and return it."""
         self.mode, self._cur = "eager", None
+        if self._retired:
+            self._retired = [(done, sizes) for done, sizes in self._retired if not done.query()]
         if device.type != "cuda" and not self.emulate:
             return self.mode
         size = self._sizes.get(T)
@@ -118,14 +143,18 @@ class SegmentGraphs:
         return self.mode
 
     def end_step(self) -> None:
-        if self.mode == "capture" and self._cur is not None:
-            self._cur.complete = True
+        if self._cur is not None:
+            self._cur.fixed_now.clear()
+            if self.mode == "capture":
+                self._cur.complete = True
         self.mode, self._cur = "eager", None
 
     def abort_step(self) -> None:
         """The step failed midway: a half-captured size is dropped (its graphs may be missing segments)."""
         if self.mode == "capture":
             self._sizes = {t: s for t, s in self._sizes.items() if s is not self._cur}
+        elif self._cur is not None:
+            self._cur.fixed_now.clear()
         self.mode, self._cur = "eager", None
 
     def stage(self, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -144,41 +173,95 @@ class SegmentGraphs:
         return buf
 
     def upload(self, name: str, host: torch.Tensor, device) -> torch.Tensor:
-        """A host tensor on the device in one copy: eager steps through pinned memory (transfer.to_device); graph
-        steps into a persistent buffer of this T named `name` (copied asynchronously from pinned memory, so its
-        address holds from replay to replay and the graphs read it, or views of it marked `fixed`, in place)."""
+        """A host tensor on the device in one copy (`prepare_upload` + its send, at once)."""
+        (buf,), send = self.prepare_upload(name, host, device, [tuple(host.shape)])
+        send()
+        return buf
+
+    def upload_parts(self, name: str, host: torch.Tensor, device, shapes: list) -> list[torch.Tensor]:
+        """`upload` of a flat host tensor, returned as views of the given shapes (in order)."""
+        views, send = self.prepare_upload(name, host, device, shapes)
+        send()
+        return views
+
+    def prepare_upload(self, name: str, host: torch.Tensor, device, shapes: list) -> tuple[list, Callable]:
+        """The device side of an upload of the flat host tensor `host`, without copying yet: (views of the device
+        buffer in the given shapes, each `fixed`; send() which copies `host` as it is when called). Eager steps: a
+        fresh buffer, copied through pinned memory (transfer.to_device; on the CPU the host tensor itself);
+        graph steps: a persistent buffer of this T named `name` with its own pinned host buffer (a fresh pinned
+        block per step costs the host more than the copy), reused once the event says the previous copy from
+        it is done (a step ends long after), so the address holds from replay to replay and the graphs read
+        it in place. Under graphs the views are made once per name and buffer and then returned as the same
+        objects, so a replay's input check finds them by identity (~500 inputs per step: a data_ptr / shape
+        comparison each cost the host ~0.5 ms per step). Why split: the plan of a step lays its upload out
+        before the token ids are known (Model.plan_step), the send comes at launch."""
         size = self._cur
         device = torch.device(device)
-        if size is None or device.type != "cuda":
-            t = to_device(host, device)
-            if size is None:
-                return t
-            buf = size.staged.get(name)
-            if buf is None:
+        if size is None:
+            if device.type == "cuda":
                 with torch.inference_mode(False):
-                    buf = size.staged[name] = t.clone()
+                    buf = torch.empty(host.shape, dtype=host.dtype, device=device)
+
+                def send():    # (pinned, then an asynchronous copy: a pageable source would wait for the device)
+                    buf.copy_(host.pin_memory(), non_blocking=True)
             else:
-                buf.copy_(t)
-            return buf
+                buf, send = host, (lambda: None)
+            return _views(buf, shapes), send
         buf = size.staged.get(name)
         if buf is None:
             with torch.inference_mode(False):
                 buf = size.staged[name] = torch.empty(host.shape, dtype=host.dtype, device=device)
-                # its own pinned host buffer too (a fresh pinned block per step costs the host more than the
-                # copy), reused once the event says the previous copy from it is done (a step ends long after)
-                size.pinned[name] = (torch.empty(host.shape, dtype=host.dtype, pin_memory=True), torch.cuda.Event())
+                if device.type == "cuda":
+                    size.pinned[name] = (torch.empty(host.shape, dtype=host.dtype, pin_memory=True),
+                                         torch.cuda.Event())
+        if device.type == "cuda":
+            pinned, done = size.pinned[name]
+
+            def send():
+                done.synchronize()
+                if host.data_ptr() != pinned.data_ptr():     # (written in place: host_buffer)
+                    pinned.copy_(host)
+                buf.copy_(pinned, non_blocking=True)
+                done.record()
+        else:
+            def send():
+                buf.copy_(host)
+        got = size.views.get(name)
+        if got is not None and got[0] is buf:
+            views = got[1]
+        else:
+            views = _views(buf, shapes)
+            size.views[name] = (buf, views)
+        for v in views:
+            if v.numel():
+                self.fixed(v)
+        return views, send
+
+    def host_buffer(self, name: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor | None:
+        """Where to write the host side of the upload `name` so that its send copies nothing on the host: under
+        graphs on CUDA the upload's own pinned buffer (once its last copy is done), eagerly on CUDA a fresh pinned
+        tensor; None elsewhere (any host tensor will do)."""
+        if torch.device(device).type != "cuda":
+            return None
+        size = self._cur
+        if size is None:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        if name not in size.pinned:
+            with torch.inference_mode(False):
+                size.staged[name] = torch.empty(shape, dtype=dtype, device=device)
+                size.pinned[name] = (torch.empty(shape, dtype=dtype, pin_memory=True), torch.cuda.Event())
         pinned, done = size.pinned[name]
+        if tuple(pinned.shape) != tuple(shape) or pinned.dtype != dtype:
+            return None
         done.synchronize()
-        pinned.copy_(host)
-        buf.copy_(pinned, non_blocking=True)
-        done.record()
-        return buf
+        return pinned
 
     def fixed(self, t: torch.Tensor) -> torch.Tensor:
         """A tensor that keeps its address across steps (the window slab, the entries arenas: engine/arena.py)
-        read and written in place by the graphs of this T; its owner calls `reset()` when the address changes."""
+        read and written in place by the graphs of this T; its owner calls `reset()` when the address changes.
+        Noted for this step only (cheap: every step names its fixed tensors again); a capture reads the notes."""
         if self._cur is not None:
-            self._cur.static[t.data_ptr()] = _signature(t)
+            self._cur.fixed_now[id(t)] = t
         return t
 
     # ------------------------------------------------------------------------------------------ segments
@@ -208,6 +291,8 @@ class SegmentGraphs:
         return seg.outputs
 
     def _capture(self, size: _Size, fn, inputs) -> _Segment:
+        for t in size.fixed_now.values():
+            size.static[t.data_ptr()] = _signature(t)
         static_in = []
         for t in inputs:
             if t is None or size.static.get(t.data_ptr()) == _signature(t):
@@ -227,7 +312,7 @@ class SegmentGraphs:
         with torch.cuda.stream(side):
             fn(*static_in)
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph(keep_graph=True) if self.keep_graph else torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=size.pool):
             out = fn(*static_in)
         for t in out:

@@ -56,13 +56,21 @@ class LLGuidanceMatcher:
     """
 
     # (the slots the hot paths read first)
-    __slots__ = ("m", "_bm", "_row", "_ptr", "_addr", "_nbytes", "_tail", "_back", "c", "vocab", "vocab_size",
-                 "_base", "_private", "_chunks", "_frozen", "_done", "_eos", "_added", "_risky", "_words", "_rows",
-                 "_live")
+    __slots__ = ("m", "_bm", "_row", "_ptr", "_addr", "_nbytes", "_tail", "_back",
+                 "c", "vocab", "vocab_size", "_base", "_private", "_chunks", "_frozen", "_eos", "_added", "_words",
+                 "_rows", "_live")
+    # The matcher's state beyond llguidance's is its class (class attributes, one source of truth): `_done`, EOS
+    # accepted (FinishedLLGuidanceMatcher and its risky twin); `_risky`, an added token was accepted and may still
+    # be in the history (RiskyLLGuidanceMatcher and its finished twin). No hot path tests a flag.
+    _done = False
+    _risky = False
 
     def __init__(self, m: LLMatcher, compiled: "LLGuidanceCompiled", base: LLMatcher, done: bool = False,
                  tail=(), chunks=None, frozen: int = 0, private: bool = False, risky: bool = False):
-        self.m = m
+        # `m` while the matcher is live, None once it accepted EOS: fill_batch hands `_live` of every matcher to
+        # llguidance's executor, whose own type check then rejects a batch holding a finished matcher (or another
+        # backend's), so a batch needs no class-uniformity pass of its own
+        self.m = self._live = m
         self.c = compiled
         vocab = self.vocab = compiled.vocab
         self.vocab_size = vocab.vocab_size
@@ -74,29 +82,24 @@ class LLGuidanceMatcher:
         self._chunks = chunks
         self._frozen = frozen  # how many ids the chunks hold
         self._back = 0  # how many of the newest listed ids were rolled back (dropped by _settle)
-        self._done = done  # EOS accepted
-        # `m` while the matcher is live, None once it accepted EOS: fill_batch hands `_live` of every matcher to
-        # llguidance's executor, whose own type check then rejects a batch holding a finished matcher (or another
-        # backend's), so a batch needs no class-uniformity pass of its own
-        self._live = None if done else m
+        if done:
+            self._live = None
         self._eos = vocab.eos_token_ids
         self._added = compiled.added_ids
-        self._risky = risky  # an added token was accepted (and may still be in the history)
         self._words = vocab.bitmask_words
         self._nbytes = vocab.bitmask_nbytes
-        self._bm = self._ptr = None  # the last bitmask validated (checked once per tensor)
-        self._rows = 0
-        self._row = self._addr = None  # the row last filled and its address (see fill_mask)
-        if done:
-            self.__class__ = FinishedLLGuidanceMatcher
-        elif risky:
-            self.__class__ = RiskyLLGuidanceMatcher
+        # the last bitmask validated (checked once per tensor); with it (set by _address only: fill_mask reads them
+        # only once _bm is a tensor) its address _ptr, row count _rows, and the row last filled and its address
+        self._bm = None
+        if done or risky:
+            self.__class__ = (FinishedRiskyLLGuidanceMatcher if risky else FinishedLLGuidanceMatcher) if done \
+                else RiskyLLGuidanceMatcher
 
     def fill_mask(self, bitmask: torch.Tensor, row: int = 0) -> None:
         # The hot path (every token): the tensor and row of the last call (identities), the tensor's address
-        # unchanged (data_ptr: it follows a tensor re-pointed in place; ~0.15 µs, the one check a raw client with
-        # its own buffer skips), then the address computed for them then. A finished matcher is another class
-        # (FinishedLLGuidanceMatcher), so there is no EOS-flag test here.
+        # unchanged (data_ptr: it follows a tensor re-pointed in place; ~50 ns, the one check a raw client with
+        # its own buffer skips: grammar_bench's "raw+safe" reference), then the address computed for them then.
+        # A finished matcher is another class (FinishedLLGuidanceMatcher), so there is no EOS-flag test here.
         if bitmask is self._bm and row is self._row and bitmask.data_ptr() == self._ptr:
             addr = self._addr
         else:
@@ -145,16 +148,14 @@ class LLGuidanceMatcher:
             self._settle()
         self._tail.append(token_id)
         if not self._risky and token_id in self._added:
-            self._risky = True  # from now on rollback checks the ids it drops (see RiskyLLGuidanceMatcher)
-            self.__class__ = RiskyLLGuidanceMatcher
+            self.__class__ = RiskyLLGuidanceMatcher  # from now on rollback checks the ids it drops
         return True
 
     def _accept_eos(self, token_id: int) -> bool:
         if self.m.is_accepting():
-            self._done = True
             self._live = None
             _live_changed()
-            self.__class__ = FinishedLLGuidanceMatcher  # see that class
+            self.__class__ = self._finished  # see FinishedLLGuidanceMatcher
             return True
         return self._rejected(token_id)
 
@@ -513,17 +514,19 @@ class RiskyLLGuidanceMatcher(LLGuidanceMatcher):
     past every added token only costs the check)."""
 
     __slots__ = ()
+    _risky = True
 
     rollback = LLGuidanceMatcher._rollback
 
 
 class FinishedLLGuidanceMatcher(LLGuidanceMatcher):
-    """An LLGuidanceMatcher that has accepted EOS: a matcher's class while its `_done` flag is set (accept() and
-    rollback() switch it; `_live` is None meanwhile, which llguidance's executor refuses, so a batch holding one
-    falls back to fill_masks' per-class groups). Why a class: no per-matcher "finished?" test on the hot paths
-    (fill_mask, accept, the batch fill: a whole pass over the batch every engine step)."""
+    """An LLGuidanceMatcher that has accepted EOS (`_done`; accept() and rollback() switch the class, a risky one's
+    to FinishedRiskyLLGuidanceMatcher; `_live` is None meanwhile, which llguidance's executor refuses, so a batch
+    holding one falls back to fill_masks' per-class groups). Why a class: no per-matcher "finished?" test on the hot
+    paths (fill_mask, accept, the batch fill: a whole pass over the batch every engine step)."""
 
     __slots__ = ()
+    _done = True
 
     def fill_mask(self, bitmask: torch.Tensor, row: int = 0) -> None:
         row_address(self, bitmask, row)  # validates the tensor and the row
@@ -539,10 +542,9 @@ class FinishedLLGuidanceMatcher(LLGuidanceMatcher):
             self._settle()
         if n > self._frozen + len(self._tail) + 1:
             raise ValueError(f"cannot roll back {n} tokens: only {self._frozen + len(self._tail) + 1} accepted")
-        self._done = False  # EOS is our flag, not llguidance's state
-        self._live = self.m
+        self._live = self.m  # (EOS is our class, not llguidance's state)
         _live_changed()
-        self.__class__ = RiskyLLGuidanceMatcher if self._risky else LLGuidanceMatcher
+        self.__class__ = self._unfinished
         if n > 1:
             self.rollback(n - 1)
 
@@ -550,12 +552,25 @@ class FinishedLLGuidanceMatcher(LLGuidanceMatcher):
     def fill_batch(matchers, drafts, starts, out: torch.Tensor, errors: dict):
         """EOS-only rows (no draft token is grammatical after EOS: fill_masks zeroes their rows); None unless
         every matcher is finished."""
-        if countOf(map(type, matchers), FinishedLLGuidanceMatcher) != len(matchers):
+        if not all(isinstance(m, FinishedLLGuidanceMatcher) for m in matchers):  # (both finished classes)
             return None
         for m, start in zip(matchers, starts):
             m.fill_mask(out, start)
         return [0] * len(matchers)
 
+
+class FinishedRiskyLLGuidanceMatcher(FinishedLLGuidanceMatcher):
+    """A RiskyLLGuidanceMatcher that has accepted EOS."""
+
+    __slots__ = ()
+    _risky = True
+
+
+# the class accept(EOS) switches to, and the one rollback() over EOS switches back to
+LLGuidanceMatcher._finished = FinishedLLGuidanceMatcher
+RiskyLLGuidanceMatcher._finished = FinishedRiskyLLGuidanceMatcher
+FinishedLLGuidanceMatcher._unfinished = LLGuidanceMatcher
+FinishedRiskyLLGuidanceMatcher._unfinished = RiskyLLGuidanceMatcher
 
 _EXECUTOR = None
 _EXECUTOR_LOCK = threading.Lock()

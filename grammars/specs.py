@@ -6,7 +6,6 @@ constraints by (spec, tokenizer). Building a spec never compiles anything and co
 """
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,9 +131,11 @@ class JsonSchema:
     def with_schema(self, schema) -> "JsonSchema":
         """The same spec over `schema`, an equivalent rewrite of this one (same valid instances): keeps this
         spec's options and cache key and skips validation (the compiler's prepared schema; ~2 µs)."""
-        new = copy.copy(self)
-        object.__setattr__(new, "schema", schema)
-        new.__dict__.pop("_layout", None)
+        new = object.__new__(type(self))  # (its fields and cached keys copied as they are: ~5x cheaper than copy.copy)
+        d = new.__dict__
+        d.update(self.__dict__)
+        d["schema"] = schema
+        d.pop("_layout", None)
         return new
 
     def __hash__(self):  # the schema is a dict: hash the canonical text instead

@@ -41,8 +41,9 @@ Model hot spots:
         (next_pre=) fuse the pre/post applications into one launch each.
 Top-k/top-p thresholds (threshold.py): rows with 0 < top_k <= 64 take the lane path (2 launches: every lane's max,
 then a per-row merge that gathers the few lanes able to hold the top-k, applies top-k/top-p exactly and draws the
-token; sample_from_logits then runs no sampling pass), the other filters
-the histogram path; sampling draws a lane of 16 tokens by
+token; sample_from_logits then runs no sampling pass), the other filters the histogram path (a top-p cut is
+bracketed by per-bin mass bounds, only the bracketed bins' tokens are gathered, and tau is placed on masses summed
+in float64, as in the torch twin: fp32 sums misplace the cut of flat rows); sampling draws a lane of 16 tokens by
 Gumbel-max over lane masses, then the token inside it by inverse CDF (exact; sampling.py says why);
 speculative_accept's Triton path is up to 11 launches (5 when the host says no row filters); sparse_attention runs
 all 64 heads per program (unchained: Q.K^T split over the two warpgroups, window keys then compressed keys in 64-key

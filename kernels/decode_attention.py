@@ -32,7 +32,13 @@ one after another in the single 8-warp program an SM holds). Measured and remove
 N=256), masking missing keys through a bias dot instead of a select (49.6 / 150.7), D split over two programs
 for P@V (1.5x the QK work; 58.6-91.7 at N=64, 188-297 at N=256), 3 pipeline stages (49.3-56.9 at N=64, 150.2
 unchained at N=256), one loop over window + compressed keys (45.9 / 122.9 unchained), a "lookahead" loop (each
-block's Q K^T an iteration before its softmax and P@V, keys gathered twice: 63.1 at N=64 S2, 185.9 at N=256).
+block's Q K^T an iteration before its softmax and P@V, keys gathered twice: 63.1 at N=64 S2, 185.9 at N=256);
+session 6: the waits for the gathers are not the limit. With the key indices loaded in the loop Triton issues
+the next block's gather after this block's P@V and waits for it at the next iteration's top (no overlap); with
+every index of a split loaded before the loop (each block's picked from registers) it keeps 1-2 gathers in flight
+across iterations (32-key blocks, 3-4 stages), and that runs 46.6-49.0 at N=64 / 120.3-140.3 at N=256 (one loop
+over both pools, so the pipeline never drains between them: 42.1 / 125.8-133.2; chained 51.3 / 137.6); 16 warps
+51.7-73.7 / 140.2-236.9.
 """
 import torch
 import triton

@@ -28,7 +28,13 @@ Triton, two launches:
     removed: the threshold select run by the score kernel's last program of each row (one launch: 157-158 us
     against ~96), the chunk stage folded into the score kernel (99 us against 100), programmatic dependent launch
     between the score kernel and the select launches (35.8 against 28.7 alone, 103.7 against 98.4 after the
-    scores: the early-launched programs wait on SMs the producer needs).
+    scores: the early-launched programs wait on SMs the producer needs); session 6: four bits per counting
+    reduction (15 counts in one reduction: 24.7 -> 42.4 us, the select is instruction-bound), the merge run by
+    each row's last chunk program (25.0), and scores + select in one launch (programs take tickets: score pieces
+    first, then select chunks that wait for their row's scores, so the selects of early rows overlap the scoring
+    of the last: 94.4 us against 93.4 for the two launches; 8 / 2 chunks 105-106), and a shrinking search (6
+    reductions over the chunk, then the bucket holding the k-th key compacted to 512 entries and searched alone:
+    26.8 against 25.2; behind the scores 95.3 against 92.8).
 The candidate-block restriction of layers 24/28/... is expressed by the caller through key_start/key_len of a
 gathered pool, or by -inf scores (not selectable).
 Cost: N * max_len * Di * bytes(keys) read once, + N * max_len * 4 written and re-read from L2 by the select,
@@ -221,10 +227,10 @@ def _kth_key(base, n, keys, n_take, mx, mn, offs, BLOCK: tl.constexpr, RESIDENT:
     """A cut t for the n_take largest of the n order keys (1 <= n_take <= the selectable keys, which lie in
     [mn, mx]): the n_take-th largest key, or any t above the (n_take+1)-th largest and at most the n_take-th
     (count(keys >= t) == n_take: the same winners; the search stops as soon as it meets one, which random scores
-    do several reductions before the last; `exact` (returned second) says it did). Two bits per counting reduction: the largest t with count(keys >= t)
-    >= n_take. The leading bits mn and mx share are the answer's too, so the search starts below them. PASSES <
-    16: stop after that many reductions with the bits found so far and zeros below: a lower bound of the answer
-    (never above it)."""
+    do several reductions before the last; `exact` (returned second) says it did). Two bits per counting
+    reduction: the largest t with count(keys >= t) >= n_take. The leading bits mn and mx share are the answer's
+    too, so the search starts below them. PASSES < 16: stop after that many reductions with the bits found so far
+    and zeros below: a lower bound of the answer (never above it)."""
     x = mx ^ mn
     b0 = tl.zeros([], tl.int32)
     same = tl.full([], 1, tl.int32)

@@ -22,10 +22,11 @@ Block scales (the checkpoint's: 1x32 groups along the input dim for FP4 experts,
 contiguous run) with the row scale the row's LARGEST block scale, so block (r, k) scales by row_scale * 2**-shift.
 The K tiles are then one 32-wide group: the tile's dot product (fp32) is multiplied per output column by
 2**-shift (built from exponent bits), exact for any shift <= 126 and independent of the widening dtype.
-Packed FP4 (uint8 [E, N, K/2], two E2M1 codes a byte, element 2i in the low nibble; always with shifts): each
-nibble is decoded to fp16 with four integer operations, and the low / high nibbles meet the activations' even /
-odd columns in two dots (no interleaving of the decoded tile). Extra bytes: 1 per 32 weights (shift_rows 1) or
-per 1024 (32).
+Packed FP4 (uint8 [E, N, K/2], two E2M1 codes a byte, element 2i in the low nibble; always with shifts; N and K
+multiples of 8): kernels of their own with the operands swapped (section "packed FP4, swapped"): the weights,
+read as int32 words of 8 codes, are decoded in registers (through e4m3, about 1.4 operations a weight) and are
+the first operand of the dot, the activations (gathered in the decode's column order) the second. Extra bytes:
+1 per 32 weights.
 """
 import torch
 import triton
@@ -211,48 +212,21 @@ def _e2m1_half(nib):
 
 
 @triton.jit
-def _e2m1_pairs(b):
-    """uint8 packed bytes -> (low nibbles, high nibbles) as fp16 holding value * 2**-14 (what _e2m1_half makes),
-    four bytes per 32-bit register: two byte permutes spread bytes to 16-bit lanes, then masks and shifts place
-    both lanes' sign and exponent-mantissa bits at once (about 2.5 integer operations a weight against ~8).
-    PTX: compiled kernels only (the interpreter takes _e2m1_half)."""
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .b32 z, a, c, t, u;
-        mov.b32 z, 0;
-        prmt.b32 a, $4, z, 0x4140;
-        prmt.b32 c, $4, z, 0x4342;
-        and.b32 t, a, 0x00070007; shl.b32 t, t, 9; and.b32 u, a, 0x00080008; shl.b32 u, u, 12; or.b32 $0, t, u;
-        and.b32 t, c, 0x00070007; shl.b32 t, t, 9; and.b32 u, c, 0x00080008; shl.b32 u, u, 12; or.b32 $1, t, u;
-        and.b32 t, a, 0x00700070; shl.b32 t, t, 5; and.b32 u, a, 0x00800080; shl.b32 u, u, 8; or.b32 $2, t, u;
-        and.b32 t, c, 0x00700070; shl.b32 t, t, 5; and.b32 u, c, 0x00800080; shl.b32 u, u, 8; or.b32 $3, t, u;
-        }""", "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-
-
-@triton.jit
-def _group_mult(g_ptr, e, n, k0, N, K, GR: tl.constexpr, W4: tl.constexpr):
+def _group_mult(g_ptr, e, n, k0, N, K, GR: tl.constexpr, UP: tl.constexpr = 0):
     """fp32 [BN] multipliers 2**-shift of the 32-wide K group starting at k0 for output rows n, from
     g [E, ceil(K/32), ceil(N/GR)] (group-major: one contiguous run of bytes). Built from exponent bits, so exact;
-    W4 also undoes _e2m1_half's 2**-14."""
+    UP also undoes a packed FP4 decode's 2**-UP."""
     d = tl.load(g_ptr + (e.to(tl.int64) * ((K + 31) // 32) + k0 // 32) * ((N + GR - 1) // GR) + n // GR,
                 mask=(n < N) & (k0 < K), other=0).to(tl.int32)
-    up = 14 if W4 else 0
-    return ((127 + up - tl.minimum(d, 126)) << 23).to(tl.float32, bitcast=True)
+    return ((127 + UP - tl.minimum(d, 126)) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _w_tile(w_ptr, w_desc, e, n, nt, N, k0, K, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr,
-            W4: tl.constexpr):
-    """Expert e's weight tile, rows n (tile nt), columns k0..k0+BK: [BN, BK] as stored, or W4: packed bytes
-    [BN, BK/2]. TMA: through the tensor descriptor over w as [E*N, K] (or [E*N, K/2] bytes)."""
-    if TMA and W4:
-        t = w_desc.load([e * N + nt * BN, k0 // 2])
-    elif TMA:
+def _w_tile(w_ptr, w_desc, e, n, nt, N, k0, K, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr):
+    """Expert e's weight tile, rows n (tile nt), columns k0..k0+BK: [BN, BK]. TMA: through the tensor descriptor
+    over w as [E*N, K]."""
+    if TMA:
         t = w_desc.load([e * N + nt * BN, k0])
-    elif W4:
-        kh = k0 // 2 + tl.arange(0, BK // 2)
-        t = tl.load(w_ptr + e.to(tl.int64) * N * (K // 2) + n[:, None] * (K // 2) + kh[None, :],
-                    mask=(n[:, None] < N) & (kh[None, :] < K // 2), other=0)
     else:
         kk = k0 + tl.arange(0, BK)
         t = tl.load(w_ptr + e.to(tl.int64) * N * K + n[:, None] * K + kk[None, :],
@@ -261,97 +235,71 @@ def _w_tile(w_ptr, w_desc, e, n, nt, N, k0, K, BN: tl.constexpr, BK: tl.constexp
 
 
 @triton.jit
-def _a_tile(a_ptr, rows, valid, k0, K, BK: tl.constexpr, STEP: tl.constexpr, ODD: tl.constexpr):
-    """Activation tile [BM, BK/STEP]: rows `rows` (int64) of a [*, K], columns k0 + STEP*i + ODD (STEP 2: the
-    even or odd columns, which meet a packed FP4 tile's low or high nibbles); invalid rows read 0."""
-    kk = k0 + STEP * tl.arange(0, BK // STEP) + ODD
+def _a_tile(a_ptr, rows, valid, k0, K, BK: tl.constexpr):
+    """Activation tile [BM, BK]: rows `rows` (int64) of a [*, K], columns k0..k0+BK; invalid rows read 0."""
+    kk = k0 + tl.arange(0, BK)
     return tl.load(a_ptr + rows[:, None] * K + kk[None, :], mask=valid[:, None] & (kk[None, :] < K), other=0.0)
 
 
 @triton.jit
-def _a_tiles(a_ptr, rows, valid, k0, K, BK: tl.constexpr, W4: tl.constexpr):
-    """The activation tiles one weight tile meets: (a[:, k0:k0+BK], same) or W4: (even columns, odd columns)."""
-    if W4:
-        return _a_tile(a_ptr, rows, valid, k0, K, BK, 2, 0), _a_tile(a_ptr, rows, valid, k0, K, BK, 2, 1)
-    else:
-        t = _a_tile(a_ptr, rows, valid, k0, K, BK, 1, 0)
-        return t, t
-
-
-@triton.jit
-def _mac(acc, a0, a1, wt, m, F32: tl.constexpr, FP8: tl.constexpr, CD: tl.constexpr, GS: tl.constexpr,
-         W4: tl.constexpr, W4ASM: tl.constexpr = False):
+def _mac(acc, a, wt, m, F32: tl.constexpr, FP8: tl.constexpr, CD: tl.constexpr, GS: tl.constexpr):
     """acc [BM, BN] += a @ wt^T (times m [BN] with block shifts: then the tile is one 32-wide group, so the
     shift is a per-column factor of the fp32 partial product; no reshape of the weight tile). fp8 tiles are
-    widened to CD; packed FP4 tiles decoded to fp16 (exact), low nibbles met by a0 (even columns), high by a1."""
-    if W4:
-        if W4ASM and not F32:
-            lo, hi = _e2m1_pairs(wt)
-        else:
-            b = wt.to(tl.int32) & 0xFF
-            lo = _e2m1_half(b & 0xF)
-            hi = _e2m1_half(b >> 4)
-        if F32:
-            d = tl.dot(a0.to(tl.float32), tl.trans(lo.to(tl.float32)), input_precision="ieee")
-            d += tl.dot(a1.to(tl.float32), tl.trans(hi.to(tl.float32)), input_precision="ieee")
-        else:
-            d = tl.dot(a0.to(CD), tl.trans(lo.to(CD)))
-            d += tl.dot(a1.to(CD), tl.trans(hi.to(CD)))
-    elif F32:
-        d = tl.dot(a0.to(tl.float32), tl.trans(wt.to(tl.float32)), input_precision="ieee")
+    widened to CD."""
+    if F32:
+        d = tl.dot(a.to(tl.float32), tl.trans(wt.to(tl.float32)), input_precision="ieee")
     elif FP8:
-        d = tl.dot(a0.to(CD), tl.trans(wt.to(CD)))
+        d = tl.dot(a.to(CD), tl.trans(wt.to(CD)))
     else:
-        d = tl.dot(a0.to(wt.dtype), tl.trans(wt))
+        d = tl.dot(a.to(wt.dtype), tl.trans(wt))
     if GS:
         d = d * m[None, :]
     return acc + d
 
 
 @triton.jit
-def _block_rows(slot_pair_ptr, b, nt, BM: tl.constexpr, BN: tl.constexpr):
-    """Block b's slots, the pair in each (-1: padding) and output tile nt's columns."""
+def _block_rows(slot_pair_ptr, block_expert_ptr, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's block (program id 0) and output tile (id 1): (its expert, -1 for an empty block; the tile;
+    the block's slots; the pair in each, -1 for padding; the tile's output rows)."""
+    b = tl.program_id(0)
+    nt = tl.program_id(1)
     slots = b * BM + tl.arange(0, BM)
-    return slots, tl.load(slot_pair_ptr + slots), nt * BN + tl.arange(0, BN)
+    return tl.load(block_expert_ptr + b), nt, slots, tl.load(slot_pair_ptr + slots), nt * BN + tl.arange(0, BN)
 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, s1_ptr, s3_ptr, h_ptr, slot_pair_ptr, block_expert_ptr,
                     H, F, K_TOP, limit, g1_ptr, g3_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     F32: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr, CD: tl.constexpr = tl.bfloat16,
-                    GS: tl.constexpr = False, GR: tl.constexpr = 1, W4: tl.constexpr = False,
-                    PF: tl.constexpr = False, W4ASM: tl.constexpr = False):
+                    GS: tl.constexpr = False, GR: tl.constexpr = 1, PF: tl.constexpr = False):
     """Program (block of one expert's pairs, F tile): h = silu(min(x W1^T, L)) * clamp(x W3^T, -L, L).
     TMA: the weight tiles come through tensor descriptors over w [E*F, H] (Hopper's bulk copy engine), which
     the compiler pipelines; PF: the activation tile and the block shifts (plain loads, not pipelined by the
     compiler) are loaded one K step ahead, so their latency overlaps a step's dots."""
-    b = tl.program_id(0)
-    nt = tl.program_id(1)
-    e = tl.load(block_expert_ptr + b)
+    e, nt, slots, pair, n = _block_rows(slot_pair_ptr, block_expert_ptr, BM, BN)
     if e >= 0:
-        slots, pair, n = _block_rows(slot_pair_ptr, b, nt, BM, BN)
         tok = tl.where(pair >= 0, pair // K_TOP, 0).to(tl.int64)
         acc1 = tl.zeros([BM, BN], tl.float32)
         acc3 = tl.zeros([BM, BN], tl.float32)
         ok = pair >= 0
         if PF:                                   # the next K step's activations and shifts, a step ahead
-            a0, a1 = _a_tiles(x_ptr, tok, ok, 0, H, BK, W4)
-            m1 = _group_mult(g1_ptr, e, n, 0, F, H, GR, W4) if GS else 0
-            m3 = _group_mult(g3_ptr, e, n, 0, F, H, GR, W4) if GS else 0
+            a0 = _a_tile(x_ptr, tok, ok, 0, H, BK)
+            m1 = _group_mult(g1_ptr, e, n, 0, F, H, GR) if GS else 0
+            m3 = _group_mult(g3_ptr, e, n, 0, F, H, GR) if GS else 0
         for k0 in range(0, H, BK):
-            w1t = _w_tile(w1_ptr, w1_desc, e, n, nt, F, k0, H, BN, BK, TMA, W4)
-            w3t = _w_tile(w3_ptr, w3_desc, e, n, nt, F, k0, H, BN, BK, TMA, W4)
+            w1t = _w_tile(w1_ptr, w1_desc, e, n, nt, F, k0, H, BN, BK, TMA)
+            w3t = _w_tile(w3_ptr, w3_desc, e, n, nt, F, k0, H, BN, BK, TMA)
             if PF:
-                c0, c1, cm1, cm3 = a0, a1, m1, m3
-                a0, a1 = _a_tiles(x_ptr, tok, ok, k0 + BK, H, BK, W4)
-                m1 = _group_mult(g1_ptr, e, n, k0 + BK, F, H, GR, W4) if GS else 0
-                m3 = _group_mult(g3_ptr, e, n, k0 + BK, F, H, GR, W4) if GS else 0
+                c0, cm1, cm3 = a0, m1, m3
+                a0 = _a_tile(x_ptr, tok, ok, k0 + BK, H, BK)
+                m1 = _group_mult(g1_ptr, e, n, k0 + BK, F, H, GR) if GS else 0
+                m3 = _group_mult(g3_ptr, e, n, k0 + BK, F, H, GR) if GS else 0
             else:
-                c0, c1 = _a_tiles(x_ptr, tok, ok, k0, H, BK, W4)
-                cm1 = _group_mult(g1_ptr, e, n, k0, F, H, GR, W4) if GS else 0
-                cm3 = _group_mult(g3_ptr, e, n, k0, F, H, GR, W4) if GS else 0
-            acc1 = _mac(acc1, c0, c1, w1t, cm1, F32, FP8, CD, GS, W4, W4ASM)
-            acc3 = _mac(acc3, c0, c1, w3t, cm3, F32, FP8, CD, GS, W4, W4ASM)
+                c0 = _a_tile(x_ptr, tok, ok, k0, H, BK)
+                cm1 = _group_mult(g1_ptr, e, n, k0, F, H, GR) if GS else 0
+                cm3 = _group_mult(g3_ptr, e, n, k0, F, H, GR) if GS else 0
+            acc1 = _mac(acc1, c0, w1t, cm1, F32, FP8, CD, GS)
+            acc3 = _mac(acc3, c0, w3t, cm3, F32, FP8, CD, GS)
         if FP8:                                  # per-output-channel scales of the fp8 weights
             sn = e.to(tl.int64) * F + n
             acc1 = acc1 * tl.load(s1_ptr + sn, mask=n < F, other=0.0)[None, :]
@@ -366,29 +314,26 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, s1_ptr, s3_ptr, h_p
 def _down_kernel(h_ptr, w2_ptr, w2_desc, s2_ptr, y_ptr, wts_ptr, slot_pair_ptr, block_expert_ptr, H, F, g2_ptr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, TMA: tl.constexpr,
                  FP8: tl.constexpr, CD: tl.constexpr = tl.bfloat16, GS: tl.constexpr = False, GR: tl.constexpr = 1,
-                 W4: tl.constexpr = False, PF: tl.constexpr = False, W4ASM: tl.constexpr = False):
+                 PF: tl.constexpr = False):
     """Program (block of one expert's pairs, H tile): y[pair] = weight[pair] * (h W2^T), one row per pair."""
-    b = tl.program_id(0)
-    nt = tl.program_id(1)
-    e = tl.load(block_expert_ptr + b)
+    e, nt, slots, pair, n = _block_rows(slot_pair_ptr, block_expert_ptr, BM, BN)
     if e >= 0:
-        slots, pair, n = _block_rows(slot_pair_ptr, b, nt, BM, BN)
         acc = tl.zeros([BM, BN], tl.float32)
         rows = slots.to(tl.int64)
         ok = pair >= 0
         if PF:
-            a0, a1 = _a_tiles(h_ptr, rows, ok, 0, F, BK, W4)
-            m2 = _group_mult(g2_ptr, e, n, 0, H, F, GR, W4) if GS else 0
+            a0 = _a_tile(h_ptr, rows, ok, 0, F, BK)
+            m2 = _group_mult(g2_ptr, e, n, 0, H, F, GR) if GS else 0
         for k0 in range(0, F, BK):
-            w2t = _w_tile(w2_ptr, w2_desc, e, n, nt, H, k0, F, BN, BK, TMA, W4)
+            w2t = _w_tile(w2_ptr, w2_desc, e, n, nt, H, k0, F, BN, BK, TMA)
             if PF:
-                c0, c1, cm2 = a0, a1, m2
-                a0, a1 = _a_tiles(h_ptr, rows, ok, k0 + BK, F, BK, W4)
-                m2 = _group_mult(g2_ptr, e, n, k0 + BK, H, F, GR, W4) if GS else 0
+                c0, cm2 = a0, m2
+                a0 = _a_tile(h_ptr, rows, ok, k0 + BK, F, BK)
+                m2 = _group_mult(g2_ptr, e, n, k0 + BK, H, F, GR) if GS else 0
             else:
-                c0, c1 = _a_tiles(h_ptr, rows, ok, k0, F, BK, W4)
-                cm2 = _group_mult(g2_ptr, e, n, k0, H, F, GR, W4) if GS else 0
-            acc = _mac(acc, c0, c1, w2t, cm2, F32, FP8, CD, GS, W4, W4ASM)
+                c0 = _a_tile(h_ptr, rows, ok, k0, F, BK)
+                cm2 = _group_mult(g2_ptr, e, n, k0, H, F, GR) if GS else 0
+            acc = _mac(acc, c0, w2t, cm2, F32, FP8, CD, GS)
         if FP8:
             acc = acc * tl.load(s2_ptr + e.to(tl.int64) * H + n, mask=n < H, other=0.0)[None, :]
         p = tl.maximum(pair, 0).to(tl.int64)
@@ -407,6 +352,171 @@ def _combine_kernel(y_ptr, out_ptr, H, K_TOP: tl.constexpr, BH: tl.constexpr):
     tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=h < H)
 
 
+# ---------------------------------------------------------------------------------------------- packed FP4, swapped
+# Packed FP4 with the operands swapped: the weight tile is the dot's FIRST operand ([BN out rows, 32 in], decoded in
+# registers: on Hopper it feeds wgmma straight from registers, no shared-memory round trip of the decoded tile) and
+# the activations the second ([32, BM tokens], through shared memory). One 32-wide group per loop step, its partial
+# product scaled per row by 2**-shift; the activations and shifts (plain loads, not pipelined by the compiler) are
+# loaded a step ahead, the weight tiles come through pipelined tensor-descriptor loads. A group row is 4 int32
+# words of 8 nibbles; each word decodes to 4 f16x2 registers (_e2m1_quad8, about 1.4 operations a weight). The
+# decoded columns come out in that decode's order; the activations are gathered to match (_w4_columns) instead of
+# re-laying the weights.
+@triton.jit
+def _e2m1_quad8(w):
+    """int32 word of 8 E2M1 nibbles -> 4 int32 f16x2 words through e4m3: nibbles 0, 2, 4, 6 (8 bits apart, so
+    one pair of shifts serves all four) become the e4m3 bytes of one register (sign to bit 7, exponent-mantissa
+    to bits 4..2: value * 2**-6, exact), nibbles 1, 3, 5, 7 another; one conversion per two bytes
+    (cvt.rn.f16x2.e4m3x2). Words: (nibble 0, 2), (4, 6), (1, 3), (5, 7). PTX: compiled kernels only."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 t, u, ev, od;
+        .reg .b16 l, h;
+        shl.b32 t, $4, 2; and.b32 t, t, 0x1C1C1C1C; shl.b32 u, $4, 4; and.b32 u, u, 0x80808080; or.b32 ev, t, u;
+        shr.b32 t, $4, 2; and.b32 t, t, 0x1C1C1C1C; and.b32 u, $4, 0x80808080; or.b32 od, t, u;
+        mov.b32 {l, h}, ev; cvt.rn.f16x2.e4m3x2 $0, l; cvt.rn.f16x2.e4m3x2 $1, h;
+        mov.b32 {l, h}, od; cvt.rn.f16x2.e4m3x2 $2, l; cvt.rn.f16x2.e4m3x2 $3, h;
+        }""", "=r,=r,=r,=r,r", [w], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _w4_nibble(a, h):
+    """Which nibble of a word lane h of decoded register a holds (_e2m1_quad8's order): (0, 4, 1, 5)[a] + 2h."""
+    return (a % 2) * 4 + a // 2 + 2 * h
+
+
+@triton.jit
+def _w4_group_tile(w_ptr, w_desc, e, n, nt, N, k0, K, BN: tl.constexpr, TMA: tl.constexpr):
+    """Expert e's packed weights of rows n (tile nt) for the 32-wide group at k0 as int32 words [BN, 4] (8
+    nibbles a word; zeros past K). w is viewed int32 [E, N, K/8]."""
+    if TMA:
+        t = w_desc.load([e * N + nt * BN, k0 // 8])
+    else:
+        kw = k0 // 8 + tl.arange(0, 4)
+        t = tl.load(w_ptr + e.to(tl.int64) * N * (K // 8) + n[:, None] * (K // 8) + kw[None, :],
+                    mask=(n[:, None] < N) & (kw[None, :] < K // 8), other=0)
+    return t
+
+
+@triton.jit
+def _w4_columns(k0):
+    """Input column of each of the 32 decoded columns of the group at k0: decoded column j is lane j % 2 of
+    register j // 8 of word (j // 2) % 4 (_w4_decode), i.e. nibble _w4_nibble(j // 8, j % 2) of that word."""
+    j = tl.arange(0, 32)
+    return k0 + 8 * ((j // 2) % 4) + _w4_nibble(j // 8, j % 2)
+
+
+@triton.jit
+def _half_lanes(p):
+    """int32 f16x2 words -> (low lane, high lane) as fp16."""
+    return p.to(tl.int16).to(tl.float16, bitcast=True), (p >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _w4_plain(ww, a: tl.constexpr):
+    """Decoded register a of words ww without PTX (the interpreter's path), fp32 (lane 0, lane 1): the PTX's
+    values (value * 2**-6; _e2m1_half's fp16 times 256, exact)."""
+    lo = _e2m1_half((ww >> (4 * _w4_nibble(a, 0))) & 0xF).to(tl.float32) * 256.0
+    hi = _e2m1_half((ww >> (4 * _w4_nibble(a, 1))) & 0xF).to(tl.float32) * 256.0
+    return lo, hi
+
+
+@triton.jit
+def _w4_decode(ww, BN: tl.constexpr, F32: tl.constexpr):
+    """[BN, 4] int32 words -> [BN, 32] weights * 2**-6 (fp16; F32: fp32 without PTX, the interpreter's path),
+    columns as _w4_columns says: [BN, register a, word c, lane h] flattened, so a thread's 8 values of a row (a
+    dot-operand layout holds columns 2c..2c+1 + 8a) all come from one word."""
+    if F32:
+        l0, h0 = _w4_plain(ww, 0)
+        l1, h1 = _w4_plain(ww, 1)
+        l2, h2 = _w4_plain(ww, 2)
+        l3, h3 = _w4_plain(ww, 3)
+    else:
+        p0, p1, p2, p3 = _e2m1_quad8(ww)
+        l0, h0 = _half_lanes(p0)
+        l1, h1 = _half_lanes(p1)
+        l2, h2 = _half_lanes(p2)
+        l3, h3 = _half_lanes(p3)
+    lo = tl.join(tl.join(l0, l2), tl.join(l1, l3)).reshape(BN, 4, 4).permute(0, 2, 1)     # [BN, a, c]
+    hi = tl.join(tl.join(h0, h2), tl.join(h1, h3)).reshape(BN, 4, 4).permute(0, 2, 1)
+    return tl.join(lo, hi).reshape(BN, 32)
+
+
+@triton.jit
+def _w4_act(a_ptr, rows, valid, k0, K):
+    """The activations the group at k0 meets: a[rows, _w4_columns(k0)]^T [32, BM] as stored (zeros past K and
+    for invalid rows)."""
+    kk = _w4_columns(k0)
+    return tl.load(a_ptr + rows[None, :] * K + kk[:, None], mask=valid[None, :] & (kk[:, None] < K), other=0.0)
+
+
+@triton.jit
+def _w4_mac(acc, wb, at, m, BN: tl.constexpr, F32: tl.constexpr):
+    """acc [BN, BM] += (decoded group [BN, 32] @ at [32, BM]) * m (m [BN]: the rows' 2**-shift undoing the
+    decode's 2**-6, so exact for any shift)."""
+    w = _w4_decode(wb, BN, F32)
+    if F32:
+        d = tl.dot(w, at.to(tl.float32), input_precision="ieee")
+    else:
+        d = tl.dot(w, at.to(tl.float16))
+    return acc + d * m[:, None]
+
+
+@triton.jit
+def _w4_gate_up_kernel(x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, s1_ptr, s3_ptr, g1_ptr, g3_ptr, h_ptr,
+                       slot_pair_ptr, block_expert_ptr, H, F, K_TOP, limit, BM: tl.constexpr, BN: tl.constexpr,
+                       TMA: tl.constexpr, F32: tl.constexpr, GR: tl.constexpr):
+    """_gate_up_kernel for packed FP4 with swapped operands (section comment): program (block of one expert's
+    pairs, F tile of BN rows), one 32-wide group per loop step; accumulators [BN, BM] (rows x tokens)."""
+    e, nt, slots, pair, n = _block_rows(slot_pair_ptr, block_expert_ptr, BM, BN)
+    if e >= 0:
+        tok = tl.where(pair >= 0, pair // K_TOP, 0).to(tl.int64)
+        ok = pair >= 0
+        acc1 = tl.zeros([BN, BM], tl.float32)
+        acc3 = tl.zeros([BN, BM], tl.float32)
+        a1 = _w4_act(x_ptr, tok, ok, 0, H)                   # a step ahead (module comment)
+        m1n = _group_mult(g1_ptr, e, n, 0, F, H, GR, 6)
+        m3n = _group_mult(g3_ptr, e, n, 0, F, H, GR, 6)
+        for kg in range(0, H, 32):
+            w1t = _w4_group_tile(w1_ptr, w1_desc, e, n, nt, F, kg, H, BN, TMA)
+            w3t = _w4_group_tile(w3_ptr, w3_desc, e, n, nt, F, kg, H, BN, TMA)
+            at, m1, m3 = a1, m1n, m3n
+            a1 = _w4_act(x_ptr, tok, ok, kg + 32, H)
+            m1n = _group_mult(g1_ptr, e, n, kg + 32, F, H, GR, 6)
+            m3n = _group_mult(g3_ptr, e, n, kg + 32, F, H, GR, 6)
+            acc1 = _w4_mac(acc1, w1t, at, m1, BN, F32)
+            acc3 = _w4_mac(acc3, w3t, at, m3, BN, F32)
+        sn = e.to(tl.int64) * F + n
+        acc1 = acc1 * tl.load(s1_ptr + sn, mask=n < F, other=0.0)[:, None]
+        acc3 = acc3 * tl.load(s3_ptr + sn, mask=n < F, other=0.0)[:, None]
+        g = tl.minimum(acc1, limit)
+        act = g * tl.sigmoid(g) * tl.minimum(tl.maximum(acc3, -limit), limit)
+        tl.store(h_ptr + slots[None, :].to(tl.int64) * F + n[:, None], act.to(h_ptr.dtype.element_ty),
+                 mask=n[:, None] < F)
+
+
+@triton.jit
+def _w4_down_kernel(h_ptr, w2_ptr, w2_desc, s2_ptr, g2_ptr, y_ptr, wts_ptr, slot_pair_ptr, block_expert_ptr, H, F,
+                    BM: tl.constexpr, BN: tl.constexpr, TMA: tl.constexpr, F32: tl.constexpr, GR: tl.constexpr):
+    """_down_kernel for packed FP4 with swapped operands: y[pair] = weight[pair] * (h W2^T), one row per pair."""
+    e, nt, slots, pair, n = _block_rows(slot_pair_ptr, block_expert_ptr, BM, BN)
+    if e >= 0:
+        rows = slots.to(tl.int64)
+        ok = pair >= 0
+        acc = tl.zeros([BN, BM], tl.float32)
+        a1 = _w4_act(h_ptr, rows, ok, 0, F)
+        m2n = _group_mult(g2_ptr, e, n, 0, H, F, GR, 6)
+        for kg in range(0, F, 32):
+            w2t = _w4_group_tile(w2_ptr, w2_desc, e, n, nt, H, kg, F, BN, TMA)
+            at, m2 = a1, m2n
+            a1 = _w4_act(h_ptr, rows, ok, kg + 32, F)
+            m2n = _group_mult(g2_ptr, e, n, kg + 32, H, F, GR, 6)
+            acc = _w4_mac(acc, w2t, at, m2, BN, F32)
+        acc = acc * tl.load(s2_ptr + e.to(tl.int64) * H + n, mask=n < H, other=0.0)[:, None]
+        p = tl.maximum(pair, 0).to(tl.int64)
+        wt = tl.load(wts_ptr + p, mask=ok, other=0.0)
+        tl.store(y_ptr + p[None, :] * H + n[:, None], acc * wt[None, :], mask=ok[None, :] & (n[:, None] < H))
+
+
 # fp8 weights: gate/up tiles (H200 round 2 sweep: 128-wide N tiles over 128-wide K tiles, 8 warps, TMA loads).
 # Block shifts need one 32-wide group per K tile (the shift is then a per-column factor of the partial product).
 # Session 3 scaled the widened weights per group in registers instead, with 64-wide tiles (V4.1 T=64: 2.50 ms vs
@@ -416,13 +526,19 @@ FP8_TILES = dict(block_n=128, block_k=128, num_warps=8)
 # H200 session 4 (V4.1 T=64, 1x32 shifts): 128 x 32 tiles with 4 warps and 3 stages 2.42-2.64 ms (85-88% of the
 # bytes); 8 warps 3.12-3.28, 4 / 2 stages 2.93 / 2.98, 64-wide N tiles 2.68-2.94 ms; 32x32 block shifts 2.57 ms.
 FP8_SHIFT_TILES = dict(block_n=128, block_k=32, num_warps=4, num_stages=3)
-# 32-wide K steps: the activation and shift loads of the next step issued a step early (round 2, V4.1 T=64:
-# 2.64 ms against 3.11 without; packed FP4 2.58 against 3.39)
+# 32-wide K steps: the activation and shift loads of the next step issued a step early (session 4 round 2, V4.1
+# T=64: 2.64 ms against 3.11 without)
 PREFETCH_SHIFTED = True
-# packed FP4: byte-permute decode in inline PTX (round 1, V4.1 T=64, 8 warps: 3.66 ms against 5.40 ms with the
-# per-nibble integer decode; round 2 with the tiles above: 2.32-2.58 ms, 44-47% of its half bytes, 0.9x the
-# per-row fp8 path's speed: the decode's integer work still bounds it, so fp8 stays the loader's default)
-W4_ASM_DEFAULT = True
+# Packed FP4 tiles (the swapped-operand kernels). H200 session 6 round 2 (V4.1, T = 64 / 8 / 256, us): 128 rows,
+# 4 warps, 3 stages 2168 / 476 / 3415 (49-50% of the FP4 bytes; the fp8 path in the same run 2144 / 451 / 3422);
+# 4 / 6 stages 2158 / 2163; 256 rows 2372 / 552 / 3677, with 8 warps 2271; 64 rows 2862 / 642 / 4514.
+# Measured and deleted (same run unless said): the activations and shifts loaded in the step that uses them
+# 2736 (round 1: 3.3-3.6 ms, every step waited on them), two steps ahead (the sm_90 build then stopped
+# pipelining the weight tiles); two groups a step (round 1, no prefetch: 3522 against 3616); the decodes placing
+# the bits in fp16 directly (about 1.9 operations a weight) 2168 and through fp16 high bytes + byte permutes
+# 2171 (this one: 2168); the session 4 kernel (weights second, decoded tiles through shared memory, low / high
+# nibbles against even / odd activation columns) 2401 / 3940 (round 1: 2380 / 3737).
+W4_TILES = dict(block_n=128, num_warps=4, num_stages=3)
 
 # Tensor-descriptor weight loads by default (when the shapes allow). H200 round 1: as fast as the pointer loads
 # (200 vs 202 us at T=64), and their sm_90 build does not spill (the pointer build spills 808 B per thread).
@@ -448,7 +564,7 @@ def tma_ok(w: torch.Tensor, box: tuple[int, int]) -> bool:
 
 def moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit=10.0, block_m=None, block_n=64, block_k=128,
                        num_warps=None, num_stages=3, down=None, tma=None, align="triton", scales=None,
-                       fp8_compute="fp16", shifts=None, shift_rows=1, prefetch=None, w4_asm=None):
+                       fp8_compute="fp16", shifts=None, shift_rows=1, prefetch=None):
     """block_m None: default_block_m. (block_n, block_k, num_warps, num_stages) tile the gate/up kernel; `down`
     (same 4-tuple, None: the same) the down kernel; num_warps None: 4 for 16-row blocks, else 8 (sm_90 builds
     without spills). tma (None: TMA_DEFAULT): weight tiles through tensor descriptors when `tma_ok` allows;
@@ -459,7 +575,8 @@ def moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit=10.0, block_m=N
     (H200 round 2, toy T=64: fp16 120 us, bf16 172 us: e4m3 -> fp16 is one conversion instruction).
     shifts / shift_rows: the block scales' shifts (module doc); the K tiles are then 32 wide (one group).
     prefetch (None: PREFETCH_SHIFTED with shifts, else off): activations and shifts loaded a K step ahead.
-    w4_asm (None: W4_ASM_DEFAULT): packed FP4 decoded four bytes at a time by inline PTX (compiled kernels)."""
+    Packed FP4 (uint8 weights, always with shifts) goes through the swapped-operand kernels (_w4_*: block_n,
+    num_warps, num_stages and `down` tile them; block_k is not used; in dims must be multiples of 8)."""
     _check(x, ids, weights, w1, w3, w2, scales, shifts, shift_rows)
     T, H = x.shape
     K = ids.shape[1]
@@ -470,9 +587,12 @@ def moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit=10.0, block_m=N
     num_warps = num_warps or (4 if block_m <= 16 else 8)
     dn, dk, dw, ds = down or (block_n, block_k, num_warps, num_stages)
     gs = shifts is not None
-    check(not gs or (block_k == 32 and dk == 32), f"block scales need K tiles of one 32-group, got {block_k}, {dk}")
+    w4 = is_packed_fp4(w1)
+    check(not w4 or (H % 8 == 0 and F % 8 == 0),
+          f"the packed FP4 kernels read int32 words of 8 weights: hidden {H} and inter {F} must be multiples of 8")
+    check(not gs or w4 or (block_k == 32 and dk == 32),
+          f"block scales need K tiles of one 32-group, got {block_k}, {dk}")
     pf = (PREFETCH_SHIFTED and gs) if prefetch is None else bool(prefetch)
-    w4asm = (W4_ASM_DEFAULT if w4_asm is None else bool(w4_asm)) and not INTERPRETING
     slot_pair, block_expert = (align_pairs_triton if align == "triton" else align_pairs)(ids, E, block_m)
     n_blocks = block_expert.numel()
     fp8 = scales is not None
@@ -484,11 +604,11 @@ def moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit=10.0, block_m=N
         s1 = s3 = s2 = x
     g1, g3, g2 = (g.contiguous() for g in shifts) if gs else (x, x, x)
     w1, w3, w2 = w1.contiguous(), w3.contiguous(), w2.contiguous()
-    w4 = is_packed_fp4(w1)
-    c = 2 if w4 else 1
-    if w4:                                    # uint8 bytes (an int8 view would sign-extend: masked anyway)
-        w1, w3, w2 = w1.view(torch.uint8), w3.view(torch.uint8), w2.view(torch.uint8)
-    box_up, box_down = (block_n, block_k // c), (dn, dk // c)
+    c = 1
+    if w4:                                    # int32 words [E, N, K/8] (8 nibbles a word)
+        w1, w3, w2 = w1.view(torch.int32), w3.view(torch.int32), w2.view(torch.int32)
+        c = 8
+    box_up, box_down = ((block_n, 4), (dn, 4)) if w4 else ((block_n, block_k), (dn, dk))
     tma = ((TMA_DEFAULT if tma is None else bool(tma)) and tma_ok(w1, box_up) and tma_ok(w3, box_up)
            and tma_ok(w2, box_down))
     if tma:
@@ -502,18 +622,32 @@ def moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit=10.0, block_m=N
     h = empty((n_blocks * block_m, F), h_dtype, x.device)
     y = empty((T * K, H), torch.float32, x.device)
     x = x.contiguous()
+    if w4:
+        _w4_gate_up_kernel[(n_blocks, triton.cdiv(F, block_n))](x, w1, w3, d1, d3, s1, s3, g1, g3, h, slot_pair,
+                                                                block_expert, H, F, K, float(swiglu_limit),
+                                                                BM=block_m, BN=block_n, TMA=tma, F32=f32,
+                                                                GR=shift_rows, num_warps=num_warps,
+                                                                num_stages=num_stages)
+        _w4_down_kernel[(n_blocks, triton.cdiv(H, dn))](h, w2, d2, s2, g2, y, weights.float().contiguous(),
+                                                        slot_pair, block_expert, H, F, BM=block_m, BN=dn, TMA=tma,
+                                                        F32=f32, GR=shift_rows, num_warps=dw, num_stages=ds)
+        return _combine(y, T, H, K, x.dtype)
     _gate_up_kernel[(n_blocks, triton.cdiv(F, block_n))](x, w1, w3, d1, d3, s1, s3, h, slot_pair, block_expert, H,
                                                          F, K, float(swiglu_limit), g1, g3, BM=block_m,
                                                          BN=block_n, BK=block_k, F32=f32, TMA=tma, FP8=fp8, CD=cd,
-                                                         GS=gs, GR=shift_rows, W4=w4, PF=pf, W4ASM=w4asm,
+                                                         GS=gs, GR=shift_rows, PF=pf,
                                                          num_warps=num_warps,
                                                          num_stages=num_stages)
     _down_kernel[(n_blocks, triton.cdiv(H, dn))](h, w2, d2, s2, y, weights.float().contiguous(), slot_pair,
                                                  block_expert, H, F, g2, BM=block_m, BN=dn, BK=dk, F32=f32,
-                                                 TMA=tma, FP8=fp8, CD=cd, GS=gs, GR=shift_rows, W4=w4, PF=pf,
-                                                 W4ASM=w4asm,
+                                                 TMA=tma, FP8=fp8, CD=cd, GS=gs, GR=shift_rows, PF=pf,
                                                  num_warps=dw, num_stages=ds)
-    out = empty((T, H), x.dtype, x.device)
+    return _combine(y, T, H, K, x.dtype)
+
+
+def _combine(y, T, H, K, dtype):
+    """The pairs' rows y [T*K, H] fp32 summed per token in k order -> [T, H] in dtype (one launch)."""
+    out = empty((T, H), dtype, y.device)
     bh = min(1024, triton.next_power_of_2(H))
     _combine_kernel[(T, triton.cdiv(H, bh))](y, out, H, K_TOP=K, BH=bh, num_warps=4)
     return out
@@ -526,6 +660,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
     shifts / shift_rows: their block scales (module doc); fp8_compute: "bf16" where fp16 would not be exact."""
     if use_triton(x):
         kw = (FP8_SHIFT_TILES if shifts is not None else FP8_TILES) if scales is not None else {}
+        if is_packed_fp4(w1):
+            kw = W4_TILES
         return moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit, scales=scales, shifts=shifts,
                                   shift_rows=shift_rows, fp8_compute=fp8_compute, **kw)
     return moe_experts_torch(x, ids, weights, w1, w3, w2, swiglu_limit, scales=scales, shifts=shifts,

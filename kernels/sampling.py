@@ -47,9 +47,12 @@ Rows with top-k/top-p first get their exact tau from kernels/threshold.py: rows 
 path (one read pass storing every lane's max, then a per-row merge that gathers the few lanes that can hold
 top-k tokens and also DRAWS the row's token with this rule on them: such rows skip the pass, and when the host
 knows every row is one (sample_from_logits does) the pass and the finish do not run: two launches in all); other
-filtered rows by the histogram path (histogram pass, selection, candidate compaction, tau). Those kernels run
-only when some row may filter: decided on the host when top_k/top_p come from the host (sample_from_logits does
-this), otherwise assumed.
+filtered rows by the histogram path (histogram pass, selection, candidate compaction, tau; top-p alone gathers
+only the bins that may hold the cut, ~2,000 tokens of a flat 129k row). Those kernels run only when some row may
+filter, and the lane path only when some row takes it: decided on the host when top_k/top_p come from the host
+(sample_from_logits does this), otherwise assumed.
+MASK_FIRST (masked rows, one lane per thread): the mask words load first and only allowed tokens' logits are
+read, so a grammar mask that bans whole ranges skips their bytes.
 Measured on an H200: see benchmarks/kernels_sampling.py (its docstring holds the latest table).
 """
 from dataclasses import dataclass
@@ -61,7 +64,7 @@ import triton.language as tl
 from . import rng, threshold
 from .backend import INTERPRETING, check, empty, use_triton
 from .threshold import (_below, _ordered, exp2_w, lane_block, lane_pick, lane_score, needs_histogram_path,
-                        pack_lanes, segment_pack, thresholds_and_paths, thresholds_triton)
+                        needs_lane_path, pack_lanes, segment_pack, thresholds_and_paths, thresholds_triton)
 
 NEG_INF = float("-inf")
 
@@ -122,15 +125,19 @@ def masked_z_torch(logits, inv_temperature, bitmask=None, mask_rows=None):
 
 
 def thresholds_torch(z, params: RowParams) -> torch.Tensor:
-    """tau [R]: the smallest kept z under top-k/top-p (-inf for rows without filters, greedy rows, empty rows)."""
+    """tau [R]: the smallest kept z under top-k/top-p (-inf for rows without filters, greedy rows, empty rows).
+    Cost: a sort per row and float64 cumulative masses."""
     R, V = z.shape
     filt = (((params.top_k > 0) & (params.top_k < V)) | (params.top_p < 1)) & ~params.greedy
     tau = torch.full((R,), NEG_INF, device=z.device)
     if not bool(filt.any()):
         return tau
     zs, _ = z.sort(1, descending=True)
-    m = zs[:, :1].clamp_min(-3e38)
-    ps = torch.exp(zs - m)
+    # masses in float64: the definition's margins on flat rows (a boundary token holds ~1e-5 of the mass) lie
+    # within fp32 rounding of a 129k-term cumulative sum, so an fp32 twin is no oracle there
+    z64 = zs.double()
+    m = z64[:, :1].clamp_min(-3e38)
+    ps = torch.exp(z64 - m)
     mass_excl = torch.cumsum(ps, 1) - ps
     first = torch.searchsorted(-zs, -zs, side="left")       # first index of each tie group = count(z > z_v)
     mass_gt = torch.gather(mass_excl, 1, first)
@@ -243,14 +250,14 @@ def sample_torch(logits, params: RowParams, bitmask=None, mask_rows=None, seg: i
 @triton.jit
 def segment_block(logits_ptr, tau_ptr, bitmask_ptr, row, seg, inv_t, mrow, bitmask_stride, V, HAS_MASK: tl.constexpr,
                   HAS_TAU: tl.constexpr, FULL: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr,
-                  PL: tl.constexpr, sub, VEC: tl.constexpr, FAST: tl.constexpr):
+                  PL: tl.constexpr, sub, VEC: tl.constexpr, FAST: tl.constexpr, MASK_FIRST: tl.constexpr = False):
     """Lanes sub * PL .. sub * PL + PL - 1 of segment `seg` of a row as a [PL, LW] block of kept values
     (threshold.lane_block): raw logits x, -inf where banned or padding; with HAS_TAU z = x / T, -inf below the
     row's tau (raw logits order like z: 1/T > 0). Returns (start, lane, pos, x): lane, pos from the segment's
     start."""
     start = seg * (LANES * LW)
     lane, pos, x = lane_block(logits_ptr, bitmask_ptr, row, start, V, mrow, bitmask_stride, HAS_MASK, FULL, LANES, LW,
-                              PL, sub, VEC, FAST)
+                              PL, sub, VEC, FAST, MASK_FIRST)
     if HAS_TAU:
         x = x * inv_t
         x = tl.where(x >= tl.load(tau_ptr + row), x, float("-inf"))
@@ -260,10 +267,12 @@ def segment_block(logits_ptr, tau_ptr, bitmask_ptr, row, seg, inv_t, mrow, bitma
 @triton.jit
 def _segment_body(logits_ptr, packed_ptr, tau_ptr, row, prog, n_prog, inv_t, greedy, key, bitmask_ptr, mrow,
                   bitmask_stride, V, HAS_MASK: tl.constexpr, HAS_TAU: tl.constexpr, FULL: tl.constexpr,
-                  LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr, VEC: tl.constexpr, FAST: tl.constexpr):
+                  LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr, VEC: tl.constexpr, FAST: tl.constexpr,
+                  MASK_FIRST: tl.constexpr):
     seg = prog // (LANES // PL)
     start, lane, pos, x = segment_block(logits_ptr, tau_ptr, bitmask_ptr, row, seg, inv_t, mrow, bitmask_stride, V,
-                                       HAS_MASK, HAS_TAU, FULL, LANES, LW, PL, prog % (LANES // PL), VEC, FAST)
+                                       HAS_MASK, HAS_TAU, FULL, LANES, LW, PL, prog % (LANES // PL), VEC, FAST,
+                                       MASK_FIRST)
     tl.store(packed_ptr + row * n_prog + prog, segment_pack(x, lane, pos, start, seg, inv_t, greedy, key, HAS_TAU,
                                                             LANES, LW, FAST))
 
@@ -272,13 +281,15 @@ def _segment_body(logits_ptr, packed_ptr, tau_ptr, row, prog, n_prog, inv_t, gre
 def _segment_kernel(logits_ptr, packed_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys_ptr,
                     bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, HAS_MASK: tl.constexpr,
                     HAS_TAU: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr,
-                    VEC: tl.constexpr, FAST: tl.constexpr, done_ptr=None, DONE: tl.constexpr = False):
+                    VEC: tl.constexpr, FAST: tl.constexpr, done_ptr=None, DONE: tl.constexpr = False,
+                    MASK_FIRST: tl.constexpr = False):
     """Program (row, part): PL lanes of one segment (LANES // PL parts per segment) as [PL, LW] in registers (lane
     l: tokens start + k * LANES + l, held by one thread). Every lane computes in-thread its max, weights, running
     sum and inverse-CDF candidate, then its score M_g + ln S_g + G_g (greedy rows: max z and its first id); one
     block reduction packs the part's best lane.
     DONE: rows whose done entry is not -2 are drawn by the finish (from the top-k merge's kept set): their
-    programs return at once."""
+    programs return at once. MASK_FIRST: masked rows read only their allowed tokens' logits (threshold.lane_block).
+    """
     row = tl.program_id(0).to(tl.int64)
     prog = tl.program_id(1)
     if DONE:
@@ -292,10 +303,10 @@ def _segment_kernel(logits_ptr, packed_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys
         mrow = tl.load(mask_rows_ptr + row)
     if (prog // (LANES // PL) + 1) * (LANES * LW) <= V:
         _segment_body(logits_ptr, packed_ptr, tau_ptr, row, prog, n_prog, inv_t, greedy, key, bitmask_ptr, mrow,
-                      bitmask_stride, V, HAS_MASK, HAS_TAU, True, LANES, LW, PL, VEC, FAST)
+                      bitmask_stride, V, HAS_MASK, HAS_TAU, True, LANES, LW, PL, VEC, FAST, MASK_FIRST)
     else:
         _segment_body(logits_ptr, packed_ptr, tau_ptr, row, prog, n_prog, inv_t, greedy, key, bitmask_ptr, mrow,
-                      bitmask_stride, V, HAS_MASK, HAS_TAU, False, LANES, LW, PL, VEC, FAST)
+                      bitmask_stride, V, HAS_MASK, HAS_TAU, False, LANES, LW, PL, VEC, FAST, MASK_FIRST)
 
 
 @triton.jit
@@ -351,16 +362,26 @@ def may_filter(params: RowParams, V: int) -> bool:
 # Variants removed after session 3 (same draws, never faster): a persistent pass prefetching its next item
 # (P=1..4 programs per SM: 21.8 / 14.0 / 13.8 / 12.5 us at B=64), one launch with a per-row completion counter
 # (13.3 us), the in-lane pick moved to the finish for the winning lane (12.5 / 35.5 us).
+# Session 6 (B=64; R1 and R2, each beside the compiled tests: +-1 us run to run): T=1 128x2 10.9 / 11.8 / 11.1
+# against 256x8 11.1 / 12.0 / 12.0 (also 256x4 11.4, 64x2 11.2); masked (random 50% masks) 64x2 14.4 / 14.3 /
+# 14.3 against 128x4 14.5 / 14.6 / 14.6 (256x4 15.3, 128x2 20.8, 64x1 15.3). MASK_FIRST on those masks 15.0 / 16.1
+# against 14.5 / 14.6, on grammar-like masks (2% allowed, runs of 512 tokens) 11.4 / 11.9 against 14.5 / 13.5:
+# off by default (the benchmark's masks are the random ones); a caller that knows its masks are sparse can ask.
 PASS_SHAPE = (256, 2)           # unmasked rows from 128 rows (below: SMALL_SHAPE)
-SMALL_SHAPE = (256, 8)
-MASKED_SHAPE = (128, 4)
+SMALL_SHAPE = (128, 2)
+MASKED_SHAPE = (128, 4)         # masked rows from 128 rows (below: MASKED_SMALL_SHAPE)
+MASKED_SMALL_SHAPE = (64, 2)
+MASK_FIRST = False              # masked rows: mask words first, then only allowed tokens' logits (one lane/thread)
 SPEC_SHAPE = (256, 2)           # the speculative statistics / residual passes: 50.5 us vs 55.1 at 256x8 (R1)
 
 
 def pass_shape(lanes: int, shape=None, masked: bool = False, rows: int = 0) -> tuple[int, int, int]:
     """(lanes per program, warps, lanes per thread) for a rule with `lanes` lanes per segment: `shape`, else the
-    measured defaults above (masked: MASKED_SHAPE; unmasked: SMALL_SHAPE below 128 rows, PASS_SHAPE from there)."""
-    pl, warps = shape or (MASKED_SHAPE if masked else SMALL_SHAPE if rows < 128 else PASS_SHAPE)
+    measured defaults above (below 128 rows SMALL_SHAPE / MASKED_SMALL_SHAPE, from there PASS_SHAPE /
+    MASKED_SHAPE)."""
+    small = rows < 128
+    pl, warps = shape or ((MASKED_SMALL_SHAPE if small else MASKED_SHAPE) if masked else
+                          SMALL_SHAPE if small else PASS_SHAPE)
     pl = min(pl, lanes)
     warps = max(1, min(warps, pl // 32))
     return pl, warps, max(1, pl // (32 * warps))
@@ -368,7 +389,7 @@ def pass_shape(lanes: int, shape=None, masked: bool = False, rows: int = 0) -> t
 
 def sample_triton(logits, params: RowParams, bitmask=None, mask_rows=None, seg: int = SEG, lanes: int = LANES,
                   filters: bool | None = None, histogram: bool | None = None, draw: bool = True, shape=None,
-                  lane_only: bool = False):
+                  lane_only: bool = False, lane_rows: bool | None = None, mask_first: bool | None = None):
     """Two launches (+ the threshold launches when rows may filter: kernels/threshold.py): the pass, one program
     per (row, PL lanes of a segment), then a per-row finish. seg, lanes: segment size and lanes per segment
     (powers of two, lanes a multiple of 32 when a bitmask is given; other values than SEG, LANES draw other tokens
@@ -377,9 +398,11 @@ def sample_triton(logits, params: RowParams, bitmask=None, mask_rows=None, seg: 
     draw (default): the top-k merge draws its rows' tokens (threshold.lane_path: the same rule on the lanes that
     hold kept tokens) and the pass skips them; lane_only (the host knows every row is a sampled row with
     0 < top_k <= threshold.KMAX, as sample_from_logits does): the pass and the finish do not run at all (two
-    launches in all, one read of the logits). Session 4's candidate path (per-unit candidates above a bound found
-    by 8 bisection steps on the lane maxima, a merge for tau, then this pass drawing) measured 51.3 / 131.5 us
-    for top-k50 p0.9 at B=64 / 256 against this lane path's 38.3 / 92.4 (H200, 2026-11-30) and was deleted."""
+    launches in all, one read of the logits); lane_rows=False (the host knows no row takes the lane path:
+    threshold.needs_lane_path): the lane path's launches are skipped. mask_first: MASK_FIRST for this call.
+    Session 4's candidate path (per-unit candidates above a bound found by 8 bisection steps on the lane maxima,
+    a merge for tau, then this pass drawing) measured 51.3 / 131.5 us for top-k50 p0.9 at B=64 / 256 against
+    this lane path's 38.3 / 92.4 (H200, 2026-11-30) and was deleted."""
     lanes = min(lanes, seg)
     if bitmask is not None:
         check(lanes % 32 == 0, f"a masked sampling pass needs lanes % 32 == 0, got lanes={lanes}")
@@ -391,11 +414,12 @@ def sample_triton(logits, params: RowParams, bitmask=None, mask_rows=None, seg: 
     has_tau = may_filter(params, V) if filters is None else filters
     drawn = None
     if has_tau and draw:
-        tau, _, drawn = thresholds_and_paths(logits, params, bitmask, mrows, histogram=histogram, draw=(seg, lanes))
+        tau, _, drawn = thresholds_and_paths(logits, params, bitmask, mrows, histogram=histogram, draw=(seg, lanes),
+                                             lane_rows=lane_rows)
         if lane_only:
             return drawn
     elif has_tau:
-        tau = thresholds_and_paths(logits, params, bitmask, mrows, histogram=histogram)[0]
+        tau = thresholds_and_paths(logits, params, bitmask, mrows, histogram=histogram, lane_rows=lane_rows)[0]
     else:
         tau = logits
     pl, warps, vec = pass_shape(lanes, shape, has_mask, R)
@@ -405,7 +429,8 @@ def sample_triton(logits, params: RowParams, bitmask=None, mask_rows=None, seg: 
         logits, packed, params.inv_temperature, params.greedy, tau, params.keys,
         bitmask if has_mask else logits, mrows if has_mask else packed, bitmask.stride(0) if has_mask else 0,
         V, n_prog, HAS_MASK=has_mask, HAS_TAU=has_tau, LANES=lanes, LW=seg // lanes, PL=pl, VEC=vec,
-        FAST=not INTERPRETING, done_ptr=drawn, DONE=drawn is not None, num_warps=warps)
+        FAST=not INTERPRETING, done_ptr=drawn, DONE=drawn is not None,
+        MASK_FIRST=has_mask and vec == 1 and (MASK_FIRST if mask_first is None else mask_first), num_warps=warps)
     return finish_packed(packed, drawn)
 
 
@@ -452,7 +477,7 @@ def sample_from_logits(logits: torch.Tensor, temperature, top_k, top_p, seed, po
     """
     check_logits_and_mask(logits, bitmask, mask_rows)
     R, V = logits.shape
-    filters = histogram = params = None
+    filters = histogram = params = lane_rows = None
     lane_only = False
     on_gpu = [isinstance(x, torch.Tensor) and x.is_cuda for x in (temperature, top_k, top_p, seed, position)]
     if not any(on_gpu[:3]):
@@ -461,13 +486,14 @@ def sample_from_logits(logits: torch.Tensor, temperature, top_k, top_p, seed, po
                           position if not on_gpu[4] else 0)
         filters, histogram = may_filter(host, V), needs_histogram_path(host, V)
         lane_only = lane_rows_only(host, V)
+        lane_rows = needs_lane_path(host, V)
         if logits.is_cuda and not any(on_gpu):
             params = to_device(host, logits.device)         # two copies, no kernel launches
     if params is None:
         params = row_params(R, logits.device, temperature, top_k, top_p, seed, position)
     if use_triton(logits):
         return sample_triton(logits, params, bitmask, mask_rows, filters=filters, histogram=histogram,
-                             lane_only=lane_only)
+                             lane_only=lane_only, lane_rows=lane_rows)
     return sample_torch(logits, params, bitmask, mask_rows)
 
 

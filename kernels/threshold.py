@@ -23,19 +23,33 @@ tau = -inf. K is {z >= t_k}, t_k the k-th largest z, so its mass needs t_k first
 (count only), then tau.
 
 Method: bucket z on a fixed grid of width 1/INV_W (bin a = floor(z * INV_W), exact: INV_W is a power of two).
-A token in a lower bin than another has a strictly smaller z, so once the tokens in the top bins are at least k
-(rows with top-k), or certainly carry mass >= p (rows with top-p alone; each token of bin a has exp(z - m) >=
-exp(a / INV_W - m)), every token below those bins is dropped. Only the tokens of the top bins (the candidates; a few dozen for top_k ~ 50 on real logits) are
-compacted, and tau is found on them exactly. Four launches, all over (row, vocab chunk) programs:
+A token in a lower bin than another has a strictly smaller z. Rows with top-k: once the tokens in the top bins
+are at least k, every token below those bins is dropped; the candidates are the top bins' tokens (a few dozen
+for top_k ~ 100 on real logits). Rows with top-p alone: each bin's mass lies between count x e^(lower edge - m)
+and count x e^(upper edge - m), so the bins that may hold the cut are bracketed (the highest bin whose upper
+bound of the mass above stays below p * s, down to the first whose lower bound of the mass down to it reaches
+p * s: ~1,000-2,000 tokens of a flat 129k row, a few dozen of a peaked one); the candidates are those bins'
+tokens, and the gather sums the exact mass above and below them. Four launches:
   1. `_hist_kernel`    (row, chunk): chunk max, chunk sum of exp, histogram of bins below the chunk's top bin;
   2. `_select_kernel`  (row): merge the chunk histograms, pick the candidate bins, each chunk's output offset;
   3. `_gather_kernel`  (row, chunk): write the chunk's candidates (z values) compactly (lane-major order: one
-                             scan over lane counts, a running count inside each lane, held by one thread);
-  4. `_tau_kernel`     (row): bisection on the candidates held in registers (exact: keep(t) only changes at
-                             candidate values, and every other token is below them).
+                             scan over lane counts, a running count inside each lane, held by one thread) and
+                             (top-p alone) the chunk's mass above and below them;
+  4. `_tau_kernel`     (row): tau from the candidates in registers (exact: keep(t) only changes at candidate
+                             values, every token above them is kept, every one below them dropped): top-k rows by
+                             all pairs or a bisection; top-p-alone rows by `_top_p_cut` (a histogram narrowing
+                             to <= KP candidates, then all pairs), after checking the bracket on exact sums.
 Passes 1 and 3 read the logits (the second read mostly hits L2 at decode batch sizes); 2 and 4 touch only small
-buffers. A row whose candidates exceed CMAX (a flat distribution with top-p alone, or huge |logits|) falls back
-to the bisection on the fp32 bit pattern (`_bisect_tau`, <= 33 serial passes over that row): exact, slow, rare.
+buffers. A row whose candidates exceed CMAX (ties over thousands of tokens, huge |logits|), or whose bracket the
+exact sums refute, falls back to the bisection on the fp32 bit pattern (`_bisect_tau`, <= 34 serial passes over
+that row): exact, slow, rare. Masses are summed in fp64 (from fp32 weights exp(z - m), one m per row) wherever
+p * s decides: a flat row's boundary token holds ~1e-5 of the mass, within fp32 rounding of a long sum
+(session 5's kernel, fp32 sums, disagreed with the float64 definition on ~1 flat row in 64; pinned by
+tests/kernels/test_threshold.py's boundary test).
+Top-p alone on 64 flat rows (V = 129,280), whole sampling call on an H200: 1,255 us when every such row took the
+bisection (session 5), 127 us with the bracketed cut (session 6: histogram pass 55, select 8, gather 30, tau 19,
+sampling pass 13; the histogram pass is instruction-bound: tl.histogram's ballots, ~75 instructions per token at
+512 bins); benchmarks/kernels_sampling.py has the table.
 """
 import torch
 import triton
@@ -49,11 +63,19 @@ NB = 512              # bins per chunk histogram (the last one collects everythi
 CHUNK = 4096          # tokens per (row, chunk) program in passes 1 and 3
 CMAX = 4096           # most candidates a row may have on the fast path
 SMALL = 256           # candidates up to this many take the short-block variant of the last pass
-GATHER_LANES = 512    # lanes of the candidate pass's [lanes, CHUNK / lanes] blocks
+GATHER_SHAPE = (256, 8)  # candidate pass: (lanes of its [lanes, CHUNK / lanes] blocks, warps); R2, top-p alone on
+                         # 64 flat rows, whole tau call: 103.0 us vs 113.6 at (512, 4) (183 registers: 2 programs
+                         # per SM), 109.6 at (512, 8), 111.1 at (1024, 8), 113.1 at (256, 4)
+HIST_WARPS = 8        # warps of the histogram pass (R1: 53.9 us for top-p-alone flat rows at B=64, instruction-bound:
+                      # tl.histogram's ballots cost ~75 instructions per token at 512 bins; R2 whole tau call 113.6
+                      # us at 8 warps, 116.1 at 4, 131.6 at 16)
+TAU_WARPS = 8         # warps of the tau pass (R2: 113.6 at 8, 130.8 at 4, 113.9 at 16)
+SELECT_WARPS = 8      # warps of the select pass (R2: 113.6 at 8, 113.7 at 4, 114.9 at 16)
 BIN_LIMIT = 1 << 24   # |z * INV_W| is clamped here (bin numbers and bin edges stay exact in fp32)
 KMAX = 64             # rows with 0 < top_k <= KMAX take the candidate path (two launches, one read)
 KP = 128              # top-k sets up to this size get top-p by all pairs (larger: a bisection)
 HB = 64               # bins of the merge's top-slice histogram (many candidates: one histogram, not halvings)
+HB_CUT = 512          # bins of the tau pass's histogram narrowing a top-p-alone row's candidates to <= KP
 
 
 @triton.jit
@@ -90,8 +112,9 @@ def _hist_kernel(logits_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, todo_p
                  bitmask_stride, V, n_chunks, cmax_ptr, csum_ptr, cbin_ptr, hist_ptr,
                  HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, NB: tl.constexpr, INV_W: tl.constexpr,
                  BIN_LIMIT: tl.constexpr):
-    """Program (row, chunk): chunk max, sum exp(z - chunk max), and counts per bin below the chunk's top bin
-    (bin i = top bin - i; bin NB-1 collects the rest). Rows without filters write nothing (nobody reads it)."""
+    """Program (row, chunk): chunk max, sum exp(z - chunk max), the chunk's top bin and allowed tokens, and counts
+    per bin below the top bin (bin i = top bin - i; bin NB-1 collects the rest). Rows without filters write
+    nothing (nobody reads it)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     filt, top_k, top_p = _row_filters(row, V, greedy_ptr, top_k_ptr, top_p_ptr, todo_ptr)
@@ -111,7 +134,8 @@ def _hist_kernel(logits_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, todo_p
         o = row * n_chunks + chunk
         tl.store(cmax_ptr + o, cm)
         tl.store(csum_ptr + o, cs)
-        tl.store(cbin_ptr + o, top)
+        tl.store(cbin_ptr + 2 * o, top)
+        tl.store(cbin_ptr + 2 * o + 1, tl.sum(live.to(tl.int32), 0))
         tl.store(hist_ptr + o * NB + tl.arange(0, NB), hist)
 
 
@@ -120,8 +144,15 @@ def _select_kernel(greedy_ptr, top_k_ptr, top_p_ptr, todo_ptr, V, n_chunks, cmax
                    m_ptr, s_ptr, low_ptr, ncand_ptr, offset_ptr,
                    NCP: tl.constexpr, NB: tl.constexpr, INV_W: tl.constexpr, BIN_LIMIT: tl.constexpr,
                    CMAX: tl.constexpr):
-    """Program (row): row max m and sum s; the lowest candidate bin; candidates per chunk -> output offsets.
-    ncand: -2 = no filtering (tau = -inf), -1 = fall back to the bisection, >= 1 = candidates on the fast path."""
+    """Program (row): row max m and sum s; the candidate bins [low, high] (absolute bin numbers); candidates per
+    chunk -> output offsets. ncand: -2 = no filtering (tau = -inf), -1 = fall back to the bisection, >= 1 =
+    candidates on the fast path.
+    Rows with top-k: every bin from the top down to the one where the count reaches k (K, whose mass
+    renormalises top-p, is inside). Rows with top-p alone: only the bins that may hold the cut, bracketed by
+    each bin's mass bounds (count x e^(lower edge - m), count x e^(upper edge - m)): the highest bin whose upper
+    bound of the mass strictly above stays below p * s, down to the first bin where the lower bound of the mass
+    down to it reaches p * s. The gather then sums the exact mass above and below those bins, and the tau pass
+    checks the bracket on exact sums (a wrong bracket, e.g. from rounding, sends the row to the fallback)."""
     row = tl.program_id(0).to(tl.int64)
     filt, top_k, top_p = _row_filters(row, V, greedy_ptr, top_k_ptr, top_p_ptr, todo_ptr)
     ncand = -2
@@ -131,7 +162,8 @@ def _select_kernel(greedy_ptr, top_k_ptr, top_p_ptr, todo_ptr, V, n_chunks, cmax
         cm = tl.load(cmax_ptr + row * n_chunks + c, mask=okc, other=float("-inf"))
         cs = tl.load(csum_ptr + row * n_chunks + c, mask=okc, other=0.0)
         live = cm > float("-inf")
-        top = tl.load(cbin_ptr + row * n_chunks + c, mask=okc & live, other=-BIN_LIMIT - 1)   # no overflow below
+        top = tl.load(cbin_ptr + 2 * (row * n_chunks + c), mask=okc & live, other=-BIN_LIMIT - 1)   # no overflow
+        n_row = tl.sum(tl.load(cbin_ptr + 2 * (row * n_chunks + c) + 1, mask=okc & live, other=0), 0)
         m = tl.max(cm, 0)
         if m > float("-inf"):
             s = tl.sum(tl.where(live, cs * tl.exp(cm - m), 0.0), 0)
@@ -142,19 +174,32 @@ def _select_kernel(greedy_ptr, top_k_ptr, top_p_ptr, todo_ptr, V, n_chunks, cmax
             ok2 = live[:, None] & (local >= 0) & (local < NB - 1)
             h = tl.load(hist_ptr + (row * n_chunks + c)[:, None] * NB + local, mask=ok2, other=0)
             counts = tl.sum(h, 0)                                           # [NB]; bin NB-1 stays 0
-            # lower bound of each bin's mass: its tokens have z >= bin / INV_W (bins and edges exact in fp32)
-            low_mass = counts.to(tl.float32) * tl.exp((mbin - b).to(tl.float32) * (1.0 / INV_W) - m)
             cum_count = tl.cumsum(counts, 0)
-            cum_mass = tl.cumsum(low_mass, 0) * 0.9999                      # margin for exp/sum rounding
             # with top-k the candidates must hold all of K (its mass renormalises top-p): stop on the count only
-            done = ((cum_count >= top_k) | ((top_k >= V) & (cum_mass >= top_p * s))) & (b < NB - 1)
-            j0 = tl.min(tl.where(done, b, NB), 0)
-            ncand = tl.sum(tl.where(b <= j0, counts, 0), 0)
+            # the first bin down to which every allowed token is counted (NB: some lie past the histogram): the
+            # candidates may stop there whatever k or p asks (rows whose mask leaves few tokens)
+            j_all = tl.min(tl.where((cum_count >= n_row) & (b < NB - 1), b, NB), 0)
+            j0 = tl.min(tl.where((cum_count >= top_k) & (b < NB - 1), b, NB), 0)
+            j_first = 0
+            if top_k >= V:
+                # top-p alone: mass bounds of each bin (its tokens have z in [edge, edge + 1/INV_W), and <= m)
+                edge = (mbin - b).to(tl.float32) * (1.0 / INV_W) - m
+                low_mass = counts.to(tl.float32) * tl.exp(edge)
+                up_mass = counts.to(tl.float32) * tl.exp(tl.minimum(edge + 1.0 / INV_W, 0.0))
+                lim = top_p * s
+                above_up = tl.cumsum(up_mass, 0) - up_mass                  # upper bound of the mass above bin b
+                j_first = tl.sum((above_up < lim * 0.9999).to(tl.int32), 0) - 1
+                j0 = tl.min(tl.where((tl.cumsum(low_mass, 0) >= lim * 1.0001) & (b < NB - 1), b, NB), 0)
+            j0 = tl.minimum(j0, j_all)
+            in_c = (b <= j0) & (b >= j_first)
+            ncand = tl.sum(tl.where(in_c, counts, 0), 0)
             fast = (j0 < NB) & (ncand <= CMAX) & (mbin < BIN_LIMIT - 1) & (mbin - NB > -BIN_LIMIT)
             if fast:
-                per_chunk = tl.sum(tl.where(b[None, :] <= j0, h, 0), 1)    # [NCP]
+                per_chunk = tl.sum(tl.where(in_c[None, :], h, 0), 1)       # [NCP]
                 tl.store(offset_ptr + row * n_chunks + c, tl.cumsum(per_chunk, 0) - per_chunk, mask=okc)
-                tl.store(low_ptr + row, mbin - j0)
+                tl.store(low_ptr + 2 * row, mbin - j0)
+                # rows with top-k: every bin above low (no outside mass needed: high is past every bin)
+                tl.store(low_ptr + 2 * row + 1, tl.where(top_k >= V, mbin - j_first, BIN_LIMIT + 1))
             else:
                 ncand = -1
             tl.store(m_ptr + row, m)
@@ -208,7 +253,7 @@ def _load_words(bitmask_ptr, woff, ok, VEC: tl.constexpr, FAST: tl.constexpr):
 @triton.jit
 def lane_block(logits_ptr, bitmask_ptr, row, start, V, mrow, bitmask_stride, HAS_MASK: tl.constexpr,
                FULL: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr, sub, VEC: tl.constexpr,
-               FAST: tl.constexpr):
+               FAST: tl.constexpr, MASK_FIRST: tl.constexpr = False):
     """Raw logits (fp32) of the tokens start + k * LANES + l, l = sub * PL .. sub * PL + PL - 1, as a [PL, LW]
     block: lanes along dim 0 (contiguous in memory, VEC side by side per thread: 16 / 8 / 4-byte loads, spread
     over threads), a lane's LW tokens along dim 1 (held by one thread, so per-lane reductions need no
@@ -219,20 +264,29 @@ def lane_block(logits_ptr, bitmask_ptr, row, start, V, mrow, bitmask_stride, HAS
     pos = lane[:, None] + k[None, :] * LANES
     pos = tl.max_contiguous(tl.multiple_of(pos, [VEC, 1]), [VEC, 1])
     ptrs = logits_ptr + row * V + start + pos
-    if FULL:
-        x = tl.load(ptrs).to(tl.float32)
-    else:
-        x = tl.load(ptrs, mask=pos < V - start, other=float("-inf")).to(tl.float32)
-    if HAS_MASK:
-        # token start + pos sits in word (start + pos) // 32 at bit pos % 32 (start, LANES multiples of 32); the
-        # offsets keep dim 0 first in contiguity so that the words load takes the logits' layout
+    if MASK_FIRST:
+        # (masked rows only) the mask words first, then only the allowed tokens' logits (a sector whose tokens are
+        # all banned is never read: grammar masks ban whole ranges); per-token predicates: one lane per thread
         woff = (start + k[None, :] * LANES) // 32 + lane[:, None] // 32
+        ok = pos < V - start
+        words = tl.load(bitmask_ptr + mrow * bitmask_stride + woff, mask=(mrow >= 0) & ok, other=-1)
+        allowed = ok & ((words & (1 << (lane % 32))[:, None]) != 0)
+        x = tl.load(ptrs, mask=allowed, other=float("-inf")).to(tl.float32)
+    else:
         if FULL:
-            words = _load_words(bitmask_ptr + mrow * bitmask_stride, woff, mrow >= 0, VEC, FAST)
+            x = tl.load(ptrs).to(tl.float32)
         else:
-            words = tl.load(bitmask_ptr + mrow * bitmask_stride + woff, mask=(mrow >= 0) & (pos < V - start),
-                            other=-1)
-        x = tl.where((words & (1 << (lane % 32))[:, None]) != 0, x, float("-inf"))
+            x = tl.load(ptrs, mask=pos < V - start, other=float("-inf")).to(tl.float32)
+        if HAS_MASK:
+            # token start + pos sits in word (start + pos) // 32 at bit pos % 32 (start, LANES multiples of 32);
+            # the offsets keep dim 0 first in contiguity so that the words load takes the logits' layout
+            woff = (start + k[None, :] * LANES) // 32 + lane[:, None] // 32
+            if FULL:
+                words = _load_words(bitmask_ptr + mrow * bitmask_stride, woff, mrow >= 0, VEC, FAST)
+            else:
+                words = tl.load(bitmask_ptr + mrow * bitmask_stride + woff, mask=(mrow >= 0) & (pos < V - start),
+                                other=-1)
+            x = tl.where((words & (1 << (lane % 32))[:, None]) != 0, x, float("-inf"))
     return lane, pos, x
 
 
@@ -267,22 +321,36 @@ def row_block_z(logits_ptr, bitmask_ptr, mask_rows_ptr, inv_t_ptr, row, start, V
 
 @triton.jit
 def _gather_kernel(logits_ptr, inv_t_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_chunks, low_ptr,
-                   ncand_ptr, offset_ptr, cand_ptr, HAS_MASK: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr,
-                   INV_W: tl.constexpr, BIN_LIMIT: tl.constexpr, CMAX: tl.constexpr, VEC: tl.constexpr,
-                   FAST: tl.constexpr):
-    """Program (row, chunk): the chunk's candidates (z in a bin >= the lowest candidate bin), written compactly
-    at the chunk's offset in lane-major order (one scan over the lanes' counts, then a running count inside each
-    lane, held by one thread)."""
+                   ncand_ptr, offset_ptr, cand_ptr, m_ptr, outside_ptr, HAS_MASK: tl.constexpr, LANES: tl.constexpr,
+                   LW: tl.constexpr, INV_W: tl.constexpr, BIN_LIMIT: tl.constexpr, CMAX: tl.constexpr,
+                   VEC: tl.constexpr, FAST: tl.constexpr):
+    """Program (row, chunk): the chunk's candidates (z in a bin of [low, high]), written compactly at the chunk's
+    offset in lane-major order (one scan over the lanes' counts, then a running count inside each lane, held by
+    one thread), and the chunk's mass sum exp(z - m) (m: the row max) above the candidate bins and below them,
+    summed in fp64 (outside[row, chunk] = (above, below)): the tau pass needs the exact mass around the
+    candidates when top-p alone gathered only the bins that may hold the cut."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     if tl.load(ncand_ptr + row) > 0:
         z, pos = row_block_z(logits_ptr, bitmask_ptr, mask_rows_ptr, inv_t_ptr, row, chunk * (LANES * LW), V,
                              bitmask_stride, HAS_MASK, LANES, LW, LANES, 0, VEC, FAST)
-        is_c = ((z > float("-inf")) & (_bin(z, INV_W, BIN_LIMIT) >= tl.load(low_ptr + row))).to(tl.int32)
+        live = z > float("-inf")
+        # bin(z) > high  <=>  z >= (high + 1) / INV_W, bin(z) < low  <=>  z < low / INV_W: the edges are exact
+        # (INV_W is a power of two) and the fast path keeps every bin inside the clamp, so two compares per token
+        high = tl.load(low_ptr + 2 * row + 1)
+        above = live & (z >= (high + 1).to(tl.float32) * (1.0 / INV_W))
+        below = live & (z < tl.load(low_ptr + 2 * row).to(tl.float32) * (1.0 / INV_W))
+        is_c = (live & ~above & ~below).to(tl.int32)
         per_lane = tl.sum(is_c, 1)
         lane_start = tl.cumsum(per_lane, 0) - per_lane
         at = tl.load(offset_ptr + row * n_chunks + chunk) + lane_start[:, None] + tl.cumsum(is_c, 1) - 1
         tl.store(cand_ptr + row * CMAX + at, z, mask=is_c != 0)
+        if high <= BIN_LIMIT:                               # top-p alone (rows with top-k need no outside mass)
+            e = tl.exp(z - tl.load(m_ptr + row))
+            # in-thread fp32 sums of a lane's LW terms, then fp64 across the lanes
+            o = 2 * (row * n_chunks + chunk)
+            tl.store(outside_ptr + o, tl.sum(tl.sum(tl.where(above, e, 0.0), 1).to(tl.float64), 0))
+            tl.store(outside_ptr + o + 1, tl.sum(tl.sum(tl.where(below, e, 0.0), 1).to(tl.float64), 0))
 
 
 @triton.jit
@@ -295,16 +363,17 @@ def _ordered(x):
 def _count_mass_above(t, z, e, logits_ptr, row, V, inv_t, bitmask_ptr, mrow, bitmask_stride, m,
                       HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, FROM_ROW: tl.constexpr):
     """(count, sum of exp(z - m)) of the values > t: of block z (weights e) or, FROM_ROW, of the row in memory
-    (one pass over it)."""
+    (one pass over it, the sums in fp64: ~127 terms per accumulator at V = 129,280, whose fp32 rounding, ~1e-6 of
+    the mass, would decide flat rows' margins)."""
     if FROM_ROW:
         cnt = tl.zeros([BLOCK], tl.int32)
-        mass = tl.zeros([BLOCK], tl.float32)
+        mass = tl.zeros([BLOCK], tl.float64)
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             zr = load_z(logits_ptr, row, cols, V, inv_t, bitmask_ptr, mrow, bitmask_stride, HAS_MASK)
             above = zr > t
             cnt += above.to(tl.int32)
-            mass += tl.where(above, tl.exp(zr - m), 0.0)
+            mass += tl.where(above, tl.exp(zr - m), 0.0).to(tl.float64)
         return tl.sum(cnt, 0), tl.sum(mass, 0)
     else:
         above = z > t
@@ -312,16 +381,16 @@ def _count_mass_above(t, z, e, logits_ptr, row, V, inv_t, bitmask_ptr, mrow, bit
 
 
 @triton.jit
-def _bisect(z, e, zmin, m, top_k, top_p, s, logits_ptr, row, V, inv_t, bitmask_ptr, mrow, bitmask_stride,
+def _bisect(z, e, zmin, m, top_k, top_p, s, base, logits_ptr, row, V, inv_t, bitmask_ptr, mrow, bitmask_stride,
             HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, FROM_ROW: tl.constexpr):
     """Smallest t among the values (block z with weights e, or FROM_ROW the row in memory) with keep(t):
-    count(z > t) < k and mass(z > t) < p * s (s: the mass p is relative to); keep is monotone in t and true at
-    t = m. A bisection on the ordered fp32 bits between zmin and m (<= 32 steps, each a count: two block
-    reductions, or a pass over the row)."""
+    count(z > t) < k and base + mass(z > t) < p * s (s: the mass p is relative to; base: the mass of larger
+    values outside the block); keep is monotone in t and true at t = m. A bisection on the ordered fp32 bits
+    between zmin and m (<= 32 steps, each a count: two block reductions, or a pass over the row)."""
     cnt, mass = _count_mass_above(zmin, z, e, logits_ptr, row, V, inv_t, bitmask_ptr, mrow, bitmask_stride, m,
                                   HAS_MASK, BLOCK, FROM_ROW)
     tau = zmin
-    if (cnt >= top_k) | (mass >= _p_limit(top_p, s)):
+    if (cnt >= top_k) | (base + mass >= _p_limit(top_p, s)):
         lo = _ordered(zmin.to(tl.int32, bitcast=True)).to(tl.int64)      # keep(lo) is false
         hi = _ordered(m.to(tl.int32, bitcast=True)).to(tl.int64)         # keep(hi) is true
         while hi - lo > 1:
@@ -329,7 +398,7 @@ def _bisect(z, e, zmin, m, top_k, top_p, s, logits_ptr, row, V, inv_t, bitmask_p
             t = _ordered(mid.to(tl.int32)).to(tl.float32, bitcast=True)
             cnt, mass = _count_mass_above(t, z, e, logits_ptr, row, V, inv_t, bitmask_ptr, mrow, bitmask_stride, m,
                                           HAS_MASK, BLOCK, FROM_ROW)
-            if (cnt < top_k) & (mass < _p_limit(top_p, s)):
+            if (cnt < top_k) & (base + mass < _p_limit(top_p, s)):
                 hi = mid
             else:
                 lo = mid
@@ -341,49 +410,45 @@ def _bisect(z, e, zmin, m, top_k, top_p, s, logits_ptr, row, V, inv_t, bitmask_p
 def _p_limit(top_p, s):
     """The mass that strictly larger tokens must stay below: p * s, unbounded when p >= 1 (top-p off, even where
     float masses saturate on huge logit gaps)."""
-    lim = top_p * s
-    if top_p >= 1.0:
-        lim = float("inf")
-    return lim
+    return tl.where(top_p >= 1.0, float("inf"), top_p * s)
 
 
 @triton.jit
 def _mass_at_least(logits_ptr, row, V, inv_t, bitmask_ptr, mrow, bitmask_stride, t, m, HAS_MASK: tl.constexpr,
                    BLOCK: tl.constexpr):
-    """sum of exp(z - m) over the row's tokens with z >= t."""
-    mass = tl.zeros([BLOCK], tl.float32)
+    """sum of exp(z - m) over the row's tokens with z >= t (fp64 sums, as `_count_mass_above`)."""
+    mass = tl.zeros([BLOCK], tl.float64)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         z = load_z(logits_ptr, row, cols, V, inv_t, bitmask_ptr, mrow, bitmask_stride, HAS_MASK)
-        mass += tl.where(z >= t, tl.exp(z - m), 0.0)
+        mass += tl.where(z >= t, tl.exp(z - m), 0.0).to(tl.float64)
     return tl.sum(mass, 0)
 
 
 @triton.jit
 def _bisect_tau(logits_ptr, row, V, inv_t, top_k, top_p, bitmask_ptr, mrow, bitmask_stride,
                 HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
-    """The fallback: statistics pass, then bisections on the ordered fp32 bits (<= 32 passes each): t_k (count
-    only) when top-k filters, the mass of K, then tau."""
+    """The fallback: the row max, then bisections on the ordered fp32 bits (<= 32 passes each): t_k (count only)
+    when top-k filters, then tau; the mass p is relative to (the row's, or K's) is summed by the same formula as
+    the masses compared with it (exp(z - m) with the final m, fp64 sums). Session 5's fallback summed the row's
+    mass online (rescaled at each new max) and the compared masses in fp32: ~1e-6 apart, while a flat row's
+    boundary token holds ~1e-5 of the mass, so 1 row in 64 kept one token more or less than the definition."""
     m = float("-inf")
-    s = 0.0
     zmin = float("inf")
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         z = load_z(logits_ptr, row, cols, V, inv_t, bitmask_ptr, mrow, bitmask_stride, HAS_MASK)
-        new_m = tl.maximum(m, tl.max(z, 0))
-        if new_m > float("-inf"):
-            s = s * tl.exp(m - new_m) + tl.sum(tl.where(z > float("-inf"), tl.exp(z - new_m), 0.0), 0)
-            m = new_m
+        m = tl.maximum(m, tl.max(z, 0))
         zmin = tl.minimum(zmin, tl.min(tl.where(z > float("-inf"), z, float("inf")), 0))
     tau = float("-inf")
     if m > float("-inf"):
-        sk = s
+        sk = _mass_at_least(logits_ptr, row, V, inv_t, bitmask_ptr, mrow, bitmask_stride, zmin, m, HAS_MASK, BLOCK)
         if top_k < V:                                   # K = {z >= t_k}: its mass renormalises top-p
-            t_k = _bisect(zmin, zmin, zmin, m, top_k, 2.0, s, logits_ptr, row, V, inv_t, bitmask_ptr, mrow,
+            t_k = _bisect(zmin, zmin, zmin, m, top_k, 2.0, sk, 0.0, logits_ptr, row, V, inv_t, bitmask_ptr, mrow,
                           bitmask_stride, HAS_MASK, BLOCK, True)
             sk = _mass_at_least(logits_ptr, row, V, inv_t, bitmask_ptr, mrow, bitmask_stride, t_k, m, HAS_MASK,
                                 BLOCK)
-        tau = _bisect(zmin, zmin, zmin, m, top_k, top_p, sk, logits_ptr, row, V, inv_t, bitmask_ptr, mrow,
+        tau = _bisect(zmin, zmin, zmin, m, top_k, top_p, sk, 0.0, logits_ptr, row, V, inv_t, bitmask_ptr, mrow,
                       bitmask_stride, HAS_MASK, BLOCK, True)
     return tau
 
@@ -399,9 +464,9 @@ def _bisect_candidates(cand_ptr, n, m, s, top_k, top_p, V, BLOCK: tl.constexpr):
     zmin = tl.min(tl.where(z > float("-inf"), z, float("inf")), 0)
     sk = s
     if top_k < V:
-        t_k = _bisect(z, e, zmin, m, top_k, 2.0, 1.0, cand_ptr, 0, V, 1.0, cand_ptr, 0, 0, False, BLOCK, False)
+        t_k = _bisect(z, e, zmin, m, top_k, 2.0, 1.0, 0.0, cand_ptr, 0, V, 1.0, cand_ptr, 0, 0, False, BLOCK, False)
         sk = tl.sum(tl.where(z >= t_k, e, 0.0), 0)
-    return _bisect(z, e, zmin, m, top_k, top_p, sk, cand_ptr, 0, V, 1.0, cand_ptr, 0, 0, False, BLOCK, False)
+    return _bisect(z, e, zmin, m, top_k, top_p, sk, 0.0, cand_ptr, 0, V, 1.0, cand_ptr, 0, 0, False, BLOCK, False)
 
 
 @triton.jit
@@ -424,6 +489,16 @@ def _pairs_above(ptr, n, m, N: tl.constexpr, JB: tl.constexpr):
 
 
 @triton.jit
+def _compact_pairs(z, sel, n_sel, m, scratch_ptr, KP: tl.constexpr, JB: tl.constexpr):
+    """`_pairs_above` on the n_sel <= KP selected entries of block z, compacted into scratch_ptr first (the caller
+    puts a barrier after its last use of the result, before the scratch is written again)."""
+    at = tl.cumsum(sel.to(tl.int32), 0) - 1
+    tl.store(scratch_ptr + at, z, mask=sel)
+    tl.debug_barrier()                              # the block's stores before its loads
+    return _pairs_above(scratch_ptr, n_sel, m, KP, JB)
+
+
+@triton.jit
 def _direct_candidates(cand_ptr, n, m, s, top_k, top_p, V, BLOCK: tl.constexpr, JB: tl.constexpr):
     """tau from n <= BLOCK candidates by the definition, without a serial search: for every candidate v the count
     and the mass of candidates with z > z_v (blocks of JB columns of the all-pairs comparison, independent of
@@ -441,39 +516,94 @@ def _direct_candidates(cand_ptr, n, m, s, top_k, top_p, V, BLOCK: tl.constexpr, 
 
 
 @triton.jit
-def _tau_kernel(logits_ptr, tau_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, todo_ptr, bitmask_ptr,
-                mask_rows_ptr, bitmask_stride, V, m_ptr, s_ptr, ncand_ptr, cand_ptr,
-                HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, CMAX: tl.constexpr, SMALL: tl.constexpr):
-    """Program (row) of the histogram path: tau from the candidates (fast path) or from the bisection (fallback).
-    Rows the candidate path solved keep its tau."""
-    row = tl.program_id(0).to(tl.int64)
-    if tl.load(todo_ptr + row) == -3:
-        _tau_row(logits_ptr, tau_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, todo_ptr, bitmask_ptr,
-                 mask_rows_ptr, bitmask_stride, V, m_ptr, s_ptr, ncand_ptr, cand_ptr, row, HAS_MASK, BLOCK, CMAX,
-                 SMALL)
+def _top_p_cut(cand_ptr, n, m, base, below, top_p, scratch_ptr, BLOCK: tl.constexpr, KP: tl.constexpr,
+               JB: tl.constexpr, HB: tl.constexpr, HIST: tl.constexpr):
+    """(tau, ok) for top-p alone from the n candidates at cand_ptr (the tokens of the bins that may hold the cut),
+    base / below: the exact mass (sum exp(z - m), fp64) of the row's tokens above / below them. The row's mass is
+    s = base + below + the candidates' mass; v is kept iff base + mass(candidates > z_v) < p * s.
+    Many candidates (> KP) are narrowed first: a histogram of HB bins over their value range, each bin's mass
+    bounded by its count and its edges, brackets the cut the same way the select did (HIST: the block is large
+    enough for tl.histogram); the candidates above the bracket join `base` by one masked sum. The last <= KP
+    by all pairs (no serial search); more (ties, dense bins): a bisection on the block.
+    ok: the cut lies inside the candidates (base < p * s <= base + their mass), checked on the exact sums, so a
+    bracket that rounding made wrong sends the row to the fallback instead of giving a wrong tau."""
+    i = tl.arange(0, BLOCK)
+    z = tl.load(cand_ptr + i, mask=i < n, other=float("-inf"))
+    live = z > float("-inf")
+    e = tl.where(live, tl.exp(z - m), 0.0)
+    total = tl.sum(e.to(tl.float64), 0)
+    lim = top_p * (base + below + total)
+    ok = (base < lim) & (base + total >= lim)
+    sel = live
+    base2 = base
+    n_sel = n
+    if HIST & (n > KP):
+        zmax = tl.max(z, 0)
+        zmin = tl.min(tl.where(live, z, float("inf")), 0)
+        width = tl.where(zmax > zmin, (zmax - zmin) * (1.0 / HB), 1.0)
+        b = tl.where(live, tl.minimum(tl.floor((zmax - tl.where(live, z, zmax)) / width), HB - 1.0), HB - 1.0)
+        b = b.to(tl.int32)
+        cnt = tl.histogram(b, HB, mask=live).to(tl.float32)
+        top_edge = zmax - tl.arange(0, HB).to(tl.float32) * width - m
+        up = cnt * tl.exp(tl.minimum(top_edge, zmax - m))
+        low = cnt * tl.exp(top_edge - width)
+        j = tl.arange(0, HB)
+        j_first = tl.maximum(tl.sum((base + (tl.cumsum(up, 0) - up) < lim * 0.9999).to(tl.int32), 0) - 1, 0)
+        j_last = tl.min(tl.where(base + tl.cumsum(low, 0) >= lim * 1.0001, j, HB - 1), 0)
+        sel = live & (b >= j_first) & (b <= j_last)
+        base2 = base + tl.sum(tl.where(live & (b < j_first), e, 0.0).to(tl.float64), 0)
+        n_sel = tl.sum(sel.to(tl.int32), 0)
+    if n_sel <= KP:
+        zi, cnt_gt, mass = _compact_pairs(z, sel, n_sel, m, scratch_ptr, KP, JB)
+        keep = (zi > float("-inf")) & (base2 + mass.to(tl.float64) < lim)
+        tau = tl.min(tl.where(keep, zi, float("inf")), 0)
+        ok = ok & (base2 < lim) & (base2 + tl.sum(tl.where(sel, e, 0.0).to(tl.float64), 0) >= lim)
+        tl.debug_barrier()                              # every load of the scratch before a later reuse
+    else:
+        zmin = tl.min(tl.where(live, z, float("inf")), 0)
+        tau = _bisect(z, e, zmin, m, 2147483647, top_p, base + below + total, base, cand_ptr, 0, 0, 1.0, cand_ptr,
+                      0, 0, False, BLOCK, False)
+    return tau, ok
 
 
 @triton.jit
-def _tau_row(logits_ptr, tau_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, todo_ptr, bitmask_ptr,
-             mask_rows_ptr, bitmask_stride, V, m_ptr, s_ptr, ncand_ptr, cand_ptr, row, HAS_MASK: tl.constexpr,
-             BLOCK: tl.constexpr, CMAX: tl.constexpr, SMALL: tl.constexpr):
-    filt, top_k, top_p = _row_filters(row, V, greedy_ptr, top_k_ptr, top_p_ptr, todo_ptr)
-    ncand = tl.load(ncand_ptr + row)
-    tau = float("-inf")
-    if ncand > 0:
-        if ncand <= SMALL:                          # the usual case (top_k ~ 50): all pairs, no serial search
-            tau = _direct_candidates(cand_ptr + row * CMAX, ncand, tl.load(m_ptr + row), tl.load(s_ptr + row),
-                                     top_k, top_p, V, SMALL, 32)
-        else:
-            tau = _bisect_candidates(cand_ptr + row * CMAX, ncand, tl.load(m_ptr + row), tl.load(s_ptr + row),
-                                     top_k, top_p, V, CMAX)
-    elif ncand == -1:
-        mrow = -1
-        if HAS_MASK:
-            mrow = tl.load(mask_rows_ptr + row)
-        tau = _bisect_tau(logits_ptr, row, V, tl.load(inv_t_ptr + row), top_k, top_p, bitmask_ptr, mrow,
-                          bitmask_stride, HAS_MASK, BLOCK)
-    tl.store(tau_ptr + row, tau)
+def _tau_kernel(logits_ptr, tau_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, todo_ptr, bitmask_ptr,
+                mask_rows_ptr, bitmask_stride, V, n_chunks, m_ptr, s_ptr, ncand_ptr, cand_ptr, outside_ptr,
+                scratch_ptr, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, CMAX: tl.constexpr, SMALL: tl.constexpr,
+                NCP: tl.constexpr, KP: tl.constexpr, HB: tl.constexpr):
+    """Program (row) of the histogram path: tau from the candidates (fast path) or from the bisection (fallback:
+    the select's, or a top-p bracket that the exact sums refuted, reported as ncand = -1). Rows the candidate
+    path solved keep its tau."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(todo_ptr + row) == -3:
+        filt, top_k, top_p = _row_filters(row, V, greedy_ptr, top_k_ptr, top_p_ptr, todo_ptr)
+        ncand = tl.load(ncand_ptr + row)
+        tau = float("-inf")
+        m = tl.load(m_ptr + row)
+        if ncand > 0:
+            if top_k >= V:                              # top-p alone: the bracketed bins and the exact sums around
+                c = tl.arange(0, NCP)
+                o = 2 * (row * n_chunks + c)
+                outside_base = tl.sum(tl.load(outside_ptr + o, mask=c < n_chunks, other=0.0), 0)
+                outside_below = tl.sum(tl.load(outside_ptr + o + 1, mask=c < n_chunks, other=0.0), 0)
+                tau, ok = _top_p_cut(cand_ptr + row * CMAX, ncand, m, outside_base, outside_below, top_p,
+                                     scratch_ptr + row * KP, CMAX, KP, 32, HB, CMAX >= 1024)
+                if not ok:
+                    ncand = -1
+                    tl.store(ncand_ptr + row, -1)
+            elif ncand <= SMALL:                        # the usual case (top_k ~ 50): all pairs, no serial search
+                tau = _direct_candidates(cand_ptr + row * CMAX, ncand, m, tl.load(s_ptr + row), top_k, top_p, V,
+                                         SMALL, 32)
+            else:
+                tau = _bisect_candidates(cand_ptr + row * CMAX, ncand, m, tl.load(s_ptr + row), top_k, top_p, V,
+                                         CMAX)
+        if ncand == -1:
+            mrow = -1
+            if HAS_MASK:
+                mrow = tl.load(mask_rows_ptr + row)
+            tau = _bisect_tau(logits_ptr, row, V, tl.load(inv_t_ptr + row), top_k, top_p, bitmask_ptr, mrow,
+                              bitmask_stride, HAS_MASK, BLOCK)
+        tl.store(tau_ptr + row, tau)
 
 
 # ---------------------------------------------------------------------------------------------- candidate path
@@ -558,13 +688,13 @@ def segment_pack(x, lane, pos, start, seg, inv_t, greedy, key, HAS_TAU: tl.const
 
 
 @triton.jit
-def _is_cand_row(row, V, greedy_ptr, top_k_ptr, top_p_ptr, KMAX: tl.constexpr):
+def _is_cand_row(row, V, greedy_ptr, top_k_ptr, top_p_ptr, KMAX: tl.constexpr, P_LANES: tl.constexpr):
     """(candidate-path row?, k used for its candidates, top-p alone?): rows with 0 < top_k <= KMAX, and rows with
     top-p alone, which try the KMAX largest (their kept set is inside when those carry mass >= p)."""
     top_k = tl.load(top_k_ptr + row)
     sampled = tl.load(greedy_ptr + row) == 0
     by_k = (top_k > 0) & (top_k < V)
-    p_only = sampled & (not by_k) & (tl.load(top_p_ptr + row) < 1.0)
+    p_only = sampled & (not by_k) & (tl.load(top_p_ptr + row) < 1.0) & P_LANES
     return (sampled & by_k & (top_k <= KMAX)) | p_only, tl.where(p_only, KMAX, top_k), p_only
 
 
@@ -648,10 +778,7 @@ def _block_tau(z, n_live, top_k, top_p, p_only, lim_row, V, scratch_ptr, KP: tl.
             n_sel = tl.sum(sel.to(tl.int32), 0)
     if n_sel <= KP:
         # the usual case: the selected candidates compacted, then all pairs (no serial search)
-        at = tl.cumsum(sel.to(tl.int32), 0) - 1
-        tl.store(scratch_ptr + at, z, mask=sel)
-        tl.debug_barrier()                              # the block's stores before its loads
-        zi, cnt_gt, mass = _pairs_above(scratch_ptr, n_sel, m, KP, JB)
+        zi, cnt_gt, mass = _compact_pairs(z, sel, n_sel, m, scratch_ptr, KP, JB)
         in_k = (zi > float("-inf")) & (cnt_gt < top_k)
         sk = tl.sum(tl.where(in_k, tl.exp(zi - m), 0.0), 0)
         lim_mass = sk                # top-p is relative to the top-k set's mass ...
@@ -672,8 +799,8 @@ def _block_tau(z, n_live, top_k, top_p, p_only, lim_row, V, scratch_ptr, KP: tl.
                 path = -3
         tau = t_k
         if (top_p < 1.0) & (path != -3):
-            tau = _bisect(tl.where(sel, z, float("-inf")), e, t_k, m, V + 1, top_p, lim_mass, scratch_ptr, 0, V, 1.0,
-                          scratch_ptr, 0, 0, False, 16, False)
+            tau = _bisect(tl.where(sel, z, float("-inf")), e, t_k, m, V + 1, top_p, lim_mass, 0.0, scratch_ptr, 0, V,
+                          1.0, scratch_ptr, 0, 0, False, 16, False)
     return tau, path
 
 
@@ -681,13 +808,14 @@ def _block_tau(z, n_live, top_k, top_p, p_only, lim_row, V, scratch_ptr, KP: tl.
 @triton.jit
 def _lane_max_kernel(logits_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, bitmask_ptr, mask_rows_ptr,
                      bitmask_stride, V, n_lanes, lmax_ptr, lmass_ptr, HAS_MASK: tl.constexpr, LANES: tl.constexpr,
-                     LW: tl.constexpr, PL: tl.constexpr, VEC: tl.constexpr, KMAX: tl.constexpr, FAST: tl.constexpr):
+                     LW: tl.constexpr, PL: tl.constexpr, VEC: tl.constexpr, KMAX: tl.constexpr, FAST: tl.constexpr,
+                     P_LANES: tl.constexpr = True):
     """Program (row, PL lanes of a segment) of a candidate-path row: every lane's max z stored (-inf: nothing
     allowed), and for top-p-alone rows its mass sum exp(z - max) (the row's mass for the merge). No block
     reduction: a lane's LW tokens sit in one thread (the sampling pass's lanes, so the merge can draw)."""
     row = tl.program_id(0).to(tl.int64)
     prog = tl.program_id(1)
-    is_c, top_k, p_only = _is_cand_row(row, V, greedy_ptr, top_k_ptr, top_p_ptr, KMAX)
+    is_c, top_k, p_only = _is_cand_row(row, V, greedy_ptr, top_k_ptr, top_p_ptr, KMAX, P_LANES)
     if is_c:
         seg = prog // (LANES // PL)
         sub = prog % (LANES // PL)
@@ -776,7 +904,7 @@ def _lane_merge_kernel(logits_ptr, tau_ptr, path_ptr, tok_ptr, inv_t_ptr, greedy
                        scratch_ptr, HAS_MASK: tl.constexpr, NG: tl.constexpr, LCAP: tl.constexpr,
                        KMAX: tl.constexpr, KP: tl.constexpr, JB: tl.constexpr, HB: tl.constexpr,
                        ROUNDS: tl.constexpr, BLOCK: tl.constexpr, DRAW: tl.constexpr, LANES: tl.constexpr,
-                       LW: tl.constexpr, FAST: tl.constexpr, UPTO: tl.constexpr = 4):
+                       LW: tl.constexpr, FAST: tl.constexpr, UPTO: tl.constexpr = 4, P_LANES: tl.constexpr = True):
     """Program (row) of a candidate-path row: the lanes that may hold top-k tokens (`_lane_bound` on the stored
     lane maxima), their tokens gathered as a [LCAP, LW] block, tau from them (`_block_tau`), and with DRAW the
     row's token by the sampling rule on those lanes restricted to z >= tau (`segment_pack`, the pass's very
@@ -787,7 +915,7 @@ def _lane_merge_kernel(logits_ptr, tau_ptr, path_ptr, tok_ptr, inv_t_ptr, greedy
     UPTO < 4 (benchmarks, to time the stages by differences; the result is then wrong): 1 gathers the top lane
     only, 2 adds the lane bound, 3 adds tau, 4 the draw."""
     row = tl.program_id(0).to(tl.int64)
-    is_c, top_k, p_only = _is_cand_row(row, V, greedy_ptr, top_k_ptr, top_p_ptr, KMAX)
+    is_c, top_k, p_only = _is_cand_row(row, V, greedy_ptr, top_k_ptr, top_p_ptr, KMAX, P_LANES)
     top_p = tl.load(top_p_ptr + row)
     path = -2
     tau = float("-inf")
@@ -876,6 +1004,7 @@ def _lane_merge_kernel(logits_ptr, tau_ptr, path_ptr, tok_ptr, inv_t_ptr, greedy
 NEG_INF_KEY = (0xFF800000 - (1 << 32)) ^ 0x7FFFFFFF
 NEG_INF_KEY_C = tl.constexpr(NEG_INF_KEY)
 LCAP = 128            # lanes the lane path's merge gathers at most (x LW tokens each)
+P_ONLY_LANES = True    # top-p-alone rows try the lane path (k = KMAX) before the histogram path
 LANE_SHAPE = (128, 4)  # lane-maxima pass: (lanes per program, warps); R1: top-k50 sampling 34.8 / 86.4 us at
                       # B=64 / 256 vs 38.3 / 92.4 at 256x2, 35.8 / 91.1 at 256x8
 MERGE_WARPS = 16      # warps of the lane path's merge (R1: 31.4 / 81.0 us at 16 vs 38.3 / 92.4 at 8; R2: 32 warps
@@ -883,7 +1012,7 @@ MERGE_WARPS = 16      # warps of the lane path's merge (R1: 31.4 / 81.0 us at 16
 
 
 def lane_path(logits, params, bitmask, mrows, tau, path, tok, seg, lanes, kmax=KMAX, lcap=LCAP, rounds=3,
-              shape=None, block=1024, stages=2, upto=4):
+              shape=None, block=1024, stages=2, upto=4, p_lanes=None):
     """The lane path's two launches for candidate-path rows (writes tau, path and, when tok is a tensor, the drawn
     tokens): `_lane_max_kernel` over (row, part of a segment), then `_lane_merge_kernel` per row."""
     R, V = logits.shape
@@ -903,7 +1032,7 @@ def lane_path(logits, params, bitmask, mrows, tau, path, tok, seg, lanes, kmax=K
     _lane_max_kernel[(R, n_seg * (lanes // pl))](
         logits, params.inv_temperature, params.greedy, params.top_k, params.top_p, bm, mr, stride, V, n_l, lmax, lmass,
         HAS_MASK=has_mask, LANES=lanes, LW=seg // lanes, PL=pl, VEC=vec, KMAX=kmax, FAST=not INTERPRETING,
-        num_warps=warps)
+        P_LANES=P_ONLY_LANES if p_lanes is None else p_lanes, num_warps=warps)
     if stages < 2:
         return
     lane_buf = torch.empty((R, lcap), dtype=torch.int32, device=dev)
@@ -914,7 +1043,8 @@ def lane_path(logits, params, bitmask, mrows, tau, path, tok, seg, lanes, kmax=K
         params.keys, bm, mr, stride, V, n_l, lmax, lmass, lane_buf, scratch, HAS_MASK=has_mask,
         NG=max(16, triton.next_power_of_2(n_l)), LCAP=lcap, KMAX=kmax, KP=KP, JB=32, HB=HB, ROUNDS=rounds,
         BLOCK=min(block, triton.next_power_of_2(V)), DRAW=draw, LANES=lanes, LW=seg // lanes,
-        FAST=not INTERPRETING, UPTO=upto, num_warps=MERGE_WARPS)
+        FAST=not INTERPRETING, UPTO=upto, P_LANES=P_ONLY_LANES if p_lanes is None else p_lanes,
+        num_warps=MERGE_WARPS)
 
 
 def needs_histogram_path(params, V: int, kmax: int = KMAX) -> bool | None:
@@ -928,13 +1058,27 @@ def needs_histogram_path(params, V: int, kmax: int = KMAX) -> bool | None:
     return bool((filt & ~cand).any())
 
 
-def thresholds_triton(logits, params, bitmask, mrows, block=1024, cmax=CMAX, chunk=CHUNK, histogram=None) -> torch.Tensor:
+def needs_lane_path(params, V: int, kmax: int = KMAX, p_lanes: bool | None = None) -> bool | None:
+    """Does some row take the lane path (0 < top_k <= kmax; top-p alone when p_lanes, default P_ONLY_LANES)?
+    None when the parameters live on a GPU (the lane kernels then run and skip other rows)."""
+    if params.top_k.is_cuda:
+        return None
+    k, p = params.top_k, params.top_p
+    sampled = ~params.greedy.bool()
+    by_k = (k > 0) & (k < V)
+    p_only = sampled & ~by_k & (p < 1) & (P_ONLY_LANES if p_lanes is None else p_lanes)
+    return bool(((sampled & by_k & (k <= kmax)) | p_only).any())
+
+
+def thresholds_triton(logits, params, bitmask, mrows, block=1024, cmax=CMAX, chunk=CHUNK,
+                      histogram=None) -> torch.Tensor:
     """tau [R] fp32 for every row (see thresholds_and_paths)."""
     return thresholds_and_paths(logits, params, bitmask, mrows, block, cmax, chunk, histogram=histogram)[0]
 
 
 def thresholds_and_paths(logits, params, bitmask, mrows, block=1024, cmax=CMAX, chunk=CHUNK, stages=6,
-                         tau_warps=8, histogram=None, kmax=KMAX, draw=None, lcap=LCAP, rounds=3, lane_shape=None):
+                         tau_warps=None, histogram=None, kmax=KMAX, draw=None, lcap=LCAP, rounds=3, lane_shape=None,
+                         p_lanes=None, lane_rows=None):
     """(tau [R] fp32, path int32 [R]) for every row (params: sampling.RowParams; mrows: int64 [R] when bitmask
     is given). path: >= 1 the candidates a row's tau came from, -1 an exact bisection fallback, -2 no filtering.
     Rows with 0 < top_k <= kmax (and top-p alone, trying k = kmax): the lane path, two launches (`lane_path`:
@@ -947,7 +1091,9 @@ def thresholds_and_paths(logits, params, bitmask, mrows, block=1024, cmax=CMAX, 
     cmax, chunk (the lane layout's segment when draw is None), kmax, lcap (powers of two) are parameters so that
     tests can force fallbacks and several segments on a small vocabulary; stages < 6 stops after that many
     launches (benchmarks time each stage by differences; the result is then unfinished). lane_shape: the
-    lane-maxima pass's (lanes per program, warps), default LANE_SHAPE."""
+    lane-maxima pass's (lanes per program, warps), default LANE_SHAPE. p_lanes: top-p-alone rows try the lane
+    path (default P_ONLY_LANES). lane_rows=False (the host knows no row takes the lane path: needs_lane_path): its
+    two launches are skipped (every row starts as the histogram path's)."""
     R, V = logits.shape
     dev = logits.device
     tau = empty((R,), torch.float32, dev)
@@ -965,8 +1111,13 @@ def thresholds_and_paths(logits, params, bitmask, mrows, block=1024, cmax=CMAX, 
     mr = mrows if has_mask else path
     stride = bitmask.stride(0) if has_mask else 0
     seg, lanes = draw or (chunk, min(256, chunk))
-    lane_path(logits, params, bitmask, mrows, tau, path, tok, seg, min(lanes, seg), kmax, lcap, rounds, lane_shape,
-              block, stages)
+    if lane_rows is False:
+        path.fill_(-3)                      # every row left to the histogram path (which skips unfiltered rows)
+        if draw:
+            tok.fill_(-2)                   # the sampling pass draws every row
+    else:
+        lane_path(logits, params, bitmask, mrows, tau, path, tok, seg, min(lanes, seg), kmax, lcap, rounds,
+                  lane_shape, block, stages, p_lanes=p_lanes)
     if stages < 2:
         return done()
     if histogram is None:
@@ -976,32 +1127,38 @@ def thresholds_and_paths(logits, params, bitmask, mrows, block=1024, cmax=CMAX, 
     consts = dict(INV_W=INV_W, BIN_LIMIT=BIN_LIMIT)
     cmax_c = torch.empty((R, n_chunks), dtype=torch.float32, device=dev)
     csum_c = torch.empty_like(cmax_c)
-    cbin_c = torch.empty((R, n_chunks), dtype=torch.int32, device=dev)
+    cbin_c = torch.empty((R, n_chunks, 2), dtype=torch.int32, device=dev)     # chunk top bin, allowed tokens
     hist = torch.empty((R, n_chunks, NB), dtype=torch.int32, device=dev)
     m = torch.empty((R,), dtype=torch.float32, device=dev)
     s = torch.empty_like(m)
-    low = torch.empty((R,), dtype=torch.int32, device=dev)
+    low = torch.empty((R, 2), dtype=torch.int32, device=dev)       # candidate bins [low, high]
     ncand = torch.empty((R,), dtype=torch.int32, device=dev)
+    outside = torch.empty((R, n_chunks, 2), dtype=torch.float64, device=dev)
     offsets = torch.empty((R, n_chunks), dtype=torch.int32, device=dev)
     cand_h = torch.empty((R, cmax), dtype=torch.float32, device=dev)
     _hist_kernel[(R, n_chunks)](logits, params.inv_temperature, greedy, params.top_k, params.top_p, path, bm, mr,
                                 stride, V, n_chunks, cmax_c, csum_c, cbin_c, hist, HAS_MASK=has_mask, CHUNK=chunk,
-                                NB=NB, num_warps=8, **consts)
+                                NB=NB, num_warps=HIST_WARPS, **consts)
     if stages < 4:
         return done()
     _select_kernel[(R,)](greedy, params.top_k, params.top_p, path, V, n_chunks, cmax_c, csum_c, cbin_c, hist, m, s,
                          low, ncand, offsets, NCP=max(2, triton.next_power_of_2(n_chunks)), NB=NB, CMAX=cmax,
-                         num_warps=8, **consts)
+                         num_warps=SELECT_WARPS, **consts)
     if stages < 5:
         return done()
-    glanes = min(GATHER_LANES, chunk)
+    glanes = min(GATHER_SHAPE[0], chunk)
+    gwarps = max(1, min(GATHER_SHAPE[1], glanes // 32))
     _gather_kernel[(R, n_chunks)](logits, params.inv_temperature, bm, mr, stride, V, n_chunks, low, ncand, offsets,
-                                  cand_h, HAS_MASK=has_mask, LANES=glanes, LW=chunk // glanes, CMAX=cmax,
-                                  VEC=max(1, glanes // 128), FAST=not INTERPRETING, num_warps=4, **consts)
+                                  cand_h, m, outside, HAS_MASK=has_mask, LANES=glanes, LW=chunk // glanes, CMAX=cmax,
+                                  VEC=max(1, glanes // (32 * gwarps)), FAST=not INTERPRETING, num_warps=gwarps,
+                                  **consts)
     if stages < 6:
         return done()
+    scratch = torch.empty((R, KP), dtype=torch.float32, device=dev)
     _tau_kernel[(R,)](logits, tau, params.inv_temperature, greedy, params.top_k, params.top_p, path, bm, mr, stride,
-                      V, m, s, ncand, cand_h, HAS_MASK=has_mask, BLOCK=min(block, triton.next_power_of_2(V)),
-                      CMAX=cmax, SMALL=min(SMALL, cmax), num_warps=tau_warps)
+                      V, n_chunks, m, s, ncand, cand_h, outside, scratch, HAS_MASK=has_mask,
+                      BLOCK=min(block, triton.next_power_of_2(V)), CMAX=cmax, SMALL=min(SMALL, cmax),
+                      NCP=max(2, triton.next_power_of_2(n_chunks)), KP=KP, HB=HB_CUT,
+                      num_warps=tau_warps or TAU_WARPS)
     path = torch.where(path == -3, ncand, path)
     return done()

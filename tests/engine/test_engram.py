@@ -399,11 +399,16 @@ def test_packed_values_mix_like_the_fp32_values():
     assert module.table.lookup_packed(torch.zeros(1, dtype=torch.long)) is not None   # the random table is FP8
     windows = eg.ngram_windows(torch.tensor([7, 8, 9, 7, 500, 1, 0, 33]), torch.tensor([3, 4]), 3, 2)
     packed = module.packed_values(windows)
-    assert packed.dtype == torch.uint8
+    assert packed.dtype == torch.uint8 and tuple(packed.shape) == module.packed_shape(windows.shape[0])
     r = torch.randn(windows.shape[0], 4, 64)
     assert torch.equal(module.mix(r, packed), module.mix(r, module.values(windows)))
+    # written into a caller's buffer (the upload's pinned buffer on the GPU path): the same bytes, no other copy
+    out = torch.full(module.packed_shape(windows.shape[0]), 7, dtype=torch.uint8)
+    assert module.packed_values(windows, out=out) is out and torch.equal(out, packed)
+    with pytest.raises(ValueError, match="lookup_packed: out"):
+        module.packed_values(windows[:3], out=out)
     module.table = eg.EngramTable.from_tensors(torch.randn(408, 32))      # unquantized: falls back to fp32 rows
-    assert module.packed_values(windows).dtype == torch.float32
+    assert module.packed_values(windows).dtype == torch.float32 and module.packed_shape(8) is None
 
 
 def test_forward_keeps_bf16_and_parameter_names():

@@ -7,7 +7,7 @@ import gc
 
 import torch
 
-from deepinfer_sg.engine.arena import RowArena
+from deepinfer_sg.engine.arena import RowArena, Slots
 from deepinfer_sg.engine.cache import CompressorState
 
 
@@ -60,6 +60,29 @@ def test_a_collected_state_frees_its_slot_for_the_next_one():
     _, starts = arena.append([c], torch.full((1, 2), 7.0), [1])
     assert arena.slots.of(c) == slot_b and starts == [slot_b * arena.data.shape[1]]
     assert torch.equal(c.entries, torch.full((1, 2), 7.0)) and torch.equal(a.entries, torch.ones(1, 2))
+
+
+def test_slots_of_a_repeated_owner_list_stay_right_when_owners_die_and_ids_are_reused():
+    """Slots.of_all caches the last owner list's slots; the oracle is `of` asked one by one, and the rule that two
+    live owners never share a slot (a dead owner's id can be reused by a new object)."""
+    class Owner:
+        pass
+    slots = Slots()
+    owners = [Owner() for _ in range(6)]
+    for _ in range(2):     # (the second call is answered from the cache)
+        assert slots.of_all(owners) == [slots.of(o) for o in owners]
+    for k in range(40):    # replace one or two owners per round: CPython often reuses a dead owner's id
+        gone = [k % 6] if k % 2 else [k % 6, (k + 3) % 6]
+        for j in gone:
+            owners[j] = None
+        gc.collect()
+        for j in gone:
+            owners[j] = Owner()
+        got = slots.of_all(owners)
+        assert all(slots.owner.get(s) is not None and slots.owner[s]() is o for s, o in zip(got, owners)), \
+            f"round {k}: a slot not registered to its owner"
+        assert got == [slots.of(o) for o in owners] and len(set(got)) == len(owners)
+        assert slots.of_all(list(owners)) == got
 
 
 def test_windows_that_reach_the_end_of_their_slab_slot_move_and_stay_right():

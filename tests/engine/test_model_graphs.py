@@ -133,6 +133,11 @@ def test_graphs_are_dropped_when_the_weights_move_or_the_kernels_change():
     assert m._graphs._sizes
     m.fused_mhc = not m.fused_mhc     # the segments would run other kernels: recapture
     assert not m._graphs._sizes
+    for _ in range(3):
+        m.forward_step([StepChunk(c, torch.tensor([7]), 1)])
+    assert m._graphs._sizes
+    m.stack_projections = False      # other GEMMs (engine/projections.py): recapture
+    assert not m._graphs._sizes
 
 
 def test_a_segment_input_of_another_shape_is_refused():
@@ -167,17 +172,18 @@ def test_a_size_is_captured_on_its_third_step_by_default_and_old_sizes_are_dropp
 def test_a_v41_decode_step_is_one_graph_and_one_upload_of_its_index_lists(monkeypatch):
     """V4.1: the compressors' cache updates run inside the graph (compress_step), so a replayed decode / verify step
     runs ONE segment, and every index list the host makes for it, the token ids and positions included, goes to
-    the device in ONE copy (BatchPlan.flush); the graph reads that upload in place (no staging copy per input).
+    the device in ONE copy (BatchPlan.layout, sent at launch); the graph reads that upload in place (no staging
+    copy per input).
     Checked by counting (emulated graphs, CPU); the replays' results are checked against eager steps above."""
     from deepinfer_sg.engine import transfer
     m = MODELS["v41"]()
-    m._graphs = graphs = SegmentGraphs(emulate=True, warm=1)
+    m._graphs = SegmentGraphs(emulate=True, warm=1)
     vocab = m.config.vocab_size
     g = torch.Generator().manual_seed(4)
     caches = [m.new_cache() for _ in PROMPTS]
     m.forward_step([StepChunk(c, torch.randint(0, vocab, (n,), generator=g), 1) for c, n in zip(caches, PROMPTS)])
-    counts = {"run": 0, "flush": 0, "uploads": 0, "stage": 0}
-    real_run, real_flush, real_stage = SegmentGraphs.run, batched.BatchPlan.flush, SegmentGraphs.stage
+    counts = {"run": 0, "layout": 0, "uploads": 0, "stage": 0}
+    real_run, real_layout, real_stage = SegmentGraphs.run, batched.BatchPlan.layout, SegmentGraphs.stage
     real_many = transfer.to_device_many
 
     def count(name, real):
@@ -186,7 +192,7 @@ def test_a_v41_decode_step_is_one_graph_and_one_upload_of_its_index_lists(monkey
             return real(*a, **k)
         return f
     monkeypatch.setattr(SegmentGraphs, "run", count("run", real_run))
-    monkeypatch.setattr(batched.BatchPlan, "flush", count("flush", real_flush))
+    monkeypatch.setattr(batched.BatchPlan, "layout", count("layout", real_layout))
     monkeypatch.setattr(SegmentGraphs, "stage", count("stage", real_stage))
     for mod in ("model", "batched", "arena", "compressor", "compress_step"):   # multi-part uploads made elsewhere
         monkeypatch.setattr(f"deepinfer_sg.engine.{mod}.to_device_many", count("uploads", real_many), raising=False)
@@ -200,7 +206,7 @@ def test_a_v41_decode_step_is_one_graph_and_one_upload_of_its_index_lists(monkey
         for c, n in zip(caches, rows):
             if n > 1:
                 c.rollback(n - 1)
-    # the last step (T = 4, third time: a replay) ran one segment and flushed its index lists once
-    assert counts["run"] == 1 and counts["flush"] == 1, counts
-    # no other upload (the token ids and positions came with the flush) and nothing staged (copied) per replay
+    # the last step (T = 4, third time: a replay) ran one segment and laid its index lists out in one upload
+    assert counts["run"] == 1 and counts["layout"] == 1, counts
+    # no other upload (the token ids and positions came with that upload) and nothing staged (copied) per replay
     assert counts["uploads"] == 0 and counts["stage"] == 0, counts

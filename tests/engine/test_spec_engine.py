@@ -319,13 +319,15 @@ def test_prefill_chunks_ride_along_in_the_speculative_forward(tiny):
 
     def outputs(speculative):
         eng = LLMEngine(tiny, None, EngineConfig(speculative=speculative, eos_token_id=1, max_num_batched_tokens=12))
-        calls, forward = [], tiny.forward_step
+        # every target forward ends in Model.launch: forward_step is launch(plan_step(...)), and the engine's plan-ahead
+        # pipeline launches plans made during the previous step
+        calls, launch = [], tiny.launch
 
-        def counted(chunks):
-            calls.append(len(chunks))
-            return forward(chunks)
+        def counted(plan, token_ids):
+            calls.append(plan)
+            return launch(plan, token_ids)
         ids = [eng.add_request(p, params) for p in prompts]
-        tiny.forward_step = counted
+        tiny.launch = counted
         try:
             mixed = 0
             while eng.has_unfinished():
@@ -336,7 +338,7 @@ def test_prefill_chunks_ride_along_in_the_speculative_forward(tiny):
                 assert len(calls) - before == 1, "a step ran more than one target forward"
                 mixed += long_prefilling and others_decoding
         finally:
-            del tiny.forward_step
+            del tiny.launch
         return [eng.output(i).token_ids for i in ids], mixed
 
     plain, _ = outputs(None)

@@ -133,3 +133,26 @@ def test_small_specs_compile_inline_and_hostile_ones_end_cleanly(ds_tokenizer, m
         c.compile(JsonSchema({"type": "integer", "minimum": 5, "maximum": 3}))
     assert threads and all(t.startswith("grammar-compile") for t in threads)
     c.close()
+
+
+@pytest.mark.parametrize("schema", [{}, {"type": "string"},
+                                    {"type": "object", "properties": {"é": {"enum": ["ü", 1]}}},
+                                    {"$defs": {"n": {"type": "integer"}}, "items": {"$ref": "#/$defs/n"}}])
+@pytest.mark.parametrize("whitespace", ["compact", "bounded", "indented"])
+def test_json_grammar_text_is_what_llguidance_builds_from_the_schema_text(compiler, schema, whitespace):
+    """We wrap the schema's JSON text into llguidance's top-level grammar ourselves (cheaper than its call); the
+    result must parse to exactly what LLMatcher.grammar_from_json_schema builds from the same schema with our
+    options as overrides (llguidance's own construction, the oracle)."""
+    import json
+
+    from llguidance import LLMatcher
+
+    from deepinfer_sg.grammars import backend_llguidance
+
+    spec = JsonSchema(schema, whitespace=whitespace)
+    ours = json.loads(compiler.compile(spec).grammar)
+    theirs = json.loads(LLMatcher.grammar_from_json_schema(schema, overrides=backend_llguidance.json_options(spec)))
+    (g_ours,), (g_theirs,) = ours["grammars"], theirs["grammars"]
+    assert g_ours["json_schema"] == g_theirs["json_schema"]
+    assert all(v is None for k, v in g_theirs.items() if k not in g_ours and k != "name")
+    assert all(v is None for k, v in theirs.items() if k != "grammars")

@@ -136,6 +136,44 @@ def test_fill_masks_with_finished_matchers(compiler, ds_tokenizer, raw_lltokeniz
     assert not m.is_terminated() and torch.equal(out[0], want[0])
 
 
+
+def test_batch_led_by_a_finished_matcher_holding_other_backends_and_a_finished_risky_one(
+        compiler, xgr_compiler, ds_tokenizer, raw_lltokenizer):
+    """A batch whose first matcher is finished (its class picks the batch call) but which also holds an xgrammar
+    matcher and a finished matcher that had accepted an added token (another finished class): every row is what
+    that matcher gives alone (EOS-only rows hand-computed; the xgrammar row from xgrammar's own GrammarMatcher at
+    the same state); a rollback over EOS makes the risky one live and risky again, and its rollback over the added
+    token lands where raw llguidance fed the kept prefix is."""
+    from llguidance import LLMatcher
+
+    dsml = 128825  # `｜DSML｜`: a non-special added token, valid inside a JSON string
+    string = compiler.compile(JsonSchema({"type": "string"}, whitespace="compact"))
+    seq = encode(ds_tokenizer, '"a<｜DSML｜"')
+    assert seq[-2:] == [dsml, encode(ds_tokenizer, '"')[0]]
+    risky = string.matcher()
+    assert all(risky.accept(t) for t in seq) and risky.accept(EOS) and risky.is_terminated()
+    ids = encode(ds_tokenizer, '{"n":3,"s":"abc"}')
+    plain = compiler.compile(JsonSchema(SCHEMA, whitespace="compact")).matcher()
+    assert all(plain.accept(t) for t in ids) and plain.accept(EOS)
+    xm = xgr_compiler.compile(JsonSchema(SCHEMA, whitespace="compact")).matcher()
+    assert all(xm.accept(t) for t in ids[:4])
+    want_x = allocate_bitmask(1, DEEPSEEK_VOCAB)
+    xm.m.fork().fill_next_token_bitmask(want_x, 0)  # xgrammar's own GrammarMatcher, same state
+    eos_row = torch.zeros((DEEPSEEK_VOCAB + 31) // 32, dtype=torch.int32)
+    eos_row[EOS // 32] = 1 << (EOS % 32)
+    out = fill_masks([plain, xm, risky])
+    assert torch.equal(out[0], eos_row) and torch.equal(out[2], eos_row) and torch.equal(out[1], want_x[0])
+    risky.rollback(1)  # over EOS: live again, and still risky
+    assert not risky.is_terminated() and type(risky).__name__ == "RiskyLLGuidanceMatcher"
+    risky.fill_mask(allocate_bitmask(1, DEEPSEEK_VOCAB), 0)  # a mask in between: what trips llguidance's rollback
+    risky.rollback(2)  # over `｜DSML｜"`
+    raw = LLMatcher(raw_lltokenizer, string.grammar, log_level=0)
+    assert raw.try_consume_tokens(seq[:-2]) == len(seq) - 2
+    got, want = allocate_bitmask(1, DEEPSEEK_VOCAB), allocate_bitmask(1, DEEPSEEK_VOCAB)
+    risky.fill_mask(got, 0)
+    raw.unsafe_compute_mask_ptr(want.data_ptr(), want.shape[1] * 4)
+    assert torch.equal(got, want)
+
 def test_fill_masks_at_given_rows_and_triggered_batches(compiler, ds_tokenizer, raw_lltokenizer):
     """`rows=` places each mask at its own row and leaves the others untouched; Triggered matchers in a batch
     (free text, forcing the trigger, inside the grammar) get the masks they give one at a time. Oracles: raw

@@ -156,15 +156,21 @@ def test_unchained_matches_formula(splits, block_k, dtype):
     between, two buffers by key-block parity) against the float64 formula: several key blocks per program (a
     parity reuse race would show), a row whose later keys are padding, a row with no keys, a row whose running
     max jumps. Compiled, only bf16 pools take the unchained path (fp32 ones fall back to the chained form)."""
-    gen = torch.Generator().manual_seed(70 + splits + block_k)
+    _check_twice(70 + splits + block_k, dtype, block_h=64, block_k=block_k, num_warps=8, splits=splits, unchain=True)
+
+
+def _check_twice(seed, dtype, **kw):
+    """Two launches with `kw` (scratch buffers and tickets reused) against the float64 formula: several key blocks
+    per program, a row whose later keys are padding (row 2), a row with no keys (row 4: exactly 0), a row whose
+    running max jumps (row 1)."""
+    gen = torch.Generator().manual_seed(seed)
     q, win_kv, win_idx, cmp_kv, cmp_idx, sink = _inputs(gen, N=5, H=20, D=32, Kw=70, Kc=61, dtype=dtype)
     win_idx[2, 10:] = -1
     q[1] *= 12.0 if dtype == torch.float32 else 3.0
     ref = _naive(q, win_kv, win_idx, cmp_kv, cmp_idx, sink)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for _ in range(2):
-        out = sparse_attention_triton(*on_dev((q, win_kv, win_idx, sink, cmp_kv, cmp_idx)), block_h=64,
-                                      block_k=block_k, num_warps=8, splits=splits, unchain=True).cpu().double()
+        out = sparse_attention_triton(*on_dev((q, win_kv, win_idx, sink, cmp_kv, cmp_idx)), **kw).cpu().double()
         assert torch.isfinite(out).all()
         assert float((out - ref).norm() / ref.norm()) < tol
         assert out[4].abs().max() == 0

@@ -129,7 +129,7 @@ def test_triton_matches_twin_mixed_rows(vocab):
 
 
 @pytest.mark.parametrize("vocab", [9000, 8720])
-@pytest.mark.parametrize("shape", [None, (256, 2), (128, 1), (64, 1), (256, 8), (64, 2)])
+@pytest.mark.parametrize("shape", [None, (256, 2), (128, 1), (64, 1), (256, 8), (64, 2), (128, 4)])
 def test_pass_shapes_draw_the_twins_tokens(shape, vocab):
     """Every program shape of the pass (lanes per program, warps: 4, 2 or 1 lanes per thread side by side, mask
     words loaded once per thread and k) draws the twin's tokens on masked, greedy, hot and cold rows with a
@@ -149,6 +149,29 @@ def test_pass_shapes_draw_the_twins_tokens(shape, vocab):
     for r in range(R):
         if int(mrows[r]) >= 0:
             assert bit_allowed(bm, int(mrows[r]), int(want[r]))
+
+
+@pytest.mark.parametrize("shape", [None, (128, 1)])
+def test_mask_first_reads_only_allowed_tokens_and_draws_the_twins_tokens(shape):
+    """MASK_FIRST (masked rows, one lane per thread: the mask words first, then only the allowed tokens' logits,
+    banned ones never read): the twin's tokens on rows whose masks ban whole ranges (as grammar masks do) and on
+    random masks, with a partial last segment; the banned logits are NaN here (none may reach the draw)."""
+    gen = torch.Generator().manual_seed(16)
+    R, vocab = 5, 9000
+    logits = torch.randn(R, vocab, generator=gen) * 3
+    bm = random_bitmask(R, vocab, gen, density=0.7)
+    bm[1:3] = 0
+    bm[1, 40:44] = -1                                     # 128 allowed tokens in one range
+    bm[2, 280:] = torch.randint(-2**31, 2**31 - 1, (bm.shape[1] - 280,), generator=gen, dtype=torch.int32)
+    mrows = torch.tensor([0, 1, 2, -1, 4])
+    p = row_params(R, "cpu", torch.tensor([1.0, 0.7, 0.0, 1.0, 1.5]), 0, 1.0, seed=torch.arange(R), position=8)
+    want = sample_torch(logits, p, bm, mrows)
+    bits = (bm.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    banned = bits.reshape(R, -1)[:, :vocab] == 0                     # per mask row
+    poisoned = logits.masked_fill(banned[mrows.clamp_min(0)] & (mrows >= 0)[:, None], float("nan"))
+    got = sample_triton(on_dev(poisoned), params_on_dev(p), on_dev(bm), on_dev(mrows), shape=shape, filters=False,
+                        mask_first=True)
+    assert torch.equal(got.cpu(), want)
 
 
 def test_host_params_moved_in_two_copies_draw_the_same_tokens():

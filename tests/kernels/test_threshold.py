@@ -6,7 +6,7 @@ import torch
 
 from deepinfer_sg.kernels.sampling import masked_z_torch, row_params, sample_torch, sample_triton
 from deepinfer_sg.kernels.threshold import thresholds_and_paths
-from helpers import on_dev, params_on_dev, random_bitmask
+from helpers import DEVICE, on_dev, params_on_dev, random_bitmask
 
 
 def _brute_tau(z: torch.Tensor, top_k: int, top_p: float, greedy: bool) -> float:
@@ -62,8 +62,11 @@ def test_fallback_rows_flat_and_huge_logits():
     logits[2] = logits[2] * 1e7                            # beyond the bin grid: must fall back
     logits[3] = torch.randn(V, generator=gen) * 4
     path = _check(logits, 1.0, torch.tensor([0, 0, 0, 6]), torch.tensor([0.9, 0.5, 0.7, 1.0]), cmax=64, chunk=128)
-    # flat rows with top-p alone: the candidates carry too little mass, the histogram path's fallback decides;
+    # flat rows with top-p alone: the histogram path gathers only the bins that may hold the cut (37 tokens here);
     # huge logits with top-p alone: one token carries the mass, the candidate path (no bin grid) decides
+    assert 0 < int(path[0]) <= 64 and int(path[2]) > 0 and int(path[3]) > 0
+    # more tokens in those bins than the candidate buffer holds: the row-wide bisection decides
+    path = _check(logits, 1.0, torch.tensor([0, 0, 0, 6]), torch.tensor([0.9, 0.5, 0.7, 1.0]), cmax=16, chunk=128)
     assert int(path[0]) == -1 and int(path[2]) > 0 and int(path[3]) > 0
     # huge logits on the candidate path (no bin grid there): top-k 7, with and without top-p
     path = _check(logits[2:3].repeat(2, 1), 1.0, 7, torch.tensor([1.0, 0.5]), chunk=128)
@@ -156,3 +159,106 @@ def test_merge_top_slice_on_many_candidates():
     logits[:, ids] = 12 + torch.randn(R, ids.numel(), generator=gen)
     path = _check(logits, 1.0, torch.tensor([50, 50, 20, 64]), torch.tensor([1.0, 0.9, 0.5, 0.95]))
     assert int((path > 128).sum()) >= 3, path               # the many-candidates branch ran (k = 20: fewer)
+
+
+def _sorted_keep_margins(z: torch.Tensor, top_p: float):
+    """Top-p alone by the definition in float64 through one sort (V too large for the all-pairs oracle): per token
+    (in descending order) the value and the mass of strictly larger tokens over the row's mass, minus p (kept iff
+    < 0)."""
+    zs = z.double().sort(descending=True).values
+    zs = zs[zs > -torch.inf]
+    e = torch.exp(zs - zs[0])
+    above = torch.cumsum(e, 0) - e
+    first = torch.searchsorted(-zs, -zs, side="left")          # the first of each tie group: strictly larger mass
+    return zs, above[first] / e.sum() - top_p
+
+
+def _check_top_p_alone(logits, temperature, top_p, bitmask=None, tol=0.0, **kw):
+    """thresholds_and_paths on top-p-alone rows against `_sorted_keep_margins`: the kept set {z >= tau} equals
+    the definition's, except (tol > 0, compiled kernels with the hardware exp) tokens within tol of the margin."""
+    R, V = logits.shape
+    p = row_params(R, "cpu", temperature, 0, top_p, seed=torch.arange(R), position=3)
+    mr = None if bitmask is None else torch.arange(R)
+    tau, path = thresholds_and_paths(on_dev(logits), params_on_dev(p), on_dev(bitmask), on_dev(mr), **kw)
+    tau, path = tau.cpu(), path.cpu()
+    z = masked_z_torch(logits, p.inv_temperature, bitmask, mr)
+    for r in range(R):
+        zs, margin = _sorted_keep_margins(z[r], float(p.top_p[r]))
+        differ = (zs >= float(tau[r])) != (margin < 0)
+        assert bool((margin[differ].abs() <= tol).all()), (r, float(tau[r]), int(differ.sum()), int(path[r]))
+    return path
+
+
+@pytest.mark.parametrize("tol", [0.0] if DEVICE == "cpu" else [1e-6])
+def test_top_p_alone_on_flat_rows_takes_the_bracketed_cut(tol):
+    """Top-p without top-k on flat rows (thousands of kept tokens): the select brackets the bins that may hold the
+    cut, the gather sums the exact mass around them, the tau pass narrows them by a histogram to an all-pairs
+    block (or bisects a dense block): no row falls back to the row-wide bisection, tau by the definition in
+    float64. Rows of several widths (hundreds to thousands of tokens per bin), a masked row, a row of ties."""
+    gen = torch.Generator().manual_seed(28)
+    R, V = 6, 20000
+    scale = torch.tensor([3.0, 1.0, 5.0, 2.0, 3.0, 1.5])[:, None]
+    logits = torch.randn(R, V, generator=gen) * scale
+    logits[5] = (logits[5] * 8).round() / 8                  # ties: bins of identical values
+    bm = random_bitmask(R, V, gen, density=0.8)
+    bm[:4] = -1                                              # rows 0-3 unmasked
+    top_p = torch.tensor([0.9, 0.8, 0.95, 0.5, 0.9, 0.7])
+    path = _check_top_p_alone(logits, 1.0, top_p, bm, tol=tol)
+    assert (path > 0).all(), path                              # no fallback
+    assert (path > 128).sum() >= 3, path                       # the tau pass's narrowing ran
+    path = _check_top_p_alone(logits, torch.tensor([0.8, 1.2, 1.0, 0.6, 2.0, 1.0]), top_p, bm, tol=tol,
+                              kmax=2)                           # no lane path attempt
+    assert (path > 0).all(), path
+
+
+@pytest.mark.parametrize("cmax", [None, 16])
+def test_top_p_boundary_within_fp32_rounding_follows_the_float64_definition(cmax):
+    """Flat rows whose p sits just past a token's cumulative mass (2e-7 of the row's mass; interpreted kernels,
+    3e-6 compiled, whose hardware exp rounds each weight to ~5e-7): the float64 definition keeps that token.
+    Session 5's kernel summed these masses in fp32 (~1e-6 relative) and its row-wide bisection (cmax 16 forces
+    it) dropped the token in 2 of these 4 rows; both paths now sum in fp64 by one formula."""
+    gen = torch.Generator().manual_seed(3)
+    R, V = 4, 30000
+    logits = torch.randn(R, V, generator=gen) * 3
+    zs = logits.double().sort(1, descending=True).values
+    e = torch.exp(zs - zs[:, :1])
+    frac = (torch.cumsum(e, 1) - e) / e.sum(1, keepdim=True)       # mass strictly above each token (no ties)
+    at = (frac < 0.9).sum(1) - 1 + torch.arange(R)                 # tokens near the 0.9 cut
+    top_p = frac[torch.arange(R), at] + (2e-7 if DEVICE == "cpu" else 3e-6)
+    kw = {} if cmax is None else dict(cmax=cmax)
+    path = _check_top_p_alone(logits, 1.0, top_p.float(), **kw)
+    assert (path == -1).all() if cmax else (path > 0).all()
+
+
+def test_top_p_alone_without_the_lane_path_matches_twin(monkeypatch):
+    """When the host knows no row takes the lane path (top-p alone with the lane try off, greedy and unfiltered
+    rows), the lane launches are skipped: tau still equals the definition and the drawn tokens the twin's."""
+    import deepinfer_sg.kernels.threshold as th
+    monkeypatch.setattr(th, "P_ONLY_LANES", False)
+    gen = torch.Generator().manual_seed(29)
+    R, V = 6, 2000
+    logits = torch.randn(R, V, generator=gen) * 2
+    temperature = torch.tensor([1.0, 0.7, 0.0, 1.0, 1.3, 1.0])
+    top_p = torch.tensor([0.9, 0.6, 0.9, 1.0, 0.95, 0.3])
+    p = row_params(R, "cpu", temperature, 0, top_p, seed=torch.arange(R) + 5, position=11)
+    assert th.needs_lane_path(p, V) is False
+    _check(logits, temperature, 0, top_p, lane_rows=False)
+    got = sample_triton(on_dev(logits), params_on_dev(p), filters=True, histogram=True, lane_rows=False).cpu()
+    assert torch.equal(got, sample_torch(logits, p))
+
+
+def test_histogram_path_rows_with_few_allowed_tokens_stay_on_the_fast_path(monkeypatch):
+    """Masks that leave fewer tokens than top_k asks (k > KMAX: the histogram path), or a top-p the bins' mass
+    bounds cannot certify (p 0.995 on a row whose few tokens sit in one bin): every allowed token is counted, so
+    the candidates stop at the last counted bin instead of falling back to the row-wide bisection."""
+    import deepinfer_sg.kernels.threshold as th
+    monkeypatch.setattr(th, "P_ONLY_LANES", False)
+    gen = torch.Generator().manual_seed(30)
+    R, V = 4, 3000
+    logits = torch.randn(R, V, generator=gen)
+    bm = torch.zeros(R, (V + 31) // 32, dtype=torch.int32)
+    bm[:, 5] = 0x00FF00F0                                  # 12 allowed tokens per row
+    logits[:, 160:192] = 3.0 + torch.rand(R, 32, generator=gen) * 0.01   # ... all in one bin
+    path = _check(logits, 1.0, torch.tensor([100, 0, 100, 0]), torch.tensor([1.0, 0.995, 0.9, 0.5]), bm,
+                  lane_rows=False)
+    assert (path > 0).all(), path

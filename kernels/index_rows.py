@@ -1,0 +1,109 @@
+"""Index glue of the batched decode step's sparse attention, one launch each (Triton on CUDA, torch twins elsewhere).
+
+* `visible_scores`: which compressed entries each query row may see, g < min((p + 1) // ratio, count) (its
+  position p, the entries its sequence holds), optionally and-ed with a candidate mask, and the index scores
+  with every other entry set to -inf (what the top-k select reads) -> (visible bool [T, G], masked fp32 [T, G]).
+* `entry_rows`: selected entry ids [T, w] (-1 = none; ids past the row's count dropped) -> rows of the kv pool
+  start + id, -1 padded to `width` columns, int32 on CUDA (what the attention kernel reads; int64 in the twin).
+
+Why: in torch each is a chain of ~8 small elementwise launches (arange, compares, and, not, masked_fill / pad,
+compares, add, where, cast) per index layer of every decode step, a few microseconds each inside the step's graph.
+Cost: one read and one write of the [T, G] / [T, width] tiles.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend import check, empty, use_triton
+
+
+def visible_scores_torch(scores: torch.Tensor, positions: torch.Tensor, count: torch.Tensor, ratio: int,
+                         cand: torch.Tensor | None = None):
+    """The twin: (visible [T, G] bool, scores with the entries not visible (or not candidates) at -inf)."""
+    G = scores.shape[1]
+    g = torch.arange(G, device=scores.device)[None, :]
+    visible = (g < ((positions + 1) // ratio)[:, None]) & (g < count[:, None])
+    allowed = visible if cand is None else visible & cand
+    return visible, scores.masked_fill(~allowed, float("-inf"))
+
+
+@triton.jit
+def _visible_kernel(scores_ptr, pos_ptr, count_ptr, cand_ptr, vis_ptr, out_ptr, G, ratio, s_stride, c_stride,
+                    HAS_CAND: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    g = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = g < G
+    lim = tl.minimum((tl.load(pos_ptr + t) + 1) // ratio, tl.load(count_ptr + t))
+    vis = ok & (g < lim)
+    allowed = vis
+    if HAS_CAND:
+        allowed = allowed & (tl.load(cand_ptr + t * c_stride + g, mask=ok, other=0) != 0)
+    s = tl.load(scores_ptr + t * s_stride + g, mask=ok, other=0.0)
+    tl.store(vis_ptr + t * G + g, vis, mask=ok)
+    tl.store(out_ptr + t * G + g, tl.where(allowed, s, float("-inf")), mask=ok)
+
+
+def visible_scores_triton(scores: torch.Tensor, positions: torch.Tensor, count: torch.Tensor, ratio: int,
+                          cand: torch.Tensor | None = None):
+    """The kernel: same contract as `visible_scores_torch` (scores fp32 [T, G] with unit column stride)."""
+    T, G = scores.shape
+    check(scores.dtype == torch.float32 and scores.stride(1) == 1,
+          f"visible_scores: scores {scores.dtype} of strides {scores.stride()} (want fp32, unit column stride)")
+    check(positions.shape == (T,) and count.shape == (T,),
+          f"visible_scores: positions {tuple(positions.shape)} / count {tuple(count.shape)} for {T} rows")
+    check(cand is None or (cand.shape == (T, G) and cand.dtype == torch.bool and cand.stride(1) == 1),
+          f"visible_scores: candidate mask {None if cand is None else (cand.dtype, tuple(cand.shape))} for [{T}, {G}]")
+    vis = empty((T, G), torch.bool, scores.device)
+    out = empty((T, G), torch.float32, scores.device)
+    if T and G:
+        BLOCK = min(1024, triton.next_power_of_2(G))
+        c = cand if cand is not None else vis
+        _visible_kernel[(T, triton.cdiv(G, BLOCK))](scores, positions, count, c, vis, out, G, ratio, scores.stride(0),
+                                                    c.stride(0), HAS_CAND=cand is not None, BLOCK=BLOCK)
+    return vis, out
+
+
+def visible_scores(scores, positions, count, ratio: int, cand=None):
+    """Dispatch: the kernel on CUDA, the twin elsewhere."""
+    if use_triton(scores):
+        return visible_scores_triton(scores, positions, count, ratio, cand)
+    return visible_scores_torch(scores, positions, count, ratio, cand)
+
+
+def entry_rows_torch(ids: torch.Tensor, start: torch.Tensor, count: torch.Tensor, width: int) -> torch.Tensor:
+    """The twin: int64 [T, width] = start + id where 0 <= id < count (else -1), ids -1 padded to width columns."""
+    ent = torch.nn.functional.pad(ids, (0, width - ids.shape[1]), value=-1)
+    return torch.where((ent >= 0) & (ent < count[:, None]), ent + start[:, None], -1)
+
+
+@triton.jit
+def _entry_rows_kernel(ids_ptr, start_ptr, count_ptr, out_ptr, W, ids_stride, WIDTH: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    c = tl.arange(0, BLOCK)
+    e = tl.load(ids_ptr + t * ids_stride + c, mask=c < W, other=-1)
+    n = tl.load(count_ptr + t)
+    ok = (e >= 0) & (e < n)
+    tl.store(out_ptr + t * WIDTH + c, tl.where(ok, e + tl.load(start_ptr + t), -1).to(tl.int32), mask=c < WIDTH)
+
+
+def entry_rows_triton(ids: torch.Tensor, start: torch.Tensor, count: torch.Tensor, width: int) -> torch.Tensor:
+    """The kernel: same contract as `entry_rows_torch`, int32 out (ids: any integer dtype, unit column stride)."""
+    T, W = ids.shape
+    check(W <= width and ids.stride(1) == 1 and start.shape == (T,) and count.shape == (T,),
+          f"entry_rows: ids {tuple(ids.shape)} (strides {ids.stride()}) into {width} columns, start "
+          f"{tuple(start.shape)}, count {tuple(count.shape)}")
+    out = empty((T, width), torch.int32, ids.device)
+    if T and width:
+        _entry_rows_kernel[(T,)](ids, start, count, out, W, ids.stride(0), WIDTH=width,
+                                 BLOCK=triton.next_power_of_2(width))
+    return out
+
+
+def entry_rows(ids, start, count, width: int) -> torch.Tensor:
+    """Dispatch: the kernel (int32) on CUDA, the twin (int64) elsewhere."""
+    if use_triton(ids):
+        return entry_rows_triton(ids, start, count, width)
+    return entry_rows_torch(ids, start, count, width)

@@ -1,0 +1,65 @@
+"""Index glue kernels: twins vs the rule applied element by element in Python; Triton vs twin on awkward shapes
+(G not a power of two, one row, strided scores / ids as the engine slices them, with and without candidates).
+Outputs start poisoned (conftest)."""
+import pytest
+import torch
+
+from deepinfer_sg.kernels.index_rows import (entry_rows_torch, entry_rows_triton, visible_scores_torch,
+                                             visible_scores_triton)
+from helpers import on_dev, to_cpu
+
+
+def _inputs(T, G, gen, ratio):
+    scores = torch.randn(T, G + 3, generator=gen)[:, 1:G + 1]          # (a column slice: row stride G + 3)
+    positions = torch.randint(0, 3 * G, (T,), generator=gen)
+    count = torch.randint(0, G + 2, (T,), generator=gen)
+    cand = torch.rand(T, G, generator=gen) < 0.6
+    return scores, positions, count, cand
+
+
+def test_visible_twin_is_the_rule():
+    g = torch.Generator().manual_seed(0)
+    scores, pos, count, cand = _inputs(5, 13, g, 2)
+    vis, masked = visible_scores_torch(scores, pos, count, 2, cand)
+    for t in range(5):
+        for e in range(13):
+            v = e < (int(pos[t]) + 1) // 2 and e < int(count[t])
+            assert bool(vis[t, e]) == v
+            assert float(masked[t, e]) == (float(scores[t, e]) if v and bool(cand[t, e]) else float("-inf"))
+
+
+@pytest.mark.parametrize("T,G,ratio", [(1, 16, 1), (7, 37, 2), (12, 300, 4), (3, 2048, 1)])
+@pytest.mark.parametrize("with_cand", [False, True])
+def test_visible_triton_matches_twin(T, G, ratio, with_cand):
+    g = torch.Generator().manual_seed(T * G + ratio)
+    scores, pos, count, cand = _inputs(T, G, g, ratio)
+    cand = cand if with_cand else None
+    want = visible_scores_torch(scores, pos, count, ratio, cand)
+    got = to_cpu(visible_scores_triton(on_dev(scores), on_dev(pos), on_dev(count), ratio, on_dev(cand)))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_entry_rows_twin_is_the_rule():
+    ids = torch.tensor([[0, 3, -1], [5, 1, 2]])
+    got = entry_rows_torch(ids, torch.tensor([100, 200]), torch.tensor([4, 3]), 4)
+    assert got.tolist() == [[100, 103, -1, -1], [-1, 201, 202, -1]]
+
+
+@pytest.mark.parametrize("T,w,width", [(1, 16, 16), (5, 11, 16), (9, 64, 64), (4, 100, 128)])
+def test_entry_rows_triton_matches_twin(T, w, width):
+    g = torch.Generator().manual_seed(T + w)
+    ids = torch.randint(-1, 2 * w, (T, w + 5), generator=g)[:, :w]       # (a column slice, as the engine passes)
+    start = torch.randint(0, 10_000, (T,), generator=g)
+    count = torch.randint(0, 2 * w, (T,), generator=g)
+    want = entry_rows_torch(ids, start, count, width)
+    got = to_cpu(entry_rows_triton(on_dev(ids), on_dev(start), on_dev(count), width))
+    assert got.dtype == torch.int32 and torch.equal(got.long(), want)
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="entry_rows"):
+        entry_rows_triton(torch.zeros(2, 9, dtype=torch.long), torch.zeros(2, dtype=torch.long),
+                          torch.zeros(2, dtype=torch.long), 8)
+    with pytest.raises(ValueError, match="candidate mask"):
+        visible_scores_triton(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long),
+                              1, torch.ones(2, 7, dtype=torch.bool))

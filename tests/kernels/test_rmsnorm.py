@@ -1,0 +1,57 @@
+"""RMSNorm kernel: twin vs the formula row by row in float64; Triton vs twin on awkward shapes (D not a power of
+two, one row, many rows, 3-d input, non-contiguous input, fp32 and bf16). Outputs start poisoned (conftest)."""
+import math
+
+import pytest
+import torch
+
+from deepinfer_sg.kernels.backend import INTERPRETING
+from deepinfer_sg.kernels.rmsnorm import rms_norm_torch, rms_norm_triton
+from helpers import on_dev, to_cpu
+
+
+def test_twin_is_the_formula():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 37, generator=g) * 3
+    w = torch.rand(37, generator=g) + 0.5
+    got = rms_norm_torch(x, w, 1e-6)
+    for r in range(4):
+        row = x[r].double()
+        inv = 1 / math.sqrt(float((row * row).mean()) + 1e-6)
+        assert torch.allclose(got[r].double(), row * inv * w.double(), atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (7, 100), (3, 5, 24), (33, 512), (2, 2048)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_matches_twin(shape, dtype):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(*shape, generator=g) * 2 + 0.3).to(dtype)
+    w = torch.rand(shape[-1], generator=g) + 0.5
+    want = rms_norm_torch(x, w, 1e-6)
+    got = to_cpu(rms_norm_triton(on_dev(x), on_dev(w), 1e-6))
+    assert got.dtype == dtype and got.shape == x.shape
+    if dtype == torch.float32:
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    else:     # one bf16 rounding of nearly the same fp32 value (the interpreter rounds toward zero)
+        assert torch.allclose(got.float(), want.float(), atol=1e-2, rtol=8e-3)
+        if not INTERPRETING:
+            assert (got == want).float().mean() > 0.95
+
+
+def test_triton_reads_a_non_contiguous_input():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 2, 48, generator=g)[:, 1, 5:]
+    w = torch.rand(43, generator=g) + 0.5
+    assert torch.allclose(to_cpu(rms_norm_triton(on_dev(x), on_dev(w), 1e-6)), rms_norm_torch(x, w, 1e-6), atol=1e-5)
+    wide = on_dev(torch.randn(6, 100, generator=g))
+    block = wide[:, 30:73]                      # a column block of a wider matrix: read at its row stride
+    got = to_cpu(rms_norm_triton(block, on_dev(w), 1e-6))
+    assert got.is_contiguous() and torch.allclose(got, rms_norm_torch(to_cpu(block), w, 1e-6), atol=1e-5)
+    x3 = on_dev(torch.randn(4, 3, 86, generator=g))[:, :, ::2]    # 3-d, last dim strided: copied first
+    assert torch.allclose(to_cpu(rms_norm_triton(x3, on_dev(w), 1e-6)), rms_norm_torch(to_cpu(x3), w, 1e-6),
+                          atol=1e-5)
+
+
+def test_a_weight_of_another_width_is_refused():
+    with pytest.raises(ValueError, match="weight of shape"):
+        rms_norm_triton(torch.randn(3, 8), torch.ones(9), 1e-6)
