@@ -321,9 +321,7 @@ class Model(nn.Module):
 
     @fused_mhc.setter
     def fused_mhc(self, on: bool) -> None:
-        if bool(on) != self._fused_mhc:
-            self.reset_graphs()       # the captured segments ran the other kernels
-        self._fused_mhc = bool(on)
+        self._switch_fast_path("_fused_mhc", on)
 
     @property
     def stack_projections(self) -> bool:
@@ -334,9 +332,13 @@ class Model(nn.Module):
 
     @stack_projections.setter
     def stack_projections(self, on: bool) -> None:
-        if bool(on) != self._stack_projections:
-            self.reset_graphs()       # the captured segments ran the other GEMMs
-        self._stack_projections = bool(on)
+        self._switch_fast_path("_stack_projections", on)
+
+    def _switch_fast_path(self, attr: str, on: bool) -> None:
+        """Set a fast-path switch; a change drops the captured graphs (their segments ran the other kernels)."""
+        if bool(on) != getattr(self, attr):
+            self.reset_graphs()
+        setattr(self, attr, bool(on))
 
     def reset_graphs(self) -> None:
         """Forget the captured CUDA graphs (they read the weights where they were at capture time): needed after
