@@ -435,8 +435,9 @@ class Model(nn.Module):
         after the step) and makes every index list of the first graph segment (as host arrays for the step's one
         upload). Call it while the device still runs the previous step (after that step's `launch` returned); then
         `launch(plan, ids)` once the ids are known, or `cancel(plan)` (undo=True keeps what cancel restores).
-        One plan at a time: planning again (forward_step included) cancels a plan still open. Cost: the host work of the step minus the Engram lookups and the launch itself; no
-        device sync (device work it queues, rows moving into the slab / arenas, runs after the previous step)."""
+        One plan at a time: planning again (forward_step included) cancels a plan still open. Cost: the host work
+        of the step minus the Engram lookups and the launch itself; no device sync (device work it queues, rows
+        moving into the slab / arenas, runs after the previous step)."""
         c = self.config
         dev = self.device
         if self._open_plan is not None:
