@@ -20,24 +20,26 @@ default CUDA path, Triton) at the same shapes. --sweep adds launch-parameter var
 on the CPU (interpreter, tiny shapes) to check the script itself. Twins are timed with do_bench when they sync.
 
 Last measured (NVIDIA H200, torch 2.11 / Triton 3.6; copy ~4,250 GB/s; bitmask 2026-11-29 session 3, the other
-rows 2026-11-30 session 6 round 3; each family's module docstring has its own rows and sweeps):
+rows 2026-11-30 session 7 round 3; each family's module docstring has its own rows and sweeps):
   kernel                 shape                                  triton us          roofline (of copy bandwidth)
   bitmask                B=64 / 256 / 512, V=129280             20.8 / 72 / 140    76% / 87% / 90% (xgrammar 0.2.9's
                                                                                         own kernel: 55% / 66% / 71%)
   bitmask by step        64 requests x 4 rows                   70.9               89%
-  sample T=1             B=64 / 256                             11.6 / 33.4        67% / 93% (read pass alone 86%)
-  sample T=0.7 + mask    B=64 / 256                             14.4 / 41.3        56% / 78%
-  sample greedy          B=64 / 256                             11.2 / 32.9        69% / 95%
-  sample top-k50 p0.9    B=64 / 256                             30.4 / 78.3        26% / 40%
-  sample top-p0.9 flat   B=64 / 256                             150 / 461          tau = the float64 definition
+  sample T=1             B=64 / 256                             11.0-11.7 / 33.6   66-71% / 93% (read pass alone 88%)
+  sample T=0.7 + mask    B=64 / 256                             13.5 / 41.6        60% / 77%
+  sample greedy          B=64 / 256                             10.7 / 33.1        73% / 94%
+  sample top-k50 p0.9    B=64 / 256                             30.2 / 77.0        26% / 40%
+  sample top-p0.9 flat   B=64 / 256                             33.0 / 136 (R2)    24% (by rejection; was 150 / 461)
+  sample top-p0.95 peak  B=64                                   33.9               23% (was 57.0)
   speculative accept     64 requests x 4 rows + draft probs     50.3               67%
-  sparse attention       N=64 / 256, H=64 D=512, 128+512 keys   42.6 / 111.6       28% / 42% of max(bytes, flops)
-  indexer score + top-k  N=64 Hi=32 Di=128 L=16384 k=512        96.0 / 93.4 unsort 66% / 68% (scores alone 94%)
+  sparse attention       N=64 / 256, H=64 D=512, 128+512 keys   41.7 / 107.9       28% / 44% of max(bytes, flops)
+  indexer score + top-k  N=64 Hi=32 Di=128 L=16384 k=512        96.8 / 94.2 unsort 65% / 67% (scores alone 94%)
   moe experts (fp8 w)    V4.1 shapes T=8 / 64 / 256             439 / 2,025 / 3,301  89% / 98% / 96% of the fp8 bytes
   moe experts (fp4 pack) V4.1 shapes T=8 / 64 / 256             479 / 2,136 / 3,405  43% / 51% / 50% of the fp4 bytes
-  hc mixes + sinkhorn    T=64 / 256 / 4096, H=5120              11.3 / 17.9 / 150  26% of a launch that only
-                                                                                        streams the bytes (T=64)
-  hc post + next pre     T=64 / 256                             4.1 / 10.2         38% / 60%
+  hc mixes + sinkhorn    T=64 / 256 / 4096, H=5120              11.0 / 16.4 / 89.1 24-27% / 28% / 43% of a launch
+                                                                                        that only streams the bytes
+  hc post + next pre     T=64 / 256                             4.0 / 9.3          38% / 67% (83% / 82% of one
+                                                                                        launch reading the bytes)
 The whole run takes about 2-3 minutes on an H200 (--budget, default 200 s, skips the steps left after that);
 with OUT set it also writes $OUT/kernels.txt (the table) and $OUT/kernels.json.
 """

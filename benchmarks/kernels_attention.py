@@ -97,6 +97,21 @@ Measured (H200, copy ~4,250 GB/s, bf16 matmul 700-790 TFLOP/s; launch floor 0.7 
                          4-chunk w2 34.6, 8 chunks 25.5-27.9, merge w4 / w16 26.3; a shrinking search (the bucket
                          holding the k-th key compacted to 256-1024 entries after 4-7 reductions) 26.8-31.6 against
                          25.2 (behind the scores 95.3 against 92.8): removed.
+  session 7 round 1 (K2) attention: denominators kept per column (`lazy_sum`, one cross-warpgroup reduction less
+                         per block) 41.8 / 108.0 us against 42.7-42.8 / 111.1-111.3 (keys from L2 at N=256 88.5
+                         against 90.4): the new default. ncu (keys from L2, N=256): ~1,000 instructions per warp
+                         per 64-key block at 7.5 cycles each (2 warps per scheduler, 0.35 eligible; IPC 1.05).
+                         Indexer: one select row alone 18.8 us, 8 rows 21.4 (64 rows 25.0): latency. Scores + select
+                         in one launch with interleaved tickets (select chunks `lag` rows behind the score pieces)
+                         95.4-110 against 93.4-93.5 for the two launches: removed (kernels/indexer.py).
+  session 7 round 2 (K2) attention default 41.5-41.7 / 108.0-108.5 us against session 6's 43.0 / 111.6 (keys from
+                         L2 89.1-89.2 against 91.8). Score kernel grid (N=64, L=16384): 4 blocks a program 67.9
+                         (94%), 2 blocks 67.7, 3 blocks (6.95 waves of ~3 programs per SM, against 5.2) 69.3, 5-8
+                         blocks 69.0-70.7, 4 stages 69.2-69.4, 8 warps 70.0, 64-entry blocks 69.8: no tail to win.
+                         ncu of one row's select (the latency case): chunk stage 4 programs x 4 warps, ~5,700
+                         instructions per warp at 3.5 cycles (stalls: fixed-latency dependency 1.6, short scoreboard
+                         0.4; 254 registers), merge 1 program x 8 warps, ~2,340 per warp at 6.1 cycles: ~10.5 + 7.5
+                         us of dependent instruction chains.
 """
 import os
 import sys
@@ -115,8 +130,9 @@ _RATE = {}
 # 6's preload / one-loop / 16-warp forms lost, numbers above and in kernels/decode_attention.py)
 _U = dict(block_h=64, num_warps=8, unchain=True)
 ATTN_VARIANTS = []
-# session 5's dispatch (the "before" rows of this session): all heads, unchained, 64-key blocks, 2 stages
-BEFORE = dict(_U, block_k=64, num_stages=2)
+# session 6's dispatch (the "before" rows of this session): all heads, unchained, 64-key blocks, 2 stages, the
+# softmax denominators summed per block
+BEFORE = dict(_U, block_k=64, num_stages=2, lazy_sum=False)
 # select variants (label, topk_select_triton keywords), most telling first
 SELECT_VARIANTS = [("4 chunks (w4/w8)", dict(chunks=4, sorted=False)),
                    ("4 chunks w2/w8", dict(chunks=4, num_warps=2, sorted=False)),
@@ -129,7 +145,7 @@ SELECT_VARIANTS = [("4 chunks (w4/w8)", dict(chunks=4, sorted=False)),
 
 def attn_label(v):
     N, kw = v
-    form = "unchained" if kw.get("unchain") else "chained"
+    form = ("unchained" if kw.get("unchain") else "chained") + (" lazy sum" if kw.get("lazy_sum") else "")
     return (f"N={N} bh{kw['block_h']} bk{kw['block_k']} w{kw['num_warps']} st{kw['num_stages']} S{kw['splits']} "
             f"{form}")
 
@@ -190,7 +206,8 @@ def attn_note(t_ms, byte_us, flop_us, err):
 
 
 def _before_cfg(N, sms=132):
-    """Session 5's dispatch (the "before" row): all heads unchained, 64-key blocks, sms // N key splits."""
+    """Session 6's dispatch (the "before" row): all heads unchained, 64-key blocks, sms // N key splits, per-block
+    denominator sums."""
     return dict(BEFORE, splits=max(1, min(8, sms // N)))
 
 
@@ -206,7 +223,7 @@ def bench_attention(bw, l2, batches):
                                               .multi_processor_count if not DRY else 132)
         before = _before_cfg(N)
         runs = (("sparse attention", {}, "default dispatch: " + " ".join(f"{k}={v}" for k, v in cfg.items())),
-                ("  session 5 dispatch", before, " ".join(f"{k}={v}" for k, v in before.items())))
+                ("  before (session 6)", before, " ".join(f"{k}={v}" for k, v in before.items())))
         for label, kw, what in runs:
             a = decode_attention.sparse_attention_triton(*s, **kw)
             err = float((a.float() - b).norm() / b.norm())
@@ -326,6 +343,16 @@ def warm(workers=8):
     print(f"# warm: {len(tasks)} variants in {time.time() - t0:.0f} s", flush=True)
 
 
+def select_latency(bw):
+    """The select (scores in L2) for 1 and 8 rows: its latency, which a one-launch score + select form leaves
+    after the last scores (session 7 round 1: 18.8 / 21.4 us against 25.0 for 64 rows)."""
+    N, Hi, Di, L, k = indexer_shape()
+    for rows in S((1, 8), (1,)):
+        sc = torch.randn(rows, L, device=DEV)
+        t = time_ms(lambda: indexer.topk_select_triton(sc, k, sorted=False))
+        row("  sweep select rows", f"N={rows} L={L} k={k}", t, None, rows * L * 4, bw, "two launches, latency")
+
+
 def sweep(bw, l2):
     """The select variants first, then attention: the dispatched kernel twice (the spread between two timings of
     one version) around ATTN_VARIANTS; stops adding attention rows ATTN_SWEEP_S seconds (default 40) after the
@@ -345,6 +372,7 @@ def sweep(bw, l2):
         t = time_ms(lambda: indexer.topk_select_triton(scs[next(it) % 4], k, **kw))
         row("  sweep select", f"N={N} L={L} k={k} {label} sorted={kw['sorted']}", t, None, N * L * 4, bw,
             f"exact: {same}")
+    select_latency(bw)
     H, D, Kw, Kc, pool = attn_shape()
     sets = {}
     for N in S((64, 256), (2,)):
@@ -353,7 +381,8 @@ def sweep(bw, l2):
     runs = [(N, "default dispatch", {}) for N in sets]
     runs += [(S(v[0], 2), attn_label(v).split(" ", 1)[1], v[1]) for v in ATTN_VARIANTS]
     hot = dict(BEFORE, splits=1)
-    runs += [(S(256, 2), "session 5 (S1), keys from L2", dict(hot, hot=True))]
+    runs += [(S(256, 2), "before (S1), keys from L2", dict(hot, hot=True)),
+             (S(256, 2), "default (S1), keys from L2", dict(hot=True))]
     runs += [(N, "default dispatch again", {}) for N in sets]
     fn = decode_attention.sparse_attention_triton
     t_end = time.time() + float(os.environ.get("ATTN_SWEEP_S", "40"))
@@ -384,12 +413,16 @@ def sweep(bw, l2):
 
 def compile_cases():
     """(name, kernel, extra pointer types, constexprs, warps) for kernels.py --compile-check."""
-    attn = dict(D=512, BLOCK_H=64, BLOCK_K=64, HAS_CMP=True, IEEE=False, SPLIT=False, BLOCK_S=2, DC=64, UNCHAIN=True)
+    attn = dict(D=512, BLOCK_H=64, BLOCK_K=64, HAS_CMP=True, IEEE=False, SPLIT=False, BLOCK_S=2, DC=64, UNCHAIN=True,
+                LAZY_SUM=False)
     types = dict(q_ptr="*bf16", out_ptr="*bf16", cnt_ptr="*i32", scr_p_ptr="*bf16")
     return [
         ("attention (N>=192)", decode_attention._sparse_attention_kernel, types, attn, 8),
         ("attention pools S2", decode_attention._sparse_attention_kernel, types,
          dict(attn, SPLIT=True), 8),
+        ("attention lazy sum", decode_attention._sparse_attention_kernel, types, dict(attn, LAZY_SUM=True), 8),
+        ("attention lazy sum S2", decode_attention._sparse_attention_kernel, types,
+         dict(attn, LAZY_SUM=True, SPLIT=True), 8),
         ("attention (N<192)", decode_attention._sparse_attention_kernel, types,
          dict(attn, BLOCK_H=16, UNCHAIN=False), 4),
         ("threshold select", indexer._threshold_select_kernel,
@@ -398,5 +431,29 @@ def compile_cases():
     ]
 
 
+def ncu_target(N=256, launches=3):
+    """A few launches of the dispatched attention kernel at N rows with every key among 32 pool rows (L2 hits),
+    for `ncu --launch-skip 1 --launch-count 1`: its stall reasons are the keys-from-L2 chain's."""
+    H, D, Kw, Kc, pool = attn_shape()
+    q, win, wi, sink, cmp_, ci = attn_inputs(N, H, D, Kw, Kc, pool)()
+    for _ in range(launches):
+        decode_attention.sparse_attention(q, win, (wi % 32).int(), sink, cmp_, (ci % 32).int())
+    torch.cuda.synchronize()
+
+
+def ncu_select(launches=3):
+    """A few one-row selects (scores in L2: the latency case), for `ncu --launch-skip 2 --launch-count 2` (one
+    call's chunk stage and merge)."""
+    N, Hi, Di, L, k = indexer_shape()
+    sc = torch.randn(1, L, device=DEV)
+    for _ in range(launches):
+        indexer.topk_select_triton(sc, k, sorted=False)
+    torch.cuda.synchronize()
+
+
 if __name__ == "__main__" and "--warm" in sys.argv:
     warm(int(os.environ.get("WARM_WORKERS", "8")))
+if __name__ == "__main__" and "--ncu-target" in sys.argv:
+    ncu_target()
+if __name__ == "__main__" and "--ncu-select" in sys.argv:
+    ncu_select()

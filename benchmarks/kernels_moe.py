@@ -87,6 +87,18 @@ Round 2 (activations + shifts a step ahead; 128-row tiles):
                                   T=64 / 8 / 256   2168 / 476 / 3415 (44-50%), kept fp8 2144 / 451 / 3422
   -> packed FP4 now moves half the bytes in the same time as fp8 (the decode is no longer the limit: three
      decodes of 1.4-1.9 operations a weight time the same); fp8 stays the loader's CUDA default.
+
+Session 7 (mHC in ONE launch: partials, a start ticket per token block, the last starters wait and mix a token
+each; H200, copy 4249 GB/s, an empty launch 0.7 us; read floor = one launch streaming the same bytes):
+Round 2, us at T = 64 / 256 / 4096 (read floor 2.9 / 4.6 / 38.4):
+  two launches (the old default)          11.3 / 18.0 / 150.2
+  one launch at its best tiles            10.9 / 16.4 / 89.6   (kernels/hc_mix.py _fused_tiles lists the sweep)
+  T=64 breakdown: streaming pass alone 6.4, one Sinkhorn step instead of 20: 10.0; one waiter a token block
+  (the last program mixes all 64 tokens) 46.5, 8 waiters 15.9.
+  Round 1 hung at T=4096 (1280 programs, every program a waiter): waiters other than the last starter now only
+  when the grid fits one wave.
+  hc post + next pre (block_h x warps): 256 x 1 4.0 / 9.3 us (the new default; 256 x 2 4.1 / 10.1); one launch
+  that only reads the same 6.6 / 26.2 MB takes 3.4 / 7.6 us.
 """
 import math
 import os
@@ -234,18 +246,14 @@ def bench_hc(bw, l2, batches):
         achievable = max(one, nbytes / (bw * 1e9) * 1e3)
         rf = one if DRY else read_floor(nbytes)
         row("hc mixes + sinkhorn", f"T={T} M={M} H={H}", t, tt, nbytes, bw,
-            f"max abs err {err:.1e}; two launches; {achievable / t:.0%} of max(launch floor, bytes/bw); "
+            f"max abs err {err:.1e}; one launch; {achievable / t:.0%} of max(launch floor, bytes/bw); "
             f"{rf / t:.0%} of one launch streaming the bytes ({rf * 1e3:.1f} us)")
         if T <= 64:
             tp = time_ms(lambda: hc_mix.hc_mixes_triton(*nxt(), only_partial=True))
-            row("  hc partial pass", f"T={T} M={M} H={H}", tp, None, nbytes, bw, "first launch alone")
+            row("  hc partial pass", f"T={T} M={M} H={H}", tp, None, nbytes, bw, "the streaming pass alone")
     for T in batches[:2]:                  # applying the mixes: R' = post*y + comb^T R, then the next read-out
-        def make_apply():
-            return (torch.randn(T, M, H, device=DEV, dtype=torch.bfloat16),
-                    torch.randn(T, H, device=DEV, dtype=torch.bfloat16), torch.rand(T, M, device=DEV) * 2,
-                    torch.rand(T, M, M, device=DEV), torch.rand(T, M, device=DEV))
         nb = T * M * H * 2 * 2 + T * H * 2 * 2
-        nxt = rotating(make_apply, nb, l2)
+        nxt = rotating(lambda: _apply_inputs(T, M, H), nb, l2)
         s = nxt()
         o, x = hc_mix.hc_post_triton(*s)
         ro, rx = hc_mix.hc_post_torch(*s)
@@ -389,43 +397,17 @@ def read_floor(nbytes: int) -> float:
                                                                   num_warps=8))
 
 
-def hc_mix_alone(s, **kw):
-    """The second launch of the two-launch form alone (on random partials): breakdown rows; iters=1 leaves the
-    Sinkhorn loop out."""
-    R, fn, base, scale = s
-    T, M, H = R.shape
-    K, NZ = M * H, (2 + M) * M
-    NZP = max(16, triton.next_power_of_2(NZ + 1))
-    split = kw.get("split") or 512
-    n_split = triton.cdiv(K, split)
-    z = torch.randn(n_split, T, NZP, device=DEV) * 0.01
-    z[:, :, NZ] = torch.rand(n_split, T, device=DEV) + 1          # the sums of squares
-    pre, post, comb = (torch.empty(T, M, device=DEV), torch.empty(T, M, device=DEV), torch.empty(T, M, M, device=DEV))
-    bt, warps = kw.get("mix_bt", 2), kw.get("mix_warps", 1)
-    fast = kw.get("fast_rcp", hc_mix.FAST_RCP_DEFAULT) and hc_mix._CAN_RCP
-    return lambda: hc_mix._hc_mix_kernel[(triton.cdiv(T, bt),)](z, base, scale, pre, post, comb, T, K, NZ, n_split,
-                                                                 1e-20, 1e-6, 2.0, M=M, NZP=NZP, BT=bt,
-                                                                 ITERS=kw.get("iters", 20), SC=kw.get("sc", 16),
-                                                                 FAST=fast, num_warps=warps)
-
-
 def _hc_variants(T):
-    """(label, options) of the mHC sweep at T tokens, most informative first; ("mix alone", options) times the
-    mixing launch by itself, only_partial the first pass by itself, fn_parts=True reads fn as its three bf16
+    """(label, options) of the mHC sweep at T tokens: the default (kernels/hc_mix.py _fused_tiles: session 7 round
+    2's sweep is there), its streaming pass alone (only_partial), its Sinkhorn cut to one step (the difference is
+    the 19 other steps; the error then is expected) and a neighbour tile; fn_parts=True reads fn as its three bf16
     parts (rotated with the inputs)."""
-    P = dict(only_partial=True)
-    old = dict(block_t=16, split=512, block_k=64)             # the decode tiles before session 5
-    if T > 256:
-        return [("parts (the default)", dict(fn_parts=True)), ("parts mix bt16 w4", dict(fn_parts=True, mix_bt=16,
-                                                                                          mix_warps=4))]
-    if T > 64:
-        return [("default", {}), ("s256 bk128", dict(split=256, block_k=128)), ("partial", P),
-                ("partial s256 bk128", dict(P, split=256, block_k=128))]
-    return [("default", {}), ("old tiles s512 bk64", old), ("partial", P), ("partial old tiles", dict(P, **old)),
-            ("mix alone s256", ("mix alone", dict(split=256))), ("mix alone s512", ("mix alone", {})),
-            ("sc32", dict(sc=32)), ("mix bt4", dict(mix_bt=4)), ("mix bt16 w4", dict(mix_bt=16, mix_warps=4)),
-            ("bt32 s256 bk128 w8", dict(block_t=32, num_warps=8)), ("s512 bk128", dict(split=512)),
-            ("s128 bk128", dict(split=128))]
+    parts = hc_mix.parts_pay(T)
+    d = dict(fn_parts=True) if parts else {}
+    return [("default", d), ("partial (first pass alone)", dict(d, only_partial=True)),
+            ("iters=1 (err expected)", dict(d, iters=1)),
+            ("split x2", dict(d, split=hc_mix._fused_tiles(T)["split"] * 2)),
+            ("no pf 2 stages", dict(d, prefetch=False, num_stages=2))]
 
 
 def _hc_runner(v):
@@ -460,8 +442,10 @@ def warm(i: int, n: int):
             x = hc_inputs(T, M, H)
             xs = (x, hc_mix.split_fn_bf16(x[1]))
             for label, v in _hc_variants(T):
-                yield f"T={T} {label}", (lambda v=v, x=x, xs=xs: hc_mix_alone(x, **v[1])() if isinstance(v, tuple)
-                                         else _hc_runner(v)[0](xs))
+                yield f"T={T} {label}", (lambda v=v, xs=xs: _hc_runner(v)[0](xs))
+        a = _apply_inputs(64, M, H)
+        for bh, w in POST_VARIANTS:
+            yield f"post {bh} {w}", (lambda bh=bh, w=w: hc_mix.hc_post_triton(*a, block_h=bh, num_warps=w))
     _run_share(i, n, jobs())
 
 
@@ -469,7 +453,7 @@ def _sweep_hc(bw, l2, one, batches):
     """mHC variants at decode sizes (_hc_variants); `read floor` is one launch streaming the same bytes."""
     M, H = 4, S(5120, 64)
     nz = (2 + M) * M
-    for T, share in zip(batches, (0.55, 0.85, 1.0)):          # T's variants stop at this share of the sweep's time
+    for T, share in zip(batches, (0.45, 0.7, 0.9)):           # T's variants stop at this share of the sweep's time
         nbytes = T * M * H * 2 + nz * M * H * 4
         floor = one if DRY else read_floor(nbytes)
         emit(f"  sweep hc T={T}: read floor (one launch streaming {nbytes / 1e6:.1f} MB) {floor * 1e3:.1f} us; "
@@ -481,25 +465,42 @@ def _sweep_hc(bw, l2, one, batches):
                 emit("  sweep hc: stopped (time)")
                 break
             try:
-                if isinstance(v, tuple):            # ("mix alone", options): the second launch by itself
-                    t = time_ms(hc_mix_alone(s, **v[1]))
-                    err = 0.0
-                else:
-                    run, kw = _hc_runner(v)
-                    err = 0.0 if v.get("only_partial") else hc_err(s, fn_parts=parts if v.get("fn_parts") else None,
-                                                                    **kw)
-                    t = time_ms(lambda: run(nxt()))
+                run, kw = _hc_runner(v)
+                err = 0.0 if v.get("only_partial") else hc_err(s, fn_parts=parts if v.get("fn_parts") else None, **kw)
+                t = time_ms(lambda: run(nxt()))
             except Exception as e:                      # noqa: BLE001 - one variant must not end the sweep
                 emit(f"  sweep hc T={T} {label}: FAILED {type(e).__name__}: {str(e)[:300]}")
                 continue
             row("  sweep hc", f"T={T} {label}", t, None, nbytes, bw, f"err {err:.0e}; {floor / t:.0%} of the read floor")
     s = nxt = parts = None
+    for T in batches[:2]:                       # the write-back + next read-out pass: block_h x warps
+        nb = T * M * H * 2 * 2 + T * H * 2 * 2
+        floor = one if DRY else read_floor(nb)
+        nxt = rotating(lambda: _apply_inputs(T, M, H), nb, l2)
+        for bh, w in POST_VARIANTS:
+            if _left() < 0:
+                emit("  sweep hc post: stopped (time)")
+                return
+            t = time_ms(lambda: hc_mix.hc_post_triton(*nxt(), block_h=bh, num_warps=w))
+            row("  sweep hc post", f"T={T} block_h={bh} w={w}", t, None, nb, bw,
+                f"{max(one, nb / (bw * 1e9) * 1e3) / t:.0%} of max(launch, bytes/bw); read floor {floor * 1e3:.1f} us")
+        nxt = None
+
+
+POST_VARIANTS = ((256, 1), (256, 2), (512, 2))
+
+
+def _apply_inputs(T, M, H):
+    """(R, y, post, comb, next_pre) of the write-back pass: random, never zeros."""
+    return (torch.randn(T, M, H, device=DEV, dtype=torch.bfloat16), torch.randn(T, H, device=DEV, dtype=torch.bfloat16),
+            torch.rand(T, M, device=DEV) * 2, torch.rand(T, M, M, device=DEV), torch.rand(T, M, device=DEV))
 
 
 def compile_cases():
     """(name, kernel, extra pointer types, constexprs, warps) for kernels.py --compile-check."""
     desc_t = dict(w1_desc="constexpr", w3_desc="constexpr", w2_desc="constexpr")
-    hc = dict(NZP=32, PRECISION="ieee", UPCAST=False, PF=True)
+    fused = dict(M=4, NZP=32, PRECISION="ieee", UPCAST=False, ITERS=20, FAST=True, TAIL=True, PF=True)
+    fz = dict(r_ptr="*bf16", cnt_ptr="*i32", norm_eps="fp32", hc_eps="fp32", post_mult="fp32")
     cases = [
         ("moe align", moe._align_kernel, dict(ids_ptr="*i64", slot_pair_ptr="*i32", block_expert_ptr="*i32"),
          dict(BM=16, EP=64, CH=512), 4),
@@ -539,14 +540,14 @@ def compile_cases():
                                                   w2_desc="tensordesc<i32[128,4]>", g2_ptr="*u8"),
          dict(BM=16, BN=128, TMA=True, F32=False, GR=1), 4),
         ("moe combine", moe._combine_kernel, dict(out_ptr="*bf16"), dict(K_TOP=6, BH=1024), 4),
-        ("hc partial bf16x3", hc_mix._hc_partial_kernel, dict(r_ptr="*bf16"),
-         dict(hc, BT=16, BK=128, SPLIT=256, MODE=1), 4),
-        ("hc partial bt64 parts", hc_mix._hc_partial_kernel, dict(r_ptr="*bf16", fn_ptr="*bf16"),
-         dict(hc, BT=64, BK=64, SPLIT=2048, MODE=2, PF=False), 8),
-        ("hc mix", hc_mix._hc_mix_kernel, {}, dict(M=4, NZP=32, BT=2, ITERS=20, SC=16, FAST=True), 1),
-        ("hc mix divide", hc_mix._hc_mix_kernel, {}, dict(M=4, NZP=32, BT=2, ITERS=20, SC=16, FAST=False), 1),
+        ("hc T<=128 bt64 s256", hc_mix._hc_fused_kernel, fz,
+         dict(fused, BT=64, BK=128, SPLIT=256, MODE=1, NW=64, TPW=1, SPC=128), 4),
+        ("hc T<=256 parts", hc_mix._hc_fused_kernel, dict(fz, fn_ptr="*bf16"),
+         dict(fused, BT=64, BK=128, SPLIT=512, MODE=2, NW=40, TPW=2, SPC=64), 4),
+        ("hc prefill parts", hc_mix._hc_fused_kernel, dict(fz, fn_ptr="*bf16"),
+         dict(fused, BT=128, BK=64, SPLIT=2048, MODE=2, NW=1, TPW=128, SPC=2, PF=False), 8),
         ("hc post + pre", hc_mix._hc_post_kernel, dict(r_ptr="*bf16", y_ptr="*bf16", out_ptr="*bf16", x_ptr="*bf16"),
-         dict(M=4, BH=512, PRE=True), 4),
+         dict(M=4, BH=256, PRE=True), 1),
     ]
     # the grouped kernels' defaulted constexprs (block scales, packed FP4) must be given, or they become run-time
     plain = dict(GS=False, GR=1, PF=False)

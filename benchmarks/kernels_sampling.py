@@ -83,6 +83,25 @@ H200 numbers (torch 2.11 / Triton 3.6; copy 4,250-4,275 GB/s; us, fraction of co
                                 B=256 412.2 / 497.1; peaked rows 60.8 / 120.3 (B=64), 120.9 / 395.5 (B=256)
     pass shapes B=64            (see kernels/sampling.py beside SMALL_SHAPE)
     compiled tests              71 / 71 passed (8 processes, 43-57 s each)
+  session 7 round 1: lost (a bool local turned a constexpr branch of lane_block into a run-time one, so compiled
+  kernels without a mask failed to build; the interpreter and --compile-check's signatures did not show it:
+  .round/data/K1/gpu_compile.py now builds every launch's real signature on the CPU)
+  session 7 round 2 (copy 4,248 GB/s; the compiled tests from 40 s in), top-p alone by rejection
+  (kernels/rejection.py), whole call, us at B=64 / 256 (every row below still paid ~15 us of torch ops building the
+  parameters' threshold view on the device, removed after this round):
+    top-p0.9 flat               np=4 55.4 / 151.9 (pass with 4 proposals 29.2 / 63.4, mass-above pass + fused
+                                finish 26.3 / 88.5); every lane read 52.5 / 141.8; finish apart 53.9 / 135.8; np=2
+                                120.6, np=6 67.4 (B=64); tau first (session 6) 150.3 / 458.3
+    top-p0.95 peak              np=4 53.8 / 142.3; every lane read 52.3 / 136.6; finish apart 52.0 / 128.0; np=2
+                                63.6, np=6 65.3; tau first 56.0 / 121.2
+    speculative accept          residual finish folded into the residual pass 49.1 / 49.2 against 49.3 / 49.6
+  session 7 round 3 (final defaults; the compiled tests ran beside it from 30 s on), B=64 / 256: T=1 11.0 / 33.6
+                                (71% / 93%); T=0.7 +mask 13.5 / 41.6; greedy 10.7 / 33.1; top-k50 p0.9 30.2 / 77.0;
+                                top-k50 +mask 33.5 / 85.3; top-p0.95 peak 33.9 (was 57.0); top-p0.9 flat 33.0 (was
+                                150.1); B=256 top-p rows and the speculative step cut by the round's budget. Sweep at
+                                B=64 (each twice): one-launch pass 13.2 / 13.2 against 11.7 / 11.8; adaptive mask
+                                mode 17.1 / 17.1 against 14.5 / 14.5 on random masks, 13.6 / 13.6 against 14.5 / 14.4
+                                on grammar-like masks; top-k group bound 52.1 / 50.7 against 49.6 / 45.7: all off.
   Floor of the histogram path: its histogram pass is instruction-bound (1,832 SASS instructions per thread, x 8
   warps x 2,048 programs at B=64 = 30M warp instructions: 32 us at 4 per SM per cycle, 55 us measured), so top-p
   alone on flat rows cannot approach one read (8.7 us) this way; a sampling rule that needs no tau (proposals from
@@ -129,11 +148,10 @@ def bench_sampling(bw, l2, batches):
                                     position=torch.arange(B, device=DEV) + 7, **kw)
             nxt = rotating(lambda: (gen_rows(B), rand_bitmask(B) if masked else None), B * V * 4, l2)
             x, m = nxt()
-            flt = kw["top_k"] > 0 or kw["top_p"] < 1         # known on the host, as sample_from_logits knows it
-            hist = flt and not 0 < kw["top_k"] <= threshold.KMAX  # likewise: does a row need the histogram path
-            only = 0 < kw["top_k"] <= threshold.KMAX and kw["temperature"] > 0      # every row a lane-path row
-            lr = threshold.needs_lane_path(sampling.row_params(B, "cpu", **kw, seed=0, position=0), V)
-            a = sampling.sample_triton(x, p, m, filters=flt, histogram=hist, lane_only=only, lane_rows=lr)
+            flt = kw["top_k"] > 0 or kw["top_p"] < 1
+            # what the host knows, as sample_from_logits knows it (which launches a row needs)
+            flags = sampling.host_flags(sampling.row_params(B, "cpu", **kw, seed=0, position=0), V)
+            a = sampling.sample_triton(x, p, m, **flags)
             b = sampling.sample_torch(x, p, m)
             note = f"tokens equal to twin: {float((a == b).float().mean()):.1%}"
             if flt:
@@ -144,8 +162,7 @@ def bench_sampling(bw, l2, batches):
                 fast = path > 0
                 cands = float(path[fast].float().mean()) if bool(fast.any()) else 0.0
                 note += f"; tau = f64 twin {tau_ok:.0%}; fast path {int(fast.sum())}/{B} rows, {cands:.0f} candidates"
-            t = time_ms(lambda: sampling.sample_triton(*(lambda s: (s[0], p, s[1]))(nxt()), filters=flt,
-                                                       histogram=hist, lane_only=only, lane_rows=lr))
+            t = time_ms(lambda: sampling.sample_triton(*(lambda s: (s[0], p, s[1]))(nxt()), **flags))
             tt = time_ms(lambda: sampling.sample_torch(*(lambda s: (s[0], p, s[1]))(nxt())), graph=False)
             row(name, f"B={B} V={V}", t, tt, B * V * 4 + (B * W * 4 if masked else 0), bw, note)
 
@@ -252,7 +269,8 @@ def sweep(bw, l2):
     batches = S([64, 256], [3])
     floors(bw, l2, batches)
     SWEPT.append(True)
-    parts = dict(top_p_tune=sweep_top_p_tune, top_p=sweep_top_p, shapes=sweep_shapes, threshold=sweep_threshold,
+    parts = dict(final=sweep_final, reject=sweep_reject, spec_one=sweep_spec_one, topk=sweep_topk, plain=sweep_plain,
+                 top_p_tune=sweep_top_p_tune, top_p=sweep_top_p, shapes=sweep_shapes, threshold=sweep_threshold,
                  spec=sweep_speculative)
     chosen = os.environ.get("K1_SWEEP")                    # a comma list of the parts to run (default: all)
     for name, part in parts.items():
@@ -262,6 +280,151 @@ def sweep(bw, l2):
             part(bw, l2)
         except Exception as e:                 # noqa: BLE001
             emit(f"  sweep part FAILED {type(e).__name__}: {str(e)[:600]}")
+
+
+def sweep_plain(bw, l2):
+    """Plain rows at B=64 (T=1, T=0.7 with random 50% masks, T=0.7 with grammar-like masks: 2% allowed in runs of
+    512; B=256: T=1): the pass + finish (two launches) against one launch (ONE_LAUNCH: an atomic max per row), and
+    for masked rows the mask modes (dense, mask first, adaptive per program), each variant twice at B=64 (the
+    run-to-run spread)."""
+    for B in S([64, 256], [3]):
+        cases = (("T=1", 1.0, None), ("T=0.7 +mask", 0.7, dict()),
+                 ("T=0.7 grammar mask", 0.7, dict(density=0.02, span=512)))[:1 if B > S(64, 3) else 3]
+        for label, temp, mask_kw in cases:
+            p = sampling.row_params(B, DEV, temp, 0, 1.0, seed=torch.arange(B, device=DEV), position=0)
+            nxt = rotating(lambda: (flat_logits(B), rand_bitmask(B, **mask_kw) if mask_kw is not None else None),
+                           B * V * 4, l2)
+            x, m = nxt()
+            want = sampling.sample_torch(x, p, m)
+            modes = (False,) if mask_kw is None else (False, True, "adaptive")
+            variants = [(one, mf) for mf in modes for one in (False, True)]
+            for one, mf in variants + (variants if B == S(64, 3) else []):
+                run = lambda s: sampling.sample_triton(s[0], p, s[1], filters=False, reject=False,  # noqa: E731
+                                                       one_launch=one, mask_first=mf)
+                same = float((run((x, m)) == want).float().mean())
+                t = time_ms(lambda: run(nxt()))
+                row("  sweep plain", f"B={B} {label} {'one' if one else 'two'} launch{'es' * (not one)}"
+                    f"{'' if mask_kw is None else ' mask ' + str(mf)}", t, None,
+                    B * V * 4 + (B * W * 4 if mask_kw is not None else 0), bw, f"tokens = twin {same:.1%}")
+
+
+def top_p_cases(l2):
+    """(B, label, params, next(), first logits) of the top-p-alone sweeps: B=64 and 256, flat rows with p 0.9 and
+    peaked rows with p 0.95, inputs rotated past the L2."""
+    for B in S([64, 256], [3]):
+        for label, gen_rows, top_p in (("top-p0.9 flat", flat_logits, 0.9), ("top-p0.95 peak", peaked_logits, 0.95)):
+            p = sampling.row_params(B, DEV, 1.0, 0, top_p, seed=torch.arange(B, device=DEV), position=0)
+            nxt = rotating(lambda: gen_rows(B), B * V * 4, l2)
+            yield B, label, p, nxt, nxt()
+
+
+def sweep_spec_one(bw, l2):
+    """The speculative step (64 requests x 4 rows, draft probabilities, no filters) with the residual finish as
+    its own launch or folded into the residual pass (ONE_LAUNCH_RESIDUAL), each twice."""
+    B, L, R, cu, nxt = spec_inputs(l2)
+    kw = dict(temperature=torch.ones(B, device=DEV), top_k=torch.zeros(B, dtype=torch.int64, device=DEV),
+              top_p=torch.ones(B, device=DEV), seed=torch.arange(B, device=DEV), position=torch.arange(B, device=DEV))
+    x, pr, d = nxt()
+    want = speculative.speculative_accept(x, cu, d, pr, backend="torch", **kw).tokens
+    for one in (False, True, False, True):
+        speculative.ONE_LAUNCH_RESIDUAL = one
+        same = float((speculative.speculative_accept(x, cu, d, pr, backend="triton", filters=False, **kw).tokens
+                      == want).float().mean())
+        t = time_ms(lambda: (lambda s: speculative.speculative_accept(s[0], cu, s[2], s[1], backend="triton",
+                                                                      filters=False, **kw))(nxt()))
+        row("  sweep spec", f"B={B}x{L} residual finish {'folded' if one else 'apart'}", t, None, R * V * 4, bw,
+            f"equal to twin {same:.1%}")
+    speculative.ONE_LAUNCH_RESIDUAL = False
+
+
+def sweep_topk(bw, l2):
+    """Top-k sampling (top-k50 p0.9 on flat rows; top-k50 on peaked rows) at B=64 and 256, whole lane-path call
+    (lane maxima + merge, which draws), with the merge's lane bound by the histogram rounds or by the group
+    maxima first (GROUP_BOUND), each twice at B=64, and the group bound with the merge at 8 warps."""
+    for B in S([64, 256], [3]):
+        for label, gen_rows, k, top_p in (("top-k50 p0.9 flat", flat_logits, 50, 0.9),
+                                          ("top-k50 peak", peaked_logits, 50, 1.0)):
+            p = sampling.row_params(B, DEV, 1.0, k, top_p, seed=torch.arange(B, device=DEV), position=0)
+            nxt = rotating(lambda: gen_rows(B), B * V * 4, l2)
+            x = nxt()
+            want = sampling.sample_torch(x, p)
+            for groups in ((False, True, False, True) if B == S(64, 3) else (False, True)):
+                threshold.GROUP_BOUND = groups
+                same = float((sampling.sample_triton(x, p, filters=True, histogram=False, lane_only=True) == want)
+                             .float().mean())
+                cands = threshold.thresholds_and_paths(x, p, None, None, histogram=False)[1].float().mean()
+                t = time_ms(lambda: sampling.sample_triton(nxt(), p, filters=True, histogram=False, lane_only=True))
+                row("  sweep topk", f"B={B} {label} groups={int(groups)}", t, None, B * V * 4, bw,
+                    f"tokens = twin {same:.1%}; {float(cands):.0f} candidates")
+            threshold.GROUP_BOUND, warps = True, threshold.MERGE_WARPS
+            threshold.MERGE_WARPS = 8
+            t = time_ms(lambda: sampling.sample_triton(nxt(), p, filters=True, histogram=False, lane_only=True))
+            row("  sweep topk", f"B={B} {label} groups=1 merge 8 warps", t, None, B * V * 4, bw)
+            threshold.GROUP_BOUND, threshold.MERGE_WARPS = False, warps
+
+
+def sweep_final(bw, l2):
+    """The short sweep of round 3 (B=64, beside the default rows): the variants that are off by default against the
+    default, each pair twice: the one-launch pass (T=1), the adaptive mask mode (random 50% masks and grammar-like
+    2% masks), the top-k merge's group bound (top-k50 p0.9)."""
+    B = S(64, 3)
+    for label, temp, mask_kw, var in (("T=1", 1.0, None, dict(one_launch=True)),
+                                      ("T=0.7 +mask", 0.7, dict(), dict(mask_first="adaptive")),
+                                      ("T=0.7 grammar mask", 0.7, dict(density=0.02, span=512),
+                                       dict(mask_first="adaptive"))):
+        p = sampling.row_params(B, DEV, temp, 0, 1.0, seed=torch.arange(B, device=DEV), position=0)
+        nxt = rotating(lambda: (flat_logits(B), rand_bitmask(B, **mask_kw) if mask_kw is not None else None),
+                       B * V * 4, l2)
+        for kw in (dict(), var, dict(), var):
+            t = time_ms(lambda: (lambda s: sampling.sample_triton(s[0], p, s[1], filters=False, reject=False, **kw))(
+                nxt()))
+            row("  sweep final", f"B={B} {label} {kw or 'default'}", t, None,
+                B * V * 4 + (B * W * 4 if mask_kw is not None else 0), bw)
+    p = sampling.row_params(B, DEV, 1.0, 50, 0.9, seed=torch.arange(B, device=DEV), position=0)
+    nxt = rotating(lambda: flat_logits(B), B * V * 4, l2)
+    for groups in (False, True, False, True):
+        threshold.GROUP_BOUND = groups
+        t = time_ms(lambda: sampling.sample_triton(nxt(), p, filters=True, histogram=False, lane_only=True))
+        row("  sweep final", f"B={B} top-k50 p0.9 groups={int(groups)}", t, None, B * V * 4, bw)
+    threshold.GROUP_BOUND = False
+
+
+def sweep_reject(bw, l2):
+    """Top-p alone by rejection (kernels/rejection.py) at B=64 and 256, flat rows p 0.9 and peaked rows p 0.95:
+    tokens against the twin, the whole call at several proposal counts, its stages by differences (the pass with
+    the proposals, + the mass-above pass, + the finish: one stage when fused), the mass-above pass reading every
+    lane (LANE_SKIP off), the finish as its own launch (FUSE_FINISH off), the mass-above pass at 4 warps, and
+    session 6's tau-first path."""
+    from deepinfer_sg.kernels import rejection
+    for B, label, p, nxt, x in top_p_cases(l2):
+        want = sampling.sample_torch(x, p)
+        flags = dict(filters=False, histogram=False, lane_rows=False, reject=True)
+        for np_ in ((2, 4, 6) if B == S(64, 3) else (4,)):
+            same = float((sampling.sample_triton(x, p, proposals=np_, **flags) == want).float().mean())
+            prev = 0.0
+            for stages in ((0, 1, 2) if np_ == 4 else (2,)):
+                rejection.STAGES = stages
+                t = time_ms(lambda: sampling.sample_triton(nxt(), p, proposals=np_, **flags))
+                rejection.STAGES = 2
+                row("  sweep reject", f"B={B} {label} np={np_} st{stages}", t, None, B * V * 4, bw,
+                    f"stage {(t - prev) * 1e3:.1f} us; tokens = twin {same:.1%}")
+                prev = t
+        for knob, value, label2 in (("LANE_SKIP", False, "every lane read"),
+                                    ("FUSE_FINISH", False, "finish launched apart"),
+                                    ("ABOVE_WARPS", 4, "mass-above pass 4 warps")):
+            keep = getattr(rejection, knob)
+            setattr(rejection, knob, value)
+            same = float((sampling.sample_triton(x, p, **flags) == want).float().mean())
+            t = time_ms(lambda: sampling.sample_triton(nxt(), p, **flags))
+            setattr(rejection, knob, keep)
+            row("  sweep reject", f"B={B} {label} np=4 {label2}", t, None, B * V * 4, bw,
+                f"tokens = twin {same:.1%}")
+        sampling.P_REJECT = False
+        try:
+            t = time_ms(lambda: sampling.sample_triton(nxt(), p, filters=True, histogram=True, reject=False))
+        finally:
+            sampling.P_REJECT = True
+        row("  sweep reject", f"B={B} {label} tau first (session 6)", t, None, B * V * 4, bw)
 
 
 def sweep_speculative(bw, l2):
@@ -308,41 +471,37 @@ def sweep_top_p(bw, l2):
     cumulatively (2: the lane path's try with k = 64, 3: + histogram pass, 4: + select, 5: + gather, 6: + tau),
     the whole sampling call with and without the lane path's try (P_ONLY_LANES), and tau against the float64
     definition: the kernel's bracketed cut, its row-wide bisection (forced: cmax 16), an fp32 sort twin."""
-    for B in S([64, 256], [3]):
-        for label, gen_rows, top_p in (("top-p0.9 flat", flat_logits, 0.9), ("top-p0.95 peak", peaked_logits, 0.95)):
-            p = sampling.row_params(B, DEV, 1.0, 0, top_p, seed=torch.arange(B, device=DEV), position=0)
-            nxt = rotating(lambda: gen_rows(B), B * V * 4, l2)
-            x = nxt()
-            want = sampling.thresholds_torch(x, p)
-            tau, path = threshold.thresholds_and_paths(x, p, None, None, histogram=True)
-            fast = path > 0
-            note = (f"tau = f64 definition {float((tau == want).float().mean()):.1%}; fast {int(fast.sum())}/{B}, "
-                    f"{float(path[fast].float().mean()) if bool(fast.any()) else 0:.0f} candidates")
-            if label.endswith("flat"):
-                fb = threshold.thresholds_and_paths(x, p, None, None, histogram=True, cmax=16)[0]
-                f32 = tau_fp32_sort(x, p.top_p)
-                note += (f"; bisection fallback = f64 {float((fb == want).float().mean()):.1%}; "
-                         f"fp32 sort twin = f64 {float((f32 == want).float().mean()):.1%}")
-            emit(f"  sweep top-p B={B} {label}: {note}")
-            for p_lanes in (True, False):
-                prev = 0.0
-                stage_list = (2, 3, 4, 5, 6) if B == S(64, 3) and label.endswith("flat") and not p_lanes else ()
-                for stages in stage_list:
-                    t = time_ms(lambda: threshold.thresholds_and_paths(nxt(), p, None, None, histogram=True,
-                                                                        stages=stages, p_lanes=p_lanes,
-                                                                        lane_rows=None if p_lanes else False))
-                    row("  sweep top-p", f"B={B} {label[4:]} lanes={int(p_lanes)} st{stages}", t, None, B * V * 4,
-                        bw, f"stage {(t - prev) * 1e3:.1f} us")
-                    prev = t
-                keep = threshold.P_ONLY_LANES
-                threshold.P_ONLY_LANES = p_lanes
-                lr = None if p_lanes else False          # no lane-path row: its launches skipped
-                same = float((sampling.sample_triton(x, p, filters=True, histogram=True, lane_rows=lr) ==
-                              sampling.sample_torch(x, p)).float().mean())
-                t = time_ms(lambda: sampling.sample_triton(nxt(), p, filters=True, histogram=True, lane_rows=lr))
-                threshold.P_ONLY_LANES = keep
-                row("  sweep top-p sample", f"B={B} {label} lanes={int(p_lanes)}", t, None, B * V * 4, bw,
-                    f"tokens = twin {same:.1%}")
+    for B, label, p, nxt, x in top_p_cases(l2):
+        want = sampling.thresholds_torch(x, p)
+        tau, path = threshold.thresholds_and_paths(x, p, None, None, histogram=True)
+        fast = path > 0
+        note = (f"tau = f64 definition {float((tau == want).float().mean()):.1%}; fast {int(fast.sum())}/{B}, "
+                f"{float(path[fast].float().mean()) if bool(fast.any()) else 0:.0f} candidates")
+        if label.endswith("flat"):
+            fb = threshold.thresholds_and_paths(x, p, None, None, histogram=True, cmax=16)[0]
+            f32 = tau_fp32_sort(x, p.top_p)
+            note += (f"; bisection fallback = f64 {float((fb == want).float().mean()):.1%}; "
+                     f"fp32 sort twin = f64 {float((f32 == want).float().mean()):.1%}")
+        emit(f"  sweep top-p B={B} {label}: {note}")
+        for p_lanes in (True, False):
+            prev = 0.0
+            stage_list = (2, 3, 4, 5, 6) if B == S(64, 3) and label.endswith("flat") and not p_lanes else ()
+            for stages in stage_list:
+                t = time_ms(lambda: threshold.thresholds_and_paths(nxt(), p, None, None, histogram=True,
+                                                                    stages=stages, p_lanes=p_lanes,
+                                                                    lane_rows=None if p_lanes else False))
+                row("  sweep top-p", f"B={B} {label[4:]} lanes={int(p_lanes)} st{stages}", t, None, B * V * 4,
+                    bw, f"stage {(t - prev) * 1e3:.1f} us")
+                prev = t
+            keep = threshold.P_ONLY_LANES
+            threshold.P_ONLY_LANES = p_lanes
+            lr = None if p_lanes else False          # no lane-path row: its launches skipped
+            same = float((sampling.sample_triton(x, p, filters=True, histogram=True, lane_rows=lr) ==
+                          sampling.sample_torch(x, p)).float().mean())
+            t = time_ms(lambda: sampling.sample_triton(nxt(), p, filters=True, histogram=True, lane_rows=lr))
+            threshold.P_ONLY_LANES = keep
+            row("  sweep top-p sample", f"B={B} {label} lanes={int(p_lanes)}", t, None, B * V * 4, bw,
+                f"tokens = twin {same:.1%}")
 
 
 def sweep_top_p_tune(bw, l2):
@@ -443,7 +602,11 @@ def sweep_threshold(bw, l2):
 def compile_cases():
     """(name, kernel, extra pointer types, constexprs, warps) for kernels.py --compile-check."""
     seg_types = {"greedy_ptr": "*i1", "out_ptr": "*i64", "count_ptr": "*i32"}
-    seg_flags = dict(DONE=False, MASK_FIRST=False)         # constexprs (an unlisted one would build as a run-time int)
+    # constexprs (an unlisted one would build as a run-time int)
+    seg_flags = dict(DONE=False, MASK_FIRST=False, NP=1, REJECT=False, ONE=False, LANE_STATS=False)
+    from deepinfer_sg.kernels import rejection
+    one_types = dict(seg_types, ws_ptr="*i64", cnt_ptr="*i32", out_ptr="*i64", done_ptr="*i64")
+    rej_types = {"packed_ptr": "*i64", "part_ptr": "*fp64", "out_ptr": "*i64", "done_ptr": "*i64"}
     return [
         ("sample segment w8", sampling._segment_kernel, seg_types, dict(HAS_MASK=False, HAS_TAU=False, LANES=256,
                                                                         LW=16, PL=256, VEC=1, FAST=True, **seg_flags),
@@ -453,7 +616,11 @@ def compile_cases():
         ("topk lane merge", threshold._lane_merge_kernel, {"path_ptr": "*i32", "tok_ptr": "*i64", "lane_ptr": "*i32",
                                                            "greedy_ptr": "*i8"},
          dict(HAS_MASK=True, NG=8192, LCAP=128, KMAX=64, KP=128, JB=32, HB=64, ROUNDS=3, BLOCK=1024, DRAW=True,
-              LANES=256, LW=16, FAST=True), 16),
+              LANES=256, LW=16, FAST=True, GROUPS=False), 16),
+        ("topk lane merge groups", threshold._lane_merge_kernel, {"path_ptr": "*i32", "tok_ptr": "*i64",
+                                                                  "lane_ptr": "*i32", "greedy_ptr": "*i8"},
+         dict(HAS_MASK=True, NG=8192, LCAP=128, KMAX=64, KP=128, JB=32, HB=64, ROUNDS=3, BLOCK=1024, DRAW=True,
+              LANES=256, LW=16, FAST=True, GROUPS=True), 16),
         ("sample finish", sampling._finish_kernel, {"done_ptr": "*i64", "NEG_INF_KEY": "i64"},
          dict(BLOCK=32, DONE=True), 1),
         ("threshold hist", threshold._hist_kernel, {}, dict(HAS_MASK=True, CHUNK=4096, NB=512, INV_W=32.0,
@@ -471,14 +638,42 @@ def compile_cases():
                                                                            LW=16, PL=128, VEC=1, FAST=True,
                                                                            **seg_flags), 4),
         ("sample segment +mask 1st", sampling._segment_kernel, seg_types,
-         dict(HAS_MASK=True, HAS_TAU=True, LANES=256, LW=16, PL=128, VEC=1, FAST=True, DONE=False, MASK_FIRST=True), 4),
+         dict(HAS_MASK=True, HAS_TAU=True, LANES=256, LW=16, PL=128, VEC=1, FAST=True, DONE=False, MASK_FIRST=True,
+              NP=1, REJECT=False, ONE=False, LANE_STATS=False), 4),
         ("sample segment +mask v4", sampling._segment_kernel, seg_types, dict(HAS_MASK=True, HAS_TAU=True,
                                                                               LANES=256, LW=16, PL=256, VEC=4,
                                                                               FAST=True, **seg_flags), 2),
+        ("sample segment np4", sampling._segment_kernel, seg_types,
+         dict(HAS_MASK=False, HAS_TAU=False, LANES=256, LW=16, PL=128, VEC=2, FAST=True, DONE=False, MASK_FIRST=False,
+              NP=4, REJECT=True, ONE=False, LANE_STATS=True), 2),
+        ("sample segment one launch", sampling._segment_kernel, one_types,
+         dict(HAS_MASK=False, HAS_TAU=False, LANES=256, LW=16, PL=128, VEC=2, FAST=True, DONE=True, MASK_FIRST=False,
+              NP=1, REJECT=False, ONE=True, LANE_STATS=False), 2),
+        ("sample segment +mask adaptive", sampling._segment_kernel, seg_types,
+         dict(HAS_MASK=True, HAS_TAU=False, LANES=256, LW=16, PL=64, VEC=1, FAST=True, DONE=False, MASK_FIRST=2,
+              NP=1, REJECT=False, ONE=False, LANE_STATS=False), 2),
+        ("reject mass above", rejection._above_kernel, rej_types,
+         dict(HAS_MASK=True, NP=4, NPP=64, LANES=256, LW=16, VEC=4, FAST=True, SKIP=False, DONE=True, FUSE=False,
+              NSP=32, NMAX=8, BLOCK=1024, NPQ=8), 2),
+        ("reject mass above fused", rejection._above_kernel, dict(rej_types, cnt_ptr="*i32"),
+         dict(HAS_MASK=True, NP=4, NPP=64, LANES=256, LW=16, VEC=4, FAST=True, SKIP=True, DONE=True, FUSE=True,
+              NSP=32, NMAX=8, BLOCK=1024, NPQ=8), 2),
+        ("reject finish", rejection._reject_finish_kernel, rej_types,
+         dict(DONE=True, HAS_MASK=True, NP=4, NPP=64, NSP=32, NMAX=8, LANES=256, LW=16, BLOCK=1024, FAST=True), 4),
         ("spec stats pass", speculative._stats_kernel, {"pack_ptr": "*i64"},
-         dict(HAS_MASK=True, HAS_TAU=False, LANES=256, LW=16, PL=256, VEC=4, NB=64, FAST=True), 2),
+         dict(HAS_MASK=True, HAS_TAU=False, LANES=256, LW=16, PL=256, VEC=4, NB=64, FAST=True, NP=1), 2),
+        ("spec stats pass np4", speculative._stats_kernel, {"pack_ptr": "*i64"},
+         dict(HAS_MASK=True, HAS_TAU=True, LANES=256, LW=16, PL=256, VEC=4, NB=64, FAST=True, NP=4), 2),
         ("spec accept", speculative._accept_kernel, {"final_ptr": "*i64", "pack_ptr": "*i64"},
-         dict(HAS_MASK=True, HAS_PROBS=True, HAS_TAU=False, NCP=32, NR=8), 1),
+         dict(HAS_MASK=True, HAS_PROBS=True, HAS_TAU=False, NCP=32, NR=8, NP=1, NMAX=8, LANES=256, LW=16,
+              BLOCK=1024, FAST=True), 1),
+        ("spec accept np4", speculative._accept_kernel, {"final_ptr": "*i64", "pack_ptr": "*i64"},
+         dict(HAS_MASK=True, HAS_PROBS=True, HAS_TAU=True, NCP=32, NR=8, NP=4, NMAX=8, LANES=256, LW=16,
+              BLOCK=1024, FAST=True), 1),
         ("spec residual pass", speculative._residual_kernel, {}, dict(HAS_MASK=True, HAS_PROBS=True, HAS_TAU=False,
-                                                                      LANES=256, LW=16, PL=256, VEC=4, FAST=True), 2),
+                                                                      LANES=256, LW=16, PL=256, VEC=4, FAST=True,
+                                                                      ONE=False), 2),
+        ("spec residual one launch", speculative._residual_kernel, {"res_ptr": "*i64", "cnt_ptr": "*i32",
+                                                                    "final_ptr": "*i64", "tokens_ptr": "*i64"},
+         dict(HAS_MASK=True, HAS_PROBS=True, HAS_TAU=False, LANES=256, LW=16, PL=256, VEC=4, FAST=True, ONE=True), 2),
     ]

@@ -14,10 +14,17 @@ eager fast path (max |diff|: "exact" when bit for bit equal); "ahead": the graph
 the device runs the previous one (Model.plan_step / launch, as engine/step_pipeline.py does; step time = the period
 between two steps' ends; printed with the host ms of launch, split at the graph run, and of the overlapped plan),
 "exact" vs eager; "unstacked": the graphs path with one GEMM per attention-norm projection
-(model.stack_projections = False, engine/projections.py), vs the fast path; with --fused-mhc also the graphs path
-with the other mHC setting than the engine's default (model.fused_mhc; "unfused" or "fused", vs the reference).
-Printed per path: step time, tokens/s, the bytes one step must read (dense weights
-+ the routed experts hit in that step + the KV caches) and the roofline = measured read bandwidth / bytes per
+(model.stack_projections = False, engine/projections.py), vs the fast path; "rope-apart": the graphs path with RoPE
+in launches of its own (model.fused_rope = False), vs the fast path; "router" (only when named in --paths): the
+graphs path with the MoE gates' tail as kernels.router (a patch of engine/moe.py's Gate for this path), vs the fast
+path; "routes" (only when named, after "reference"):
+the eager fast path with the reference run's MoE routes forced (engine/routes.py), vs the reference, with the
+number of route choices that differed ("flips"): what is left of the difference is rounding; "glue" (only when
+named): the graphs path with the MoE gates' tail by kernels.router and the shared experts by kernels.skinny (two
+launches each), patched in for this path, vs the fast path; with --fused-mhc also the graphs path with the other
+mHC setting than the engine's default (model.fused_mhc; "unfused" or "fused", vs the reference).
+Printed per path: step time, tokens/s, the bytes one step must read (dense weights + the routed experts hit in that
+step + the KV caches) and the roofline = measured read bandwidth / bytes per
 step, i.e. the speed of a perfect memory-bound implementation; plus the fast path's speed-up. After each batch:
 the device bytes the window slab and row arenas reserve against the rows in use (engine/arena.py).
 With OUT set, the table is also written to $OUT/model_forward.txt.
@@ -39,6 +46,7 @@ design, are tiled from a small random block so building them stays fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import collections
 import io
@@ -130,6 +138,16 @@ def build(args) -> Model:
                 E = m.config.n_routed_experts
                 b.copy_((torch.arange(b.shape[0], device=b.device)[:, None] * 7
                          + torch.arange(b.shape[1], device=b.device)[None, :] * 13) % E)
+    experts = args.experts
+    if experts == "auto":       # what load_model does with a real checkpoint (FP4 experts) on this device
+        from deepinfer_sg.engine import loader
+        experts = getattr(loader, "CUDA_EXPERT_DTYPE", "bf16") if torch.device(args.device).type == "cuda" else "bf16"
+    if experts != "bf16":       # FP4-rounded as the real checkpoint stores them, kept as the loader keeps them
+        from deepinfer_sg.engine.moe import quantize_routed_experts
+        quantize_routed_experts(m, experts)
+    m.experts_kind = experts
+    if hasattr(m, "fused_rope"):
+        m.fused_rope = args.fused_rope == "on"
     for blk in m.layers:
         eng = getattr(blk, "engram", None)
         if eng is not None and getattr(eng, "table", None) is None:
@@ -157,6 +175,10 @@ def weight_bytes(model: Model) -> tuple[int, list[int]]:
             continue
         dense += p.numel() * p.element_size()
     for blk in model.layers:
+        kept = getattr(blk.ffn, "kept", None)
+        if kept is not None:     # routed experts kept quantized (fp8 / packed fp4 stacks + scales)
+            per_expert.append(kept.nbytes() // len(blk.ffn.experts))
+            continue
         e = blk.ffn.experts[0]
         per_expert.append(sum(p.numel() * p.element_size() for p in e.parameters()))
     return dense, per_expert
@@ -184,6 +206,8 @@ def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, wa
             return out
         g.run = run
         split = []
+        parts_ms = collections.defaultdict(float)
+        restore = _time_launch_parts(model, parts_ms)
     launch_ms, plan_ms = [], []
     plan = model.plan_step(rows) if ahead else None
     _sync(dev)
@@ -217,6 +241,9 @@ def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, wa
         logits.append(out.logits.float())
         if counter.ids:   # (graph replays run no Python hooks: the eager / capture steps' expert counts stand in)
             experts.append(sum(n * per_expert[i] for i, n in counter.hits().items()))
+            decode_run.expert_bytes = experts[-1]
+        elif not experts:    # (every step a replay of graphs an earlier path captured: its count stands in)
+            experts.append(getattr(decode_run, "expert_bytes", 0))
         if s >= warmup:
             times.append(dt)
             bytes_.append(dense + experts[-1] + sum(c.nbytes() for c in caches))
@@ -225,9 +252,111 @@ def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, wa
     decode_run.host_ms = None
     if ahead:
         del model._graphs.run
+        restore()
+        n = max(1, len(toks_per_step))
+        decode_run.launch_parts = {k: v / n for k, v in parts_ms.items()}
         decode_run.host_ms = (statistics.median(launch_ms), statistics.median(plan_ms),
                               *(statistics.median(x[k] for x in split) if split else float("nan") for k in range(3)))
     return statistics.median(times), sum(bytes_) / len(bytes_), logits   # median: robust to a stray slow step
+
+
+def _route_by_kernel(model):
+    """The "router" path (only when asked for): score-routed MoE gates run their GEMM, then kernels.router (one
+    launch) instead of engine/moe.py's ~9 torch ops after it: what that one-line change in Gate.forward would give.
+    -> undo()."""
+    import torch.nn.functional as F
+    from deepinfer_sg.engine.moe import Gate
+    from deepinfer_sg.kernels.router import route
+    orig = Gate.forward
+
+    def forward(self, x, token_ids):
+        if self.hashed:
+            return orig(self, x, token_ids)
+        return route(F.linear(x, self.weight), self.bias, self.top_k, self.scaling)
+    return _patched(model, lambda: setattr(Gate, "forward", forward), lambda: setattr(Gate, "forward", orig))
+
+
+def _patched(model, apply, restore):
+    """apply() now, restore() by the returned undo(); the captured graphs dropped both times (they ran the other
+    code)."""
+    apply()
+    model.reset_graphs()
+
+    def undo():
+        restore()
+        model.reset_graphs()
+    return undo
+
+
+@contextlib.contextmanager
+def _routes_for(model, path: str, paths: list, results: dict):
+    """The reference run records its MoE routes when the "routes" path follows; the "routes" path is the eager fast
+    path with those routes forced (engine/routes.py); yields [flipped choices] (the routes path) or [0]."""
+    if path == "reference" and "routes" in paths:
+        from deepinfer_sg.engine.routes import record_routes
+        with record_routes(model) as got:
+            yield [0]
+        results["_routes"] = got
+    elif path == "routes":
+        from deepinfer_sg.engine.routes import force_routes
+        model.cuda_graphs = False
+        with force_routes(model, results.pop("_routes")) as flips:
+            yield flips
+    else:
+        yield [0]
+
+
+def _moe_glue_by_kernels(model):
+    """The "glue" path (only when named): the MoE layers' work around the routed experts by E's kernels, as
+    engine/moe.py could call them: the gate's tail by kernels.router (`_route_by_kernel`) and each shared expert as
+    two kernels.skinny launches (w1 + w3 + clamped SwiGLU, then w2) instead of 7. -> undo()."""
+    from deepinfer_sg.engine.moe import MoE
+    from deepinfer_sg.kernels.skinny import skinny_linear
+    undo_router = _route_by_kernel(model)
+    shared = [m.shared_experts for m in model.modules() if isinstance(m, MoE) and m.shared_experts is not None]
+
+    def apply():
+        for ex in shared:
+            ex.forward = lambda x, ex=ex: skinny_linear(skinny_linear(x, ex.w1.weight, glu=(ex.w3.weight, ex.limit)),
+                                                        ex.w2.weight)
+
+    def restore():
+        for ex in shared:
+            del ex.forward
+        undo_router()
+    return _patched(model, apply, restore)
+
+
+def _time_launch_parts(model, acc: dict):
+    """Host ms spent in the named parts of Model.launch (accumulated into acc while steps run); -> undo()."""
+    from deepinfer_sg.engine import batched, model as M, step_graphs
+    parts = [("token windows", M.Model, "_token_windows"), ("advance tokens", M.Model, "_advance_tokens"),
+             ("commit windows", batched, "commit_windows"), ("upload", step_graphs.SegmentGraphs, "upload"),
+             ("plan send", batched.BatchPlan, "send"), ("segment inputs (at plan)", M.Model, "_segment")]
+    try:
+        from deepinfer_sg.engine.engram import Engram
+        parts.append(("engram lookup", Engram, "packed_values"))
+    except ImportError:
+        pass
+    saved = []
+    for label, owner, name in parts:
+        fn = owner.__dict__.get(name)
+        if fn is None or isinstance(fn, (staticmethod, classmethod)):
+            continue
+
+        def timed(*a, _fn=fn, _label=label, **k):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                acc[_label] += (time.perf_counter() - t) * 1e3
+        saved.append((owner, name, fn))
+        setattr(owner, name, timed)
+
+    def undo():
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+    return undo
 
 
 def run(args):
@@ -245,7 +374,8 @@ def run(args):
         raise SystemExit(f"--warmup + --decode = {steps} > max_rollback {model.max_rollback}: the caches are "
                          "rolled back between the reference and the fast run")
     say(f"device {dev} ({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}), dtype {args.dtype}, "
-        f"config {args.checkpoint or args.config}{' (no engram)' if args.no_engram else ''}: "
+        f"config {args.checkpoint or args.config}{' (no engram)' if args.no_engram else ''}, routed experts "
+        f"{getattr(model, 'experts_kind', 'as loaded')}: "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params, built in {build_s:.1f} s; "
         f"measured read bandwidth {bw / 1e9:.1f} GB/s; prompt {args.prompt}, {args.decode} timed decode steps "
         f"after {args.warmup} warm-up; engine code in {Path(__import__('deepinfer_sg.engine.model').engine.model.__file__).parent}")
@@ -268,7 +398,11 @@ def run(args):
         ahead = hasattr(model, "plan_step")
         stacking = hasattr(model, "stack_projections")
         paths = (["reference"] if ref else []) + ["fast"] + (["graphs"] if has_graphs else []) + \
-            (["ahead"] if has_graphs and ahead else []) + (["unstacked"] if has_graphs and stacking else [])
+            (["ahead"] if has_graphs and ahead else []) + (["unstacked"] if has_graphs and stacking else []) + \
+            (["rope-apart"] if has_graphs and hasattr(model, "fused_rope") else []) + \
+            (["router"] if has_graphs and args.paths and "router" in args.paths else []) + \
+            (["routes"] if ref and args.paths and "routes" in args.paths else []) + \
+            (["glue"] if has_graphs and args.paths and "glue" in args.paths else [])
         if args.paths:
             paths = [p for p in paths if p in args.paths]
         fused_default = getattr(model, "fused_mhc", None)
@@ -278,14 +412,20 @@ def run(args):
         for path in paths:
             model.fast_decode = path != "reference"
             if has_graphs:
-                model.cuda_graphs = path in ("graphs", "ahead", "unstacked", other_mhc)
+                model.cuda_graphs = path in ("graphs", "ahead", "unstacked", "rope-apart", "router", "glue",
+                                             other_mhc)
             if stacking:
                 model.stack_projections = path != "unstacked"
+            if hasattr(model, "fused_rope"):
+                model.fused_rope = path != "rope-apart" and args.fused_rope == "on"
             if fused_default is not None:
                 model.fused_mhc = (not fused_default) if path == other_mhc else fused_default
+            undo = {"router": _route_by_kernel, "glue": _moe_glue_by_kernels}.get(
+                path, lambda m: None)(model)
             try:
-                step_s, sb, logits = decode_run(model, caches, toks, dev, counter, dense, per_expert, args.warmup,
-                                                ahead=path == "ahead")
+                with _routes_for(model, path, paths, results) as flips:
+                    step_s, sb, logits = decode_run(model, caches, toks, dev, counter, dense, per_expert, args.warmup,
+                                                    ahead=path == "ahead")
             except Exception as e:   # (the graphs path is last: report, then go on eager)
                 import traceback
                 say(f"{'decode':8} {path:9} {B:5d} FAILED: {e!r}")
@@ -293,6 +433,9 @@ def run(args):
                 if has_graphs:
                     model.cuda_graphs = False
                 break
+            finally:
+                if undo is not None:
+                    undo()
             for cache in caches:
                 cache.rollback(steps)
             del cache    # (a name left bound to a cache keeps it, and its slab / arena slots, alive past its batch)
@@ -301,7 +444,8 @@ def run(args):
             diff = ""
             speed = ""
             # fast vs reference: relative (bf16 round-off can flip MoE routes); graphs vs fast: must be exactly 0
-            against = {"fast": "reference", "graphs": "fast", "ahead": "fast", "unstacked": "fast",
+            against = {"fast": "reference", "graphs": "fast", "ahead": "fast", "unstacked": "fast", "rope-apart": "fast",
+                       "router": "fast", "routes": "reference", "glue": "fast",
                        other_mhc: "reference"}.get(path)
             if against in results:
                 ref_s, ref_logits, _ = results[against]
@@ -313,19 +457,26 @@ def run(args):
                             for a, b in zip(logits, ref_logits))
                     diff = f"{d:12.2e}"
                 speed = f"{results.get('reference', results['fast'])[0] / step_s:7.1f}x"
+            if path == "routes":
+                speed = f"{flips[0]} flips"
             host = "" if path != "ahead" else \
                 (f"   host ms: launch {decode_run.host_ms[0]:.2f} (before the graph run {decode_run.host_ms[2]:.2f}, "
                  f"in it {decode_run.host_ms[3]:.2f}, after {decode_run.host_ms[4]:.2f}) + plan "
-                 f"{decode_run.host_ms[1]:.2f} (overlapped)")
+                 f"{decode_run.host_ms[1]:.2f} (overlapped); launch parts ms: " +
+                 ", ".join(f"{k} {v:.3f}" for k, v in getattr(decode_run, "launch_parts", {}).items()))
             say(f"{'decode':8} {path:9} {B:5d} {step_s * 1e3:9.2f} {B / step_s:9.1f} {sb / 1e6:9.1f} {roof:11.1f} "
                 f"{B / step_s / roof:8.1%} {speed:>8} {diff:>12}   warm-up steps ms {decode_run.warm_ms}{host}")
         model.fast_decode = True
         if stacking:
             model.stack_projections = True
+        if hasattr(model, "fused_rope"):
+            model.fused_rope = args.fused_rope == "on"
         if fused_default is not None:
             model.fused_mhc = fused_default
         memory_line(model, caches)
         del caches
+    if args.gemms:
+        gemm_table(model, args.batches, bw, dev)
     if args.profile:
         modes = ["graphs"] if hasattr(model, "cuda_graphs") else ["fast"]
         if args.paths and "unstacked" in args.paths and hasattr(model, "stack_projections"):
@@ -499,6 +650,8 @@ def profile_device(model: Model, state: dict, args, dev: torch.device) -> None:
         ops = prof_ops.key_averages(group_by_input_shape=True)
         _out_file(f"ops_{label}_B{B}.txt", ops.table(sort_by="device_time_total", row_limit=60, max_name_column_width=40,
                                                      max_shapes_column_width=70) + "\n")
+    if dev.type == "cuda":
+        profile_parts(model, step, acts, B, label)
     say(f"profile {label} batch {B}: step {statistics.median(whole) * 1e3:.2f} ms, host returns after "
         f"{statistics.median(host) * 1e3:.2f} ms; device kernel time {kernel_us / 1e3:.2f} ms; "
         f"{count['launch']} kernel launches + {count['graph']} graph launches, {count['memcpy']} memcpy, "
@@ -509,6 +662,186 @@ def profile_device(model: Model, state: dict, args, dev: torch.device) -> None:
     start = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("ncalls")), 0)
     for ln in lines[start:start + 9]:
         say("  " + ln.rstrip()[:150])
+
+
+# the step's parts for `profile_parts`: (label, owner object, attribute); each is wrapped in a profiler range while one
+# eager step runs, and every kernel is charged to the innermost range around its launch
+def _part_hooks():
+    from deepinfer_sg import kernels as K
+    from deepinfer_sg.engine import attention, batched, compress_step, indexer, model as M, moe, norm
+    parts = [("pre_attention", batched, "pre_attention"), ("post_attention", batched, "post_attention"),
+             ("mhc.mixes", M.Block, "mixes"), ("mhc.pre", batched, "hc_pre"), ("mhc.post", batched, "hc_post"),
+             ("norm", norm.RMSNorm, "forward"), ("proj.stacked", batched.projections, "xn_products"),
+             ("attn.q", attention.Attention, "project_q"), ("attn.kv", attention.Attention, "project_kv"),
+             ("attn.kv", attention.Attention, "store_kv"),
+             ("attn.out", attention.Attention, "output"), ("rope", attention, "apply_rope"),
+             ("rope", batched, "apply_rope"), ("index.q", indexer.Indexer, "queries"),
+             ("index.select", batched, "select_ids"), ("index.rows", batched, "entry_rows"),
+             ("window_idx", batched, "window_idx"), ("attend", batched, "attend"),
+             ("sparse_attention", batched, "sparse_attention"), ("compress", compress_step, "compress_rows"),
+             ("moe", moe.MoE, "forward_grouped"), ("moe.gate", moe.Gate, "forward"),
+             ("moe.shared", moe.Expert, "forward"), ("moe.routed", K, "moe_experts"),
+             ("embed", M.Model, "embed_streams"), ("collapse", M.Model, "collapse_streams")]
+    try:
+        from deepinfer_sg.engine import engram
+        parts.append(("engram.mix", engram.Engram, "mix"))
+    except ImportError:
+        pass
+    return [(label, owner, name) for label, owner, name in parts if hasattr(owner, name)]
+
+
+def profile_parts(model: Model, step, acts, B: int, label: str) -> None:
+    """Device time and kernel count of one eager fast step per part of the step (`_part_hooks`; a kernel goes to
+    the innermost part around its launch, "other" outside every part) -> $OUT/parts_<label>_B<batch>.txt + a line."""
+    from torch.profiler import profile, record_function
+    import functools
+    saved = []
+
+    def wrap(tag, fn):
+        @functools.wraps(fn)
+        def inner(*a, **k):
+            with record_function(tag):
+                return fn(*a, **k)
+        return inner
+    for part, owner, name in _part_hooks():
+        fn = owner.__dict__[name] if name in getattr(owner, "__dict__", {}) else getattr(owner, name)
+        saved.append((owner, name, fn))
+        setattr(owner, name, wrap("part:" + part, fn))
+    graphs_on = getattr(model, "cuda_graphs", False)
+    try:
+        if hasattr(model, "cuda_graphs"):
+            model.cuda_graphs = False
+        with profile(activities=acts) as prof:
+            step()
+            _sync(model.device)
+    finally:
+        for owner, name, fn in reversed(saved):
+            setattr(owner, name, fn)
+        if hasattr(model, "cuda_graphs"):
+            model.cuda_graphs = graphs_on
+    # each device kernel -> the host call that launched it (same correlation id) -> the innermost part around that
+    # call's start (Triton launches included: they carry no torch op)
+    us, n, names = collections.Counter(), collections.Counter(), collections.defaultdict(collections.Counter)
+    raw = prof.profiler.kineto_results.events()
+    ranges = sorted((e.start_ns(), e.end_ns(), e.name()[5:]) for e in raw if e.name().startswith("part:"))
+    launched = {e.correlation_id(): e.start_ns() for e in raw
+                if e.device_type().name == "CPU" and e.name() in _LAUNCH + ("cudaMemcpyAsync", "cudaMemsetAsync")}
+    for e in raw:
+        if e.device_type().name != "CUDA" or e.name().startswith(("Memcpy", "Memset", "part:")):   # (ranges too)
+            continue
+        t = launched.get(e.correlation_id(), launched.get(e.linked_correlation_id()))
+        part = "other"
+        if t is not None:
+            inside = [r for r in ranges if r[0] <= t <= r[1]]
+            if inside:
+                part = max(inside)[2]         # (the latest start: the innermost)
+        dur = e.duration_ns() / 1e3
+        us[part] += dur
+        n[part] += 1
+        names[part][e.name()[:60]] += dur
+    total = sum(us.values())
+    lines = [f"batch {B}, {label}: one eager fast step, device time per part (innermost), total {total:.0f} us, "
+             f"{sum(n.values())} kernels", f"{'part':18} {'kernels':>8} {'us':>9} {'share':>7}  top kernels (us)"]
+    for part, t in us.most_common():
+        top = ", ".join(f"{k} {v:.0f}" for k, v in names[part].most_common(4))
+        lines.append(f"{part:18} {n[part]:8d} {t:9.1f} {t / max(total, 1e-9):7.1%}  {top}")
+    _out_file(f"parts_{label}_B{B}.txt", "\n".join(lines) + "\n")
+    say(f"parts {label} batch {B} (eager step: kernels / device us): " + "; ".join(
+        f"{part} {n[part]}/{t:.0f}" for part, t in us.most_common(14)))
+
+
+# ------------------------------------------------------------------------------------------------ --gemms
+def _graph_us(fn_calls, reps: int = 3) -> float:
+    """Device us per call of a list of calls (each with its own inputs: the weights rotate past the L2), as one CUDA
+    graph replayed; median of `reps` replays (events). Elsewhere (a CPU dry run) host time of one pass."""
+    if not torch.cuda.is_available():
+        t = time.perf_counter()
+        for f in fn_calls:
+            f()
+        return (time.perf_counter() - t) * 1e6 / len(fn_calls)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fn_calls:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fn_calls:
+            f()
+    times = []
+    for _ in range(reps + 1):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); g.replay(); b.record(); b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(fn_calls))
+    return statistics.median(times[1:])
+
+
+def gemm_table(model: Model, batches: list[int], bw: float, dev) -> None:
+    """The decode step's few-row products at each batch size: the GEMM library ('lib': F.linear / the grouped einsum;
+    for a shared expert's front half its two products and the SwiGLU launches) vs kernels.skinny (the SwiGLU
+    inside), each against its weight bytes over the measured read bandwidth ('floor'); and the MoE router's tail,
+    Gate's torch ops vs kernels.router. In CUDA graphs, weights rotating through copies larger than the L2."""
+    from deepinfer_sg.kernels.skinny import skinny_linear_triton, launch_config
+    c = model.config
+    attn = next(blk.attn for blk in model.layers if blk.attn.spec.index_source == blk.layer_id)
+    H, D, G = c.hidden_size, c.head_dim, c.o_groups
+    # (name, groups, N, K, with the clamped SwiGLU of an up product)
+    shapes = [("wo_b", 1, H, G * c.o_lora_rank, False), ("wq_a+wkv (stacked)", 1, c.q_lora_rank + D, H, False),
+              ("wo_a (grouped)", G, c.o_lora_rank, c.num_heads * D // G, False),
+              ("wq_b", 1, attn.wq_b.weight.shape[0], c.q_lora_rank, False),
+              ("router (K3)", 1, c.n_routed_experts, H, False),
+              ("shared w1+w3 glu (K3)", 1, c.moe_intermediate_size, H, True),
+              ("shared w2 (K3)", 1, H, c.moe_intermediate_size, False)]
+    dt = model.dtype
+    # the router after its GEMM (engine/moe.py Gate: ~9 torch launches) vs kernels.router (one)
+    from deepinfer_sg.kernels.router import route_torch, route_triton
+    E, K = c.n_routed_experts, c.num_experts_per_tok
+    bias = torch.randn(E, device=dev) * 0.1
+    for T in batches:
+        logits = [torch.randn(T, E, device=dev, dtype=dt) for _ in range(8)]
+        t_lib = _graph_us([lambda x=x: route_torch(x, bias, K, 1.5) for x in logits])
+        t_k = _graph_us([lambda x=x: route_triton(x, bias, K, 1.5) for x in logits])
+        a, b = route_torch(logits[0], bias, K, 1.5), route_triton(logits[0], bias, K, 1.5)
+        same = bool((a[1].sort(1).values == b[1].sort(1).values).all())
+        say(f"{'router epilogue':20} {T:3d} {'':6} {'':8} {t_lib:7.2f} {t_k:7.2f} {'':7}  kernels.router vs Gate's "
+            f"torch ops; same experts: {same}")
+    say("gemms: us per call at T rows (CUDA graph, cold weights); 'lib' = F.linear / einsum (+ the clamps, silu and "
+        "product for glu), 'skinny' = kernels.skinny default config, 'best' = the best of its sweep")
+    say(f"{'product':20} {'T':>3} {'MB':>6} {'floor us':>8} {'lib us':>7} {'skinny':>7} {'best':>7}  best config")
+    F_ = torch.nn.functional
+    for name, groups, N, K, glu in shapes:
+        wbytes = groups * N * K * 2 * (2 if glu else 1)
+        copies = max(2, min(16, int(2 * 60e6 // wbytes) + 1)) if dev.type == "cuda" else 1
+        ws = [torch.randn(groups * N, K, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
+        ups = [torch.randn(N, K, device=dev, dtype=dt) * 0.02 for _ in range(copies)] if glu else [None] * copies
+        for T in batches:
+            x = torch.randn(T, groups * K, device=dev, dtype=dt)
+
+            def lib(w, u):
+                if glu:
+                    return F_.silu(F_.linear(x, w).clamp(max=10.0)) * F_.linear(x, u).clamp(-10.0, 10.0)
+                if groups > 1:
+                    return torch.einsum("tgi,goi->tgo", x.view(T, groups, -1), w.view(groups, N, -1)).reshape(T, -1)
+                return F_.linear(x, w)
+            floor = wbytes / bw * 1e6
+            t_lib = _graph_us([lambda w=w, u=u: lib(w, u) for w, u in zip(ws, ups)])
+            cfgs = [None] + [dict(BN=bn, BK=128) for bn in (16, 32, 64)][:None if dev.type == "cuda" else 2]
+            res = []
+            for cfg in cfgs:
+                try:
+                    t = _graph_us([lambda w=w, u=u, cfg=cfg: skinny_linear_triton(
+                        x, w, groups, (u, 10.0) if glu else None, config=cfg) for w, u in zip(ws, ups)])
+                except Exception:   # (a config the compiler refuses: skipped)
+                    t = float("inf")
+                res.append((t, cfg))
+            best = min(res[1:], key=lambda r: r[0])
+            want = lib(ws[0], ups[0]).float()
+            got = skinny_linear_triton(x, ws[0], groups, (ups[0], 10.0) if glu else None).float()
+            err = (got - want).abs().max() / want.abs().max()
+            say(f"{name:20} {T:3d} {wbytes / 1e6:6.1f} {floor:8.2f} {t_lib:7.2f} {res[0][0]:7.2f} {best[0]:7.2f}  "
+                f"{best[1]} (default {launch_config(T, N, K, groups)}; |skinny - lib| / max {err:.1e})")
+        del ws, ups
 
 
 def main():
@@ -523,13 +856,23 @@ def main():
     ap.add_argument("--warmup", type=int, default=2, help="untimed decode steps first (Triton compiles)")
     ap.add_argument("--skip-reference", action="store_true", help="time the fast path only")
     ap.add_argument("--paths", nargs="+", default=None,
-                    choices=["reference", "fast", "graphs", "ahead", "unstacked"],
+                    choices=["reference", "fast", "graphs", "ahead", "unstacked", "rope-apart", "router", "routes",
+                             "glue"],
                     help="time only these decode paths (default: all; graphs is compared with fast when both run)")
     ap.add_argument("--fused-mhc", action="store_true",
                     help="also time the graphs path with the other mHC setting than the engine's default "
                          "(model.fused_mhc: 'fused' or 'unfused'), vs the reference")
     ap.add_argument("--profile", action="store_true",
                     help="then profile one fast decode step per batch size (module docstring)")
+    ap.add_argument("--experts", default="auto", choices=["auto", "bf16", "fp8", "fp4"],
+                    help="routed experts of --config models: bf16 (dense), or FP4-rounded as the real checkpoint "
+                         "stores them and kept as the loader keeps them, fp8 (e4m3 stacks) or fp4 (packed); "
+                         "auto (default): what load_model does for a real checkpoint on the device (CUDA: "
+                         "loader.CUDA_EXPERT_DTYPE, CPU: bf16)")
+    ap.add_argument("--fused-rope", default="on", choices=["on", "off"],
+                    help="model.fused_rope for every path but rope-apart (off: e.g. when the fused kernels failed)")
+    ap.add_argument("--gemms", action="store_true",
+                    help="CUDA: also time the step's few-row products, GEMM library vs kernels.skinny (gemm_table)")
     ap.add_argument("--no-engram", action="store_true", help="drop the Engram layers from --config")
     ap.add_argument("--reference-max-batch", type=int, default=None,
                     help="run the (slow) reference path only for batches up to this size")

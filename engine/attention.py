@@ -18,11 +18,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer_sg.kernels.rmsnorm import rms_norm
+
 from .compressor import Compressor
 from .config import LayerSpec, ModelConfig
 from .indexer import Indexer
 from .norm import RMSNorm, rms_normalize
-from .rope import apply_rope
+from .rope import apply_rope, turn_table
 
 
 def attend_with_sink(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, sinks: torch.Tensor,
@@ -85,6 +87,14 @@ class Attention(nn.Module):
         """x [T, H] -> window key/value [T, D], normalized and rotated. xkv: wkv(x) when already computed."""
         return apply_rope(self.kv_norm(self.wkv(x) if xkv is None else xkv), cos, sin)
 
+    def store_kv(self, x: torch.Tensor, cos, sin, pool: torch.Tensor, rows: torch.Tensor,
+                 xkv: torch.Tensor | None = None) -> None:
+        """`project_kv` written straight to rows `rows` [T] of pool [P, D] (the window slab): norm, rotation and
+        the scatter as one kernels.rmsnorm launch on CUDA (instead of three); the same three steps elsewhere."""
+        w = self.kv_norm
+        rms_norm(self.wkv(x) if xkv is None else xkv, w.weight_fp32(), w.eps, turn_table(cos, sin).to(x.device),
+                 out=pool, rows=rows)
+
     def attend(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, block: int = 256) -> torch.Tensor:
         """q [n, nh, D] against keys [S, D] with additive bias [n, S] -> [n, nh, D]; queries in blocks of `block`."""
         outs = [attend_with_sink(q[i:i + block], keys, bias[i:i + block], self.attn_sink, self.scale)
@@ -92,10 +102,12 @@ class Attention(nn.Module):
         return torch.cat(outs) if outs else q.new_zeros(q.shape)
 
     def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """o [T, nh, D] -> [T, H]: inverse RoPE at the query positions, then the grouped low-rank projection."""
+        """o [T, nh, D] -> [T, H]: inverse RoPE at the query positions, then the grouped low-rank projection.
+        (Measured and dropped, session 7: the rotation inside a few-row Triton GEMM for `wo_a` (kernels.skinny),
+        35 / 129 us at 8 / 64 rows of the mid-size model against 14 / 15 us for rope + bmm + copy.)"""
         T = o.shape[0]
-        o = apply_rope(o, cos, sin, inverse=True)
         G = self.config.o_groups
+        o = apply_rope(o, cos, sin, inverse=True)
         g = o.reshape(T, G, -1)                                            # heads 0..nh/G-1 -> group 0, ...
         if self.act_qdq is not None:
             g = self.act_qdq(g)

@@ -48,7 +48,7 @@ from .arena import arena_for
 from .compressor import Sources
 from .indexer import candidate_block_mask, topk_mask
 from .mhc import hc_pre, hc_post
-from .rope import apply_rope, rope_cos_sin, turns
+from .rope import Turns, apply_rope, rope_cos_sin, turns
 from .transfer import to_device_many
 
 MAX_FAST_ROWS = 16   # chunks up to this many rows use the batched path (decode, verify); longer ones: reference
@@ -418,25 +418,37 @@ def _mask_to_index(sel: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(idx < G, idx, torch.full_like(idx, -1))
 
 
-def pre_attention(model, block, R: torch.Tensor, a, cos: torch.Tensor, sin: torch.Tensor, e, side: dict | None = None):
+def pre_attention(model, block, R: torch.Tensor, a, cos: torch.Tensor, sin: torch.Tensor, e, side: dict | None = None,
+                  store: tuple | None = None, x: torch.Tensor | None = None):
     """The dense work of a layer before its attention core, as one pure function (a CUDA-graph segment, see
     step_graphs.py): [Engram mix of the looked-up rows e] -> [DSpark capture] -> attention mHC mixes -> read-out
     -> attn norm -> q / window kv projections -> [index queries on index-source layers]. The projections of the
     norm output run as one GEMM where engine/projections.py stacked them; side["comp"] then gets the in-graph
-    compressor's (for compress_step.compress_rows).
+    compressor's (for compress_step.compress_rows). store = (win_all, new_rows): with model.fused_rope the window
+    kv goes straight into its slab rows (Attention.store_kv; kv is then None: `attend` has nothing to write).
+    x: the read-out hc_pre(R, a), when the write-back before made it (post_attention); unused after an Engram mix.
     -> (R, pre, post, comb, xn, q, kv, iq, w, feat); iq / w / feat None where the layer has none."""
     c = model.config
     i = block.layer_id
     attn = block.attn
     if e is not None:
         R = block.engram.mix(R, e)
-    feat = R.float().mean(dim=1).to(R.dtype) if i in c.dspark_target_layer_ids else None
+        x = None             # (the streams changed)
+    # (the mean accumulated in fp32 without an fp32 copy of R: 2 launches instead of 3)
+    feat = R.mean(dim=1, dtype=torch.float32).to(R.dtype) if i in c.dspark_target_layer_ids else None
     pre, post, comb = block.mixes(R, "attn", True)
-    xn = block.attn_norm(hc_pre(R, a if c.hc_shifted else pre, fast=model.fused_mhc))
+    xn = block.attn_norm(x if x is not None else hc_pre(R, a if c.hc_shifted else pre, fast=model.fused_mhc))
     parts = (None if model.quant_sim or not model.stack_projections   # [q_a, kv, (w), (the compressor's)]
              else projections.xn_products(model, attn, xn))
+    fused = model.fused_rope and not model.quant_sim
     q, qr = attn.project_q(xn, cos, sin, xa=None if parts is None else parts[0])
-    kv = model._qdq(attn.project_kv(xn, cos, sin, xkv=None if parts is None else parts[1]), "window")
+    xkv = None if parts is None else parts[1]
+    pool = None if store is None else window_pool(store[0], i)
+    if pool is not None and fused and pool.dtype == xn.dtype:
+        attn.store_kv(xn, cos, sin, pool, store[1], xkv=xkv)
+        kv = None
+    else:
+        kv = model._qdq(attn.project_kv(xn, cos, sin, xkv=xkv), "window")
     iq = w = None
     index = attn.spec.index_source == i
     if parts is not None and side is not None and len(parts) > 2 + index:
@@ -452,20 +464,22 @@ def pre_attention(model, block, R: torch.Tensor, a, cos: torch.Tensor, sin: torc
 def post_attention(model, block, o: torch.Tensor, R: torch.Tensor, pre: torch.Tensor, post: torch.Tensor,
                    comb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, token_ids: torch.Tensor):
     """The dense work of a layer after its attention core (a CUDA-graph segment): output projection, mHC write-back,
-    then the whole MoE sub-layer. -> (R, a) for the next layer. With model.fused_mhc (shifted mHC only) the
+    then the whole MoE sub-layer. With model.fused_mhc (shifted mHC only) the
     write-backs and read-outs are the fused kernels: the attention write-back also reads out the MoE input (its
-    pre-mix is known, shifted schedule), one launch each instead of ~9 (same math up to fp32 summation order)."""
+    pre-mix is known, shifted schedule), one launch each instead of ~9 (same math up to fp32 summation order), and
+    the MoE write-back reads out the next sub-layer's input the same way. -> (R, a, that read-out or None)."""
     y = block.attn.output(o, cos, sin)
     # the grouped expert kernel bypasses the experts' Linear modules, so not with quant_sim's input hooks
     fast_moe = not model.quant_sim
     if not (model.fused_mhc and model.config.hc_shifted):
         R = hc_post(R, y, post, comb)
-        return block.ffn_sublayer(R, pre, token_ids, fast=True, fast_moe=fast_moe)
+        return (*block.ffn_sublayer(R, pre, token_ids, fast=True, fast_moe=fast_moe), None)
     R, x = hc_post(R, y, post, comb, fast=True, next_pre=pre)
     pre_f, post_f, comb_f = block.mixes(R, "ffn", True)
     xn = block.ffn_norm(x)
     y = block.ffn.forward_grouped(xn, token_ids) if fast_moe else block.ffn(xn, token_ids)
-    return hc_post(R, y, post_f, comb_f, fast=True), pre_f
+    R, x = hc_post(R, y, post_f, comb_f, fast=True, next_pre=pre_f)
+    return R, pre_f, x
 
 
 def core_kind(attn) -> str:
@@ -488,7 +502,8 @@ def grows(attn) -> bool:
 
 def eager_layers(model) -> list[int]:
     """Layers whose cache updates run eagerly between graph segments (those compress_step cannot run inside the
-    graph: V4's overlapping compressors and index compressors). V4.1: none, the step is one graph."""
+    graph: V4's overlapping compressors and index compressors). V4.1: none (its graph is cut only before Engram
+    layers: `engram_splits`)."""
     got = model.__dict__.get("_eager_layers")
     if got is None or got[0] is not model.layers:        # (fixed by the model's structure: computed once)
         graph = set(compress_step.graph_layers(model))
@@ -497,21 +512,44 @@ def eager_layers(model) -> list[int]:
     return got[1]
 
 
+# a segment that starts or ends between two layers (not inside one): `span`'s prev_e / next_e
+BOUNDARY = "layer boundary"
+
+
+def engram_splits(model) -> list[int]:
+    """Layers before which a V4.1 step's graph is cut (each Engram layer but the first layer): the host looks a
+    segment's Engram rows up while the device runs the segments before it, so only the first segment waits for the
+    host after the token ids are known (Model._layers_fast). None ([]) when the model has eager layers (V4)."""
+    if eager_layers(model):
+        return []
+    return [blk.layer_id for blk in model.layers if hasattr(blk, "engram") and blk.layer_id > 0]
+
+
 def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv, iq, w, token_ids, positions,
-         win_all, new_rows, *per):
+         win_all, new_rows, *per, one_window: bool = False):
     """The work between two eager cache updates, as one pure function of its inputs (a CUDA-graph segment, see
     step_graphs.py): the rest of layer `prev_e` (its selection / attention over q, kv, iq, w and the MoE; None: the
-    embedding instead), every layer of `full` whole, then `pre_attention` of layer `next_e` (None: the final
-    collapse, norm and, with every_row, the head). meta[k] = (core kind, index G) and per[k] = LAYER_INPUTS of
-    each layer with a core here ([prev_e] + full), then next_e's engram rows.
-    -> (pre_attention's outputs of next_e, or (hidden, logits or None)), then per core layer its DSpark features
-    (None for prev_e), its selected ids and candidate blocks (None where it has none)."""
-    rope = {k: (turns(*rope_cos_sin(model._freqs(k), positions)), None) for k in ("main", "compress")}
+    embedding instead; BOUNDARY: nothing, the streams R, pre-mix a = `pre` and read-out x = `post` come from the
+    segment before), every layer of `full` whole, then `pre_attention` of layer `next_e` (None: the final
+    collapse, norm and, with every_row, the head; BOUNDARY: nothing). meta[k] = (core kind, index G) and
+    per[k] = LAYER_INPUTS of each layer with a core here ([prev_e] + full), then next_e's engram rows.
+    -> (pre_attention's outputs of next_e, (hidden, logits or None), or at a BOUNDARY (R, a, x, the step's
+    rotations, its window rows or None), which the next segment takes as (R, pre, post, comb, q)), then per core
+    layer its DSpark features (None for prev_e), its selected ids and candidate blocks (None where it has none)."""
     layers = model.layers
     c = model.config
     n = len(LAYER_INPUTS)
     n0 = len(ENTRY_INPUTS)
     ids_of, cand_of, extra, win_of, rows_of = {}, {}, [], {}, {}
+    # the step's rotations and window rows: made by the step's first segment, handed on at a BOUNDARY instead of
+    # being made again by every segment (comb / q
+    # carry them there; one_window: every layer of the step reads one window list, so it is handed on too)
+    if prev_e == BOUNDARY and comb is not None:
+        rope = {"main": (Turns(comb[0], comb[1]), None), "compress": (Turns(comb[2], comb[3]), None)}
+        if one_window and meta:
+            win_of[per[1].data_ptr()] = q
+    else:
+        rope = {k: (turns(*rope_cos_sin(model._freqs(k), positions)), None) for k in ("main", "compress")}
 
     def core(k, j, q, kv, iq, w):
         e, win_rows, kv_pool, kv_start, kv_count, ids, keys, kstart, kcount, cand = per[n * k:n * k + n0]
@@ -548,32 +586,52 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
         extra.extend([ids if kind == "select" else None, cand_j])
         return attend(attn, q, kv, win_all, new_rows, win_idx, None if cmp_idx is None else kv_pool, cmp_idx)
 
+    by_ratio = {}
+
+    def group_turns(spec, r):
+        """The rotation at each row's compressor group start (p // r * r), once per step and ratio: the step's own
+        at ratio 1."""
+        if r == 1:
+            return rope[spec.rope][0]
+        if (spec.rope, r) not in by_ratio:
+            by_ratio[(spec.rope, r)] = turns(*rope_cos_sin(model._freqs(spec.rope), positions // r * r))
+        return by_ratio[(spec.rope, r)]
+
     feats = []
     if prev_e is None:
         R, a = model.embed_streams(token_ids)
+        x = None
+    elif prev_e == BOUNDARY:
+        a, x = pre, post
     else:
         blk = layers[prev_e]
         o = core(0, prev_e, q, kv, iq, w)
         feats.append(None)
-        R, a = post_attention(model, blk, o, R, pre, post, comb, *rope[blk.attn.spec.rope], token_ids)
-    first = 0 if prev_e is None else 1
+        R, a, x = post_attention(model, blk, o, R, pre, post, comb, *rope[blk.attn.spec.rope], token_ids)
+    first = 0 if prev_e is None or prev_e == BOUNDARY else 1
     for k, j in enumerate(full, start=first):
         blk = layers[j]
         cs = rope[blk.attn.spec.rope]
         side = {}
-        R, pre, post, comb, xn, q, kv, iq, w, feat = pre_attention(model, blk, R, a, *cs, per[n * k], side)
+        R, pre, post, comb, xn, q, kv, iq, w, feat = pre_attention(model, blk, R, a, *cs, per[n * k], side,
+                                                                   (win_all, new_rows), x)
         feats.append(feat)
         cmp = per[n * k + n0:n * k + n]
         if cmp[compress_step.INPUTS.index("ent")] is not None:    # the compressor's cache rows (compress_step)
-            compress_step.compress_rows(model, blk.attn, xn, *cmp, proj=side.get("comp"))
+            compress_step.compress_rows(model, blk.attn, xn, *cmp, proj=side.get("comp"),
+                                        turn=group_turns(blk.attn.spec, blk.attn.compressor.ratio))
         o = core(k, j, q, kv, iq, w)
-        R, a = post_attention(model, blk, o, R, pre, post, comb, *cs, token_ids)
+        R, a, x = post_attention(model, blk, o, R, pre, post, comb, *cs, token_ids)
     tail = [t for f, i2, c2 in zip(feats, extra[0::2], extra[1::2]) for t in (f, i2, c2)]
+    if next_e == BOUNDARY:     # (+ the step's rotations and, when one list serves every layer, window rows)
+        handed = torch.stack([*rope["main"][0], *rope["compress"][0]])
+        return (R, a, x, handed, next(iter(win_of.values())) if one_window and win_of else None, *tail)
     if next_e is None:
-        hfin = model.collapse_streams(R, a)
+        hfin = x if x is not None else model.collapse_streams(R, a)    # (shifted mHC: the last read-out)
         return (hfin, model.head(model.norm(hfin)).float() if every_row else None, *tail)
     blk = layers[next_e]
-    return (*pre_attention(model, blk, R, a, *rope[blk.attn.spec.rope], per[-1]), *tail)
+    return (*pre_attention(model, blk, R, a, *rope[blk.attn.spec.rope], per[-1], None, (win_all, new_rows), x),
+            *tail)
 
 
 # a layer's inputs to `span`: engram rows, window rows, kv pool + each row's start / count in it, the ids of an
@@ -613,12 +671,19 @@ def span_inputs(model, attn, ctx, plan):
 
 def attend(attn, q: torch.Tensor, kv: torch.Tensor, win_all: torch.Tensor, new_rows: torch.Tensor,
            win_idx: torch.Tensor, cmp_pool, cmp_idx) -> torch.Tensor:
-    """Write this step's window rows kv [T, D] into the slab (rows new_rows of layer attn.layer_id) and attend:
-    q [T, nh, D] over win_idx's window keys and cmp_idx's compressed entries of cmp_pool -> [T, nh, D]."""
-    _, S, cap, D = win_all.shape
-    win_pool = win_all[attn.layer_id].view(S * cap, D)
-    win_pool.index_copy_(0, new_rows, kv.to(win_pool.dtype))
+    """Write this step's window rows kv [T, D] into the slab (rows new_rows of layer attn.layer_id; kv None: already
+    written, pre_attention's `store`) and attend: q [T, nh, D] over win_idx's window keys and cmp_idx's compressed
+    entries of cmp_pool -> [T, nh, D]."""
+    win_pool = window_pool(win_all, attn.layer_id)
+    if kv is not None:
+        win_pool.index_copy_(0, new_rows, kv.to(win_pool.dtype))
     return sparse_attention(q, win_pool, win_idx, attn.attn_sink, cmp_pool, cmp_idx, scale=attn.scale)
+
+
+def window_pool(win_all: torch.Tensor, layer: int) -> torch.Tensor:
+    """Layer `layer`'s part of the window slab [L, slots, cap, D] as one flat pool [slots * cap, D] (a view)."""
+    _, S, cap, D = win_all.shape
+    return win_all[layer].view(S * cap, D)
 
 
 def window_rows(model, attn, plan: BatchPlan) -> Deferred:

@@ -17,7 +17,8 @@ Here the work is made fixed-size per token, so it runs inside the one graph of t
 The host side (`plan_layer`, before the graph) only does arithmetic on positions: arena room (growth, rows moved in
 from the reference path: rare), each row's destination rows, and the states' counts after the step.
 Same math as Compressor.step_many (the eager path, still used by V4's overlapping compressors and index
-compressors), row for row, so results are equal bit for bit.
+compressors), row for row, so results are equal bit for bit (with model.fused_rope on CUDA the entry's and index
+key's norm + rotation + write run as one kernels.rmsnorm launch: the same steps and roundings in one kernel).
 Cost per layer and step: the projections and one [T, r, W] gather + softmax for T rows (2x the groups that
 complete at ratio 2: noise next to the projections), three [T, D] row writes; host: O(T) integer work.
 """
@@ -26,8 +27,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from deepinfer_sg.kernels.ring_pool import ring_pool, ring_pool_torch, ring_write, ring_write_torch
+from deepinfer_sg.kernels.rmsnorm import rms_norm
+
 from .arena import arena_for
-from .rope import apply_rope, rope_cos_sin
+from .rope import apply_rope, rope_cos_sin, turn_table
 
 RING = 64    # >= max_rollback (16) + MAX_FAST_ROWS (16) + ratio: rows a rollback or this step can still need
 
@@ -164,23 +168,39 @@ def plan_layer(model, attn, ctx, plan) -> list:
 
 
 def compress_rows(model, attn, xn: torch.Tensor, ring_kv, ring_g, tok_kv_dst, tok_g_dst, grp_kv, grp_g, gpos,
-                  ent, ent_dst, lat, lat_dst, ik, ik_dst, proj: list | None = None) -> None:
+                  ent, ent_dst, lat, lat_dst, ik, ik_dst, proj: list | None = None, turn=None) -> None:
     """Device side (pure, inside the step's graph): the layer's compressor rows from its attention-norm output
     xn [T, H], written in place into the rings and arenas at the rows `plan_layer` chose (module docstring).
-    proj: [wkv(xn), wgate(xn) if gated] when already computed (engine/projections.py)."""
+    proj: [wkv(xn), wgate(xn) if gated] when already computed (engine/projections.py). turn: the rotation at gpos
+    as a rope.Turns when the caller has it (made once per step and ratio: batched.span), else made here."""
     comp = attn.compressor
-    kv = (comp.wkv(xn) if proj is None else proj[0]).float()
-    if comp.gated:
-        ring_kv.index_copy_(0, tok_kv_dst, kv)
-        ring_g.index_copy_(0, tok_g_dst, (comp.wgate(xn) if proj is None else proj[1]).float())
-        pooled = (ring_kv[grp_kv] * ring_g[grp_g].softmax(dim=1)).sum(dim=1)     # [T, r, W] -> [T, W]
+    kv = comp.wkv(xn) if proj is None else proj[0]
+    # model.fused_rope: the fused launches (the ring write + pool as 2 kernels.ring_pool launches instead of ~9; the
+    # entry's and index key's norm + rotation + row write as one kernels.rmsnorm launch each instead of 3)
+    fused = model.fused_rope and not model.quant_sim
+    if comp.gated:   # the ring rows of this step's tokens, then each row's group pooled ([T, r, W] -> [T, W])
+        gate = comp.wgate(xn) if proj is None else proj[1]
+        if fused:
+            ring_write(kv, gate, ring_kv, ring_g, tok_kv_dst, tok_g_dst)
+            pooled = ring_pool(ring_kv, ring_g, grp_kv, grp_g, xn.dtype)
+        else:
+            ring_write_torch(kv, gate, ring_kv, ring_g, tok_kv_dst, tok_g_dst)
+            pooled = ring_pool_torch(ring_kv, ring_g, grp_kv, grp_g, xn.dtype)
+    else:     # ratio 1: the entry is the token's own projection (its fp32 round trip was the identity: no launch)
+        pooled = kv if kv.dtype == xn.dtype else kv.float().to(xn.dtype)
+    latent = comp.norm(pooled)
+    cos, sin = (turn, None) if turn is not None else rope_cos_sin(model._freqs(attn.spec.rope), gpos)
+    fused = fused and ent.dtype == lat.dtype == xn.dtype
+    turn = turn_table(cos, sin) if fused else None
+    if fused:
+        rms_norm(pooled, comp.norm.weight_fp32(), comp.norm.eps, turn, out=ent, rows=ent_dst)
     else:
-        pooled = kv                      # ratio 1: the entry is the token's own projection
-    latent = comp.norm(pooled.to(xn.dtype))
-    cos, sin = rope_cos_sin(model._freqs(attn.spec.rope), gpos)
-    ent.index_copy_(0, ent_dst, model._qdq(apply_rope(latent, cos, sin), "compressed").to(ent.dtype))
+        ent.index_copy_(0, ent_dst, model._qdq(apply_rope(latent, cos, sin), "compressed").to(ent.dtype))
     lat.index_copy_(0, lat_dst, latent.to(lat.dtype))
     if ik is not None:
         idx = attn.indexer
-        keys = model._qdq(apply_rope(idx.k_norm(idx.wk(latent)), cos, sin), "index")
-        ik.index_copy_(0, ik_dst, keys.to(ik.dtype))
+        if fused and ik.dtype == xn.dtype:
+            rms_norm(idx.wk(latent), idx.k_norm.weight_fp32(), idx.k_norm.eps, turn, out=ik, rows=ik_dst)
+        else:
+            keys = model._qdq(apply_rope(idx.k_norm(idx.wk(latent)), cos, sin), "index")
+            ik.index_copy_(0, ik_dst, keys.to(ik.dtype))

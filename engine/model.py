@@ -9,8 +9,9 @@ One code path serves both entry points:
       - batched (decode / verify steps, engine/batched.py): attention of all rows in one
         `kernels.sparse_attention` call over gathered window + selected compressed keys, batched compressors
         and index scores, `kernels.hc_mixes` for the mHC mixes, `kernels.moe_experts` for the routed experts
-        (Triton on CUDA, the torch twins on CPU); caches at fixed addresses (engine/arena.py); a V4.1 step is ONE
-        CUDA graph per token count, its compressors' cache updates included (engine/compress_step.py; V4's
+        (Triton on CUDA, the torch twins on CPU); caches at fixed addresses (engine/arena.py); a V4.1 step is one
+        CUDA graph per token count, its compressors' cache updates included (engine/compress_step.py), cut only
+        before Engram layers so their host table reads overlap the device (batched.engram_splits; V4's
         overlapping compressors update eagerly between segments), fed by one upload of the step's index lists
         (engine/step_graphs.py; `cuda_graphs`, on by default, bit-identical to eager).
   * `forward_logits(ids [B, S])`: fresh caches, one chunk per row (the full-sequence reference).
@@ -119,7 +120,7 @@ class StepPlan:
     total: int                     # tokens of the step
     fast: bool                     # the batched path (else the reference path, all of it at launch)
     saved: list | None = None      # the compressor states as they were (cancel restores them)
-    first: _Segment | None = None  # the first graph segment, prepared at plan time
+    segments: list = field(default_factory=list)   # graph segments prepared at plan time (V4: the first one)
     state: str = "planned"         # planned | launched | cancelled
 
 
@@ -151,6 +152,7 @@ class StepContext:
     graph_ids: object = None                   # fast path: the token ids as the graph reads them (or a Deferred)
     compress: dict = field(default_factory=dict)   # fast path: layer -> compress_step inputs (updates in the graph)
     host_ids: torch.Tensor | None = None       # the token ids on the host, when they were given there
+    window_prep: tuple | None = None           # fast path, Engram: `_windows_prep` made at plan time
 
 
 def _compress_snapshot(model, seqs) -> list:
@@ -246,6 +248,7 @@ class Model(nn.Module):
         # route flips either way)
         self._fused_mhc = True
         self._stack_projections = True
+        self._fused_rope = True
         self._stacked_at = -1       # SegmentGraphs.generation when projections.fuse last checked the weights
         self._graphs = SegmentGraphs()
         self._open_plan = None      # a plan_step(undo=True) not yet launched or cancelled (one at a time)
@@ -333,6 +336,20 @@ class Model(nn.Module):
     @stack_projections.setter
     def stack_projections(self, on: bool) -> None:
         self._switch_fast_path("_stack_projections", on)
+
+    @property
+    def fused_rope(self) -> bool:
+        """Fast path: RoPE inside its neighbours' launches: the window kv's norm + rotation + slab write as one
+        kernels.rmsnorm launch (Attention.store_kv), the in-graph compressors' entry and index key norm + rotation
+        + arena write as one kernels.rmsnorm launch each and their ring write + pooling as two kernels.ring_pool
+        launches (compress_step.compress_rows). Same math; the
+        products sum in another order than the GEMM library's (bf16 round-off). False: the separate launches. On by
+        default."""
+        return self._fused_rope
+
+    @fused_rope.setter
+    def fused_rope(self, on: bool) -> None:
+        self._switch_fast_path("_fused_rope", on)
 
     def _switch_fast_path(self, attr: str, on: bool) -> None:
         """Set a fast-path switch; a change drops the captured graphs (their segments ran the other kernels)."""
@@ -432,12 +449,12 @@ class Model(nn.Module):
         """The host half of a step that depends on counts, not on token values: for each StepRows(cache, n,
         logit_rows) the step will run n tokens right after the cache's length. On the batched path this places
         the windows (slab slots), plans the compressors' rows (arena room, destination rows, the states' counts
-        after the step) and makes every index list of the first graph segment (as host arrays for the step's one
-        upload). Call it while the device still runs the previous step (after that step's `launch` returned); then
-        `launch(plan, ids)` once the ids are known, or `cancel(plan)` (undo=True keeps what cancel restores).
-        One plan at a time: planning again (forward_step included) cancels a plan still open. Cost: the host work
-        of the step minus the Engram lookups and the launch itself; no device sync (device work it queues, rows
-        moving into the slab / arenas, runs after the previous step)."""
+        after the step) and makes every index list of its graph segments (V4: of the first; host arrays for the
+        step's one upload). Call it while the device still runs the previous step (after that step's `launch`
+        returned); then `launch(plan, ids)` once the ids are known, or `cancel(plan)` (undo=True keeps what cancel
+        restores). One plan at a time: planning again (forward_step included) cancels a plan still open. Cost: the
+        host work of the step minus the Engram lookups and the launch itself; no device sync (device work it
+        queues, rows moving into the slab / arenas, runs after the previous step)."""
         c = self.config
         dev = self.device
         if self._open_plan is not None:
@@ -548,17 +565,12 @@ class Model(nn.Module):
                     ctx.rope[kind] = rope_cos_sin(self._freqs(kind), ctx.positions)
             if c.engram_layer_ids:
                 ctx.windows = self._token_windows(ctx)
-            if ctx.plan is not None:
-                # every Engram table read (a host round trip) now, while the device is idle, not between the layers
-                if c.engram_layer_ids:
-                    host_windows = ctx.windows.cpu()
-                    g = self._graphs      # (under graphs: straight into a buffer the graph reads in place)
-                    for i, blk in enumerate(self.layers):
-                        if hasattr(blk, "engram"):   # (the rows written straight into the upload's pinned buffer)
-                            shape = blk.engram.packed_shape(host_windows.shape[0])
-                            out = None if shape is None else g.host_buffer(f"engram{i}", shape, torch.uint8, dev)
-                            e = blk.engram.packed_values(host_windows, "cpu", out=out)
-                            ctx.engram_rows[i] = g.fixed(g.upload(f"engram{i}", e, dev))
+                if ctx.plan is not None:     # (read on the host, segment by segment: _layers_fast)
+                    ctx.windows = ctx.windows.cpu()
+                    missing = [i for i, blk in enumerate(self.layers)
+                               if hasattr(blk, "engram") and blk.engram.table is None]
+                    if missing:
+                        raise RuntimeError(f"engram layers {missing}: no table loaded (set `.table`, see EngramTable)")
         except BaseException:
             if plan.fast:
                 if plan.saved is not None:
@@ -570,7 +582,7 @@ class Model(nn.Module):
         logits = None
         try:
             if ctx.plan is not None:
-                hfin, logits = self._layers_fast(ctx, every_row, plan.first)
+                hfin, logits = self._layers_fast(ctx, every_row, plan.segments)
             else:
                 R, a = self.embed_streams(ctx.token_ids)
                 for i, block in enumerate(self.layers):
@@ -647,72 +659,119 @@ class Model(nn.Module):
     def _plan_fast(self, ctx: StepContext, plan: StepPlan) -> None:
         """plan_step's batched-path part (host; depends on counts only): the windows' slab slots, the compressors'
         rows inside the graph (compress_step.plan_layer: the states' counts after the step, the pools every later
-        layer reads), then the first graph segment: its index inputs (batched.span_inputs) laid out in the step's
-        one upload and resolved to their device views (`_segment`; the copy itself is sent at launch)."""
+        layer reads), then the graph segments whose inputs are known now (V4.1: all of them; V4: the first): their
+        index inputs (batched.span_inputs) laid out in the step's one upload and resolved to their device views
+        (`_segment`; the copy itself is sent at launch)."""
         bp = ctx.plan
         layers = self.layers
         batched.prepare_windows(self, ctx, bp, self.embed.weight.new_empty((0, self.config.head_dim)))
+        if self.config.engram_layer_ids:     # (the Engram windows' index, from lengths: the launch only gathers)
+            ctx.window_prep = self._windows_prep(ctx)
         ctx.compress = {i: compress_step.plan_layer(self, layers[i].attn, ctx, bp)
                         for i in compress_step.graph_layers(self)}
+        every_row = all(r.logit_rows == r.n for r in plan.rows)
+        splits = batched.engram_splits(self)
+        if splits:
+            cuts = list(zip([0] + splits, splits + [len(layers)]))
+            # (every layer's inputs first, so that the first segment's layout puts them all in one upload)
+            raws = [[batched.span_inputs(self, layers[j].attn, ctx, bp) for j in range(a, b)] for a, b in cuts]
+            one = len(bp.windows) == 1       # (one window list for every layer: handed on between segments)
+            plan.segments = [self._segment(ctx, None if a == 0 else batched.BOUNDARY,
+                                           None if b == len(layers) else batched.BOUNDARY, every_row, raw,
+                                           full=list(range(a, b)), one_window=one)
+                             for (a, b), raw in zip(cuts, raws)]
+            return
         nxt = (batched.eager_layers(self) + [None])[0]
-        plan.first = self._segment(ctx, None, nxt, all(r.logit_rows == r.n for r in plan.rows),
-                                   [batched.span_inputs(self, layers[j].attn, ctx, bp)
-                                    for j in range(len(layers) if nxt is None else nxt)])
+        plan.segments = [self._segment(ctx, None, nxt, every_row,
+                                       [batched.span_inputs(self, layers[j].attn, ctx, bp)
+                                        for j in range(len(layers) if nxt is None else nxt)])]
 
-    def _layers_fast(self, ctx: StepContext, every_row: bool, first: "_Segment | None"):
+    def _layers_fast(self, ctx: StepContext, every_row: bool, ready: list):
         """Every layer on the batched path -> (final hidden [T, H], fp32 logits [T, V] when `every_row`, else None).
 
         Only the cache updates whose sizes the host decides (compressors, index keys: batched.update_compressed on
         the layers batched.eager_layers names) run eagerly; everything between two of them is one segment
         (batched.span): the rest of the previous such layer (its index selection and attention), every layer in
         between whole, the projections of the next one. The caches sit at fixed addresses (engine/arena.py), and
-        the index tensors a segment reads are made before it from host-side lengths (the first segment's by
-        `_plan_fast`, at plan time: `first`). Segments run through ctx.graphs: CUDA graphs on CUDA once the token
-        count is warm, else eager. The first segment starts at the embedding, the last one ends with the head;
-        outputs that outlive the step are copied out of the graph's buffers."""
+        the index tensors a segment reads are made before it from host-side lengths (at plan time by `_plan_fast`:
+        `ready`). Segments run through ctx.graphs: CUDA graphs on CUDA once the token count is warm, else eager.
+        The first segment starts at the embedding, the last one ends with the head; outputs that outlive the step
+        are copied out of the graph's buffers. A segment's Engram rows are read from the host tables right before
+        it is launched, so with V4.1's cuts at the Engram layers (batched.engram_splits) the device runs the
+        segments before while the host reads them."""
         g = ctx.graphs
         plan = ctx.plan
         layers = self.layers
-        chain = [None] * 8          # R, pre, post, comb, q, kv, iq, w of the layer updated last
-        prev = None
-        for nxt in batched.eager_layers(self) + [None]:
-            if prev is None and first is not None:
-                seg = first
-            else:
-                cores = ([] if prev is None else [prev]) + list(
-                    range(0 if prev is None else prev + 1, len(layers) if nxt is None else nxt))
-                seg = self._segment(ctx, prev, nxt, every_row,
-                                    [batched.span_inputs(self, layers[j].attn, ctx, plan) for j in cores])
-            outs = self._run_segment(ctx, seg, chain)
-            head, tail = outs[:len(outs) - 3 * len(seg.cores)], outs[len(outs) - 3 * len(seg.cores):]
-            for j, (feat, ids, cand) in zip(seg.cores, zip(tail[0::3], tail[1::3], tail[2::3])):
+        chain = [None] * 8          # R, pre, post, comb, q, kv, iq, w of the layer updated last (or R, a, x)
+        if batched.engram_splits(self):      # V4.1: every segment prepared, cut between layers
+            for k, seg in enumerate(ready):
+                head = self._run_and_record(ctx, seg, chain)
+                if k + 1 < len(ready):     # (R, a, x, the step's rotations, window rows)
+                    chain = [*head] + [None] * (8 - len(head))
+            hfin, logits = head
+        else:
+            prev = None
+            for nxt in batched.eager_layers(self) + [None]:
+                if prev is None and ready:
+                    seg = ready[0]
+                else:
+                    cores = ([] if prev is None else [prev]) + list(
+                        range(0 if prev is None else prev + 1, len(layers) if nxt is None else nxt))
+                    seg = self._segment(ctx, prev, nxt, every_row,
+                                        [batched.span_inputs(self, layers[j].attn, ctx, plan) for j in cores])
+                head = self._run_and_record(ctx, seg, chain)
+                if nxt is None:
+                    hfin, logits = head
+                    break
+                R, pre, post, comb, xn, q, kv, iq, w, feat = head
                 if feat is not None:
-                    ctx.captures[j] = feat
-                if batched.core_kind(layers[j].attn) == "select":
-                    plan.topk[j] = ids
-                if cand is not None:
-                    plan.cand[j] = cand
-            if nxt is None:
-                hfin, logits = head
-                break
-            R, pre, post, comb, xn, q, kv, iq, w, feat = head
-            if feat is not None:
-                ctx.captures[nxt] = feat
-            batched.update_compressed(self, layers[nxt].attn, xn, ctx, plan)
-            chain = [R, pre, post, comb, q, kv, iq, w]
-            prev = nxt
+                    ctx.captures[nxt] = feat
+                batched.update_compressed(self, layers[nxt].attn, xn, ctx, plan)
+                chain = [R, pre, post, comb, q, kv, iq, w]
+                prev = nxt
         if g.mode != "eager":    # graph buffers: the next replay overwrites them
             hfin = hfin.clone()
             logits = logits.clone() if logits is not None else None
         return hfin, logits
 
-    def _segment(self, ctx: StepContext, prev, nxt, every_row: bool, raw: list) -> "_Segment":
+    def _run_and_record(self, ctx: StepContext, seg: "_Segment", chain: list) -> tuple:
+        """Read the segment's Engram rows, run it, record what its layers report (DSpark features, selections,
+        candidate blocks) -> its head outputs."""
+        self._engram_rows(ctx, [j for _, j in seg.engram])
+        outs = self._run_segment(ctx, seg, chain)
+        head, tail = outs[:len(outs) - 3 * len(seg.cores)], outs[len(outs) - 3 * len(seg.cores):]
+        for j, (feat, ids, cand) in zip(seg.cores, zip(tail[0::3], tail[1::3], tail[2::3])):
+            if feat is not None:
+                ctx.captures[j] = feat
+            if batched.core_kind(self.layers[j].attn) == "select":
+                ctx.plan.topk[j] = ids
+            if cand is not None:
+                ctx.plan.cand[j] = cand
+        return head
+
+    def _engram_rows(self, ctx: StepContext, layer_ids: list) -> None:
+        """The Engram table rows of these layers (those not read yet this step) for the fast path: hashed and read
+        on the host (ctx.windows, there), written straight into the pinned buffer of their upload and sent."""
+        g, dev = ctx.graphs, self.device
+        for i in layer_ids:
+            blk = self.layers[i]
+            if not hasattr(blk, "engram") or i in ctx.engram_rows:
+                continue
+            shape = blk.engram.packed_shape(ctx.windows.shape[0])
+            out = None if shape is None else g.host_buffer(f"engram{i}", shape, torch.uint8, dev)
+            e = blk.engram.packed_values(ctx.windows, "cpu", out=out)
+            ctx.engram_rows[i] = g.fixed(g.upload(f"engram{i}", e, dev))
+
+    def _segment(self, ctx: StepContext, prev, nxt, every_row: bool, raw: list, full: list | None = None,
+                 one_window: bool = False) -> "_Segment":
         """A graph segment's inputs (host side; no device work): its layers' span_inputs `raw` resolved to views of
         the step's upload, laid out now (BatchPlan.layout) and sent by `_run_segment`; the Engram rows (token
-        dependent) are left as slots that `_run_segment` fills."""
+        dependent) are left as slots that `_run_segment` fills. prev / nxt as batched.span's prev_e / next_e; full:
+        its whole layers (default: those between prev and nxt)."""
         g, plan = ctx.graphs, ctx.plan
-        full = list(range(0 if prev is None else prev + 1, len(self.layers) if nxt is None else nxt))
-        cores = ([] if prev is None else [prev]) + full
+        if full is None:
+            full = list(range(0 if prev is None else prev + 1, len(self.layers) if nxt is None else nxt))
+        cores = ([] if prev is None or prev == batched.BOUNDARY else [prev]) + full
         plan.layout(g, plan.device)     # every index list of the segment: one host->device copy (at its send)
         staged = ctx.__dict__.setdefault("_staged", {})
 
@@ -735,11 +794,12 @@ class Model(nn.Module):
             per += [fixed(t) if name in _FIXED_COMPRESS else stage(t)
                     for name, t in zip(compress_step.INPUTS, got[10:])]
             meta.append(m)
-        if nxt is not None:
+        if nxt is not None and nxt != batched.BOUNDARY:
             engram.append((len(per), nxt))
             per.append(None)
-        key = ("span", prev, nxt, every_row if nxt is None else None, tuple(meta))
-        fn = functools.partial(batched.span, self, prev, full, nxt, every_row, tuple(meta))
+        key = ("span", prev, full[0] if full else None, nxt, every_row if nxt is None else None, tuple(meta),
+               one_window)
+        fn = functools.partial(batched.span, self, prev, full, nxt, every_row, tuple(meta), one_window=one_window)
         return _Segment(cores, per, engram, key, fn, [None if t is None else tuple(t.shape) for t in per])
 
     def _run_segment(self, ctx: StepContext, seg: "_Segment", chain: list) -> tuple:
@@ -790,10 +850,18 @@ class Model(nn.Module):
         """[T, N] raw token ids at t, t-1, ..., t-N+1 (-1 before the sequence start), N = engram max n-gram.
 
         One gather for the whole step: source = [this step's ids, every sequence's last N-1 cached ids, -1], and
-        the [T, N] index into it is built on the host from lengths (no per-sequence device ops)."""
-        N = int(self.config.engram.get("max_ngram_size", 3))
+        the [T, N] index into it is built on the host from lengths (no per-sequence device ops): by plan_step
+        (ctx.window_prep, `_windows_prep`), so that the launch only gathers."""
         ids = self._token_source(ctx)
-        T = ids.shape[0]
+        idx, tail = ctx.window_prep if ctx.window_prep is not None else self._windows_prep(ctx)
+        src = torch.cat([ids, tail.to(ids.device)])
+        return src[to_device(torch.from_numpy(idx), ids.device)]
+
+    def _windows_prep(self, ctx: StepContext) -> tuple:
+        """(index [T, N] int64 NumPy into [this step's ids, tail], tail = the caches' recent ids and a -1): the
+        token-independent part of `_token_windows`."""
+        N = int(self.config.engram.get("max_ngram_size", 3))
+        T = sum(s.n for s in ctx.seqs)
         srcs = Sources(T)      # [this step's ids, the caches' token buffers, -1]
         cached = []
         for s in ctx.seqs:
@@ -809,8 +877,8 @@ class Model(nn.Module):
         j = np.arange(T, dtype=np.int64)[:, None] - off
         k = np.arange(N, dtype=np.int64)[None, :]
         idx = np.where(j >= k, off + j - k, np.where(m + j >= k, base + m + j - k, pad))
-        src = torch.cat([srcs.cat(ids, 0), ids.new_full((1,), -1)])
-        return src[to_device(torch.from_numpy(idx), ids.device)]
+        minus = torch.full((1,), -1, dtype=torch.long)
+        return idx, (torch.cat([srcs.cat(None, 0), minus.to(srcs.bufs[0][0].device)]) if srcs.bufs else minus)
 
     @staticmethod
     def _token_source(ctx: StepContext) -> torch.Tensor:

@@ -59,8 +59,14 @@ def apply_rope(x: torch.Tensor, cos, sin: torch.Tensor | None = None, inverse: b
     by -angle (conjugate). One launch on CUDA (deepinfer_sg.kernels.rope, instead of the torch form's ~5: the
     decode step runs this on q, kv, the attention output, the index queries and the compressors' entries of every
     layer, inside its CUDA graph); the torch twin elsewhere."""
+    return _kernel_rope(x, turn_table(cos, sin, inverse).to(x.device))
+
+
+def turn_table(cos, sin: torch.Tensor | None = None, inverse: bool = False) -> torch.Tensor:
+    """The rotation as the kernels read it: fp32 [T, R/2, 2] (cos, sin per pair; the conjugate when inverse), from
+    cos/sin [T, R/2] or a `Turns` (then a view, no launch)."""
     if isinstance(cos, Turns):
         turn = cos.inv if inverse else cos.fwd
     else:
         turn = torch.complex(cos.float(), -sin.float() if inverse else sin.float())
-    return _kernel_rope(x, torch.view_as_real(turn.to(x.device)))
+    return torch.view_as_real(turn)

@@ -7,8 +7,9 @@ by the host, not by the GPU. A graph replays a whole segment with one launch.
 What is captured: everything between two eager cache updates (`batched.span`: the rest of one layer (its index
 selection and attention), every layer in between whole, and the next layer's projections; the first segment
 starts at the embedding, the last ends with the head). The caches sit at fixed addresses (engine/arena.py). V4.1
-has no eager updates (engine/compress_step.py), so its step is one graph; V4's overlapping compressors stay
-outside.
+has no eager updates (engine/compress_step.py), so its step is one graph, cut only between layers before each
+Engram layer (batched.engram_splits: the host reads a segment's table rows while the device runs the segments
+before it); V4's overlapping compressors stay outside.
 
 Contract:
   * graphs are keyed by the step's token count T (no padding: a padded T would change GEMM shapes and so the
@@ -64,6 +65,14 @@ class _Size:
 
 def _signature(t: torch.Tensor):
     return (tuple(t.shape), t.stride(), t.dtype)
+
+
+def _wait(done: "torch.cuda.Event") -> None:
+    """Wait until the last copy out of a pinned buffer has run (before the host writes it again). By the time a
+    step reuses its buffer the copy finished long ago, so a query (no synchronisation) answers; synchronising
+    every time made these the 5 of the 7 sync calls per decode step that the profiler counted (session 6)."""
+    if not done.query():
+        done.synchronize()
 
 
 def _views(buf: torch.Tensor, shapes: list) -> list[torch.Tensor]:
@@ -218,7 +227,7 @@ class SegmentGraphs:
             pinned, done = size.pinned[name]
 
             def send():
-                done.synchronize()
+                _wait(done)
                 if host.data_ptr() != pinned.data_ptr():     # (written in place: host_buffer)
                     pinned.copy_(host)
                 buf.copy_(pinned, non_blocking=True)
@@ -253,7 +262,7 @@ class SegmentGraphs:
         pinned, done = size.pinned[name]
         if tuple(pinned.shape) != tuple(shape) or pinned.dtype != dtype:
             return None
-        done.synchronize()
+        _wait(done)
         return pinned
 
     def fixed(self, t: torch.Tensor) -> torch.Tensor:

@@ -72,9 +72,7 @@ _LIMITS = LLParserLimits(max_lexer_states=100_000, verbose_errors=False)  # read
 
 def grammar_text(spec) -> str:
     """llguidance grammar (JSON-wrapped) for a spec; raises ConstraintError for EBNF it cannot convert."""
-    if isinstance(spec, Regex):
-        return LLMatcher.grammar_from_regex(spec.pattern)
-    if isinstance(spec, JsonSchema):
+    if isinstance(spec, JsonSchema):  # (the common spec first)
         schema = spec.schema
         if isinstance(schema, dict) and "x-guidance" not in schema:
             # The common case: our options go in as the schema's own "x-guidance" entry, spliced into the JSON text
@@ -90,6 +88,8 @@ def grammar_text(spec) -> str:
         else:  # our options, not the schema's
             schema = {k: v for k, v in schema.items() if k != "x-guidance"}
         return LLMatcher.grammar_from_json_schema(schema, overrides=_shared_json_options(spec))
+    if isinstance(spec, Regex):
+        return LLMatcher.grammar_from_regex(spec.pattern)
     if isinstance(spec, Grammar):
         if spec.syntax == "lark":
             return LLMatcher.grammar_from_lark(spec.text)
@@ -109,8 +109,18 @@ def _lltokenizer(vocab_key: str, tokenizer_json: str, vocab_size: int, eos: tupl
 
 
 def lltokenizer(vocab: TokenizerVocab) -> LLTokenizer:
-    """The LLTokenizer for a vocab (built once per tokenizer, ~1 s for DeepSeek-V4)."""
-    return _lltokenizer(vocab.fingerprint, vocab.tokenizer_json, vocab.vocab_size, vocab.eos_token_ids)
+    """The LLTokenizer for a vocab (built once per tokenizer, ~1 s for DeepSeek-V4). The last vocab's is kept
+    beside the cache: an identity test instead of hashing and comparing the cache key (every compile asks)."""
+    global _last_lltokenizer
+    last, tok = _last_lltokenizer
+    if vocab is last:
+        return tok
+    tok = _lltokenizer(vocab.fingerprint, vocab.tokenizer_json, vocab.vocab_size, vocab.eos_token_ids)
+    _last_lltokenizer = (vocab, tok)  # one tuple, one store: safe to race
+    return tok
+
+
+_last_lltokenizer = (None, None)  # (vocab, its LLTokenizer) of the last lltokenizer() call
 
 
 class LLGuidanceCompiled:
@@ -165,7 +175,7 @@ def compile_spec(spec, vocab: TokenizerVocab, limits: LLParserLimits | None = No
         grammar = grammar_text(spec)
     except ValueError as e:
         raise ConstraintError(f"llguidance: {e}") from None
-    limits = limits or default_limits()
+    limits = limits or _LIMITS
     m = LLMatcher(lltokenizer(vocab), grammar, log_level=0, limits=limits)
     if m.is_error():
         raise ConstraintError(f"llguidance: {clean_error(m.get_error())}")

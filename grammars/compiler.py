@@ -12,7 +12,8 @@ also pays the exact rewrites (schema_support.prepare: only the subschemas scan m
 copied and rewritten; the refusal walk and the draft 4-7 `$ref` walk skipped when scan saw nothing for them);
 plus the worker-thread hand-off
 (tens of µs) where one is used. JSON schemas reach llguidance as JSON text, which it parses ~3x faster than it
-converts a dict.
+converts a dict: one encode per compile (the schema's, or its rewrite's), plus, with the cache on, the schema's own
+text for the key when it is rewritten (cache_bytes=0 builds no key at all).
 """
 from __future__ import annotations
 
@@ -71,28 +72,33 @@ class ConstraintCompiler:
     def compile(self, spec):
         """Compiled constraint for `spec` (cached). Raises ConstraintError (invalid, unsupported, timeout).
         Small llguidance-only specs compile on the calling thread (see INLINE_MAX_CHARS)."""
-        key = self._key(spec)
-        with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                return hit
-            running = key in self._inflight
-        if not running and self._inline_ok(key):
+        key, running = None, False
+        if self.cache_bytes > 0:  # (cache off: no key to build and nothing to look up; an inline compile then shares
+            # no in-flight compile of the same spec, whose result only the cache would have kept)
+            key = self._key(spec)
+            with self._lock:
+                hit = self._cache.get(key)
+                if hit is not None:
+                    self._cache.move_to_end(key)
+                    return hit
+                running = key in self._inflight
+        if not running and self._inline_ok(spec, key):
             try:
-                return self._store(key, self._build(spec, inline=True))
+                compiled = self._build(spec, inline=True)
+                return compiled if key is None else self._store(key, compiled)
             except _NeedsWorker:
                 pass  # the rest runs on a worker, under the timeout
             except ConstraintError:
                 raise
+            except RecursionError:  # (the schema walks, with the cache off: no key was encoded to find it first)
+                raise ConstraintError("JSON schema is nested too deeply (or contains itself)") from None
             except Exception as e:  # a backend bug fails this constraint only
                 raise ConstraintError(f"internal error compiling {_describe(spec)}: {type(e).__name__}: {e}") from None
         future = self.compile_async(spec)
         try:
             return future.result(timeout=self.timeout_s)
         except FutureTimeout:
-            raise ConstraintError(f"compiling the constraint took longer than {self.timeout_s} s; refused "
-                                  f"({_describe(spec)})") from None
+            raise _timed_out(self.timeout_s, spec) from None
 
     def compile_async(self, spec) -> Future:
         """Future[compiled constraint]; the compile runs on a worker thread (GIL released in the backends)."""
@@ -128,9 +134,19 @@ class ConstraintCompiler:
         layout = spec.layout_key() if hasattr(spec, "layout_key") else ""
         return (spec.cache_key(), layout, self.vocab.fingerprint, self.backend)
 
-    def _inline_ok(self, key) -> bool:
-        return (self.backend in ("auto", "llguidance") and self.timeout_s >= INLINE_MIN_TIMEOUT_S
-                and len(key[0]) <= INLINE_MAX_CHARS)
+    def _inline_ok(self, spec, key) -> bool:
+        """Whether compile() may try `spec` on the caller's thread: an llguidance backend, a timeout that leaves
+        room, and a spec of at most INLINE_MAX_CHARS: its cache key (larger ones then go to compile_async, where
+        concurrent compiles of the same spec share one), or with the cache off (no key) a Regex / Grammar text
+        (a JSON schema's grammar text is measured once made, in _llguidance: past it, only the backend compile
+        moves to a worker)."""
+        if self.backend not in ("auto", "llguidance") or self.timeout_s < INLINE_MIN_TIMEOUT_S:
+            return False
+        if key is not None:
+            return len(key[0]) <= INLINE_MAX_CHARS
+        inner = spec.inner if isinstance(spec, Triggered) else spec
+        text = inner.pattern if isinstance(inner, Regex) else inner.text if isinstance(inner, Grammar) else ""
+        return len(text) <= INLINE_MAX_CHARS
 
     def _compile_and_store(self, key, spec):
         try:
@@ -188,7 +204,7 @@ class ConstraintCompiler:
             # The common case: valid, nothing to rewrite or refuse, so llguidance gets the schema as given; the
             # full path below runs only if llguidance refuses it.
             try:
-                return backend_llguidance.compile_spec(spec, self.vocab)
+                return self._llguidance(spec, inline)
             except ConstraintError as llg_error:
                 return self._json_fallback(self._prepare(spec, checked=True), llg_error, inline)
         prepared = self._prepare(spec, checked=found != schema_support.SCAN_INVALID, ref_siblings=ref_siblings,
@@ -203,9 +219,21 @@ class ConstraintCompiler:
             bad = schema_support.unsupported(prepared.schema, "llguidance") if has_unsupported else ()
             if bad:
                 raise schema_support.refuse(*bad[0])
-            return backend_llguidance.compile_spec(prepared, self.vocab)
+            return self._llguidance(prepared, inline)
         except ConstraintError as llg_error:
             return self._json_fallback(prepared, llg_error, inline)
+
+    def _llguidance(self, spec: JsonSchema, inline: bool):
+        """backend_llguidance.compile_spec(spec). An inline compile whose grammar text (made here once, kept by the
+        spec: the text llguidance gets) is over INLINE_MAX_CHARS runs it on a worker, under the timeout; the scan
+        and the rewrite, linear in the schema, stay on this thread (not redone there)."""
+        if inline and len(spec.layout_key()) > INLINE_MAX_CHARS:
+            future = self._pool.submit(backend_llguidance.compile_spec, spec, self.vocab)
+            try:
+                return future.result(timeout=self.timeout_s)
+            except FutureTimeout:
+                raise _timed_out(self.timeout_s, spec) from None
+        return backend_llguidance.compile_spec(spec, self.vocab)
 
     @staticmethod
     def _prepare(spec: JsonSchema, checked: bool, ref_siblings: bool = True, dirty: set | None = None) -> JsonSchema:
@@ -214,8 +242,9 @@ class ConstraintCompiler:
         only the marked subschemas are copied and rewritten."""
         if not checked:
             schema_support.check_schema(spec.schema)
+        marked = checked and dirty is not None and not ref_siblings  # (prepare() copies only marked parts: no text)
         return spec.with_schema(schema_support.prepare(spec.schema, spec.approximations, ref_siblings,
-                                                       spec.layout_key(), dirty if checked else None))
+                                                       None if marked else spec.layout_key(), dirty if checked else None))
 
     def _json_fallback(self, prepared: JsonSchema, llg_error: ConstraintError, inline: bool):
         """llguidance refused `prepared`: try xgrammar when backend="auto" and it is exact, else re-raise with a pointer."""
@@ -256,6 +285,10 @@ def _with_pointer(error: ConstraintError, schema) -> ConstraintError:
             if pointer is not None:
                 return schema_support.refuse(name, pointer)
     return error
+
+
+def _timed_out(timeout_s: float, spec) -> ConstraintError:
+    return ConstraintError(f"compiling the constraint took longer than {timeout_s} s; refused ({_describe(spec)})")
 
 
 def _describe(spec) -> str:

@@ -61,6 +61,11 @@ def check_bitmask(bitmask: torch.Tensor, rows: int, words: int) -> None:
         raise ValueError(f"bitmask shape {tuple(bitmask.shape)} too small: need [{rows}, {words}]")
     if not bitmask.is_contiguous():
         raise ValueError("bitmask must be contiguous")
+    # (a storage shrunk in place, e.g. untyped_storage().resize_(0), leaves the shape as it was: writes by address
+    # must stay inside the memory the storage really holds)
+    if bitmask.untyped_storage().nbytes() < (bitmask.storage_offset() + bitmask.numel()) * 4:
+        raise ValueError(f"bitmask storage holds {bitmask.untyped_storage().nbytes()} bytes, less than its shape "
+                         f"{tuple(bitmask.shape)} needs")
 
 
 def bitmask_rows(bitmask: torch.Tensor, words: int) -> int:

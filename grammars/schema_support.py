@@ -240,7 +240,9 @@ def _rewrite_local(s: dict, ignore_format: bool, root) -> None:
     if not keys.isdisjoint(ANNOTATIONS):
         for key in keys & _DROPPED_ANNOTATIONS:  # (the order of deletion does not change the dict's order)
             del s[key]
-    if keys.isdisjoint(_REWRITTEN_KEYS) and not isinstance(s.get("items"), list):
+    if keys.isdisjoint(_REWRITTEN_KEYS_BUT_ONE_OF) and not isinstance(s.get("items"), list):
+        if "oneOf" in keys:  # (a node whose only rewrite is its oneOf: the rules below all pass it by)
+            _one_of_as_any_of(s, root)
         return  # most nodes: nothing below applies (saves ~20 dict operations per node)
     for key in _NONNEG_INT_KEYS & keys:
         if isinstance(s[key], float) and s[key] == int(s[key]):
@@ -306,8 +308,13 @@ def _rewrite_local(s: dict, ignore_format: bool, root) -> None:
         if negated is not None:
             del s["not"]
             s.setdefault("allOf", []).append(negated)
+    _one_of_as_any_of(s, root)
+
+
+def _one_of_as_any_of(s: dict, root) -> None:
+    """A `oneOf` whose branches are pairwise disjoint becomes an `anyOf` (no instance can match two branches, so
+    "exactly one" == "at least one")."""
     if isinstance(s.get("oneOf"), list) and _pairwise_disjoint(s["oneOf"], root):
-        # no instance can match two branches, so "exactly one" == "at least one"
         branches = s.pop("oneOf")
         if "anyOf" in s:
             s.setdefault("allOf", []).append({"anyOf": branches})
@@ -320,10 +327,10 @@ _DROPPED_ANNOTATIONS = frozenset(ANNOTATIONS - {"$schema"})  # prepare() keeps `
 # `additional*`/`items`.
 _APPLICATORS = frozenset({"allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas", "$dynamicRef", "not"})
 # The keys _rewrite() acts on beyond annotations (a node with none of them, and no tuple-form `items`, is left as is).
-_REWRITTEN_KEYS = frozenset({"minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
-                             "minContains", "maxContains", "uniqueItems", "format", "contains", "dependencies",
-                             "dependentSchemas", "additionalItems", "dependentRequired", "unevaluatedProperties",
-                             "unevaluatedItems", "if", "then", "else", "not", "oneOf"})
+_REWRITTEN_KEYS_BUT_ONE_OF = frozenset({
+    "minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "minContains", "maxContains",
+    "uniqueItems", "format", "contains", "dependencies", "dependentSchemas", "additionalItems", "dependentRequired",
+    "unevaluatedProperties", "unevaluatedItems", "if", "then", "else", "not"})
 
 
 # Exact regexes (RFC 3339 dates with leap years; RFC 1123 host names) for formats where a backend's own
@@ -468,7 +475,14 @@ def _deref(s, root, depth=0):
 
 
 def _types(s, root, depth=0) -> set:
-    """A superset of the JSON types of instances valid under s ("integer" folded into "number")."""
+    """A superset of the JSON types of instances valid under s ("integer" folded into "number"); a set not to be
+    modified (the common branch, one `type` name and nothing else that narrows it, returns a shared frozenset)."""
+    if s.__class__ is dict and s.keys().isdisjoint(_COMBINING):  # (oneOf branches: ~4x cheaper than the walk)
+        t = s.get("type")
+        if t is None or t.__class__ is str:
+            out = _ANY_TYPE if t is None else _TYPE_OF.get(t, _NO_TYPE)
+            values = _values(s)
+            return out if values is None else out & {_json_type(v) for v in values}
     s = _deref(s, root)
     if s is False:
         return set()
@@ -490,6 +504,12 @@ def _types(s, root, depth=0) -> set:
                 union |= _types(sub, root, depth + 1)
             out &= union
     return out
+
+
+# keywords _types() must walk into; the types of one `type` name, and of any or none
+_COMBINING = frozenset({"$ref", "allOf", "anyOf", "oneOf"})
+_TYPE_OF = {n: frozenset({"number" if n == "integer" else n}) for n in _ALL_TYPES + ("integer",)}
+_ANY_TYPE, _NO_TYPE = frozenset(_ALL_TYPES), frozenset()
 
 
 def _json_type(v) -> str:
@@ -580,6 +600,8 @@ def _pairwise_disjoint(branches, root) -> bool:
     if len(branches) > 64:
         return False  # quadratic check; large oneOfs are left to the backend
     facts = [_facts(b, root) for b in branches]  # each branch analysed once, not once per pair
+    if len(facts) == 2:  # (the usual oneOf: one pair, without the generator)
+        return _disjoint(facts[0], facts[1], root, 0)
     return all(_disjoint(facts[i], facts[j], root, 0) for i in range(len(facts)) for j in range(i + 1, len(facts)))
 
 
@@ -702,20 +724,24 @@ _KEPT_FORMATS = frozenset(LLG_FORMATS - set(FORMAT_PATTERNS))
 # $ref siblings that drafts 4-7 tolerate (prepare's _drop_ref_siblings keeps them; annotations are ignored anyway).
 _REF_SIBLINGS = frozenset({"$ref", "definitions", "$defs", "$schema", "$id", "id"} | ANNOTATIONS)
 # What scan() does per keyword (the same checks and the same recursion as check_schema's walk).
-_SUB, _SUB_LIST, _SUB_MAP, _TYPE, _NONNEG, _CHECK, _FORMAT, _OTHER = range(8)
+_SUB, _SUB_LIST, _SUB_MAP, _TYPE, _NONNEG, _REQUIRED, _STR, _NUMBER, _FORMAT, _OTHER = range(10)
+_PREP = 16  # added to the code of a key in _PREPARE_KEYS (one int test per keyword instead of a set lookup)
 _SCAN = {}
-_SCAN.update((k, _OTHER) for k in _PREPARE_KEYS)
-_SCAN.update((k, _CHECK) for k in ("required", "pattern", "$ref") + tuple(_NUMBER_KEYS))
+_SCAN.update((k, _NUMBER) for k in _NUMBER_KEYS)
 _SCAN.update((k, _NONNEG) for k in _NONNEG_INT_KEYS)
 _SCAN.update((k, _SUB) for k in SCHEMA_KEYS)
 _SCAN.update((k, _SUB_LIST) for k in SCHEMA_LIST_KEYS)
 _SCAN.update((k, _SUB_MAP) for k in _MAP_OR_DEPENDENCIES)
-_SCAN.update(type=_TYPE, format=_FORMAT)
+_SCAN.update(type=_TYPE, format=_FORMAT, required=_REQUIRED, pattern=_STR)
+_SCAN["$ref"] = _STR
+_SCAN.update((k, _SCAN.get(k, _OTHER) + _PREP) for k in _PREPARE_KEYS)
+_IS_STR = str.__instancecheck__
 
 
 def _scan(node: dict, flags: list) -> bool:
     """Check and look at one subschema and those below it; True (and its id in flags[4]) if prepare() has
-    something to do at or below it."""
+    something to do at or below it. (The branches in order of how often MaskBench keywords take them; a value
+    that fails a branch's inline test goes to _keyword_problem, which decides.)"""
     mark = False
     if flags[1] and "$ref" in node and not node.keys() <= _REF_SIBLINGS:
         mark = flags[3] = True  # drafts 4-7 ignore $ref's siblings: prepare() drops them
@@ -723,10 +749,11 @@ def _scan(node: dict, flags: list) -> bool:
         code = _SCAN.get(key)
         if code is None:
             continue  # annotations, unknown and extension keywords: nothing to check
-        if key in _PREPARE_KEYS:
+        if code >= _PREP:
             mark = True
             if key in LLG_UNSUPPORTED:
                 flags[2] = True
+            code -= _PREP
         if code == _TYPE:
             if not (value.__class__ is str and value in _TYPE_NAMES) and _keyword_problem(key, value):
                 raise _Invalid
@@ -749,6 +776,21 @@ def _scan(node: dict, flags: list) -> bool:
                 for sub in value:
                     if isinstance(sub, dict):
                         _scan(sub, flags)
+        elif code == _REQUIRED:
+            if not (value.__class__ is list and all(map(_IS_STR, value))) and _keyword_problem(key, value):
+                raise _Invalid
+        elif code == _STR:
+            if value.__class__ is not str and _keyword_problem(key, value):
+                raise _Invalid
+        elif code == _NONNEG:
+            if value.__class__ is not int or value < 0:
+                if _keyword_problem(key, value):
+                    raise _Invalid
+                mark = True  # an integral float bound: prepare() makes it an int
+        elif code == _NUMBER:
+            if (value.__class__ is not int and value.__class__ is not float or key == "multipleOf") \
+                    and _keyword_problem(key, value):
+                raise _Invalid
         elif code == _SUB_LIST:
             if key != "prefixItems" and _keyword_problem(key, value):
                 raise _Invalid
@@ -756,14 +798,6 @@ def _scan(node: dict, flags: list) -> bool:
                 for sub in value:
                     if isinstance(sub, dict) and _scan(sub, flags):
                         mark = True
-        elif code == _NONNEG:
-            if value.__class__ is not int or value < 0:
-                if _keyword_problem(key, value):
-                    raise _Invalid
-                mark = True  # an integral float bound: prepare() makes it an int
-        elif code == _CHECK:
-            if _keyword_problem(key, value):
-                raise _Invalid
         elif code == _FORMAT:
             if value.__class__ is not str:
                 raise _Invalid

@@ -2,12 +2,16 @@
 
 Specs are small frozen values. Each has a `cache_key()` (a string) so the compiler can cache compiled
 constraints by (spec, tokenizer). Building a spec never compiles anything and costs microseconds, except
-`JsonSchema`, which parses JSON text once to check it is a JSON object.
+`JsonSchema`, which parses JSON text once to check it is a JSON object. A JsonSchema's JSON text in its own key
+order (`layout_key()`: the compiler's cache key and the text llguidance parses) is made on first use, not at
+construction: a compile with the cache off over a schema it rewrites never needs it (it encodes the rewrite
+instead), and a schema that is not JSON (a value that does not serialize, a cycle, a lone surrogate) is refused
+there, by compile(), with ConstraintError.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 WHITESPACE_MODES = ("bounded", "compact", "indented")
@@ -62,7 +66,7 @@ class Grammar:
         return f"grammar:{self.syntax}:" + self.text
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)  # (its own __init__: the fields set in one dict update, see below)
 class JsonSchema:
     """A JSON value valid under a draft 2020-12 JSON Schema (dict, bool, or JSON text).
 
@@ -77,10 +81,12 @@ class JsonSchema:
     schema: Any
     whitespace: str = "bounded"
     indent: int = 2
-    approximations: frozenset = field(default_factory=frozenset)
+    approximations: frozenset = frozenset()
 
-    def __post_init__(self):
-        schema = self.schema
+    def __init__(self, schema: Any, whitespace: str = "bounded", indent: int = 2,
+                 approximations: frozenset = frozenset()):
+        # What dataclass's frozen __init__ + a __post_init__ would do, with one instance-dict update instead of a
+        # call of object.__setattr__ per field (a compile with the cache off builds one spec per compile)
         if isinstance(schema, (bytes, bytearray)):
             try:
                 schema = schema.decode("utf-8")
@@ -93,18 +99,9 @@ class JsonSchema:
                 raise ConstraintError(f"JSON schema text is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
         if not isinstance(schema, (dict, bool)):
             raise ConstraintError(f"JSON schema must be an object or a boolean, got {type(schema).__name__} at pointer ''")
-        try:
-            # The schema's own key order (it sets the order properties are generated in); the compiler's cache key
-            # and the text llguidance parses (3x cheaper for it than converting the dict).
-            layout = _ENCODER.encode(schema)
-        except (TypeError, ValueError) as e:
-            raise ConstraintError(f"JSON schema is not JSON-serializable: {e}") from None
-        except RecursionError:
-            raise ConstraintError("JSON schema is nested too deeply (or contains itself)") from None
-        _check_utf8(layout, "JSON schema")
-        if self.whitespace not in WHITESPACE_MODES:
-            raise ConstraintError(f"whitespace must be one of {WHITESPACE_MODES}, got {self.whitespace!r}")
-        approx = self.approximations
+        if whitespace not in WHITESPACE_MODES:
+            raise ConstraintError(f"whitespace must be one of {WHITESPACE_MODES}, got {whitespace!r}")
+        approx = approximations
         if approx:
             approx = frozenset(approx)
             unknown = approx - _APPROXIMATIONS
@@ -112,10 +109,8 @@ class JsonSchema:
                 raise ConstraintError(f"unknown approximations {sorted(unknown)}; known: {APPROXIMATIONS}")
         elif approx.__class__ is not frozenset:
             approx = frozenset()
-        object.__setattr__(self, "schema", schema)
-        object.__setattr__(self, "approximations", approx)
-        object.__setattr__(self, "_layout", layout)
-        object.__setattr__(self, "_source", schema)  # what cache_key() describes (kept by with_schema)
+        self.__dict__.update(schema=schema, whitespace=whitespace, indent=indent, approximations=approx,
+                             _source=schema)  # _source: what cache_key() describes (kept by with_schema)
 
     @classmethod
     def from_model(cls, model_or_type, **kwargs) -> "JsonSchema":
@@ -148,8 +143,8 @@ class JsonSchema:
             approx = ",".join(sorted(self.approximations))
             try:
                 text = json.dumps(self._source, sort_keys=True, ensure_ascii=False)
-            except TypeError:  # keys that do not sort (e.g. int and str mixed): the text in its own order
-                text = json.dumps(self._source, ensure_ascii=False)
+            except (TypeError, ValueError, RecursionError):  # keys that do not sort (e.g. int and str mixed): the
+                text = _layout_text(self._source)  # text in its own order (not JSON at all: _layout_text says so)
             key = f"json:{self.whitespace}:{self.indent}:{approx}:" + text
             object.__setattr__(self, "_canonical", key)
         return key
@@ -159,7 +154,7 @@ class JsonSchema:
         of `properties`, which sets the order properties are generated in, so the compiler caches by both."""
         text = self.__dict__.get("_layout")
         if text is None:
-            text = _ENCODER.encode(self.schema)
+            text = _layout_text(self.schema)
             object.__setattr__(self, "_layout", text)
         return text
 
@@ -199,6 +194,19 @@ class Triggered:
     def compile_key(self) -> str:
         inner = self.inner.compile_key() if hasattr(self.inner, "compile_key") else self.inner.cache_key()
         return f"triggered:{list(self.trigger_token_ids)}:{self.bound_token_id}:" + inner
+
+
+def _layout_text(schema) -> str:
+    """The schema as JSON text in its own key order; ConstraintError if it is not JSON (a value that does not
+    serialize, a cycle, a lone surrogate)."""
+    try:
+        text = _ENCODER.encode(schema)
+    except (TypeError, ValueError) as e:
+        raise ConstraintError(f"JSON schema is not JSON-serializable: {e}") from None
+    except RecursionError:
+        raise ConstraintError("JSON schema is nested too deeply (or contains itself)") from None
+    _check_utf8(text, "JSON schema")
+    return text
 
 
 def _check_utf8(text: str, what: str) -> None:

@@ -36,12 +36,16 @@ Model hot spots:
         packed FP4 (uint8) weights are accepted and decoded in registers.
     hc_mixes(residual[T, M, H], fn[(2+M)M, MH], base[(2+M)M], scale[3], norm_eps=1e-20, hc_eps=1e-6, iters=20,
              post_mult=2.0) -> HcMixes(pre [T, M], post [T, M], comb [T, M, M]): mHC mixes with Sinkhorn
-        (bf16 residual on CUDA: fp32-accurate bf16x3 products, two launches; fn is split to bf16 parts in
-        registers at decode sizes, from a per-tensor cache above 256 tokens). hc_mix.hc_pre_apply / hc_post_apply
+        (bf16 residual on CUDA: fp32-accurate bf16x3 products, one launch whose last programs per token block sum
+        the partials and mix; fn is split to bf16 parts in registers at decode sizes, from a per-tensor cache above
+        128 tokens). hc_mix.hc_pre_apply / hc_post_apply
         (next_pre=) fuse the pre/post applications into one launch each.
 Top-k/top-p thresholds (threshold.py): rows with 0 < top_k <= 64 take the lane path (2 launches: every lane's max,
 then a per-row merge that gathers the few lanes able to hold the top-k, applies top-k/top-p exactly and draws the
-token; sample_from_logits then runs no sampling pass), the other filters the histogram path (a top-p cut is
+token; sample_from_logits then runs no sampling pass); top-p alone (top-k off) is drawn by rejection
+(rejection.py: proposals from the unrestricted softmax, the first inside the top-p set is the token: the same law q,
+but a seed draws other tokens than the tau path did, and the speculative bonus token follows the same rule); the
+other filters take the histogram path (a top-p cut is
 bracketed by per-bin mass bounds, only the bracketed bins' tokens are gathered, and tau is placed on masses summed
 in float64, as in the torch twin: fp32 sums misplace the cut of flat rows); sampling draws a lane of 16 tokens by
 Gumbel-max over lane masses, then the token inside it by inverse CDF (exact; sampling.py says why);

@@ -23,7 +23,9 @@ partials (L2); 4 x H x D flops per key (tensor cores), 128 flops per key byte at
 H200's ridge (~165), so the matrix work is ~0.6x the byte time and must overlap the loads.
 
 H200 (N = 64 / 256 rows, H = 64, D = 512, 128 + 512 keys; floors: bytes 11.8 / 47.1 us, flops 7.2 / 28.7 us):
-`default_config`'s choices run 42.2-42.6 / 110.6-111.1 us (28% / 42-43%; session 4: 44.1 / 146.3). Per program (N = 256, two
+`default_config`'s choices run 41.5-41.8 / 108.0-108.5 us, 28-29% / 44% (session 7: the denominators kept per
+column, `lazy_sum`, one cross-warpgroup reduction less per block; session 6's kernel 42.7-43.0 / 111.1-111.6 in
+the same runs; session 4: 44.1 / 146.3). Per program (N = 256, two
 waves of 128-132 programs): no keys 10.9 us for both waves, the 128 window keys 33.9, all 640 keys 110.6, from
 L2 90.6: ~75 ns per key per program, latency-bound (a 64-key block is ~900 instructions per thread against ~9,500
 cycles: the Q K^T wait, the cross-warpgroup softmax reductions, the P round trip and barrier, the P@V wait run
@@ -39,6 +41,22 @@ every index of a split loaded before the loop (each block's picked from register
 across iterations (32-key blocks, 3-4 stages), and that runs 46.6-49.0 at N=64 / 120.3-140.3 at N=256 (one loop
 over both pools, so the pipeline never drains between them: 42.1 / 125.8-133.2; chained 51.3 / 137.6); 16 warps
 51.7-73.7 / 140.2-236.9.
+Session 7, ncu on the keys-from-L2 launch at N = 256 (256 programs of 8 warps, 1.94 waves, 255 registers): 22.1 M
+warp instructions = ~1,000 per warp per 64-key block, one issued every 7.5 cycles per warp (IPC 1.05 per SM, 2
+warps per scheduler, 0.35 of them eligible): ~7,500 cycles per block against ~2,000 of tensor-core work (Q K^T and
+P@V, 4.2 MFLOP each). The loop's SASS (sm_90, 831 instructions per block, 11 CTA barriers) runs as one chain:
+gather addresses and index loads | 32 HGMMA 64x32x16 (Q K^T, the warpgroups splitting keys) and their wait | row
+max (shuffles, shared memory, 2 barriers) | exp + per-column sums | P to bf16, through shared memory to the
+global scratch (2 barriers) | the rescales likewise (2) | the inline bar.sync, P and rescales loaded back and
+staged for the wgmma (2) | 128 FMUL rescaling the accumulator + 4 HGMMA 64x256x16 (P@V) and their wait | a
+barrier | the next block's 16 cp.async gathers with their masked addresses.
+FlashMLA (the same shape) gets its overlap by giving each warpgroup whole key blocks in turn: each computes the
+full S of its block (softmax inside one warpgroup, only the row maxima and P crossing over) while the other runs
+its wgmma ("seesaw"). Triton 3.6 spreads every tl.dot over all warps of a program and
+has no warpgroup roles on Hopper, so the forms it can express are the two measured: both warpgroups computing
+all of S (chained, 2x the Q K^T work: 54.6 / 146.8) or S split by keys with cross-warpgroup reductions and P
+through a scratch (unchained, the default); two independent online softmaxes per program would need two
+[64, 512] fp32 accumulators, the whole register file.
 """
 import torch
 import triton
@@ -103,8 +121,11 @@ def _scores(q, k, ok, scale, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(m, l, acc, s, k, it, scr_p, scr_a, IEEE: tl.constexpr, UNCHAIN: tl.constexpr):
+def _accumulate(m, l, acc, s, k, it, scr_p, scr_a, IEEE: tl.constexpr, UNCHAIN: tl.constexpr,
+                LAZY_SUM: tl.constexpr):
     """A block's scores s [BH, BLOCK_K] and keys k into the online softmax (m, l, acc); `it` counts the blocks.
+    l [BH] is the row sum, or with LAZY_SUM [BH, BLOCK_K] per-column partial sums reduced once after the loop (one
+    cross-warpgroup reduction less per block).
     UNCHAIN: P and the rescale factors reach the P@V dot through this program's scratch (two buffers by block
     parity, so a block's stores never overwrite what a slower thread still reads from the previous block):
     without a data path from the Q K^T dot to the P@V dot, Triton does not treat them as a chain and lays Q K^T
@@ -112,7 +133,10 @@ def _accumulate(m, l, acc, s, k, it, scr_p, scr_a, IEEE: tl.constexpr, UNCHAIN: 
     new_m = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp(m - new_m)
     p = tl.exp(s - new_m[:, None])
-    l = l * alpha + tl.sum(p, 1)
+    if LAZY_SUM:
+        l = l * alpha[:, None] + p
+    else:
+        l = l * alpha + tl.sum(p, 1)
     if UNCHAIN:
         BH: tl.constexpr = s.shape[0]
         BK: tl.constexpr = s.shape[1]
@@ -134,9 +158,10 @@ def _accumulate(m, l, acc, s, k, it, scr_p, scr_a, IEEE: tl.constexpr, UNCHAIN: 
 
 
 @triton.jit
-def _softmax_step(q, m, l, acc, k, ok, scale, it, scr_p, scr_a, IEEE: tl.constexpr, UNCHAIN: tl.constexpr):
+def _softmax_step(q, m, l, acc, k, ok, scale, it, scr_p, scr_a, IEEE: tl.constexpr, UNCHAIN: tl.constexpr,
+                  LAZY_SUM: tl.constexpr):
     """One block of keys k [BLOCK_K, D] (ok: which are real) into the online softmax (m, l, acc)."""
-    return _accumulate(m, l, acc, _scores(q, k, ok, scale, IEEE), k, it, scr_p, scr_a, IEEE, UNCHAIN)
+    return _accumulate(m, l, acc, _scores(q, k, ok, scale, IEEE), k, it, scr_p, scr_a, IEEE, UNCHAIN, LAZY_SUM)
 
 
 @triton.jit
@@ -150,11 +175,11 @@ def _gather(kv_ptr, idx_ptr, n_keys, row, kk, k1, D: tl.constexpr):
 
 @triton.jit
 def _attend_pool(q, m, l, acc, it, kv_ptr, idx_ptr, n_keys, k0, k1, row, scale, scr_p, scr_a, D: tl.constexpr,
-                 BLOCK_K: tl.constexpr, IEEE: tl.constexpr, UNCHAIN: tl.constexpr):
+                 BLOCK_K: tl.constexpr, IEEE: tl.constexpr, UNCHAIN: tl.constexpr, LAZY_SUM: tl.constexpr):
     """Online softmax over the pool's keys [k0, k1) of this row (`it`: blocks so far, returned advanced)."""
     for start in range(k0, k1, BLOCK_K):
         k, ok = _gather(kv_ptr, idx_ptr, n_keys, row, start + tl.arange(0, BLOCK_K), k1, D)
-        m, l, acc = _softmax_step(q, m, l, acc, k, ok, scale, it, scr_p, scr_a, IEEE, UNCHAIN)
+        m, l, acc = _softmax_step(q, m, l, acc, k, ok, scale, it, scr_p, scr_a, IEEE, UNCHAIN, LAZY_SUM)
         it += 1
     return m, l, acc, it
 
@@ -193,7 +218,8 @@ def _sparse_attention_kernel(q_ptr, out_ptr, sink_ptr, win_kv_ptr, win_idx_ptr, 
                              n_cmp, H, scale, per_split, part_m_ptr, part_l_ptr, part_acc_ptr, cnt_ptr,
                              scr_p_ptr, scr_a_ptr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                              HAS_CMP: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
-                             BLOCK_S: tl.constexpr, DC: tl.constexpr, UNCHAIN: tl.constexpr):
+                             BLOCK_S: tl.constexpr, DC: tl.constexpr, UNCHAIN: tl.constexpr,
+                             LAZY_SUM: tl.constexpr):
     """Program (head block, row, split): the split's slice [lo, hi) of the row's keys (window keys first, then
     compressed). Without SPLIT the one split starts from the sink and writes the output; with SPLIT it writes its
     partial (m, l, acc) and the last program of the (row, head block) to finish merges the splits and the sink
@@ -207,11 +233,15 @@ def _sparse_attention_kernel(q_ptr, out_ptr, sink_ptr, win_kv_ptr, win_idx_ptr, 
     q = q.to(win_kv_ptr.dtype.element_ty)
     if SPLIT:
         m = tl.full([BLOCK_H], -1e30, tl.float32)           # finite: exp(m - new_m) stays 0, never NaN
-        l = tl.zeros([BLOCK_H], tl.float32)
+        l0 = 0.0
     else:
         # the sink is a key with logit sink_h and value 0: start the online softmax from it
         m = tl.load(sink_ptr + heads, mask=hok, other=0.0).to(tl.float32)
-        l = tl.full([BLOCK_H], 1.0, tl.float32)
+        l0 = 1.0
+    if LAZY_SUM:   # per-column partial sums, the sink's 1 in column 0
+        l = tl.where(tl.arange(0, BLOCK_K)[None, :] == 0, l0, tl.zeros([BLOCK_H, BLOCK_K], tl.float32))
+    else:
+        l = tl.zeros([BLOCK_H], tl.float32) + l0
     acc = tl.zeros([BLOCK_H, D], tl.float32)
     lo = split * per_split
     hi = lo + per_split
@@ -220,11 +250,14 @@ def _sparse_attention_kernel(q_ptr, out_ptr, sink_ptr, win_kv_ptr, win_idx_ptr, 
     scr_p = scr_p_ptr + prog * (2 * BLOCK_H * BLOCK_K)
     scr_a = scr_a_ptr + prog * (2 * BLOCK_H)
     m, l, acc, it = _attend_pool(q, m, l, acc, it, win_kv_ptr, win_idx_ptr, n_win, tl.minimum(lo, n_win),
-                                 tl.minimum(hi, n_win), row, scale, scr_p, scr_a, D, BLOCK_K, IEEE, UNCHAIN)
+                                 tl.minimum(hi, n_win), row, scale, scr_p, scr_a, D, BLOCK_K, IEEE, UNCHAIN,
+                                 LAZY_SUM)
     if HAS_CMP:
         m, l, acc, it = _attend_pool(q, m, l, acc, it, cmp_kv_ptr, cmp_idx_ptr, n_cmp, tl.maximum(lo - n_win, 0),
                                      tl.minimum(tl.maximum(hi - n_win, 0), n_cmp), row, scale, scr_p, scr_a, D,
-                                     BLOCK_K, IEEE, UNCHAIN)
+                                     BLOCK_K, IEEE, UNCHAIN, LAZY_SUM)
+    if LAZY_SUM:
+        l = tl.sum(l, 1)
     if SPLIT:
         n_split = tl.num_programs(2)
         o = (row * H + heads) * n_split + split
@@ -258,9 +291,10 @@ def _counters(device, n: int) -> torch.Tensor:
 
 def default_config(N: int, H: int, D: int, n_keys: int, elem_bytes: int = 2, sms: int = 132) -> dict:
     """Launch parameters at a shape, from the H200 sweeps (H = 64, D = 512, 128 + 512 keys, bf16; us at N = 64 /
-    256 rows): all heads per program, unchained, pool by pool, 64-key blocks, 8 warps, 2 stages, with key splits
+    256 rows): all heads per program, unchained, per-column denominators (lazy_sum: 41.5 / 108.0 against 43.0 /
+    111.6 summed per block), pool by pool, 64-key blocks, 8 warps, 2 stages, with key splits
     S = sms // N (every program in one wave: one ~200 KB program per SM; S = 3-4 at N = 64 is two waves, 59-75)
-    42.6 / 110.6; the same in one loop over window + compressed keys (one gather) 45.9 / 122.9 (removed);
+    42.6 / 110.6 before lazy_sum; the same in one loop over window + compressed keys (one gather) 45.9 / 122.9 (removed);
     32-key blocks 49.3 / 136.7; chained (both warpgroups compute all of Q K^T) 54.6 / 146.8; 16-head programs
     (mma.sync, 4 warps) 44.0 / 227.3; 32-head programs 49.3 / 210.4.
     fp32 pools at D = 512 take 16-key blocks (the key stages must fit shared memory); compiled fp32 pools run
@@ -269,7 +303,7 @@ def default_config(N: int, H: int, D: int, n_keys: int, elem_bytes: int = 2, sms
         return dict(block_h=16, block_k=16, num_warps=4, num_stages=2, splits=1)
     if H >= 64:
         return dict(block_h=64, block_k=64 if elem_bytes == 2 else 32, num_warps=8, num_stages=2,
-                    splits=max(1, min(8, sms // max(N, 1))), unchain=True)
+                    splits=max(1, min(8, sms // max(N, 1))), unchain=True, lazy_sum=True)
     return dict(block_h=16, block_k=64, num_warps=4, num_stages=2, splits=1)
 
 
@@ -287,13 +321,15 @@ def _sm_count(device) -> int:
 
 def sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None, scale=None,
                             block_h: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                            num_stages: int | None = None, splits: int | None = None, unchain: bool | None = None):
+                            num_stages: int | None = None, splits: int | None = None, unchain: bool | None = None,
+                            lazy_sum: bool | None = None):
     """Launch parameters left None come from `default_config`. splits > 1: key splits per row with fp32 partials
     [N, H, splits, D] (L2-resident at decode sizes), combined by the last program of each (row, head block).
     unchain: P and the rescale factors pass to the P@V dot through a per-program scratch (L1/L2; 2 x block_h x
     (block_k + 2) x 4 bytes per program) so Triton lays Q K^T out with the two warpgroups splitting the keys
     instead of both computing all of it (see `_accumulate`); compiled fp32 pools ignore it (the pipeliner cannot
-    predicate the barrier in their loop)."""
+    predicate the barrier in their loop). lazy_sum: the softmax denominators kept as per-column partial sums and
+    reduced once after the loop."""
     _check(q, win_kv, win_idx, cmp_kv, cmp_idx, sink)
     N, H, D = q.shape
     check(D >= 16 and D & (D - 1) == 0, f"head_dim must be a power of two >= 16 for the Triton path, got {D}")
@@ -336,7 +372,7 @@ def sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None,
         scr_a, D=D,
         BLOCK_H=block_h, BLOCK_K=block_k, HAS_CMP=has_cmp, IEEE=ieee,
         SPLIT=splits > 1, BLOCK_S=max(2, triton.next_power_of_2(splits)), DC=min(D, 64),
-        UNCHAIN=unchain,
+        UNCHAIN=unchain, LAZY_SUM=cfg.get("lazy_sum", False) if lazy_sum is None else lazy_sum,
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
     return out
 

@@ -9,15 +9,18 @@ base [(2+M)*M], scale [3] (all fp32; the RMSNorm weight is already folded into f
          then (iters - 1) x (row normalisation, column normalisation); each divides by (sum + hc_eps)   [T, M, M]
 C[j, k] mixes source stream j into destination stream k.
 
-Triton, two launches (the working set is a few MB, so latency is the cost, not bytes): programs (token block,
-split of the M*H columns) each read their tile of R once and write a partial z with the sum of squares in its
-padding column; then programs of a few tokens add the partials in split order (deterministic) and mix: sigmoids
-on the summed [tokens, NZ] block, then each token's softmax + Sinkhorn steps inside one thread (M = 4; no
-cross-lane sums).
-Cost: T*M*H*bytes(R) + |fn| (fp32 fn, L2 hits after the first token block) + the partials (n_split*T*32*4 B).
+Triton, one launch (_hc_fused_kernel): programs (token block, split of the M*H columns) each read their tile
+of R once and store a partial z with the sum of squares in its padding column; the last programs of a token
+block to start then wait for the block's partials and mix its tokens, one or a few each: every split's partial
+of a token loaded at once and added in a fixed order (deterministic), sigmoids, and the softmax + 20 Sinkhorn
+steps inside one thread per token (M = 4; no cross-lane sums), the tokens in parallel programs.
+Cost: T*M*H*bytes(R) + |fn| (fp32 fn, or its 6-byte bf16 parts above 128 tokens; L2 hits after the first token
+block) + the partials (T*n_split*32*4 B, written and read back through L2). H200 (session 7): 10.9 / 16.4 / 89.6
+us at T = 64 / 256 / 4096 against 2.9 / 4.6 / 38.4 for one launch that only streams the same bytes; at T=64 the
+streaming pass alone takes 6.4 us and the 20 Sinkhorn steps 1.8 (_fused_tiles has the sweep).
 The product r . fn^T needs fp32 accuracy: bf16 residuals (the model's) take three bf16 tensor-core products
-against a hi/mid/lo bf16 split of fn made in registers (exact products, fp32 accumulation); fp32 residuals use
-Triton's "ieee" dot (FMAs: D measured it arithmetic-bound, 1-3% of bandwidth on an H200).
+against a hi/mid/lo bf16 split of fn (exact products, fp32 accumulation); fp32 residuals use Triton's "ieee" dot
+(FMAs: D measured it arithmetic-bound, 1-3% of bandwidth on an H200).
 """
 import weakref
 from dataclasses import dataclass
@@ -65,75 +68,6 @@ def hc_mixes_torch(residual, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iters
 
 
 # ---------------------------------------------------------------------------------------------- Triton
-@triton.jit
-def _rw_tiles(r_ptr, fn_ptr, T, K, NZ, toks, zs, k0, live, BK: tl.constexpr):
-    """r [BT, BK] and fp32 fn [NZP, BK] at columns k0.. (nothing loaded where `live` is False)."""
-    ks = k0 + tl.arange(0, BK)
-    r = tl.load(r_ptr + toks[:, None].to(tl.int64) * K + ks[None, :],
-                mask=(toks[:, None] < T) & (ks[None, :] < K) & live, other=0.0)
-    w = tl.load(fn_ptr + zs[:, None] * K + ks[None, :], mask=(zs[:, None] < NZ) & (ks[None, :] < K) & live,
-                other=0.0)
-    return r, w
-
-
-@triton.jit
-def _partial_z(r_ptr, fn_ptr, T, K, NZ, tb, sp, BT: tl.constexpr, NZP: tl.constexpr, BK: tl.constexpr,
-               SPLIT: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-               PF: tl.constexpr = False):
-    """z [BT, NZP] of token block tb over the columns of split sp, with the sum of squares of r in column NZ.
-    MODE 0: one fp32 dot (PRECISION) against fp32 fn. MODE 1: bf16 r and fp32 fn split in registers into
-    hi + mid + lo bf16 parts (== fn to ~2**-24): three bf16 tensor-core products, exact in fp32 accumulation,
-    reading fn at 4 bytes. MODE 2: the same with fn given as the three bf16 parts [3, NZ, K] (6 bytes).
-    UPCAST: the interpreter computes bf16 dots wrongly, so it takes them in fp32 (same exact products).
-    PF (modes 0, 1): the next step's r and fn tiles are loaded before this step's products (the compiler does
-    not pipeline fn's load, whose value goes through the split before any dot).
-    Measured and deleted (H200, T=64, session 5 round 2): tiles through tensor descriptors, pipelined 3-4 deep in
-    shared memory: first pass 16.4 us (fn parts: 9.1) against 7.6 with pointers, whole op 22.3 against 12.5
-    (T=4096, parts: 141 against 149 us); the sum of squares as the diagonal of r . r^T on the tensor cores: fewer
-    instructions, but 15.3 us against 12.5."""
-    toks = tb * BT + tl.arange(0, BT)
-    zs = tl.arange(0, NZP)
-    acc = tl.zeros([BT, NZP], tl.float32)
-    sq = tl.zeros([BT], tl.float32)
-    NI: tl.constexpr = SPLIT // BK
-    if PF:
-        rn, wn = _rw_tiles(r_ptr, fn_ptr, T, K, NZ, toks, zs, sp * SPLIT, True, BK)
-    for i in range(0, NI):                   # a loop, not unrolled: unrolling hoisted every load and spilled
-        if PF:
-            r, w = rn, wn
-            rn, wn = _rw_tiles(r_ptr, fn_ptr, T, K, NZ, toks, zs, sp * SPLIT + (i + 1) * BK, i + 1 < NI, BK)
-        elif MODE != 2:
-            r, w = _rw_tiles(r_ptr, fn_ptr, T, K, NZ, toks, zs, sp * SPLIT + i * BK, True, BK)
-        else:
-            ks = sp * SPLIT + i * BK + tl.arange(0, BK)
-            r = tl.load(r_ptr + toks[:, None].to(tl.int64) * K + ks[None, :],
-                        mask=(toks[:, None] < T) & (ks[None, :] < K), other=0.0)
-        rf = r.to(tl.float32)
-        if MODE == 0:
-            acc += tl.dot(rf, tl.trans(w), input_precision=PRECISION)
-        else:
-            if MODE == 1:
-                hi = w.to(tl.bfloat16)
-                rest = w - hi.to(tl.float32)
-                mid = rest.to(tl.bfloat16)
-                lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
-            else:
-                wmask = (zs[:, None] < NZ) & (ks[None, :] < K)
-                hi = tl.load(fn_ptr + zs[:, None].to(tl.int64) * K + ks[None, :], mask=wmask, other=0.0)
-                mid = tl.load(fn_ptr + (NZ + zs[:, None]).to(tl.int64) * K + ks[None, :], mask=wmask, other=0.0)
-                lo = tl.load(fn_ptr + (2 * NZ + zs[:, None]).to(tl.int64) * K + ks[None, :], mask=wmask, other=0.0)
-            if UPCAST:
-                acc += tl.dot(rf, tl.trans(hi.to(tl.float32)), input_precision="ieee")
-                acc += tl.dot(rf, tl.trans(mid.to(tl.float32)), input_precision="ieee")
-                acc += tl.dot(rf, tl.trans(lo.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(r, tl.trans(hi))
-                acc += tl.dot(r, tl.trans(mid))
-                acc += tl.dot(r, tl.trans(lo))
-        sq += tl.sum(rf * rf, 1)
-    return tl.where(zs[None, :] == NZ, sq[:, None], acc)
-
-
 @triton.jit
 def _rcp(x, FAST: tl.constexpr):
     """1 / x; FAST: the hardware reciprocal (rcp.approx, within 1 ulp: one instruction instead of the ~6 of a
@@ -222,23 +156,12 @@ def _sinkhorn_block(comb_ptr, toks, tok_ok, hc_eps, M: tl.constexpr, ITERS: tl.c
 
 
 @triton.jit
-def _finish(z_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, NZ, n_split, norm_eps, hc_eps, post_mult,
-            tb, M: tl.constexpr, NZP: tl.constexpr, BT: tl.constexpr, ITERS: tl.constexpr, SC: tl.constexpr,
-            FAST: tl.constexpr):
-    """Token block tb: add the split partials z [n_split, T, NZP] in split order (SC splits' loads in flight;
-    whole [BT, NZP] rows, so every thread adds its own elements: no cross-lane sums, and a fixed order, so
-    deterministic; the loads bypass L1 since other programs wrote them), then the sigmoids on the [BT, NZP]
-    block; the comb logits go to the output and come back per token for the Sinkhorn loop (a CTA barrier
-    between: the same program wrote them)."""
-    toks = tb * BT + tl.arange(0, BT)
-    tok_ok = toks < T
+def _mix_rows(acc, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, K, NZ, norm_eps, hc_eps, post_mult, toks, tok_ok,
+              M: tl.constexpr, NZP: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr):
+    """The summed z rows acc [tokens, NZP] (sum of squares in column NZ) of the tokens `toks` -> pre, post and the
+    Sinkhorn-projected comb: sigmoids on the whole block; the comb logits go to the output and come back per
+    token for the Sinkhorn loop (a CTA barrier between: other threads of this program stored them)."""
     n = tl.arange(0, NZP)
-    acc = tl.zeros([BT, NZP], tl.float32)
-    for s0 in range(0, n_split, SC):
-        for i in tl.static_range(SC):
-            s = s0 + i
-            acc += tl.load(z_ptr + (s * T + toks)[:, None].to(tl.int64) * NZP + n[None, :],
-                           mask=tok_ok[:, None] & (s < n_split), other=0.0, cache_modifier=".cg")
     sq = tl.sum(tl.where(n[None, :] == NZ, acc, 0.0), 1)
     inv_rms = 1.0 / tl.sqrt(sq / K + norm_eps)
     scale = tl.where(n < M, tl.load(scale_ptr), tl.where(n < 2 * M, tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)))
@@ -257,26 +180,141 @@ def _finish(z_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, NZ, n
 
 
 @triton.jit
-def _hc_partial_kernel(r_ptr, fn_ptr, z_ptr, T, K, NZ, BT: tl.constexpr, NZP: tl.constexpr, BK: tl.constexpr,
-                       SPLIT: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                       PF: tl.constexpr):
-    """First launch, program (token block, split of M*H): partial z = r . fn with the sum of r^2 over the split's
-    columns in column NZ, stored per split."""
-    tb = tl.program_id(0)
-    sp = tl.program_id(1)
-    acc = _partial_z(r_ptr, fn_ptr, T, K, NZ, tb, sp, BT, NZP, BK, SPLIT, MODE, PRECISION, UPCAST, PF)
-    toks = tb * BT + tl.arange(0, BT)
-    zs = tl.arange(0, NZP)
-    tl.store(z_ptr + (sp * T + toks[:, None]).to(tl.int64) * NZP + zs[None, :], acc, mask=toks[:, None] < T)
+def _load_tiles(r_ptr, fn_ptr, T, K, NZ, toks, zs, k0, live, BK: tl.constexpr, MODE: tl.constexpr):
+    """r [BT, BK] at columns k0.. and fn's tiles there: (fp32 fn, same, same) for modes 0-1, the three bf16 parts
+    (hi, mid, lo) of fn given as [3, NZ, K] for mode 2; nothing is loaded where `live` is False."""
+    ks = k0 + tl.arange(0, BK)
+    r = tl.load(r_ptr + toks[:, None].to(tl.int64) * K + ks[None, :],
+                mask=(toks[:, None] < T) & (ks[None, :] < K) & live, other=0.0)
+    wm = (zs[:, None] < NZ) & (ks[None, :] < K) & live
+    w = fn_ptr + zs[:, None] * K + ks[None, :]
+    if MODE == 2:
+        return r, tl.load(w, mask=wm, other=0.0), tl.load(w + NZ * K, mask=wm, other=0.0), \
+            tl.load(w + 2 * NZ * K, mask=wm, other=0.0)
+    else:
+        a = tl.load(w, mask=wm, other=0.0)
+        return r, a, a, a
 
 
 @triton.jit
-def _hc_mix_kernel(z_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, NZ, n_split, norm_eps, hc_eps,
-                   post_mult, M: tl.constexpr, NZP: tl.constexpr, BT: tl.constexpr, ITERS: tl.constexpr,
-                   SC: tl.constexpr, FAST: tl.constexpr):
-    """Second launch of the two-launch form: one program per token block."""
-    _finish(z_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, NZ, n_split, norm_eps, hc_eps, post_mult,
-            tl.program_id(0), M, NZP, BT, ITERS, SC, FAST)
+def _add_products(acc, r, a, b, c, MODE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + r . fn^T over one step, a, b, c from _load_tiles. MODE 0: one fp32 dot (PRECISION) against fp32 fn.
+    MODE 1: fp32 fn split in registers into hi + mid + lo bf16 parts (== fn to ~2**-24): three bf16 tensor-core
+    products, exact in fp32 accumulation. MODE 2: the same with the parts read (6 bytes a weight). UPCAST: the
+    interpreter computes bf16 dots wrongly, so it takes them in fp32 (same exact products)."""
+    if MODE == 0:                       # (no early return: the sm_90 build compiles the code after it too)
+        acc += tl.dot(r.to(tl.float32), tl.trans(a), input_precision=PRECISION)
+    else:
+        if MODE == 1:                   # fn's hi / mid / lo bf16 parts, made from the fp32 tile
+            hi = a.to(tl.bfloat16)
+            rest = a - hi.to(tl.float32)
+            mid = rest.to(tl.bfloat16)
+            lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+        else:
+            hi, mid, lo = a, b, c
+        if UPCAST:                      # the interpreter: the same exact products in fp32
+            rf = r.to(tl.float32)
+            acc += tl.dot(rf, tl.trans(hi.to(tl.float32)), input_precision="ieee")
+            acc += tl.dot(rf, tl.trans(mid.to(tl.float32)), input_precision="ieee")
+            acc += tl.dot(rf, tl.trans(lo.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(r, tl.trans(hi))
+            acc += tl.dot(r, tl.trans(mid))
+            acc += tl.dot(r, tl.trans(lo))
+    return acc
+
+
+@triton.jit
+def _hc_fused_kernel(r_ptr, fn_ptr, z_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, NZ,
+                     n_split, norm_eps, hc_eps, post_mult, M: tl.constexpr, NZP: tl.constexpr, BT: tl.constexpr,
+                     BK: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr,
+                     UPCAST: tl.constexpr, NW: tl.constexpr, TPW: tl.constexpr, SPC: tl.constexpr,
+                     ITERS: tl.constexpr, FAST: tl.constexpr, TAIL: tl.constexpr, PF: tl.constexpr):
+    """One launch. Program (token block tb, split sp of the M*H columns): partial z of its BT tokens over its
+    columns (sum of squares in column NZ), stored token-major in z [T, n_split, NZP]. The LAST NW programs of a
+    token block to START (a ticket taken after the first tiles' loads are issued) then wait until all n_split
+    partials of the block are stored, and each mixes TPW of its tokens: all splits' partials of a token loaded at
+    once and added by a fixed tree (deterministic), sigmoids, a per-thread Sinkhorn per token. Waiting only in
+    the last starters cannot deadlock: every other program of the block has started and waits for nothing.
+    The counters cnt[2 tb] (starts), cnt[2 tb + 1] (stores) are zero on entry and left zero on exit (the last
+    waiter resets them). TAIL=False: partials only (benchmark breakdown)."""
+    tb = tl.program_id(0)
+    sp = tl.program_id(1)
+    toks = tb * BT + tl.arange(0, BT)
+    zs = tl.arange(0, NZP)
+    acc = tl.zeros([BT, NZP], tl.float32)
+    sq = tl.zeros([BT], tl.float32)
+    NI: tl.constexpr = SPLIT // BK
+    k0 = sp * SPLIT
+    r, a, b, c = _load_tiles(r_ptr, fn_ptr, T, K, NZ, toks, zs, k0, PF, BK, MODE)
+    ticket = 0
+    if TAIL:                            # issued behind the first loads: its round trip overlaps theirs
+        ticket = tl.atomic_add(cnt_ptr + 2 * tb, 1, sem="relaxed", scope="gpu")
+    for i in range(0, NI):              # PF: each step's tiles loaded one step ahead
+        if PF:
+            rc, ac, bc, cc = r, a, b, c
+            r, a, b, c = _load_tiles(r_ptr, fn_ptr, T, K, NZ, toks, zs, k0 + (i + 1) * BK, i + 1 < NI, BK, MODE)
+        else:
+            rc, ac, bc, cc = _load_tiles(r_ptr, fn_ptr, T, K, NZ, toks, zs, k0 + i * BK, True, BK, MODE)
+        acc = _add_products(acc, rc, ac, bc, cc, MODE, PRECISION, UPCAST)
+        rf = rc.to(tl.float32)
+        sq += tl.sum(rf * rf, 1)
+    acc = tl.where(zs[None, :] == NZ, sq[:, None], acc)
+    tl.store(z_ptr + (toks[:, None].to(tl.int64) * n_split + sp) * NZP + zs[None, :], acc,
+             mask=(toks[:, None] < T) & (zs[None, :] <= NZ))
+    if TAIL:
+        tl.debug_barrier()              # every thread's partial stores precede the release below
+        tl.atomic_add(cnt_ptr + 2 * tb + 1, 1, sem="release", scope="gpu")
+        w = ticket - (n_split - NW)
+        if w >= 0:
+            done = tl.atomic_add(cnt_ptr + 2 * tb + 1, 0, sem="acquire", scope="gpu")
+            while done < n_split:
+                done = tl.atomic_add(cnt_ptr + 2 * tb + 1, 0, sem="acquire", scope="gpu")
+            tl.debug_barrier()
+            j = w + tl.arange(0, TPW) * NW                  # this waiter's tokens in the block
+            mt = tb * BT + j
+            ok = (j < BT) & (mt < T)
+            n = tl.arange(0, NZP)
+            z = tl.zeros([TPW, NZP], tl.float32)
+            for s0 in range(0, n_split, SPC):
+                s = s0 + tl.arange(0, SPC)
+                v = tl.load(z_ptr + ((mt[:, None, None].to(tl.int64) * n_split + s[None, :, None]) * NZP
+                                     + n[None, None, :]),
+                            mask=ok[:, None, None] & (s[None, :, None] < n_split) & (n[None, None, :] <= NZ),
+                            other=0.0, cache_modifier=".cg")
+                z += tl.sum(v, 1)
+            _mix_rows(z, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, K, NZ, norm_eps, hc_eps, post_mult, mt,
+                      ok, M, NZP, ITERS, FAST)
+            if tl.atomic_add(cnt_ptr + 2 * tb, 1, sem="relaxed", scope="gpu") == n_split + NW - 1:
+                tl.atomic_xchg(cnt_ptr + 2 * tb, 0, sem="relaxed", scope="gpu")     # the last waiter out
+                tl.atomic_xchg(cnt_ptr + 2 * tb + 1, 0, sem="relaxed", scope="gpu")
+
+
+def _one_wave(programs: int, warps: int, dev) -> bool:
+    """Whether `programs` programs of `warps` warps are all resident at once on dev, whatever their registers:
+    a thread holds at most 255 registers, so an SM (64K registers) keeps 8 // warps such programs (at most 2 are
+    counted: the kernel's shared memory, <= 74 KB a program at the tiles measured, allows 2 of the 228 KB)."""
+    if INTERPRETING or dev.type != "cuda":
+        return False
+    return programs <= torch.cuda.get_device_properties(dev).multi_processor_count * max(1, min(2, 8 // warps))
+
+
+_COUNTER_RING = 1 << 16
+_COUNTERS: dict = {}     # device -> [int32 zeros [_COUNTER_RING], next free offset]
+
+
+def _counters(dev, n: int) -> torch.Tensor:
+    """n zero counters of a per-device ring (the fused kernel leaves them zero). Successive calls take successive
+    slices, so kernels in flight on different streams rarely share one; within a stream they run in turn."""
+    ring = _COUNTERS.get(dev)
+    if ring is None:
+        ring = _COUNTERS[dev] = [torch.zeros(_COUNTER_RING, dtype=torch.int32, device=dev), 0]
+    check(n <= _COUNTER_RING, f"too many token blocks for the mHC counters ({n // 2})")
+    if ring[1] + n > _COUNTER_RING:
+        ring[1] = 0
+    view = ring[0][ring[1]:ring[1] + n]
+    ring[1] += n
+    return view
 
 
 def split_fn_bf16(fn: torch.Tensor) -> torch.Tensor:
@@ -289,17 +327,37 @@ def split_fn_bf16(fn: torch.Tensor) -> torch.Tensor:
     return torch.stack([hi, mid, lo]).contiguous()
 
 
-# Forms measured and deleted: a wide split reduce ([sc, tokens, ...] blocks over all of a program's threads):
-# 15.8-18.5 us at T=64 (session 3). Loading all 40 split partials at once (sc=64) made the mixing launch 6.0 us
-# against 5.0 (session 4). The [tokens, 4, 4] block Sinkhorn (two shuffles per step; kept for M != 4): mixing
-# launch 4.6 us against 3.5 per-token (session 5). ONE launch (session 5, with the per-token Sinkhorn and
-# loop-carried partial sums): 12.9 / 12.5 us at T=64 against 12.8 for two launches, 19.0 against 18.0 at
-# T=256 (H200 rounds 1-2): the ticket and the last program's serial tail cost what the second launch did.
 # Hardware reciprocals in the Sinkhorn loop (compiled kernels; the interpreter divides).
 FAST_RCP_DEFAULT = True
-# The first pass loads the next step's r and fn tiles before this step's products. H200 session 4 round 1
-# (T=64): first pass 8.4 us against 9.2, both launches 13.9 against 14.7.
-PREFETCH_DEFAULT = True
+# Measured and deleted: TWO launches (session 2-6: partials per (token block, split) stored, then a mixing launch
+# of 2 tokens a program adding 16 splits' partials at a time): H200 session 7 round 2, T = 64 / 256 / 4096:
+# 11.3 / 18.0 / 150.2 us against 10.9 / 16.4 / 89.6 for the one launch at its tiles below. Earlier: a wide split
+# reduce (15.8-18.5 us at T=64, session 3); the [tokens, 4, 4] block Sinkhorn (two shuffles a step; kept for
+# M != 4; 4.6 us mixing launch against 3.5, session 5); a one launch whose LAST program of a token block added
+# all partials and mixed every token (session 5: 12.9 us at T=64; here "one waiter": 46.5 us at T=64, its
+# partial loads and 64 tokens' Sinkhorn are serial); 8 waiters a block 15.9 us; first-pass tiles through tensor
+# descriptors (session 5: 16.4 us first pass against 7.6); the sum of squares on tensor cores (15.3 against 12.5).
+
+
+def _fused_tiles(T: int) -> dict:
+    """The one-launch kernel's tiles at T tokens (H200 session 7 round 2, us; the read floor is one launch that
+    only streams the same bytes: 2.9 / 4.6 / 38.4 us):
+      T <= 128: 64-token blocks, 256-wide splits, 128-wide steps (80 programs, fn split in registers): T=64
+                10.9 (128-wide splits 11.8, 32-token blocks 12.8, 16-token 13.1; first pass alone 6.4)
+      T <= 256: 64 x 512 x 128 with fn's cached bf16 parts: 16.4 (fn split in registers 18.7, 128-token blocks
+                19.2, 1024-wide splits 22.7)
+      larger:   128-token blocks, 2048-wide splits, 64-wide steps, 8 warps, parts, loads pipelined by Triton (3
+                stages) instead of a step ahead by hand: T=4096 89.6 (a step ahead 98.1; 64 x 1024 x 128 107.5)."""
+    if T <= 128:
+        return dict(block_t=64, split=256, block_k=128, num_warps=4)
+    if T <= 256:
+        return dict(block_t=64, split=512, block_k=128, num_warps=4)
+    return dict(block_t=128, split=2048, block_k=64, num_warps=8, prefetch=False, num_stages=3)
+
+
+def parts_pay(T: int) -> bool:
+    """Whether fn's cached bf16 parts beat splitting fp32 fn in registers at T tokens (_fused_tiles)."""
+    return T > 128
 
 
 def _precision() -> str:
@@ -312,48 +370,40 @@ def _precision() -> str:
 def hc_mixes_triton(residual, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iters=20, post_mult=2.0,
                     block_t: int | None = None, block_k: int | None = None, split: int | None = None,
                     only_partial: bool = False, precision: str | None = None, fn_parts: torch.Tensor | None = None,
-                    num_warps: int | None = None, sc: int = 16, mix_bt: int = 2, mix_warps: int = 1,
-                    num_stages: int | None = None, prefetch: bool | None = None,
-                    fast_rcp: bool | None = None) -> HcMixes:
-    """precision: None picks "bf16x3" for bf16 residuals (three bf16 tensor-core products against a hi/mid/lo
-    split of fn made in registers from the fp32 fn; with fn_parts = split_fn_bf16(fn) given, the parts are read
-    instead) and "ieee" otherwise; "ieee"/"tf32x3"/"tf32" force the one-dot fp32 path. None for block_t/
-    block_k/split/num_warps picks the per-path defaults below; sc: split partials loaded at once by the mixing
-    launch; mix_bt / mix_warps: tokens and warps per program of the mixing launch; prefetch (None: PREFETCH_DEFAULT): the first pass loads a step ahead; fast_rcp (None: FAST_RCP_DEFAULT):
-    rcp.approx in the Sinkhorn loop."""
+                    num_warps: int | None = None, num_stages: int | None = None, prefetch: bool | None = None,
+                    fast_rcp: bool | None = None, waiters: int | None = None, spc: int | None = None) -> HcMixes:
+    """One launch (_hc_fused_kernel). precision: None picks "bf16x3" for bf16 residuals (three bf16 tensor-core
+    products against a hi/mid/lo split of fn made in registers from the fp32 fn; with fn_parts =
+    split_fn_bf16(fn) given, the parts are read instead) and "ieee" otherwise; "ieee"/"tf32x3"/"tf32" force the
+    one-dot fp32 path. None for block_t / split / block_k / num_warps / prefetch / num_stages: _fused_tiles
+    (bf16x3) or the fp32 defaults below; prefetch: each step's tiles loaded a step ahead by hand (else Triton's
+    pipelining with num_stages); waiters: programs per token block that mix its tokens (default: one per token
+    while the grid fits one wave, else 1); spc: splits' partials loaded at once per token; fast_rcp (None:
+    FAST_RCP_DEFAULT): rcp.approx in the Sinkhorn loop; only_partial: the streaming pass alone (benchmark)."""
     _check(residual, fn, base, scale)
     T, M, H = residual.shape
     check(M & (M - 1) == 0, f"the Triton path needs a power-of-two stream count, got {M}")
     check(iters >= 1, f"sinkhorn iterations must be >= 1, got {iters}")
-    check(sc & (sc - 1) == 0 and mix_bt & (mix_bt - 1) == 0, f"sc and mix_bt must be powers of two ({sc}, {mix_bt})")
     K, NZ = M * H, (2 + M) * M
     NZP = max(16, triton.next_power_of_2(NZ + 1))       # column NZ carries the sum of squares
     if precision is None:
         precision = "bf16x3" if residual.dtype == torch.bfloat16 else _precision()
     split_fn = precision == "bf16x3"
     check(not split_fn or residual.dtype == torch.bfloat16, "precision bf16x3 needs a bf16 residual")
-    if split_fn:
-        # bf16x3: 16-token blocks at decode sizes, 64 at prefill sizes (fewer re-reads of fn). Up to 128 tokens
-        # 256-wide splits in 128-wide steps (2 loop steps per program, 320 programs at T=64): H200 first pass
-        # 5.9 us against 7.9 for 512-wide splits in 64-wide steps (session 4 round 3; the per-program loop is
-        # latency-bound), which stay the default at 129-256 tokens
-        small = T <= 128
-        block_t = block_t or (16 if T <= 256 else 64)
-        block_k = block_k or (128 if small else 64)
-        split = split or (256 if small else 512 if T <= 256 else 2048)
-    else:
-        # fp32 FMA dot: D's best in the H200 sweep (32-token blocks, 512-wide splits, block_k 128); 64-token
-        # blocks spilled ~9 KB per thread and ran 50x slower
-        block_t = block_t or 32
-        split = split or 512
-        block_k = block_k or 128
+    # fp32 FMA dot: D's best in the H200 sweep (32-token blocks, 512-wide splits, block_k 128); 64-token blocks
+    # spilled ~9 KB per thread and ran 50x slower
+    tiles = _fused_tiles(T) if split_fn else dict(block_t=32, split=512, block_k=128, num_warps=4)
+    block_t, split, block_k = block_t or tiles["block_t"], split or tiles["split"], block_k or tiles["block_k"]
+    warps = num_warps or tiles["num_warps"]
+    prefetch = tiles.get("prefetch", True) if prefetch is None else prefetch
+    num_stages = num_stages or tiles.get("num_stages")
     split = min(split, max(block_k, triton.next_power_of_2(K)))
     block_k = min(block_k, split)
     n_split = triton.cdiv(K, split)
     n_tb = triton.cdiv(T, block_t)
     dev = residual.device
     r = residual.reshape(T, K).contiguous()
-    z = empty((n_split, T, NZP), torch.float32, dev)
+    z = empty((T, n_split, NZP), torch.float32, dev)
     mode = 0
     if split_fn:
         mode, w = (2, fn_parts) if fn_parts is not None else (1, fn.float().contiguous())
@@ -364,17 +414,21 @@ def hc_mixes_triton(residual, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iter
     comb = empty((T, M, M), torch.float32, dev)
     base, scale = base.float().contiguous(), scale.float().contiguous()
     fast = (FAST_RCP_DEFAULT if fast_rcp is None else fast_rcp) and _CAN_RCP
-    pf = (PREFETCH_DEFAULT if prefetch is None else prefetch) and mode != 2 and split // block_k > 1
-    _hc_partial_kernel[(n_tb, n_split)](r, w, z, T, K, NZ, BT=block_t, NZP=NZP, BK=block_k, SPLIT=split, MODE=mode,
-                                        PRECISION="ieee" if split_fn else precision, UPCAST=INTERPRETING, PF=pf,
-                                        num_warps=num_warps or (8 if block_t >= (32 if split_fn else 64) else 4),
-                                        **({} if num_stages is None else dict(num_stages=num_stages)))
-    if only_partial:            # (benchmark: time the streaming pass alone)
-        return None
-    _hc_mix_kernel[(triton.cdiv(T, mix_bt),)](z, base, scale, pre, post, comb, T, K, NZ, n_split, norm_eps, hc_eps,
-                                              post_mult, M=M, NZP=NZP, BT=mix_bt, ITERS=iters, SC=sc, FAST=fast,
-                                              num_warps=mix_warps)
-    return HcMixes(pre, post, comb)
+    # Waiting is safe for the last starter of a token block (every other program of the block has started and
+    # waits for nothing). Several waiters wait for programs that may not have started: safe only while the whole
+    # grid is resident at once (spinning programs would otherwise hold the slots the missing ones need: seen on
+    # the H200 at T=4096, 1280 programs). The interpreter runs programs one after another.
+    nw = min(waiters or block_t, block_t, n_split) if _one_wave(n_tb * n_split, warps, dev) else 1
+    tpw = triton.next_power_of_2(-(-block_t // nw))
+    spc = spc or min(triton.next_power_of_2(n_split), max(1, 256 // tpw))     # <= 8192 partial values at once
+    cnt = _counters(dev, 2 * n_tb)
+    _hc_fused_kernel[(n_tb, n_split)](r, w, z, cnt, base, scale, pre, post, comb, T, K, NZ, n_split, norm_eps,
+                                      hc_eps, post_mult, M=M, NZP=NZP, BT=block_t, BK=block_k, SPLIT=split,
+                                      MODE=mode, PRECISION="ieee" if split_fn else precision, UPCAST=INTERPRETING,
+                                      NW=nw, TPW=tpw, SPC=spc, ITERS=iters, FAST=fast, TAIL=not only_partial,
+                                      PF=prefetch, num_warps=warps,
+                                      **({} if num_stages is None else dict(num_stages=num_stages)))
+    return None if only_partial else HcMixes(pre, post, comb)
 
 
 _PARTS: dict = {}      # id(fn) -> (weakref to fn, fn._version, bf16 parts): for callers that pass fn_parts
@@ -394,14 +448,11 @@ def fn_parts_cached(fn: torch.Tensor) -> torch.Tensor:
 
 def hc_mixes(residual: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
              norm_eps: float = 1e-20, hc_eps: float = 1e-6, iters: int = 20, post_mult: float = 2.0) -> HcMixes:
-    """(pre, post, comb) mixes of one mHC sub-layer for every token (module docstring). On CUDA: two launches;
-    with a bf16 residual fn's bf16 hi/mid/lo split is made in registers at decode sizes (fn read at 4 bytes),
-    and read as cached parts (3 bf16 copies of fn, ~3 MB per sub-layer for V4.1) above 256 tokens."""
+    """(pre, post, comb) mixes of one mHC sub-layer for every token (module docstring). On CUDA: one launch;
+    with a bf16 residual fn's bf16 hi/mid/lo split is made in registers up to 128 tokens (fn read at 4 bytes),
+    and read as cached parts (3 bf16 copies of fn, ~3 MB per sub-layer for V4.1) above (parts_pay)."""
     if use_triton(residual):
-        # prefill sizes (T > 256): the bf16 parts of fn read from memory (cached per fn tensor), since splitting
-        # fn in registers in every 64-token block made the T=4096 pass arithmetic-bound (169 us against the
-        # first session's 152 us with the parts); decode sizes split in registers (fewer bytes, no copies)
-        big = residual.dtype == torch.bfloat16 and residual.shape[0] > 256
+        big = residual.dtype == torch.bfloat16 and parts_pay(residual.shape[0])
         return hc_mixes_triton(residual, fn, base, scale, norm_eps, hc_eps, iters, post_mult,
                                fn_parts=fn_parts_cached(fn) if big else None)
     return hc_mixes_torch(residual, fn, base, scale, norm_eps, hc_eps, iters, post_mult)
@@ -485,8 +536,10 @@ def hc_pre_triton(R, a):
     return x
 
 
-def hc_post_triton(R, y, post, comb, next_pre=None, block_h=256, num_warps=2):
-    """block_h / num_warps: H200 round 2 (T=64 / 256): 256 / 2 warps 3.9 / 10.1 us, 512 / 4: 4.3 / 10.9 us."""
+def hc_post_triton(R, y, post, comb, next_pre=None, block_h=256, num_warps=1):
+    """block_h / num_warps: H200 session 7 round 2 (T=64 / 256): 256 / 1 warp 4.0 / 9.3 us, 256 / 2 4.1 / 10.1,
+    128 / 1 4.4 / 9.6, 512 / 2 4.3 / 9.7, 1024 / 4 4.3 / 10.0, 64 / 1 5.5 / 14.8; one launch that only reads
+    the same bytes takes 3.4 / 7.6 us."""
     _check_apply(R, y, post, comb, next_pre, triton_path=True)
     T, M, H = R.shape
     R = R.contiguous()

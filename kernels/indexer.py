@@ -34,7 +34,16 @@ Triton, two launches:
     first, then select chunks that wait for their row's scores, so the selects of early rows overlap the scoring
     of the last: 94.4 us against 93.4 for the two launches; 8 / 2 chunks 105-106), and a shrinking search (6
     reductions over the chunk, then the bucket holding the k-th key compacted to 512 entries and searched alone:
-    26.8 against 25.2; behind the scores 95.3 against 92.8).
+    26.8 against 25.2; behind the scores 95.3 against 92.8); session 7: scores + select in one launch again with
+    the tickets interleaved (row s's select chunks queued behind row s + lag's score pieces, the row's last chunk
+    merging) 95.4-110 us against 93.4 for the two launches (lag 4-32: 100.2-96.8, 8 chunks 101.5-102.5, 8-block
+    pieces 95.4-97.0, 2 stages 108-110, sorted 101.6). Why overlap cannot pay: a select is latency, not work (one
+    row alone 18.8 us, 8 rows 21.4, 64 rows 25.0), so at least one row's select stays after the last scores, and
+    the chunk programs that run during the scoring take score-program slots (3 per SM by shared memory) for their
+    ~10 us each. ncu of one row's select: the chunk stage ~5,700 instructions per warp (4 warps, 32 entries a
+    thread, 254 registers) at 3.5 cycles each, mostly fixed-latency dependencies; the merge ~2,340 per warp (8
+    warps) at 6.1: ~10.5 + 7.5 us of dependent chains. Score grids measured: 4 blocks a program 67.9 us, 2 blocks
+    67.7, 3 blocks (a full last wave) 69.3, 5-8 blocks 69.0-70.7.
 The candidate-block restriction of layers 24/28/... is expressed by the caller through key_start/key_len of a
 gathered pool, or by -inf scores (not selectable).
 Cost: N * max_len * Di * bytes(keys) read once, + N * max_len * 4 written and re-read from L2 by the select,

@@ -43,16 +43,23 @@ holds PL / (32 * warps) lanes side by side: 16-byte loads at 4; `pass_shape`), e
 (ordered score bits, then the complement of the token id, so an integer max picks the highest score and then the
 lowest id), and `_finish_kernel` takes each row's max: two launches. Masked rows load each bitmask word once per
 thread and k for the lanes a thread holds side by side (`threshold._load_words`), not once per token.
-Rows with top-k/top-p first get their exact tau from kernels/threshold.py: rows with top_k <= 64 by the lane
-path (one read pass storing every lane's max, then a per-row merge that gathers the few lanes that can hold
-top-k tokens and also DRAWS the row's token with this rule on them: such rows skip the pass, and when the host
-knows every row is one (sample_from_logits does) the pass and the finish do not run: two launches in all); other
-filtered rows by the histogram path (histogram pass, selection, candidate compaction, tau; top-p alone gathers
-only the bins that may hold the cut, ~2,000 tokens of a flat 129k row). Those kernels run only when some row may
-filter, and the lane path only when some row takes it: decided on the host when top_k/top_p come from the host
-(sample_from_logits does this), otherwise assumed.
+Top-p alone (sampled rows, top-k off, p < 1) is drawn by rejection (kernels/rejection.py, P_REJECT): the first
+of up to NMAX proposals from the unrestricted softmax (proposal 0: the plain draw above) inside the top-p set,
+else the draw restricted to it on an independent key. Same law q, other tokens for a seed than the tau-first rule
+(sessions <= 6); the speculative bonus follows the same rule. On a GPU no tau is computed for those rows: the pass
+computes PROPOSALS draws per program, a mass-above pass and a finish decide.
+Rows with top-k first get their exact tau from kernels/threshold.py: rows with top_k <= 64 by the lane path (one
+read pass storing every lane's max, then a per-row merge that gathers the few lanes that can hold top-k tokens
+and also DRAWS the row's token with this rule on them: such rows skip the pass, and when the host knows every
+row is one (sample_from_logits does) the pass and the finish do not run: two launches in all); other filtered
+rows by the histogram path (histogram pass, selection, candidate compaction, tau). Those kernels run only when
+some row may filter, and the lane path only when some row takes it: decided on the host when top_k/top_p come
+from the host (sample_from_logits does this: `host_flags`), otherwise assumed.
 MASK_FIRST (masked rows, one lane per thread): the mask words load first and only allowed tokens' logits are
-read, so a grammar mask that bans whole ranges skips their bytes.
+read, so a grammar mask that bans whole ranges skips their bytes; "adaptive": each program decides from its
+block's mask words (a uniform branch), so dense masks keep the plain load.
+ONE_LAUNCH: the pass also finishes (an integer atomic max per row into a self-cleaning workspace, the row's last
+program writes the token): one launch instead of two.
 Measured on an H200: see benchmarks/kernels_sampling.py (its docstring holds the latest table).
 """
 from dataclasses import dataclass
@@ -61,8 +68,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import rng, threshold
+from . import rejection, rng, threshold
 from .backend import INTERPRETING, check, empty, use_triton
+from .rejection import p_alone_rows, proposal_keys, store_proposals
 from .threshold import (_below, _ordered, exp2_w, lane_block, lane_pick, lane_score, needs_histogram_path,
                         needs_lane_path, pack_lanes, segment_pack, thresholds_and_paths, thresholds_triton)
 
@@ -239,11 +247,38 @@ def lane_scores_torch(z: torch.Tensor, keys: torch.Tensor, seg: int = SEG, lanes
 
 
 def sample_torch(logits, params: RowParams, bitmask=None, mask_rows=None, seg: int = SEG, lanes: int = LANES):
+    lanes = min(lanes, seg)
     z = kept_z_torch(logits, params, bitmask, mask_rows)
-    drawn = pick_lane(*lane_scores_torch(z, params.keys, seg, min(lanes, seg)))
+    drawn = pick_lane(*lane_scores_torch(z, params.keys, seg, lanes))
     best, tok = z.max(1)                                     # greedy rows: the first allowed maximum
     greedy = torch.where(best > NEG_INF, tok, torch.full_like(tok, -1))
+    if P_REJECT:
+        alone = p_alone_rows(params, logits.shape[1])
+        if bool(alone.any()):
+            idx = alone.nonzero()[:, 0]
+            zs = masked_z_torch(logits[idx], params.inv_temperature[idx], bitmask,
+                                None if bitmask is None else default_mask_rows(mask_rows, len(alone), z.device)[idx])
+            sub = RowParams(params.inv_temperature[idx], params.greedy[idx], params.top_k[idx], params.top_p[idx],
+                            params.keys[idx])
+            drawn[idx] = rejection_draw_torch(zs, sub, seg, lanes)
     return torch.where(params.greedy, greedy, drawn)
+
+
+def rejection_draw_torch(z, params: RowParams, seg: int = SEG, lanes: int = LANES) -> torch.Tensor:
+    """kernels/rejection.py's rule for top-p-alone rows of z (masked, scaled): the first of the proposals 0 ..
+    NMAX - 1 (lane draws from the unrestricted softmax) inside the top-p set {z >= tau}, else the draw restricted
+    to it with key NMAX; -1 where nothing is allowed."""
+    tau = thresholds_torch(z, params)
+    tok = torch.full((z.shape[0],), -2, dtype=torch.int64, device=z.device)
+    for j in range(rejection.NMAX):
+        t = pick_lane(*lane_scores_torch(z, proposal_keys(params.keys, j), seg, lanes))
+        inside = (t >= 0) & (z.gather(1, t.clamp_min(0)[:, None])[:, 0] >= tau)
+        tok = torch.where((tok == -2) & inside, t, tok)
+        if not bool((tok == -2).any()):
+            return tok
+    kept = z.masked_fill(z < tau[:, None], NEG_INF)
+    last = pick_lane(*lane_scores_torch(kept, proposal_keys(params.keys, rejection.NMAX), seg, lanes))
+    return torch.where(tok == -2, last, tok)
 
 
 # ---------------------------------------------------------------------------------------------- Triton pieces
@@ -268,13 +303,30 @@ def segment_block(logits_ptr, tau_ptr, bitmask_ptr, row, seg, inv_t, mrow, bitma
 def _segment_body(logits_ptr, packed_ptr, tau_ptr, row, prog, n_prog, inv_t, greedy, key, bitmask_ptr, mrow,
                   bitmask_stride, V, HAS_MASK: tl.constexpr, HAS_TAU: tl.constexpr, FULL: tl.constexpr,
                   LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr, VEC: tl.constexpr, FAST: tl.constexpr,
-                  MASK_FIRST: tl.constexpr):
+                  MASK_FIRST: tl.constexpr, NP: tl.constexpr, REJECT: tl.constexpr, pmax_ptr, ONE: tl.constexpr,
+                  ws_ptr, cnt_ptr, out_ptr, lane_ptr, n_lanes, LANE_STATS: tl.constexpr):
     seg = prog // (LANES // PL)
     start, lane, pos, x = segment_block(logits_ptr, tau_ptr, bitmask_ptr, row, seg, inv_t, mrow, bitmask_stride, V,
                                        HAS_MASK, HAS_TAU, FULL, LANES, LW, PL, prog % (LANES // PL), VEC, FAST,
                                        MASK_FIRST)
-    tl.store(packed_ptr + row * n_prog + prog, segment_pack(x, lane, pos, start, seg, inv_t, greedy, key, HAS_TAU,
-                                                            LANES, LW, FAST))
+    if not REJECT:
+        packed = segment_pack(x, lane, pos, start, seg, inv_t, greedy, key, HAS_TAU, LANES, LW, FAST)
+        if ONE:
+            _one_launch_finish(packed, row, n_prog, ws_ptr, cnt_ptr, out_ptr)
+        else:
+            tl.store(packed_ptr + row * n_prog + prog, packed)
+    else:
+        # top-p-alone rows by rejection (kernels/rejection.py): NP proposals, and the program's max z for the row max
+        o = row * n_prog + prog
+        lp = pmax_ptr
+        if LANE_STATS:
+            lp = lane_ptr + row * 2 * n_lanes
+        store_proposals(x, lane, pos, start, seg, inv_t, greedy, key, packed_ptr + o * NP, HAS_TAU, LANES, LW, FAST,
+                        NP, lp, n_lanes, LANE_STATS)
+        xmax = tl.max(tl.max(x, 1), 0)
+        if not HAS_TAU:
+            xmax = xmax * inv_t
+        tl.store(pmax_ptr + o, xmax)
 
 
 @triton.jit
@@ -282,7 +334,9 @@ def _segment_kernel(logits_ptr, packed_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys
                     bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, HAS_MASK: tl.constexpr,
                     HAS_TAU: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr,
                     VEC: tl.constexpr, FAST: tl.constexpr, done_ptr=None, DONE: tl.constexpr = False,
-                    MASK_FIRST: tl.constexpr = False):
+                    MASK_FIRST: tl.constexpr = False, NP: tl.constexpr = 1, REJECT: tl.constexpr = False,
+                    pmax_ptr=None, ONE: tl.constexpr = False, ws_ptr=None, cnt_ptr=None, out_ptr=None,
+                    lane_ptr=None, n_lanes=0, LANE_STATS: tl.constexpr = False):
     """Program (row, part): PL lanes of one segment (LANES // PL parts per segment) as [PL, LW] in registers (lane
     l: tokens start + k * LANES + l, held by one thread). Every lane computes in-thread its max, weights, running
     sum and inverse-CDF candidate, then its score M_g + ln S_g + G_g (greedy rows: max z and its first id); one
@@ -293,7 +347,11 @@ def _segment_kernel(logits_ptr, packed_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys
     row = tl.program_id(0).to(tl.int64)
     prog = tl.program_id(1)
     if DONE:
-        if tl.load(done_ptr + row) != -2:
+        drawn = tl.load(done_ptr + row)
+        if drawn != -2:
+            if ONE:
+                if prog == 0:
+                    tl.store(out_ptr + row, drawn)
             return
     inv_t = tl.load(inv_t_ptr + row)
     greedy = tl.load(greedy_ptr + row) != 0
@@ -303,10 +361,26 @@ def _segment_kernel(logits_ptr, packed_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys
         mrow = tl.load(mask_rows_ptr + row)
     if (prog // (LANES // PL) + 1) * (LANES * LW) <= V:
         _segment_body(logits_ptr, packed_ptr, tau_ptr, row, prog, n_prog, inv_t, greedy, key, bitmask_ptr, mrow,
-                      bitmask_stride, V, HAS_MASK, HAS_TAU, True, LANES, LW, PL, VEC, FAST, MASK_FIRST)
+                      bitmask_stride, V, HAS_MASK, HAS_TAU, True, LANES, LW, PL, VEC, FAST, MASK_FIRST, NP, REJECT,
+                      pmax_ptr, ONE, ws_ptr, cnt_ptr, out_ptr, lane_ptr, n_lanes, LANE_STATS)
     else:
         _segment_body(logits_ptr, packed_ptr, tau_ptr, row, prog, n_prog, inv_t, greedy, key, bitmask_ptr, mrow,
-                      bitmask_stride, V, HAS_MASK, HAS_TAU, False, LANES, LW, PL, VEC, FAST, MASK_FIRST)
+                      bitmask_stride, V, HAS_MASK, HAS_TAU, False, LANES, LW, PL, VEC, FAST, MASK_FIRST, NP,
+                      REJECT, pmax_ptr, ONE, ws_ptr, cnt_ptr, out_ptr, lane_ptr,
+                      n_lanes, LANE_STATS)
+
+
+@triton.jit
+def _one_launch_finish(packed, row, n_prog, ws_ptr, cnt_ptr, out_ptr):
+    """One launch instead of pass + finish: every program folds its packed best into the row's word by an integer
+    atomic max, then counts itself done (acq_rel: the max is visible before the count); the row's last program
+    swaps the word back to the lowest value, resets the count (the workspace is clean for the next call) and
+    writes the token."""
+    tl.atomic_max(ws_ptr + row, packed, sem="relaxed")
+    if tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel") == n_prog - 1:
+        best = tl.atomic_xchg(ws_ptr + row, -9223372036854775807, sem="relaxed")
+        tl.store(cnt_ptr + row, 0)
+        tl.store(out_ptr + row, tl.where((best >> 32) > NEG_INF_KEY_T, 4294967295 - (best & 4294967295), -1))
 
 
 @triton.jit
@@ -333,6 +407,22 @@ def _finish_kernel(packed_ptr, out_ptr, n_chunks, NEG_INF_KEY, BLOCK: tl.constex
 
 
 NEG_INF_KEY = threshold.NEG_INF_KEY
+NEG_INF_KEY_T = threshold.NEG_INF_KEY_C
+_WORKSPACES = {}
+
+
+def one_launch_workspace(rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(words int64, counts int32) of at least `rows` entries for the one-launch pass, kept per device and left
+    clean by every pass (words at the lowest value, counts 0), so no call pays a reset launch. One stream at a
+    time: two passes running concurrently on other streams would share it."""
+    key = str(device)
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws[0].numel() < rows:
+        n = max(rows, 256)
+        ws = (torch.full((n,), -9223372036854775807, dtype=torch.int64, device=device),
+              torch.zeros(n, dtype=torch.int32, device=device))
+        _WORKSPACES[key] = ws
+    return ws
 
 
 def finish_packed(packed: torch.Tensor, drawn: torch.Tensor | None = None) -> torch.Tensor:
@@ -372,6 +462,8 @@ SMALL_SHAPE = (128, 2)
 MASKED_SHAPE = (128, 4)         # masked rows from 128 rows (below: MASKED_SMALL_SHAPE)
 MASKED_SMALL_SHAPE = (64, 2)
 MASK_FIRST = False              # masked rows: mask words first, then only allowed tokens' logits (one lane/thread)
+ONE_LAUNCH = False              # plain rows: one launch (atomic max per row, the last program writes the token)
+P_REJECT = True                 # top-p-alone rows by rejection (kernels/rejection.py); False: tau first (session 6)
 SPEC_SHAPE = (256, 2)           # the speculative statistics / residual passes: 50.5 us vs 55.1 at 256x8 (R1)
 
 
@@ -389,7 +481,8 @@ def pass_shape(lanes: int, shape=None, masked: bool = False, rows: int = 0) -> t
 
 def sample_triton(logits, params: RowParams, bitmask=None, mask_rows=None, seg: int = SEG, lanes: int = LANES,
                   filters: bool | None = None, histogram: bool | None = None, draw: bool = True, shape=None,
-                  lane_only: bool = False, lane_rows: bool | None = None, mask_first: bool | None = None):
+                  lane_only: bool = False, lane_rows: bool | None = None, mask_first: bool | None = None,
+                  reject: bool | None = None, proposals: int | None = None, one_launch: bool | None = None):
     """Two launches (+ the threshold launches when rows may filter: kernels/threshold.py): the pass, one program
     per (row, PL lanes of a segment), then a per-row finish. seg, lanes: segment size and lanes per segment
     (powers of two, lanes a multiple of 32 when a bitmask is given; other values than SEG, LANES draw other tokens
@@ -400,6 +493,10 @@ def sample_triton(logits, params: RowParams, bitmask=None, mask_rows=None, seg: 
     0 < top_k <= threshold.KMAX, as sample_from_logits does): the pass and the finish do not run at all (two
     launches in all, one read of the logits); lane_rows=False (the host knows no row takes the lane path:
     threshold.needs_lane_path): the lane path's launches are skipped. mask_first: MASK_FIRST for this call.
+    reject (default: P_REJECT) draws top-p-alone rows by rejection (kernels/rejection.py: the pass computes
+    `proposals` draws per program, default rejection.PROPOSALS, then a mass-above pass and a per-row finish); the host
+    passes False when it knows no row is top-p alone (the pass then draws once, and the plain finish runs); those
+    rows then never take the threshold path, so `filters` / `histogram` / `lane_rows` are about the other rows.
     Session 4's candidate path (per-unit candidates above a bound found by 8 bisection steps on the lane maxima,
     a merge for tau, then this pass drawing) measured 51.3 / 131.5 us for top-k50 p0.9 at B=64 / 256 against
     this lane path's 38.3 / 92.4 (H200, 2026-11-30) and was deleted."""
@@ -411,27 +508,71 @@ def sample_triton(logits, params: RowParams, bitmask=None, mask_rows=None, seg: 
         return empty((0,), torch.int64, logits.device)
     has_mask = bitmask is not None
     mrows = default_mask_rows(mask_rows, R, logits.device) if has_mask else None
-    has_tau = may_filter(params, V) if filters is None else filters
+    rejecting = P_REJECT and reject is not False
+    np_ = (proposals or rejection.PROPOSALS) if rejecting else 1
+    has_tau = (may_filter(params, V) if filters is None else filters)
+    # top-p-alone rows are drawn by rejection: the threshold path sees them as unfiltered (tau = -inf); the view
+    # costs ~10 small torch launches on device parameters (~15 us in R2), so only when the threshold path runs
+    thr = threshold_view(params, V) if rejecting and has_tau else params
     drawn = None
     if has_tau and draw:
-        tau, _, drawn = thresholds_and_paths(logits, params, bitmask, mrows, histogram=histogram, draw=(seg, lanes),
+        tau, _, drawn = thresholds_and_paths(logits, thr, bitmask, mrows, histogram=histogram, draw=(seg, lanes),
                                              lane_rows=lane_rows)
         if lane_only:
             return drawn
     elif has_tau:
-        tau = thresholds_and_paths(logits, params, bitmask, mrows, histogram=histogram, lane_rows=lane_rows)[0]
+        tau = thresholds_and_paths(logits, thr, bitmask, mrows, histogram=histogram, lane_rows=lane_rows)[0]
     else:
         tau = logits
     pl, warps, vec = pass_shape(lanes, shape, has_mask, R)
     n_prog = triton.cdiv(V, seg) * (lanes // pl)
-    packed = empty((R, n_prog), torch.int64, logits.device)
+    one = not rejecting and (ONE_LAUNCH if one_launch is None else one_launch)
+    packed = empty((R, 1 if one else n_prog, np_), torch.int64, logits.device)
+    pmax = torch.empty((R, n_prog), dtype=torch.float32, device=logits.device) if rejecting else None
+    ws = one_launch_workspace(R, logits.device) if one else (None, None)
+    n_l = triton.cdiv(V, seg) * lanes
+    stats = torch.empty((R, 2, n_l), dtype=torch.float32, device=logits.device) if rejecting and rejection.LANE_SKIP \
+        else None
+    out = empty((R,), torch.int64, logits.device) if one else None
     _segment_kernel[(R, n_prog)](
         logits, packed, params.inv_temperature, params.greedy, tau, params.keys,
         bitmask if has_mask else logits, mrows if has_mask else packed, bitmask.stride(0) if has_mask else 0,
         V, n_prog, HAS_MASK=has_mask, HAS_TAU=has_tau, LANES=lanes, LW=seg // lanes, PL=pl, VEC=vec,
         FAST=not INTERPRETING, done_ptr=drawn, DONE=drawn is not None,
-        MASK_FIRST=has_mask and vec == 1 and (MASK_FIRST if mask_first is None else mask_first), num_warps=warps)
-    return finish_packed(packed, drawn)
+        MASK_FIRST=mask_mode(has_mask, vec, pl, MASK_FIRST if mask_first is None else mask_first), NP=np_,
+        REJECT=rejecting, pmax_ptr=pmax, ONE=one, ws_ptr=ws[0], cnt_ptr=ws[1], out_ptr=out, lane_ptr=stats,
+        n_lanes=n_l, LANE_STATS=stats is not None, num_warps=warps)
+    if one:
+        return out
+    if rejecting:
+        return rejection.reject_finish(logits, params, bitmask, mrows, packed, pmax, drawn, seg, lanes, np_,
+                                       INTERPRETING, stats)
+    return finish_packed(packed.view(R, n_prog), drawn)
+
+
+def mask_mode(has_mask: bool, vec: int, pl: int, mask_first) -> int:
+    """The pass's MASK_FIRST constexpr: 0 mask words beside the logits (dense), 1 mask words first and only the
+    allowed tokens' logits read (sparse), 2 each program picks one of the two from its block's mask words
+    ("adaptive"). The sparse path needs one lane per thread, the adaptive one also whole words per block."""
+    if not has_mask or vec != 1 or not mask_first:
+        return 0
+    return 2 if mask_first == "adaptive" and pl >= 32 else 1
+
+
+def threshold_view(params: RowParams, V: int) -> RowParams:
+    """params with top-p switched off on top-p-alone rows (drawn by rejection, kernels/rejection.py, not by tau):
+    what the threshold path and the host's filter checks see. Torch ops on the params' device."""
+    top_p_thr = torch.where(p_alone_rows(params, V), torch.ones_like(params.top_p), params.top_p)
+    return RowParams(params.inv_temperature, params.greedy, params.top_k, top_p_thr, params.keys)
+
+
+def host_flags(host: RowParams, V: int) -> dict:
+    """What the host knows from its copy of the parameters, as sample_triton's keywords: whether any row filters
+    by tau (top-p-alone rows do not: they are drawn by rejection), needs the histogram path, takes the lane path,
+    whether every row does (lane_only), and whether any row is top-p alone (reject)."""
+    thr = threshold_view(host, V) if P_REJECT else host
+    return dict(filters=may_filter(thr, V), histogram=needs_histogram_path(thr, V), lane_only=lane_rows_only(host, V),
+                lane_rows=needs_lane_path(thr, V), reject=P_REJECT and bool(p_alone_rows(host, V).any()))
 
 
 def lane_rows_only(params: RowParams, V: int, kmax: int = threshold.KMAX) -> bool:
@@ -473,27 +614,26 @@ def sample_from_logits(logits: torch.Tensor, temperature, top_k, top_p, seed, po
     function of (seed, position, q), so batch composition never changes a sample). bitmask int32 [N, ceil(V/32)]
     with mask_rows [R] (row r uses mask row mask_rows[r]; -1 = unmasked; default r) fuses the grammar mask.
     Returns int64 [R] token ids (-1 where nothing is allowed). Cost: one pass over logits (+ mask bits) per row;
-    rows with top-k/top-p add a histogram pass and a candidate pass (kernels/threshold.py).
+    top-p-alone rows add a pass over the lanes above their proposals (kernels/rejection.py), rows with top-k <= 64
+    a lane-maxima pass and a per-row merge instead of the pass, larger top-k a histogram path
+    (kernels/threshold.py).
     """
     check_logits_and_mask(logits, bitmask, mask_rows)
     R, V = logits.shape
-    filters = histogram = params = lane_rows = None
-    lane_only = False
+    flags = {}
+    params = None
     on_gpu = [isinstance(x, torch.Tensor) and x.is_cuda for x in (temperature, top_k, top_p, seed, position)]
     if not any(on_gpu[:3]):
         # the filter check runs on the host-side values, before they move to the GPU (no sync)
         host = row_params(R, "cpu", temperature, top_k, top_p, seed if not on_gpu[3] else 0,
                           position if not on_gpu[4] else 0)
-        filters, histogram = may_filter(host, V), needs_histogram_path(host, V)
-        lane_only = lane_rows_only(host, V)
-        lane_rows = needs_lane_path(host, V)
+        flags = host_flags(host, V)
         if logits.is_cuda and not any(on_gpu):
             params = to_device(host, logits.device)         # two copies, no kernel launches
     if params is None:
         params = row_params(R, logits.device, temperature, top_k, top_p, seed, position)
     if use_triton(logits):
-        return sample_triton(logits, params, bitmask, mask_rows, filters=filters, histogram=histogram,
-                             lane_only=lane_only, lane_rows=lane_rows)
+        return sample_triton(logits, params, bitmask, mask_rows, **flags)
     return sample_torch(logits, params, bitmask, mask_rows)
 
 

@@ -37,12 +37,16 @@ import torch
 import triton
 import triton.language as tl
 
-from . import rng
+from . import rng, sampling
 from .backend import INTERPRETING, check, empty, use_triton
 from .sampling import (LANES, LOG2E, NEG_INF, NEG_INF_KEY, SEG, SPEC_SHAPE, RowParams, check_logits_and_mask,
+                       one_launch_workspace,
                        default_mask_rows, exp2_w, kept_z_torch, lane_draw_torch, lane_gumbel_torch, lane_pick,
                        lane_score, lane_scores_torch, lanes_view, masked_z_torch, pack_lanes, pass_shape, pick_lane,
-                       row_params, segment_block, may_filter, thresholds_torch, thresholds_triton)
+                       rejection_draw_torch, row_params, segment_block, may_filter, thresholds_torch,
+                       thresholds_triton)
+from . import rejection
+from .rejection import NMAX, is_p_alone, p_alone_rows, rest_of_rule, store_proposals
 from .threshold import lane_keys, needs_histogram_path
 
 
@@ -52,6 +56,9 @@ _NEG_INF_KEY = tl.constexpr(NEG_INF_KEY)
 # (segment size, lanes per segment) of the draws, read at call time (kernels/sampling.py's rule; tests shrink it
 # to cover several segments on a small vocabulary: the bonus draw equals sample_from_logits' only at the default)
 LAYOUT = (SEG, LANES)
+# the residual pass also finishes (atomic maxima per request, its last program): R2, 64 x 4 rows with draft
+# probabilities, 49.1 / 49.2 us against 49.3 / 49.6 with the finish as its own launch
+ONE_LAUNCH_RESIDUAL = True
 
 
 @dataclass
@@ -149,6 +156,16 @@ def _final_torch(logits, params: RowParams, rows_f, draft_f, residual, draft_pro
     r_score = torch.where(sr > 0, torch.log(sr.clamp_min(1e-30)) + lane_gumbel_torch(keys, zl.shape[1]),
                           torch.full_like(sr, NEG_INF))
     r_tok = pick_lane(r_score, k_r, ids)
+    if sampling.P_REJECT:
+        # a top-p-alone request's bonus (no residual: the FRESH keys) follows kernels/rejection.py's rule
+        alone = p_alone_rows(sub, zk.shape[1]) & ~residual
+        if bool(alone.any()):
+            idx = alone.nonzero()[:, 0]
+            z = masked_z_torch(logits[rows_f[idx]], sub.inv_temperature[idx], bitmask,
+                               None if mrows is None else mrows[rows_f[idx]])
+            q_tok = q_tok.clone()
+            q_tok[idx] = rejection_draw_torch(z, RowParams(sub.inv_temperature[idx], sub.greedy[idx], sub.top_k[idx],
+                                                           sub.top_p[idx], keys[idx]), seg, lanes)
     return torch.where(residual & (r_tok >= 0), r_tok, q_tok)
 
 
@@ -175,27 +192,29 @@ def _request_params(temp_ptr, b):
 def _stats_kernel(logits_ptr, mc_ptr, sc_ptr, pack_ptr, cu_ptr, temp_ptr, seed_ptr, pos_ptr, tau_ptr, bitmask_ptr,
                   mask_rows_ptr, bitmask_stride, V, n_prog, B, C_FRESH, HAS_MASK: tl.constexpr,
                   HAS_TAU: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr, VEC: tl.constexpr,
-                  NB: tl.constexpr, FAST: tl.constexpr):
+                  NB: tl.constexpr, FAST: tl.constexpr, top_k_ptr=None, top_p_ptr=None, NP: tl.constexpr = 1):
     """Program (row, part of a segment; the sampling pass's program shape): the kept max M_c and mass
     S_c = sum exp(z - M_c) of its PL lanes, and one packed candidate: greedy rows the first maximum; the last row
     of a non-greedy request its bonus draw (the lane rule, FRESH key at its position); other rows -inf (unused).
     The logits loads are issued first; the row's request and parameters are looked up while they are in flight
-    (no per-row parameter arrays, no expand launch). Full segments skip the bounds checks."""
+    (no per-row parameter arrays, no expand launch). Full segments skip the bounds checks. NP > 1: the last row of
+    a top-p-alone request stores NP proposals instead (kernels/rejection.py's rule, on the unrestricted z; pack
+    is [R, n_prog, NP])."""
     if (tl.program_id(1) // (LANES // PL) + 1) * (LANES * LW) <= V:
         _stats_body(logits_ptr, mc_ptr, sc_ptr, pack_ptr, cu_ptr, temp_ptr, seed_ptr, pos_ptr, tau_ptr, bitmask_ptr,
                     mask_rows_ptr, bitmask_stride, V, n_prog, B, C_FRESH, HAS_MASK, HAS_TAU, True, LANES, LW, PL, VEC,
-                    NB, FAST)
+                    NB, FAST, top_k_ptr, top_p_ptr, NP)
     else:
         _stats_body(logits_ptr, mc_ptr, sc_ptr, pack_ptr, cu_ptr, temp_ptr, seed_ptr, pos_ptr, tau_ptr, bitmask_ptr,
                     mask_rows_ptr, bitmask_stride, V, n_prog, B, C_FRESH, HAS_MASK, HAS_TAU, False, LANES, LW, PL,
-                    VEC, NB, FAST)
+                    VEC, NB, FAST, top_k_ptr, top_p_ptr, NP)
 
 
 @triton.jit
 def _stats_body(logits_ptr, mc_ptr, sc_ptr, pack_ptr, cu_ptr, temp_ptr, seed_ptr, pos_ptr, tau_ptr, bitmask_ptr,
                 mask_rows_ptr, bitmask_stride, V, n_prog, B, C_FRESH, HAS_MASK: tl.constexpr, HAS_TAU: tl.constexpr,
                 FULL: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr, VEC: tl.constexpr,
-                NB: tl.constexpr, FAST: tl.constexpr):
+                NB: tl.constexpr, FAST: tl.constexpr, top_k_ptr, top_p_ptr, NP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     prog = tl.program_id(1)
     seg = prog // (LANES // PL)
@@ -209,6 +228,7 @@ def _stats_body(logits_ptr, mc_ptr, sc_ptr, pack_ptr, cu_ptr, temp_ptr, seed_ptr
     last = row == tl.load(cu_ptr + b + 1) - 1
     greedy, inv_t = _request_params(temp_ptr, b)
     z = z * inv_t
+    zu = z
     if HAS_TAU:
         z = tl.where(z >= tl.load(tau_ptr + row), z, float("-inf"))
     ml = tl.max(z, 1)                                              # per lane, in-thread
@@ -230,14 +250,22 @@ def _stats_body(logits_ptr, mc_ptr, sc_ptr, pack_ptr, cu_ptr, temp_ptr, seed_ptr
     o = row * n_prog + prog
     tl.store(mc_ptr + o, m)
     tl.store(sc_ptr + o, sm)
-    tl.store(pack_ptr + o, packed)
+    if NP > 1:
+        if last & is_p_alone(b, V, temp_ptr, top_k_ptr, top_p_ptr, True):
+            key = rng.row_key_tl(tl.load(seed_ptr + b), tl.load(pos_ptr + b) + (row - first), C_FRESH)
+            store_proposals(zu, lane, pos, start, seg, 1.0, False, key, pack_ptr + o * NP, True, LANES, LW, FAST, NP)
+        else:
+            tl.store(pack_ptr + o * NP, packed)
+    else:
+        tl.store(pack_ptr + o, packed)
 
 
 @triton.jit
 def _residual_kernel(logits_ptr, probs_ptr, rows_ptr, drafts_ptr, residual_ptr, keys_ptr, temp_ptr, tau_ptr,
                      m_ptr, s_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, res_ptr, q_ptr,
                      HAS_MASK: tl.constexpr, HAS_PROBS: tl.constexpr, HAS_TAU: tl.constexpr, LANES: tl.constexpr,
-                     LW: tl.constexpr, PL: tl.constexpr, VEC: tl.constexpr, FAST: tl.constexpr):
+                     LW: tl.constexpr, PL: tl.constexpr, VEC: tl.constexpr, FAST: tl.constexpr, cnt_ptr=None,
+                     final_ptr=None, tokens_ptr=None, ONE: tl.constexpr = False):
     """Program (request, part of a segment) on a request whose final row rejected its draft (others exit at once):
     the candidates of the residual r = max(q - p, 0) and of q (the fallback when r is empty in floating point),
     both lane draws with the request's RESIDUAL key. Per token: q from the row's (m, s) and the lane max, the
@@ -245,18 +273,21 @@ def _residual_kernel(logits_ptr, probs_ptr, rows_ptr, drafts_ptr, residual_ptr, 
     if (tl.program_id(1) // (LANES // PL) + 1) * (LANES * LW) <= V:
         _residual_body(logits_ptr, probs_ptr, rows_ptr, drafts_ptr, residual_ptr, keys_ptr, temp_ptr, tau_ptr,
                        m_ptr, s_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, res_ptr, q_ptr,
-                       HAS_MASK, HAS_PROBS, HAS_TAU, True, LANES, LW, PL, VEC, FAST)
+                       HAS_MASK, HAS_PROBS, HAS_TAU, True, LANES, LW, PL, VEC, FAST, cnt_ptr, final_ptr, tokens_ptr,
+                       ONE)
     else:
         _residual_body(logits_ptr, probs_ptr, rows_ptr, drafts_ptr, residual_ptr, keys_ptr, temp_ptr, tau_ptr,
                        m_ptr, s_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, res_ptr, q_ptr,
-                       HAS_MASK, HAS_PROBS, HAS_TAU, False, LANES, LW, PL, VEC, FAST)
+                       HAS_MASK, HAS_PROBS, HAS_TAU, False, LANES, LW, PL, VEC, FAST, cnt_ptr, final_ptr, tokens_ptr,
+                       ONE)
 
 
 @triton.jit
 def _residual_body(logits_ptr, probs_ptr, rows_ptr, drafts_ptr, residual_ptr, keys_ptr, temp_ptr, tau_ptr,
                    m_ptr, s_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, res_ptr, q_ptr,
                    HAS_MASK: tl.constexpr, HAS_PROBS: tl.constexpr, HAS_TAU: tl.constexpr, FULL: tl.constexpr,
-                   LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr, VEC: tl.constexpr, FAST: tl.constexpr):
+                   LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr, VEC: tl.constexpr, FAST: tl.constexpr,
+                   cnt_ptr, final_ptr, tokens_ptr, ONE: tl.constexpr):
     b = tl.program_id(0)
     prog = tl.program_id(1)
     seg = prog // (LANES // PL)
@@ -288,10 +319,22 @@ def _residual_body(logits_ptr, probs_ptr, rows_ptr, drafts_ptr, residual_ptr, ke
         g = rng.gumbel_tl(key, gid + 1610612736, FAST)                   # G_ID + g, as lane_score
         r_score = tl.where(sr > 0, tl.log(tl.maximum(sr, 1e-30)) + g, float("-inf"))
         sq, kq = lane_pick(w, gid, key, LW)
-        o = b * n_prog + prog
-        tl.store(res_ptr + o, pack_lanes(r_score, start + tl.minimum(kr, LW - 1) * LANES + lane))
-        tl.store(q_ptr + o, pack_lanes(lane_score(ml, sq, key, gid, FAST),
-                                       start + tl.minimum(kq, LW - 1) * LANES + lane))
+        rbest = pack_lanes(r_score, start + tl.minimum(kr, LW - 1) * LANES + lane)
+        qbest = pack_lanes(lane_score(ml, sq, key, gid, FAST), start + tl.minimum(kq, LW - 1) * LANES + lane)
+        if ONE:
+            # the finish in this launch: atomic maxima per request into a self-cleaning workspace; the request's
+            # last program (acq_rel count) takes both winners, resets the words and the count, writes the token
+            tl.atomic_max(res_ptr + 2 * b, rbest, sem="relaxed")
+            tl.atomic_max(res_ptr + 2 * b + 1, qbest, sem="relaxed")
+            if tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel") == n_prog - 1:
+                rbest = tl.atomic_xchg(res_ptr + 2 * b, -9223372036854775807, sem="relaxed")
+                qbest = tl.atomic_xchg(res_ptr + 2 * b + 1, -9223372036854775807, sem="relaxed")
+                tl.store(cnt_ptr + b, 0)
+                _final_from_winners(rbest, qbest, b, rows_ptr, final_ptr, tokens_ptr)
+        else:
+            o = b * n_prog + prog
+            tl.store(res_ptr + o, rbest)
+            tl.store(q_ptr + o, qbest)
 
 
 @triton.jit
@@ -316,12 +359,12 @@ def _expand_rows_kernel(cu_ptr, temp_ptr, top_k_ptr, top_p_ptr, row_inv_t_ptr, r
 
 
 @triton.jit
-def _merge(mc_ptr, sc_ptr, pack_ptr, ro, n_seg, NCP: tl.constexpr):
-    """A row's (m, s, packed best) from its parts' (M_c, S_c, candidate)."""
+def _merge(mc_ptr, sc_ptr, pack_ptr, ro, n_seg, NCP: tl.constexpr, NP: tl.constexpr = 1, j=0):
+    """A row's (m, s, packed best) from its parts' (M_c, S_c, candidate j of NP)."""
     c = tl.arange(0, NCP)
     mc = tl.load(mc_ptr + ro * n_seg + c, mask=c < n_seg, other=float("-inf"))
     sc = tl.load(sc_ptr + ro * n_seg + c, mask=c < n_seg, other=0.0)
-    best = tl.max(tl.load(pack_ptr + ro * n_seg + c, mask=c < n_seg, other=-9223372036854775807), 0)
+    best = tl.max(tl.load(pack_ptr + (ro * n_seg + c) * NP + j, mask=c < n_seg, other=-9223372036854775807), 0)
     m = tl.max(mc, 0)
     s = tl.sum(tl.where(mc > float("-inf"), sc * tl.exp2((mc - tl.where(m > float("-inf"), m, 0.0))
                                                           * 1.4426950408889634), 0.0), 0)
@@ -333,12 +376,15 @@ def _accept_kernel(logits_ptr, probs_ptr, drafts_ptr, cu_ptr, seed_ptr, pos_ptr,
                    mc_ptr, sc_ptr, pack_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_seg,
                    m_ptr, s_ptr, n_acc_ptr, rows_f_ptr, draft_f_ptr, residual_ptr, keys_f_ptr, tokens_ptr, final_ptr,
                    C_VERIFY, C_RESIDUAL, HAS_MASK: tl.constexpr, HAS_PROBS: tl.constexpr, HAS_TAU: tl.constexpr,
-                   NCP: tl.constexpr, NR: tl.constexpr):
+                   NCP: tl.constexpr, NR: tl.constexpr, top_k_ptr=None, top_p_ptr=None, C_FRESH=0,
+                   NP: tl.constexpr = 1, NMAX: tl.constexpr = 8, LANES: tl.constexpr = 256, LW: tl.constexpr = 16,
+                   BLOCK: tl.constexpr = 1024, FAST: tl.constexpr = True):
     """Program (request): merge its rows' statistics and run the ratio test of NR rows at a time (all their loads
     in flight together; the rows of a chunk are independent), up to the first rejection; write the accepted
     drafts (-1 on the other rows). A request that needs no residual (all drafts accepted: the bonus draw of its
     last row; greedy: the argmax of its final row) gets its final token here; the others get the residual
-    pass's inputs."""
+    pass's inputs. NP > 1: a top-p-alone request's bonus is its first proposal inside the top-p set
+    (kernels/rejection.py; z >= tau: the tau is known here), the rest of the rule by loops over the row if none."""
     b = tl.program_id(0)
     start = tl.load(cu_ptr + b)
     n = tl.load(cu_ptr + b + 1) - start
@@ -360,7 +406,7 @@ def _accept_kernel(logits_ptr, probs_ptr, drafts_ptr, cu_ptr, seed_ptr, pos_ptr,
         okc = live[:, None] & (c[None, :] < n_seg)
         mc = tl.load(mc_ptr + o, mask=okc, other=float("-inf"))
         sc = tl.load(sc_ptr + o, mask=okc, other=0.0)
-        best = tl.max(tl.load(pack_ptr + o, mask=okc, other=-9223372036854775807), 1)
+        best = tl.max(tl.load(pack_ptr + o * NP, mask=okc, other=-9223372036854775807), 1)
         if j0 == 0:
             bests = best
         m = tl.max(mc, 1)
@@ -401,39 +447,80 @@ def _accept_kernel(logits_ptr, probs_ptr, drafts_ptr, cu_ptr, seed_ptr, pos_ptr,
         if n_acc < NR:          # the final row's winner was loaded with the first chunk (no second round trip)
             best = tl.max(tl.where(jj == n_acc, bests, -9223372036854775807), 0)
         else:
-            best = _merge(mc_ptr, sc_ptr, pack_ptr, rows_f.to(tl.int64), n_seg, NCP)[2]
+            best = _merge(mc_ptr, sc_ptr, pack_ptr, rows_f.to(tl.int64), n_seg, NCP, NP)[2]
         tok = tl.where((best >> 32) > _NEG_INF_KEY, 4294967295 - (best & 4294967295), -1)
+        if NP > 1:
+            if is_p_alone(b, V, temp_ptr, top_k_ptr, top_p_ptr, True):
+                tok = _bonus_by_rejection(logits_ptr, pack_ptr, tau_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride,
+                                          rows_f.to(tl.int64), V, n_seg, inv_t, tl.load(top_p_ptr + b),
+                                          rng.row_key_tl(seed, pos0 + n_acc, C_FRESH), HAS_MASK, NCP, NP, NMAX,
+                                          LANES, LW, BLOCK, FAST)
         tl.store(final_ptr + b, tok)
         tl.store(tokens_ptr + rows_f, tok)
 
 
 @triton.jit
+def _bonus_by_rejection(logits_ptr, pack_ptr, tau_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, rf, V, n_seg, inv_t,
+                        top_p, key, HAS_MASK: tl.constexpr, NCP: tl.constexpr, NP: tl.constexpr,
+                        NMAX: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, BLOCK: tl.constexpr,
+                        FAST: tl.constexpr):
+    """The bonus token of a top-p-alone request (its final row rf): the first of the stats pass's NP proposals
+    with z >= tau, else the rest of kernels/rejection.py's rule by loops over the row; -1 if nothing is allowed."""
+    tau = tl.load(tau_ptr + rf)
+    tok = tl.full([], -2, tl.int64)
+    alive = False
+    for j in tl.static_range(NP):
+        best = _merge(pack_ptr, pack_ptr, pack_ptr, rf, n_seg, NCP, NP, j)[2]
+        t = 4294967295 - (best & 4294967295)
+        live = (best >> 32) > _NEG_INF_KEY
+        alive = alive | live
+        zt = tl.load(logits_ptr + rf * V + tl.where(live, t, 0)).to(tl.float32) * inv_t
+        tok = tl.where((tok == -2) & live & (zt >= tau), t, tok)
+    if not alive:
+        tok = tl.full([], -1, tl.int64)
+    if tok == -2:
+        mrow = -1
+        if HAS_MASK:
+            mrow = tl.load(mask_rows_ptr + rf)
+        tok = rest_of_rule(logits_ptr, rf, V, inv_t, top_p, key, tau, tau, tau, bitmask_ptr, mrow, bitmask_stride,
+                           HAS_MASK, NP, NMAX, LANES, LW, BLOCK, FAST, True, min(LANES, 32))
+    return tok
+
+
+@triton.jit
+def _final_from_winners(rbest, qbest, b, rows_f_ptr, final_ptr, tokens_ptr):
+    """A residual request's final token from the packed winners (the residual's, else q's), also written into the
+    packed tokens at its final row."""
+    r_tok = tl.where((rbest >> 32) > _NEG_INF_KEY, 4294967295 - (rbest & 4294967295), -1)
+    q_tok = tl.where((qbest >> 32) > _NEG_INF_KEY, 4294967295 - (qbest & 4294967295), -1)
+    tok = tl.where(r_tok >= 0, r_tok, q_tok)
+    tl.store(final_ptr + b, tok)
+    tl.store(tokens_ptr + tl.load(rows_f_ptr + b), tok)
+
+
+@triton.jit
 def _finish_residual_kernel(res_ptr, q_ptr, rows_f_ptr, residual_ptr, final_ptr, tokens_ptr, n_seg,
                             BLOCK: tl.constexpr):
-    """Program (request) with a residual: its final token (the residual winner, else the q winner), also written
-    into the packed tokens at the final row."""
+    """Program (request) with a residual: its final token (`_final_from_winners` on the maxima of its parts)."""
     b = tl.program_id(0).to(tl.int64)
     if tl.load(residual_ptr + b) != 0:
         c = tl.arange(0, BLOCK)
         lowest = -9223372036854775807
         rbest = tl.max(tl.load(res_ptr + b * n_seg + c, mask=c < n_seg, other=lowest), 0)
         qbest = tl.max(tl.load(q_ptr + b * n_seg + c, mask=c < n_seg, other=lowest), 0)
-        r_tok = tl.where((rbest >> 32) > _NEG_INF_KEY, 4294967295 - (rbest & 4294967295), -1)
-        q_tok = tl.where((qbest >> 32) > _NEG_INF_KEY, 4294967295 - (qbest & 4294967295), -1)
-        tok = tl.where(r_tok >= 0, r_tok, q_tok)
-        tl.store(final_ptr + b, tok)
-        tl.store(tokens_ptr + tl.load(rows_f_ptr + b), tok)
+        _final_from_winners(rbest, qbest, b, rows_f_ptr, final_ptr, tokens_ptr)
 
 
 def _accept_triton(logits, cu_rows, draft_tokens, draft_probs, temperature, top_k, top_p, seed, position, bitmask,
-                   mrows, stages=9, filters=None, histogram=None, shape=None):
+                   mrows, stages=9, filters=None, histogram=None, shape=None, reject=None):
     """The whole acceptance step in four launches when the host says no request filters (statistics pass with
     the bonus draws, ratio test, residual pass, residual finish), three more otherwise (per-row filter
     parameters, then the top-k/top-p thresholds: kernels/threshold.py), no host synchronisation, no torch ops
     on the parameters (each kernel derives 1/T, greedy and its rng keys from the per-request tensors).
     temperature, top_k, top_p, seed, position: per-request device tensors [B]. shape: the pass's program shape
     (sampling.pass_shape). stages < 9 stops after that many launches (benchmarks time the stages by
-    differences; the result is then unfinished)."""
+    differences; the result is then unfinished). reject=False: the host knows no request is top-p alone (their
+    bonus is drawn by kernels/rejection.py's rule: the stats pass then stores PROPOSALS draws per program)."""
     R, V = logits.shape
     B = cu_rows.numel() - 1
     dev = logits.device
@@ -454,7 +541,8 @@ def _accept_triton(logits, cu_rows, draft_tokens, draft_probs, temperature, top_
     n_prog = triton.cdiv(V, seg) * (lanes // pl)
     mc = torch.empty((R, n_prog), dtype=torch.float32, device=dev)
     sc = torch.empty_like(mc)
-    pack = torch.empty((R, n_prog), dtype=torch.int64, device=dev)
+    np_ = rejection.PROPOSALS if has_tau and sampling.P_REJECT and reject is not False else 1
+    pack = torch.empty((R, n_prog, np_), dtype=torch.int64, device=dev)
     has_mask, has_probs = bitmask is not None, draft_probs is not None
     bm = bitmask if has_mask else logits
     mr = mrows if has_mask else cu_rows
@@ -463,7 +551,7 @@ def _accept_triton(logits, cu_rows, draft_tokens, draft_probs, temperature, top_
                   FAST=not INTERPRETING)
     _stats_kernel[(R, n_prog)](logits, mc, sc, pack, cu_rows, temperature, seed, position, tau, bm, mr, stride, V,
                                n_prog, B, rng.stream_constant(rng.FRESH), NB=max(16, triton.next_power_of_2(B)),
-                               num_warps=warps, **consts)
+                               top_k_ptr=top_k, top_p_ptr=top_p, NP=np_, num_warps=warps, **consts)
     if stages < 7:
         return None
     m = torch.empty(R, dtype=torch.float32, device=dev)
@@ -480,16 +568,24 @@ def _accept_triton(logits, cu_rows, draft_tokens, draft_probs, temperature, top_
                          temperature, tau, mc, sc, pack, bm, mr, stride, V, n_prog, m, s,
                          n_acc, rows_f, draft_f, residual, keys_f, tokens, final, rng.stream_constant(rng.VERIFY),
                          rng.stream_constant(rng.RESIDUAL), HAS_MASK=has_mask, HAS_PROBS=has_probs, HAS_TAU=has_tau,
-                         NCP=ncp, NR=8, num_warps=1)
+                         NCP=ncp, NR=8, top_k_ptr=top_k, top_p_ptr=top_p, C_FRESH=rng.stream_constant(rng.FRESH),
+                         NP=np_, NMAX=NMAX, LANES=lanes, LW=seg // lanes, BLOCK=min(1024, triton.next_power_of_2(V)),
+                         FAST=not INTERPRETING, num_warps=1)
     if stages < 8:
         return None
-    res_c = torch.empty((B, n_prog), dtype=torch.int64, device=dev)
-    q_c = torch.empty_like(res_c)
+    one = ONE_LAUNCH_RESIDUAL
+    if one:
+        res_c, cnt = one_launch_workspace(2 * B, dev)
+        q_c = res_c
+    else:
+        res_c = torch.empty((B, n_prog), dtype=torch.int64, device=dev)
+        q_c, cnt = torch.empty_like(res_c), None
     _residual_kernel[(B, n_prog)](
         logits, draft_probs if has_probs else logits, rows_f, draft_f, residual, keys_f, temperature, tau,
-        m, s, bm, mr, stride, V, n_prog, res_c, q_c, HAS_PROBS=has_probs, num_warps=warps, **consts)
-    if stages < 9:
-        return None
+        m, s, bm, mr, stride, V, n_prog, res_c, q_c, HAS_PROBS=has_probs, cnt_ptr=cnt, final_ptr=final,
+        tokens_ptr=tokens, ONE=one, num_warps=warps, **consts)
+    if stages < 9 or one:
+        return None if stages < 9 else AcceptResult(n_acc, tokens, final)
     _finish_residual_kernel[(B,)](res_c, q_c, rows_f, residual, final, tokens, n_prog, BLOCK=ncp, num_warps=1)
     return AcceptResult(n_acc, tokens, final)
 
@@ -527,6 +623,7 @@ def speculative_accept(logits: torch.Tensor, cu_rows: torch.Tensor, draft_tokens
     triton_path = use_triton(logits) if backend == "auto" else backend == "triton"
     if triton_path:
         from .sampling import _per_row
+        reject = None
         # device tensors stay where they are (no host copies: the step can be captured in a CUDA graph); the
         # kernels derive 1/T, greedy and the rng keys themselves (no torch ops on the parameters)
         dev = logits.device
@@ -536,11 +633,12 @@ def speculative_accept(logits: torch.Tensor, cu_rows: torch.Tensor, draft_tokens
             host = row_params(B, "cpu", temperature, top_k, top_p, 0, 0)        # validates on the host
             filters = may_filter(host, V) if filters is None else filters
             histogram = needs_histogram_path(host, V) if histogram is None else histogram
+            reject = bool(p_alone_rows(host, V).any())
         temperature = _per_row(temperature, B, torch.float32, dev, "temperature")
         top_k = _per_row(top_k, B, torch.int64, dev, "top_k")
         top_p = _per_row(top_p, B, torch.float32, dev, "top_p")
         return _accept_triton(logits, cu_rows, draft_tokens, draft_probs, temperature, top_k, top_p, seed, position,
-                              bitmask, mrows, filters=filters, histogram=histogram)
+                              bitmask, mrows, filters=filters, histogram=histogram, reject=reject)
     rows = _rows(cu_rows, R, temperature, top_k, top_p, seed, position)
     tau, m, s, argmax = _stats_torch(logits, rows.params, bitmask, mrows)
     n_acc = _accept_and_finalise(logits, rows, tau, m, s, argmax, draft_tokens, draft_probs, bitmask, mrows, B)

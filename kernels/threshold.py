@@ -251,42 +251,67 @@ def _load_words(bitmask_ptr, woff, ok, VEC: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
+def _sparse_block(ptrs, bitmask_ptr, lane, k, pos, start, V, mrow, bitmask_stride, LANES: tl.constexpr):
+    """(masked rows only) the mask words first, then only the allowed tokens' logits (a sector whose tokens are all
+    banned is never read: grammar masks ban whole ranges); per-token predicates: one lane per thread."""
+    woff = (start + k[None, :] * LANES) // 32 + lane[:, None] // 32
+    ok = pos < V - start
+    words = tl.load(bitmask_ptr + mrow * bitmask_stride + woff, mask=(mrow >= 0) & ok, other=-1)
+    allowed = ok & ((words & (1 << (lane % 32))[:, None]) != 0)
+    return tl.load(ptrs, mask=allowed, other=float("-inf")).to(tl.float32)
+
+
+@triton.jit
+def _dense_block(ptrs, bitmask_ptr, lane, k, pos, start, V, mrow, bitmask_stride, HAS_MASK: tl.constexpr,
+                 FULL: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, FAST: tl.constexpr):
+    """Every token's logit (16 / 8 / 4-byte loads), then the mask bits (words loaded once per thread and k)."""
+    if FULL:
+        x = tl.load(ptrs).to(tl.float32)
+    else:
+        x = tl.load(ptrs, mask=pos < V - start, other=float("-inf")).to(tl.float32)
+    if HAS_MASK:
+        # token start + pos sits in word (start + pos) // 32 at bit pos % 32 (start, LANES multiples of 32);
+        # the offsets keep dim 0 first in contiguity so that the words load takes the logits' layout
+        woff = (start + k[None, :] * LANES) // 32 + lane[:, None] // 32
+        if FULL:
+            words = _load_words(bitmask_ptr + mrow * bitmask_stride, woff, mrow >= 0, VEC, FAST)
+        else:
+            words = tl.load(bitmask_ptr + mrow * bitmask_stride + woff, mask=(mrow >= 0) & (pos < V - start),
+                            other=-1)
+        x = tl.where((words & (1 << (lane % 32))[:, None]) != 0, x, float("-inf"))
+    return x
+
+
+@triton.jit
 def lane_block(logits_ptr, bitmask_ptr, row, start, V, mrow, bitmask_stride, HAS_MASK: tl.constexpr,
                FULL: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr, sub, VEC: tl.constexpr,
-               FAST: tl.constexpr, MASK_FIRST: tl.constexpr = False):
+               FAST: tl.constexpr, MASK_FIRST: tl.constexpr = 0):
     """Raw logits (fp32) of the tokens start + k * LANES + l, l = sub * PL .. sub * PL + PL - 1, as a [PL, LW]
     block: lanes along dim 0 (contiguous in memory, VEC side by side per thread: 16 / 8 / 4-byte loads, spread
     over threads), a lane's LW tokens along dim 1 (held by one thread, so per-lane reductions need no
     communication); -inf for padding and banned tokens. FULL: no token is past V (no bounds checks).
-    Returns (lane, pos, x): lane and pos counted from start."""
+    MASK_FIRST (masked rows): 1 `_sparse_block`; 2 per program at run time, from the block's mask words (PL / 32
+    per k): `_sparse_block` when at most a quarter of them allow anything, `_dense_block` otherwise (a uniform
+    branch per program). Returns (lane, pos, x): lane and pos counted from start."""
     lane = sub * PL + tl.arange(0, PL)
     k = tl.arange(0, LW)
     pos = lane[:, None] + k[None, :] * LANES
     pos = tl.max_contiguous(tl.multiple_of(pos, [VEC, 1]), [VEC, 1])
     ptrs = logits_ptr + row * V + start + pos
-    if MASK_FIRST:
-        # (masked rows only) the mask words first, then only the allowed tokens' logits (a sector whose tokens are
-        # all banned is never read: grammar masks ban whole ranges); per-token predicates: one lane per thread
-        woff = (start + k[None, :] * LANES) // 32 + lane[:, None] // 32
-        ok = pos < V - start
-        words = tl.load(bitmask_ptr + mrow * bitmask_stride + woff, mask=(mrow >= 0) & ok, other=-1)
-        allowed = ok & ((words & (1 << (lane % 32))[:, None]) != 0)
-        x = tl.load(ptrs, mask=allowed, other=float("-inf")).to(tl.float32)
-    else:
-        if FULL:
-            x = tl.load(ptrs).to(tl.float32)
+    if MASK_FIRST == 2:
+        wi = tl.arange(0, PL // 32)
+        wtok = start + k[:, None] * LANES + sub * PL + wi[None, :] * 32          # each word's first token
+        wb = tl.load(bitmask_ptr + mrow * bitmask_stride + wtok // 32, mask=(mrow >= 0) & (wtok < V), other=-1)
+        if tl.sum(tl.sum((wb != 0).to(tl.int32), 1), 0) * 4 <= LW * (PL // 32):
+            x = _sparse_block(ptrs, bitmask_ptr, lane, k, pos, start, V, mrow, bitmask_stride, LANES)
         else:
-            x = tl.load(ptrs, mask=pos < V - start, other=float("-inf")).to(tl.float32)
-        if HAS_MASK:
-            # token start + pos sits in word (start + pos) // 32 at bit pos % 32 (start, LANES multiples of 32);
-            # the offsets keep dim 0 first in contiguity so that the words load takes the logits' layout
-            woff = (start + k[None, :] * LANES) // 32 + lane[:, None] // 32
-            if FULL:
-                words = _load_words(bitmask_ptr + mrow * bitmask_stride, woff, mrow >= 0, VEC, FAST)
-            else:
-                words = tl.load(bitmask_ptr + mrow * bitmask_stride + woff, mask=(mrow >= 0) & (pos < V - start),
-                                other=-1)
-            x = tl.where((words & (1 << (lane % 32))[:, None]) != 0, x, float("-inf"))
+            x = _dense_block(ptrs, bitmask_ptr, lane, k, pos, start, V, mrow, bitmask_stride, HAS_MASK, FULL,
+                             LANES, VEC, FAST)
+    elif MASK_FIRST == 1:
+        x = _sparse_block(ptrs, bitmask_ptr, lane, k, pos, start, V, mrow, bitmask_stride, LANES)
+    else:
+        x = _dense_block(ptrs, bitmask_ptr, lane, k, pos, start, V, mrow, bitmask_stride, HAS_MASK, FULL, LANES,
+                         VEC, FAST)
     return lane, pos, x
 
 
@@ -859,6 +884,22 @@ def _lane_bound(lm, live, n_live, top_k, LCAP: tl.constexpr, HB: tl.constexpr, R
 
 
 @triton.jit
+def _group_bound(lm, top_k, NG: tl.constexpr, GS: tl.constexpr):
+    """(lo, n): lo = the k-th largest of the maxima of NG / GS groups of GS lanes, n = the lanes with max >= lo.
+    k groups have a lane with max >= lo, so those lanes hold >= k tokens >= lo and every token >= lo sits in one of
+    them: an upper set of lanes holding the top-k set. Tight: the k-th largest group max lies near the k-th
+    largest lane max (~k + 10 lanes for k = 50 of 8,000 on flat rows), in one sort of NG / GS values instead of
+    the histogram rounds. Group i holds the lanes i, i + NG / GS, ... (token ids = i mod 256 at the default
+    layout), so tokens clustered in an id range (frequent tokens have low ids) fall into different groups. lo is
+    -inf when fewer than k groups hold an allowed token (the caller then falls back)."""
+    gm = tl.max(tl.reshape(lm, [GS, NG // GS]), 0)
+    srt = tl.sort(gm, 0, descending=True)
+    lo = tl.max(tl.where(tl.arange(0, NG // GS) == top_k - 1, srt, float("-inf")), 0)
+    n = tl.sum((lm >= lo).to(tl.int32), 0)
+    return lo, n
+
+
+@triton.jit
 def _kept_column(logits_ptr, row, t, ok, V, inv_t, tau, bitmask_ptr, mrow, bitmask_stride, HAS_MASK: tl.constexpr):
     """z of the tokens t (one per lane) as the sampling pass sees them with tau: -inf where banned, padding (ok
     false or t >= V) or below tau."""
@@ -904,11 +945,13 @@ def _lane_merge_kernel(logits_ptr, tau_ptr, path_ptr, tok_ptr, inv_t_ptr, greedy
                        scratch_ptr, HAS_MASK: tl.constexpr, NG: tl.constexpr, LCAP: tl.constexpr,
                        KMAX: tl.constexpr, KP: tl.constexpr, JB: tl.constexpr, HB: tl.constexpr,
                        ROUNDS: tl.constexpr, BLOCK: tl.constexpr, DRAW: tl.constexpr, LANES: tl.constexpr,
-                       LW: tl.constexpr, FAST: tl.constexpr, UPTO: tl.constexpr = 4, P_LANES: tl.constexpr = True):
+                       LW: tl.constexpr, FAST: tl.constexpr, UPTO: tl.constexpr = 4, P_LANES: tl.constexpr = True,
+                       GROUPS: tl.constexpr = False):
     """Program (row) of a candidate-path row: the lanes that may hold top-k tokens (`_lane_bound` on the stored
-    lane maxima), their tokens gathered as a [LCAP, LW] block, tau from them (`_block_tau`), and with DRAW the
-    row's token by the sampling rule on those lanes restricted to z >= tau (`segment_pack`, the pass's very
-    operations per lane; every other lane holds no kept token, so it would score -inf in the pass). path[row]:
+    lane maxima; GROUPS: `_group_bound` first, the histograms only when that leaves more than LCAP lanes), their
+    tokens gathered as a [LCAP, LW] block, tau from them (`_block_tau`), and with DRAW the row's token by the
+    sampling rule on those lanes restricted to z >= tau (`segment_pack`, the pass's very operations per lane;
+    every other lane holds no kept token, so it would score -inf in the pass). path[row]:
     gathered candidates (>= 1), -1 (more than LCAP lanes tie at the bound: exact row bisection, and the draw by a
     loop over the row here), -2 (nothing to filter or nothing allowed: tau = -inf), -3 (left to the histogram
     path: tau and the draw come later). tok[row]: the drawn token, -2 where the sampling pass must draw.
@@ -939,7 +982,11 @@ def _lane_merge_kernel(logits_ptr, tau_ptr, path_ptr, tok_ptr, inv_t_ptr, greedy
             lo = m
             n_sel = n_live * 0 + 1
             if UPTO >= 2:
-                lo, n_sel = _lane_bound(lm, live, n_live, top_k, LCAP, HB, ROUNDS)
+                n_sel = LCAP + 1
+                if GROUPS:
+                    lo, n_sel = _group_bound(lm, top_k, NG, 32)
+                if n_sel > LCAP:
+                    lo, n_sel = _lane_bound(lm, live, n_live, top_k, LCAP, HB, ROUNDS)
             key = tl.load(keys_ptr + row).to(tl.uint32)
             if n_sel <= LCAP:
                 sel = lm >= lo                                      # (-inf lanes never: lo is a live lane's max)
@@ -1004,6 +1051,7 @@ def _lane_merge_kernel(logits_ptr, tau_ptr, path_ptr, tok_ptr, inv_t_ptr, greedy
 NEG_INF_KEY = (0xFF800000 - (1 << 32)) ^ 0x7FFFFFFF
 NEG_INF_KEY_C = tl.constexpr(NEG_INF_KEY)
 LCAP = 128            # lanes the lane path's merge gathers at most (x LW tokens each)
+GROUP_BOUND = False    # the merge bounds the top-k lanes by the k-th largest maximum of 32-lane groups first
 P_ONLY_LANES = True    # top-p-alone rows try the lane path (k = KMAX) before the histogram path
 LANE_SHAPE = (128, 4)  # lane-maxima pass: (lanes per program, warps); R1: top-k50 sampling 34.8 / 86.4 us at
                       # B=64 / 256 vs 38.3 / 92.4 at 256x2, 35.8 / 91.1 at 256x8
@@ -1044,7 +1092,7 @@ def lane_path(logits, params, bitmask, mrows, tau, path, tok, seg, lanes, kmax=K
         NG=max(16, triton.next_power_of_2(n_l)), LCAP=lcap, KMAX=kmax, KP=KP, JB=32, HB=HB, ROUNDS=rounds,
         BLOCK=min(block, triton.next_power_of_2(V)), DRAW=draw, LANES=lanes, LW=seg // lanes,
         FAST=not INTERPRETING, UPTO=upto, P_LANES=P_ONLY_LANES if p_lanes is None else p_lanes,
-        num_warps=MERGE_WARPS)
+        GROUPS=GROUP_BOUND and triton.next_power_of_2(n_l) >= 32 * kmax, num_warps=MERGE_WARPS)
 
 
 def needs_histogram_path(params, V: int, kmax: int = KMAX) -> bool | None:

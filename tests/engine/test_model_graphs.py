@@ -107,9 +107,14 @@ def test_emulated_graph_replays_equal_eager_steps(name):
     eager = batched.eager_layers(m)
     if name == "v4":     # V4's overlapping / index compressors update eagerly between segments
         assert 0 < len(eager) < m.config.num_layers
-    else:                # V4.1: every cache update inside the graph (compress_step): one segment, embedding to head
-        assert eager == []
-        assert all(key[:3] == ("span", None, None) for size in graphs._sizes.values() for key in size.segments)
+    else:                # V4.1: every cache update inside the graph (compress_step): embedding to head, cut only
+        assert eager == []   # between layers before each Engram layer (batched.engram_splits)
+        splits = batched.engram_splits(m)
+        assert splits == [i for i in m.config.engram_layer_ids if i > 0] and splits
+        L, B = m.config.num_layers, batched.BOUNDARY
+        cuts = {(None if a == 0 else B, a, None if b == L else B) for a, b in zip([0] + splits, splits + [L])}
+        assert {key[1:4] for size in graphs._sizes.values() for key in size.segments} == cuts
+        eager = splits       # (as many cuts)
     assert modes.count("capture") == 3 and graphs.captures >= 3 * (len(eager) + 1)
     assert all(len(size.segments) >= len(eager) + 1 for size in graphs._sizes.values())
 
@@ -171,9 +176,9 @@ def test_a_size_is_captured_on_its_third_step_by_default_and_old_sizes_are_dropp
 
 def test_a_v41_decode_step_is_one_graph_and_one_upload_of_its_index_lists(monkeypatch):
     """V4.1: the compressors' cache updates run inside the graph (compress_step), so a replayed decode / verify step
-    runs ONE segment, and every index list the host makes for it, the token ids and positions included, goes to
-    the device in ONE copy (BatchPlan.layout, sent at launch); the graph reads that upload in place (no staging
-    copy per input).
+    runs ONE segment per cut before an Engram layer (batched.engram_splits; one segment without Engram), and every
+    index list the host makes for it, the token ids and positions included, goes to the device in ONE copy
+    (BatchPlan.layout, sent at launch); the graph reads that upload in place (no staging copy per input).
     Checked by counting (emulated graphs, CPU); the replays' results are checked against eager steps above."""
     from deepinfer_sg.engine import transfer
     m = MODELS["v41"]()
@@ -192,7 +197,9 @@ def test_a_v41_decode_step_is_one_graph_and_one_upload_of_its_index_lists(monkey
             return real(*a, **k)
         return f
     monkeypatch.setattr(SegmentGraphs, "run", count("run", real_run))
-    monkeypatch.setattr(batched.BatchPlan, "layout", count("layout", real_layout))
+    monkeypatch.setattr(batched.BatchPlan, "layout",     # (layouts that lay something out)
+                        lambda plan, *a: (counts.__setitem__("layout", counts["layout"] + bool(plan.pending)),
+                                          real_layout(plan, *a))[1])
     monkeypatch.setattr(SegmentGraphs, "stage", count("stage", real_stage))
     for mod in ("model", "batched", "arena", "compressor", "compress_step"):   # multi-part uploads made elsewhere
         monkeypatch.setattr(f"deepinfer_sg.engine.{mod}.to_device_many", count("uploads", real_many), raising=False)
@@ -206,7 +213,35 @@ def test_a_v41_decode_step_is_one_graph_and_one_upload_of_its_index_lists(monkey
         for c, n in zip(caches, rows):
             if n > 1:
                 c.rollback(n - 1)
-    # the last step (T = 4, third time: a replay) ran one segment and laid its index lists out in one upload
-    assert counts["run"] == 1 and counts["layout"] == 1, counts
+    # the last step (T = 4, third time: a replay) ran its segments and laid its index lists out in one upload
+    assert counts["run"] == len(batched.engram_splits(m)) + 1 and counts["layout"] == 1, counts
     # no other upload (the token ids and positions came with that upload) and nothing staged (copied) per replay
     assert counts["uploads"] == 0 and counts["stage"] == 0, counts
+
+
+def test_a_v41_step_reads_each_engram_layers_rows_after_launching_the_segments_before_it(monkeypatch):
+    """The cut before an Engram layer is there so the host reads that layer's table rows while the device runs the
+    segments before it: the order of events in a decode step is run(layers before) -> read(rows) -> run(the rest),
+    and the step's logits are still the reference path's."""
+    from deepinfer_sg.engine.engram import Engram
+    m = MODELS["v41"]()
+    ref = copy.deepcopy(m)
+    ref.fast_decode = False
+    events = []
+    real_run, real_read = SegmentGraphs.run, Engram.packed_values
+    monkeypatch.setattr(SegmentGraphs, "run", lambda g, key, *a: events.append(("run", key[2])) or real_run(g, key, *a))
+    monkeypatch.setattr(Engram, "packed_values",
+                        lambda e, *a, **k: events.append(("read", e.layer_id)) or real_read(e, *a, **k))
+    g = torch.Generator().manual_seed(8)
+    caches = [m.new_cache() for _ in range(2)]
+    prompts = [torch.randint(0, 512, (n,), generator=g) for n in (9, 4)]
+    m.forward_step([StepChunk(c, p, 1) for c, p in zip(caches, prompts)])
+    rc = copy.deepcopy(caches)
+    ids = torch.randint(0, 512, (2,), generator=g)
+    events.clear()
+    got = m.forward_step([StepChunk(c, ids[k:k + 1], 1) for k, c in enumerate(caches)]).logits
+    want = ref.forward_step([StepChunk(c, ids[k:k + 1], 1) for k, c in enumerate(rc)]).logits
+    splits = batched.engram_splits(m)
+    order = [("run", 0)] + [e for j in splits for e in (("read", j), ("run", j))]
+    assert events == order
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)

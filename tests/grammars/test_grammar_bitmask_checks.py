@@ -79,3 +79,33 @@ def test_a_tensor_re_pointed_in_place_is_followed(compiler, raw_lltokenizer, ds_
     m.fill_mask(out, 3)
     assert torch.equal(out[3], raw_mask(raw_lltokenizer, compiled.grammar, []))
     assert not out[:3].any()
+
+
+@pytest.mark.parametrize("rows", [1, 0])
+def test_a_tensor_re_pointed_in_place_is_followed_on_the_same_row(compiler, raw_lltokenizer, rows):
+    """The same tensor and the same row as the last fill, but new memory (set_): fill_mask's fast path (the cached
+    address) must notice, write the new memory (or refuse a tensor left with no rows) and never the old one."""
+    compiled = compiler.compile(JsonSchema(SCHEMA, whitespace="compact"))
+    m = compiled.matcher()
+    out = allocate_bitmask(2, DEEPSEEK_VOCAB)
+    m.fill_mask(out, 0)
+    old = out[:]  # a view of the old storage, kept alive
+    old.zero_()
+    out.set_(torch.zeros((rows, WORDS), dtype=torch.int32))
+    if rows:
+        m.fill_mask(out, 0)
+        assert torch.equal(out[0], raw_mask(raw_lltokenizer, compiled.grammar, []))
+    else:
+        with pytest.raises(ValueError):
+            m.fill_mask(out, 0)
+    assert not old.any()
+
+
+def test_a_storage_shrunk_in_place_is_refused(compiler, xgr_compiler, ds_tokenizer):
+    """A storage resized below its tensor's shape (the shape stays) must not be written by address: refused."""
+    for m in matchers(compiler, xgr_compiler, ds_tokenizer):
+        out = allocate_bitmask(2, DEEPSEEK_VOCAB)
+        m.fill_mask(out, 1)
+        out.untyped_storage().resize_(WORDS * 4)  # one row's bytes left; the tensor still says 2 rows
+        with pytest.raises(ValueError, match="storage"):
+            m.fill_mask(out, 1)

@@ -156,3 +156,65 @@ def test_json_grammar_text_is_what_llguidance_builds_from_the_schema_text(compil
     assert g_ours["json_schema"] == g_theirs["json_schema"]
     assert all(v is None for k, v in g_theirs.items() if k not in g_ours and k != "name")
     assert all(v is None for k, v in theirs.items() if k != "grammars")
+
+
+@pytest.fixture(scope="module")
+def cache_off_compiler(ds_tokenizer):
+    c = ConstraintCompiler(ds_tokenizer, cache_bytes=0)
+    yield c
+    c.close()
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"d": {"type": "string", "format": "date"}}, "required": ["d"]},  # rewritten
+    {"oneOf": [{"type": "string"}, {"type": "integer"}], "description": "two disjoint branches"},  # rewritten
+    {"type": "array", "items": {"type": "integer"}, "maxItems": 3},  # as given
+])
+def test_cache_off_compiles_the_same_grammar_inline(cache_off_compiler, compiler, schema):
+    """With the cache off, compile() builds no cache key (the schema's own text is never encoded when it is
+    rewritten); llguidance gets the very grammar the caching compiler hands it, on the caller's thread."""
+    spec = JsonSchema(schema, whitespace="compact")
+    a, b = cache_off_compiler.compile(spec), cache_off_compiler.compile(spec)
+    assert a is not b and a.grammar == b.grammar == compiler.compile(JsonSchema(schema, whitespace="compact")).grammar
+    assert not cache_off_compiler._pool._threads
+
+
+def test_cache_off_large_schema_goes_to_a_worker(cache_off_compiler, monkeypatch):
+    """An inline compile measures the grammar text it made (the rewrite's, with the cache off): past
+    INLINE_MAX_CHARS the compile runs on a worker, under the timeout."""
+    from deepinfer_sg.grammars import backend_llguidance, compiler as compiler_module
+
+    threads = []
+    original = backend_llguidance.compile_spec
+
+    def spy(spec, vocab, *args):
+        threads.append(threading.current_thread().name)
+        return original(spec, vocab, *args)
+
+    monkeypatch.setattr(backend_llguidance, "compile_spec", spy)
+    props = {f"p{i}": {"type": "string", "format": "date", "description": "x" * 40} for i in range(200)}
+    schema = {"type": "object", "properties": props}
+    assert len(JsonSchema(schema).layout_key()) > compiler_module.INLINE_MAX_CHARS
+    cache_off_compiler.compile(JsonSchema(schema))
+    assert threads and threads[-1].startswith("grammar-compile")
+
+
+@pytest.mark.parametrize("schema,message", [
+    ({"enum": ["a", {1, 2}]}, "not JSON-serializable"),  # handed to llguidance as given
+    ({"oneOf": [{"const": 1}, {"const": {1}}]}, "not JSON-serializable"),  # rewritten first
+    ({"enum": ["a\udcff"]}, "not valid UTF-8"),  # a lone surrogate
+])
+def test_a_schema_that_is_not_json_is_refused_by_compile(cache_off_compiler, compiler, schema, message):
+    """JsonSchema encodes its schema on first use, not at construction: compile() refuses one that is not JSON,
+    with or without the cache."""
+    for c in (compiler, cache_off_compiler):
+        with pytest.raises(ConstraintError, match=message):
+            c.compile(JsonSchema(schema))
+
+
+def test_a_schema_that_contains_itself_is_refused(cache_off_compiler, compiler):
+    schema = {"type": "object", "properties": {}}
+    schema["properties"]["a"] = schema
+    for c in (compiler, cache_off_compiler):
+        with pytest.raises(ConstraintError, match="nested too deeply"):
+            c.compile(JsonSchema(schema))

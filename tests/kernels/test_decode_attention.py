@@ -77,16 +77,18 @@ def test_bad_shapes_raise():
         sparse_attention(q, win_kv, win_idx[:-1], sink)
 
 
-@pytest.mark.parametrize("splits,unchain", [(1, False), (3, False), (5, False), (3, True), (4, True)])
-def test_key_splits_match_formula(splits, unchain):
+@pytest.mark.parametrize("splits,unchain,lazy", [(1, False, False), (3, False, False), (5, False, False),
+                                                 (3, True, False), (4, True, False), (1, True, True), (3, True, True)])
+def test_key_splits_match_formula(splits, unchain, lazy):
     """Flash-decoding splits (a split straddling the window/compressed boundary, splits with no valid keys, a row
-    with no keys at all), chained and unchained, against the float64 formula."""
+    with no keys at all), chained and unchained, the denominators summed per block or once after the loop
+    (lazy), against the float64 formula."""
     gen = torch.Generator().manual_seed(40 + splits)
     q, win_kv, win_idx, cmp_kv, cmp_idx, sink = _inputs(gen, N=5, H=20, D=32, Kw=40, Kc=33)
     win_idx[2, 10:] = -1                                   # row 2: the later window splits see only padding
     ref = _naive(q, win_kv, win_idx, cmp_kv, cmp_idx, sink)
     out = sparse_attention_triton(*on_dev((q, win_kv, win_idx, sink, cmp_kv, cmp_idx)), block_h=16, block_k=16,
-                                  splits=splits, unchain=unchain).cpu()
+                                  splits=splits, unchain=unchain, lazy_sum=lazy).cpu()
     assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
     assert out[4].abs().max() == 0
 
@@ -148,15 +150,18 @@ def test_all_heads_two_head_blocks():
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("splits,block_k,dtype", [(1, 16, torch.float32), (2, 32, torch.float32),
-                                                  (1, 64, torch.bfloat16), (2, 64, torch.bfloat16),
-                                                  (3, 16, torch.bfloat16)])
-def test_unchained_matches_formula(splits, block_k, dtype):
+@pytest.mark.parametrize("splits,block_k,dtype,lazy", [(1, 16, torch.float32, False), (2, 32, torch.float32, False),
+                                                       (1, 64, torch.bfloat16, False), (2, 64, torch.bfloat16, False),
+                                                       (3, 16, torch.bfloat16, False), (1, 64, torch.bfloat16, True),
+                                                       (2, 64, torch.bfloat16, True), (3, 16, torch.float32, True)])
+def test_unchained_matches_formula(splits, block_k, dtype, lazy):
     """The unchained form (P and the rescale factors handed to the P@V dot through a per-program scratch, a barrier
     between, two buffers by key-block parity) against the float64 formula: several key blocks per program (a
     parity reuse race would show), a row whose later keys are padding, a row with no keys, a row whose running
-    max jumps. Compiled, only bf16 pools take the unchained path (fp32 ones fall back to the chained form)."""
-    _check_twice(70 + splits + block_k, dtype, block_h=64, block_k=block_k, num_warps=8, splits=splits, unchain=True)
+    max jumps; the denominators summed per block or kept per column until the end (lazy, the default at 64
+    heads). Compiled, only bf16 pools take the unchained path (fp32 ones fall back to the chained form)."""
+    _check_twice(70 + splits + block_k, dtype, block_h=64, block_k=block_k, num_warps=8, splits=splits, unchain=True,
+                 lazy_sum=lazy)
 
 
 def _check_twice(seed, dtype, **kw):

@@ -77,17 +77,17 @@ def test_triton_matches_twin(T, M, H, dtype, iters):
         assert torch.allclose(a, b, atol=2e-5, rtol=1e-4), (a - b).abs().max()
 
 
-@pytest.mark.parametrize("T,mix_bt,sc,fast", [(37, 2, 16, True), (5, 8, 16, False), (37, 16, 4, True),
-                                             (21, 4, 2, False)])
-def test_mixing_blocks_match_twin(T, mix_bt, sc, fast):
-    """Mixing shapes on a token count that leaves partial blocks; sc: split partials loaded at once (6
-    splits: a partial last chunk when sc does not divide them); fast: hardware reciprocals in the Sinkhorn loop
-    (compiled kernels; the interpreter divides). Columns of the result sum to 1 (the loop ends on a column
-    step)."""
-    gen = torch.Generator().manual_seed(T + mix_bt)
+@pytest.mark.parametrize("T,waiters,spc,fast", [(37, 2, 16, True), (5, 8, 16, False), (37, 16, 4, True),
+                                              (21, 4, 2, False)])
+def test_mixing_blocks_match_twin(T, waiters, spc, fast):
+    """Mixing shapes on a token count that leaves partial blocks; waiters: programs mixing a token block's tokens
+    (on a GPU); spc: split partials loaded at once (6 splits: a partial last chunk when spc does not divide them);
+    fast: hardware reciprocals in the Sinkhorn loop (compiled kernels; the interpreter divides). Columns of the
+    result sum to 1 (the loop ends on a column step)."""
+    gen = torch.Generator().manual_seed(T + waiters)
     x = _params(gen, T, 4, 48, torch.bfloat16)
     ref = hc_mixes_torch(*x)
-    out = hc_mixes_triton(*on_dev(x), block_t=16, block_k=32, split=32, mix_bt=mix_bt, sc=sc, fast_rcp=fast)
+    out = hc_mixes_triton(*on_dev(x), block_t=16, block_k=32, split=32, waiters=waiters, spc=spc, fast_rcp=fast)
     for a, b in zip(to_cpu((out.pre, out.post, out.comb)), (ref.pre, ref.post, ref.comb)):
         assert torch.allclose(a, b, atol=2e-5, rtol=1e-4), (a - b).abs().max()
     assert torch.allclose(to_cpu(out.comb).sum(1), torch.ones(T, 4), atol=1e-4)
@@ -100,7 +100,7 @@ def test_decode_tiles_repeat_bit_for_bit(block_t, split, block_k):
     gen = torch.Generator().manual_seed(100 + block_t)
     x = _params(gen, 37, 4, 72, torch.bfloat16)
     ref = _naive(x[0].double(), x[1].double(), x[2].double(), x[3].double(), 20)
-    kw = dict(block_t=block_t, block_k=block_k, split=split, mix_bt=16, mix_warps=4)
+    kw = dict(block_t=block_t, block_k=block_k, split=split)
     a = hc_mixes_triton(*on_dev(x), **kw)
     b = hc_mixes_triton(*on_dev(x), **kw)
     for u, v, w in zip((a.pre, a.post, a.comb), (b.pre, b.post, b.comb), ref):
@@ -129,16 +129,16 @@ def test_bf16_residual_paths_match_float64_formula(precision, prefetch):
         assert torch.allclose(a.cpu().double(), b, atol=2e-5, rtol=1e-4), (a.cpu().double() - b).abs().max()
 
 
-@pytest.mark.parametrize("parts,sc,mix_bt", [(False, 4, 16), (False, 8, 8), (True, 1, 2), (True, 2, 4)])
-def test_fn_forms_agree_with_formula(parts, sc, mix_bt):
+@pytest.mark.parametrize("parts,spc,waiters", [(False, 4, 16), (False, 8, 8), (True, 1, 2), (True, 2, 4)])
+def test_fn_forms_agree_with_formula(parts, spc, waiters):
     """fn split in registers or read as bf16 parts; several token blocks, a split count (5) that is not a
-    multiple of sc; two fresh inputs."""
+    multiple of spc; two fresh inputs."""
     from deepinfer_sg.kernels.hc_mix import split_fn_bf16
     for seed in (41, 42):
         gen = torch.Generator().manual_seed(seed)
         x = _params(gen, 35, 4, 80, torch.bfloat16)
         ref = _naive(x[0].double(), x[1].double(), x[2].double(), x[3].double(), 20)
-        out = hc_mixes_triton(*on_dev(x), iters=20, block_t=16, block_k=32, split=64, sc=sc, mix_bt=mix_bt,
+        out = hc_mixes_triton(*on_dev(x), iters=20, block_t=16, block_k=32, split=64, spc=spc, waiters=waiters,
                               fn_parts=on_dev(split_fn_bf16(x[1])) if parts else None)
         for a, b in zip((out.pre, out.post, out.comb), ref):
             assert torch.allclose(a.cpu().double(), b, atol=2e-5, rtol=1e-4), (a.cpu().double() - b).abs().max()
@@ -209,3 +209,39 @@ def test_apply_bad_shapes_raise():
     R, y, post, comb, a = _apply_inputs(torch.Generator().manual_seed(0), 2, 4, 8, torch.float32)
     with pytest.raises(ValueError, match="comb mix"):
         hc_post_apply(R, y, post, comb[:, :2])
+
+
+@pytest.mark.parametrize("T,block_t,split,block_k,waiters,spc,parts,prefetch", [
+    (37, 16, 64, 32, None, None, False, True),    # 3 token blocks (the last partial), 5 splits, 2 steps per split
+    (21, 8, 128, 64, 2, 2, False, True),          # waiters with several tokens each; 3 split chunks of 2
+    (35, 16, 64, 32, None, 4, True, False),       # fn as bf16 parts, loads in their step; 5 splits in chunks of 4
+    (6, 16, 320, 64, None, None, False, False)])  # one token block, one split (K = 320), 5 steps
+def test_fused_launch_matches_formula_and_repeats(T, block_t, split, block_k, waiters, spc, parts, prefetch):
+    """The launch (partials, tickets, the last starters mix) against the float64 formula, twice on the
+    same input (same bits: the partials are added in a fixed order whichever program stored last), and its
+    counters are left zero for the next launch."""
+    from deepinfer_sg.kernels import hc_mix
+    gen = torch.Generator().manual_seed(T * split)
+    x = _params(gen, T, 4, 80, torch.bfloat16)
+    ref = _naive(x[0].double(), x[1].double(), x[2].double(), x[3].double(), 20)
+    kw = dict(block_t=block_t, split=split, block_k=block_k, waiters=waiters, spc=spc, prefetch=prefetch,
+              fn_parts=on_dev(hc_mix.split_fn_bf16(x[1])) if parts else None)
+    a = hc_mixes_triton(*on_dev(x), **kw)
+    b = hc_mixes_triton(*on_dev(x), **kw)
+    for u, v, w in zip((a.pre, a.post, a.comb), (b.pre, b.post, b.comb), ref):
+        assert torch.equal(u, v)
+        assert torch.allclose(u.cpu().double(), w, atol=2e-5, rtol=1e-4), (u.cpu().double() - w).abs().max()
+    ring = hc_mix._COUNTERS[a.pre.device][0]
+    assert int(ring.abs().sum()) == 0
+
+
+def test_fused_launch_beyond_one_wave():
+    """More programs than the GPU holds at once (132 token blocks x 5 splits on a GPU; a small case in the
+    interpreter): only the last starter of each block waits, so the launch cannot deadlock; results as the twin."""
+    from helpers import DEVICE
+    T = 2100 if DEVICE == "cuda" else 40
+    x = _params(torch.Generator().manual_seed(7), T, 4, 80, torch.bfloat16)
+    ref = hc_mixes_torch(*x)
+    out = hc_mixes_triton(*on_dev(x), block_t=16, split=64, block_k=64)
+    for a, b in zip(to_cpu((out.pre, out.post, out.comb)), (ref.pre, ref.post, ref.comb)):
+        assert torch.allclose(a, b, atol=2e-5, rtol=1e-4), (a - b).abs().max()

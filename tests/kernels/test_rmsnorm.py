@@ -55,3 +55,28 @@ def test_triton_reads_a_non_contiguous_input():
 def test_a_weight_of_another_width_is_refused():
     with pytest.raises(ValueError, match="weight of shape"):
         rms_norm_triton(torch.randn(3, 8), torch.ones(9), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_scatter_in_the_same_launch(dtype):
+    """turn: the norm's output (as stored) rotated like kernels/rope.py; rows: each row lands in its out row, the
+    other out rows untouched. Against the twin's three steps (norm, rope, index_copy)."""
+    from deepinfer_sg.kernels.rmsnorm import rms_norm
+    from deepinfer_sg.kernels.rope import apply_rope_torch
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(5, 70, generator=g) * 2)[:, 3:51].to(dtype)     # strided rows of 48 channels
+    w = torch.rand(48, generator=g) + 0.5
+    ang = torch.rand(5, 8, generator=g) * 20
+    turn = torch.stack([ang.cos(), ang.sin()], dim=-1)
+    want = apply_rope_torch(rms_norm_torch(x, w, 1e-6), turn)
+    tol = dict(atol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=1e-2)
+    got = to_cpu(rms_norm_triton(on_dev(x), on_dev(w), 1e-6, on_dev(turn)))
+    assert torch.allclose(got.float(), want.float(), **tol)
+    pool = torch.randn(9, 48, generator=g).to(dtype)
+    rows = torch.tensor([8, 1, 3, 0, 5])
+    ref = rms_norm(x, w, 1e-6, turn, pool.clone(), rows)              # (CPU: the twin's three steps)
+    assert torch.equal(ref[rows], want)
+    got = to_cpu(rms_norm_triton(on_dev(x), on_dev(w), 1e-6, on_dev(turn), on_dev(pool.clone()), on_dev(rows)))
+    assert torch.allclose(got.float(), ref.float(), **tol)
+    untouched = [r for r in range(9) if r not in rows.tolist()]
+    assert torch.equal(got[untouched], pool[untouched])

@@ -152,16 +152,12 @@ def test_fused_path_invalid_drafts_filters_and_masks_together():
     assert bool((a.final_tokens >= 0).all())
 
 
-def test_bonus_token_is_the_plain_sample_at_that_position():
-    """Drafts whose draft distribution equals q are always accepted (u * q(d) < q(d)); the bonus token of the
-    last row must then be exactly what sample_from_logits draws for that row at position + L (same stream)."""
+def _assert_bonus_is_the_plain_sample(logits, B, L, temperature, top_k, top_p, gen):
+    """Drafts sampled from q itself with draft probabilities q are always accepted (u * q(d) < q(d)); the bonus
+    token of each request's last row must then be exactly what sample_from_logits draws for that row at position
+    + L (same stream), on both backends."""
     from deepinfer_sg.kernels import processed_probs, sample_from_logits
-    gen = torch.Generator().manual_seed(5)
-    vocab, B, L = 300, 5, 3
-    logits = torch.randn(B * (L + 1), vocab, generator=gen) * 2
-    temperature, top_k, top_p = 0.9, torch.tensor([0, 7, 0, 20, 0]), torch.tensor([1.0, 1.0, 0.8, 0.9, 1.0])
-    rows_k, rows_p = top_k.repeat_interleave(L + 1), top_p.repeat_interleave(L + 1)
-    q = processed_probs(logits, temperature, rows_k, rows_p)
+    q = processed_probs(logits, temperature, top_k.repeat_interleave(L + 1), top_p.repeat_interleave(L + 1))
     drafts = torch.multinomial(q, 1, generator=gen)[:, 0]
     cu = torch.arange(B + 1) * (L + 1)
     seed, pos = torch.arange(B) * 13 + 2, torch.arange(B) * 50 + 4
@@ -173,6 +169,25 @@ def test_bonus_token_is_the_plain_sample_at_that_position():
         res = speculative_accept(*args, backend=backend, **(kw if backend == "torch" else on_dev(kw)))
         assert res.num_accepted.cpu().tolist() == [L] * B
         assert torch.equal(res.final_tokens.cpu(), want)
+
+
+def test_bonus_token_is_the_plain_sample_at_that_position():
+    gen = torch.Generator().manual_seed(5)
+    vocab, B, L = 300, 5, 3
+    logits = torch.randn(B * (L + 1), vocab, generator=gen) * 2
+    _assert_bonus_is_the_plain_sample(logits, B, L, 0.9, torch.tensor([0, 7, 0, 20, 0]),
+                                      torch.tensor([1.0, 1.0, 0.8, 0.9, 1.0]), gen)
+
+
+def test_top_p_alone_bonus_follows_the_rejection_rule_with_its_fallback():
+    """Top-p-alone requests draw their bonus by kernels/rejection.py's rule (the plain sample's rule), also when p
+    is so small on a flat row that the accept kernel runs the rest of the rule by loops over the row."""
+    gen = torch.Generator().manual_seed(12)
+    vocab, B, L = 600, 4, 2
+    logits = torch.randn(B * (L + 1), vocab, generator=gen) * 2
+    logits[3 * (L + 1):] = torch.randn(L + 1, vocab, generator=gen) * 0.05      # request 3: flat
+    _assert_bonus_is_the_plain_sample(logits, B, L, 1.0, torch.tensor([0, 0, 9, 0]),
+                                      torch.tensor([0.9, 0.3, 1.0, 0.01]), gen)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -216,3 +231,19 @@ def test_pass_shapes_match_twin(shape, monkeypatch):
                            backend="triton", **on_dev(kw))
     assert torch.equal(a.num_accepted, b.num_accepted.cpu()) and torch.equal(a.tokens, b.tokens.cpu())
     assert torch.equal(a.final_tokens, b.final_tokens.cpu())
+
+
+def test_residual_finish_folded_into_the_residual_pass(monkeypatch):
+    """ONE_LAUNCH_RESIDUAL (the residual pass folds its winners into per-request words by atomic maxima and the
+    request's last program writes the final token): the twin's result, twice in a row (the workspace is left
+    clean), with requests that accept everything (no residual) beside rejecting ones."""
+    monkeypatch.setattr(spec_mod, "ONE_LAUNCH_RESIDUAL", True)
+    gen = torch.Generator().manual_seed(31)
+    for noise in (0.8, 0.8, 3.0):
+        cu, logits, probs, drafts = _batch(gen, 700, [3, 1, 4, 2, 5, 2], noise)
+        kw = dict(temperature=torch.tensor([1.0, 0.8, 1.2, 1.0, 0.9, 0.7]), top_k=0, top_p=1.0,
+                  seed=torch.arange(6) + 3, position=torch.arange(6) * 9)
+        a = speculative_accept(logits, cu, drafts, probs, backend="torch", **kw)
+        b = speculative_accept(*on_dev((logits, cu, drafts, probs)), backend="triton", **on_dev(kw))
+        assert torch.equal(a.num_accepted, b.num_accepted.cpu())
+        assert torch.equal(a.tokens, b.tokens.cpu()) and torch.equal(a.final_tokens, b.final_tokens.cpu())

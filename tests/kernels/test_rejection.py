@@ -1,0 +1,126 @@
+"""Top-p alone by rejection (kernels/rejection.py): the rule's law against q computed by hand from the definition
+(ties at the cut, banned tokens, small p so that the fallback after NMAX proposals runs), the kernels' tokens
+against the twin's (fast path, the finish's loops, mixed batches). The speculative bonus follows the rule too
+(tests/kernels/test_speculative.py)."""
+import pytest
+import torch
+
+from deepinfer_sg.kernels import rejection
+from deepinfer_sg.kernels.sampling import processed_probs, rejection_draw_torch, row_params, sample_torch, sample_triton
+from helpers import assert_matches_distribution, bit_allowed, on_dev, params_on_dev, random_bitmask
+from test_sampling import _hand_q
+
+
+@pytest.mark.parametrize("top_p,temperature", [(0.9, 1.0), (0.3, 0.7), (0.05, 1.3)])
+def test_rejection_rule_follows_the_exact_distribution(top_p, temperature):
+    """Many seeds of one row (ties at the top and in the middle, one banned token, one -inf): the rule's draws
+    (the twin: proposals, then the restricted fallback on an independent key) follow q from the definition by
+    hand and never leave the kept set. p = 0.05 keeps only the two tokens tied at the top (ties stay in), and
+    at p = 0.3 a share of the rows reaches the fallback after NMAX proposals: both branches are in the law."""
+    gen = torch.Generator().manual_seed(int(top_p * 100))
+    vocab, n = 23, 40000
+    logits = torch.randn(vocab, generator=gen)
+    logits[4] = logits[9] = logits.max() + 0.5                   # a tie at the top
+    logits[11] = logits[12] = logits[13] = float(logits.median())  # a tie in the middle
+    logits[17] = -float("inf")
+    bm = random_bitmask(1, vocab, gen, density=1.0)
+    bm[0, 0] &= ~(1 << 6)                                          # token 6 banned
+    allowed = [bit_allowed(bm, 0, v) for v in range(vocab)]
+    q = _hand_q(logits, temperature, 0, top_p, allowed)
+    rows = logits.expand(n, vocab).contiguous()
+    p = row_params(n, "cpu", temperature, 0, top_p, seed=torch.arange(n) // 7, position=torch.arange(n) % 7)
+    toks = sample_torch(rows, p, bm, torch.zeros(n, dtype=torch.int64), seg=8, lanes=2)
+    counts = torch.bincount(toks, minlength=vocab)
+    assert counts[[v for v in range(vocab) if q[v] == 0]].sum() == 0
+    assert_matches_distribution(counts, q, n, sigmas=5.0)
+
+
+def test_fallback_draws_are_independent_of_the_proposals():
+    """Rows where every proposal misses (p tiny on a flat row): the fallback's token is the restricted draw with
+    key NMAX, which must not be one of the (rejected) proposals more often than q says: on two tokens tied at the
+    top with p tiny, the kept set is exactly those two, each drawn half the time."""
+    n, vocab = 6000, 400
+    logits = torch.zeros(n, vocab)
+    logits[:, 7] = logits[:, 300] = 1.0                           # kept set {7, 300}: mass ~ 2e / (398 + 2e)
+    p = row_params(n, "cpu", 1.0, 0, 0.001, seed=torch.arange(n), position=3)
+    toks = sample_torch(logits, p, seg=256, lanes=64)
+    assert set(toks.tolist()) == {7, 300}
+    assert abs(int((toks == 7).sum()) - n / 2) <= 5 * (n / 4) ** 0.5
+
+
+@pytest.mark.parametrize("proposals,lane_skip,fuse", [(1, True, True), (4, True, True), (4, False, False)])
+def test_kernels_draw_the_twins_tokens_with_fallbacks_and_mixed_rows(proposals, lane_skip, fuse, monkeypatch):
+    """Top-p-alone rows at several p (0.01 on flat rows: the finish's loops over the row run, up to the bisection
+    and the restricted draw), masked and unmasked, a row with nothing allowed, beside greedy, plain, top-k (the
+    lane merge draws them) and top-k > 64 rows (tau first): the kernels' tokens are the twin's, with the mass-above
+    pass skipping the lanes below every proposal or reading them all, the finish fused into it (its row's last
+    program) or launched apart; the fused finish leaves its counts at zero."""
+    monkeypatch.setattr(rejection, "LANE_SKIP", lane_skip)
+    monkeypatch.setattr(rejection, "FUSE_FINISH", fuse)
+    gen = torch.Generator().manual_seed(proposals)
+    R, vocab = 10, 1000
+    logits = torch.randn(R, vocab, generator=gen) * 3
+    logits[5] = torch.randn(vocab, generator=gen) * 0.05          # nearly flat: p 0.01 misses for many keys
+    bm = random_bitmask(R, vocab, gen, density=0.6)
+    bm[8] = 0                                                       # nothing allowed
+    mrows = torch.tensor([0, -1, 2, 3, -1, -1, 6, 7, 8, -1])
+    temperature = torch.tensor([1.0, 0.8, 0.0, 1.2, 1.0, 1.0, 0.7, 1.0, 1.0, 1.0])
+    top_k = torch.tensor([0, 0, 0, 0, 5, 0, 100, 0, 0, 0])
+    top_p = torch.tensor([0.9, 0.95, 1.0, 0.5, 0.9, 0.01, 0.8, 1.0, 0.7, 0.02])
+    p = row_params(R, "cpu", temperature, top_k, top_p, seed=torch.arange(R) * 31 + 1, position=torch.arange(R) + 4)
+    want = sample_torch(logits, p, bm, mrows, seg=256, lanes=64)
+    got = sample_triton(on_dev(logits), params_on_dev(p), on_dev(bm), on_dev(mrows), seg=256, lanes=64,
+                        proposals=proposals).cpu()
+    assert torch.equal(got, want)
+    assert int(got[8]) == -1
+    for r in range(R):
+        if int(mrows[r]) >= 0 and int(got[r]) >= 0:
+            assert bit_allowed(bm, int(mrows[r]), int(got[r]))
+    q = processed_probs(logits, temperature, top_k, top_p, bm, mrows)
+    assert bool((q[torch.arange(R)[got >= 0], got[got >= 0]] > 0).all())        # every token in its kept set
+    if fuse:
+        assert bool((rejection._COUNTS[str(on_dev(logits).device)] == 0).all())
+
+
+def test_kernel_rule_law_on_many_rows():
+    """The kernels' own draws (one small distribution over many seeds, several segments and lanes) are the twin's
+    and follow q by hand (top-p alone with a tie at the cut; few rows: the interpreter runs every program)."""
+    gen = torch.Generator().manual_seed(41)
+    vocab, n = 19, 120
+    logits = torch.randn(vocab, generator=gen)
+    logits[2] = logits[5] = logits.max() + 0.3
+    q = _hand_q(logits, 1.0, 0, 0.6, [True] * vocab)
+    rows = logits.expand(n, vocab).contiguous()
+    p = row_params(n, "cpu", 1.0, 0, 0.6, seed=torch.arange(n) // 4, position=torch.arange(n) % 4)
+    toks = sample_triton(on_dev(rows), params_on_dev(p), seg=8, lanes=2).cpu()
+    assert torch.equal(toks, sample_torch(rows, p, seg=8, lanes=2))
+    counts = torch.bincount(toks, minlength=vocab)
+    assert counts[[v for v in range(vocab) if q[v] == 0]].sum() == 0
+    assert_matches_distribution(counts, q, n, sigmas=4.5)
+
+
+def test_proposal_keys_triton_match_torch():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(keys_ptr, out_ptr, J: tl.constexpr):
+        key = tl.load(keys_ptr + tl.program_id(0)).to(tl.uint32)
+        for j in tl.static_range(1, J):
+            tl.store(out_ptr + tl.program_id(0) * J + j,
+                     rejection.proposal_key_tl(key, tl.full([], j, tl.int32)).to(tl.int64))
+
+    keys = torch.tensor([0, 1, 2**31 + 5, 2**32 - 1, 123456789])
+    out = on_dev(torch.full((5, 9), -1, dtype=torch.int64))
+    kernel[(5,)](on_dev(keys), out, J=9)
+    want = torch.stack([rejection.proposal_keys(keys, j) for j in range(9)], 1)
+    assert torch.equal(out.cpu()[:, 1:], want[:, 1:])
+    assert torch.equal(rejection.proposal_keys(keys, 0), keys)
+    assert len(set(want.flatten().tolist())) == want.numel()        # distinct keys per (row, j)
+
+
+def test_rejection_draw_twin_gives_minus_one_on_empty_rows():
+    z = torch.full((2, 50), -float("inf"))
+    z[1, 3] = 0.0
+    p = row_params(2, "cpu", 1.0, 0, 0.5, seed=torch.tensor([1, 2]), position=0)
+    assert rejection_draw_torch(z, p, seg=16, lanes=4).tolist() == [-1, 3]

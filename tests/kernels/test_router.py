@@ -1,0 +1,85 @@
+"""MoE router epilogue (kernels/router.py): the twin vs the formulas written out in float64 per row (softplus by
+its definition, the biased top-k by a full sort, normalisation and scale); the Triton kernel vs the twin on awkward
+shapes (expert counts not a power of two, K not a power of two, one expert picked, logits large and very negative,
+strided rows, bf16 logits). Outputs start poisoned (conftest)."""
+import math
+
+import pytest
+import torch
+
+from deepinfer_sg.kernels.router import route_torch, route_triton
+from helpers import on_dev, to_cpu
+
+
+def _by_hand(logits, bias, k, scaling):
+    ws, ids = [], []
+    for row in logits.double().tolist():
+        s = [math.sqrt(math.log1p(math.exp(v)) if v <= 20 else v) for v in row]
+        order = sorted(range(len(s)), key=lambda e: (-(s[e] + float(bias[e])), e))[:k]
+        tot = sum(s[e] for e in order)
+        ws.append([s[e] / (tot + 1e-20) * scaling for e in order])
+        ids.append(order)
+    return torch.tensor(ws, dtype=torch.float64), torch.tensor(ids)
+
+
+def _sorted_pairs(w, idx):
+    """(weights, ids) of each row ordered by expert id (the contract leaves the order to the implementation)."""
+    o = idx.argsort(dim=1)
+    return w.gather(1, o), idx.gather(1, o)
+
+
+def test_twin_is_the_formula():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 13, generator=g) * 4
+    logits[0, 3] = 30.0              # above softplus' threshold
+    logits[1, :4] = -25.0            # exp underflows to the series
+    bias = torch.randn(13, generator=g)
+    w, idx = route_torch(logits, bias, 4, 1.5)
+    hw, hidx = _by_hand(logits, bias, 4, 1.5)
+    w, idx = _sorted_pairs(w, idx)
+    hw, hidx = _sorted_pairs(hw, hidx)
+    assert torch.equal(idx, hidx) and torch.allclose(w.double(), hw, atol=1e-6)
+
+
+@pytest.mark.parametrize("T,E,K", [(1, 8, 1), (7, 64, 6), (3, 13, 4), (9, 384, 6), (4, 100, 7), (2, 5, 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_matches_twin(T, E, K, dtype):
+    g = torch.Generator().manual_seed(T * E + K)
+    wide = torch.randn(T, E + 3, generator=g) * 3
+    wide[:, 0] = -40.0               # (a tiny score) and large ones
+    wide[0, 1] = 25.0
+    logits = wide[:, 1:E + 1].to(dtype)      # strided rows
+    bias = torch.randn(E, generator=g) * 0.5
+    want_w, want_i = _sorted_pairs(*route_torch(logits, bias, K, 1.5))
+    got = to_cpu(route_triton(on_dev(logits), on_dev(bias), K, 1.5))
+    assert got[0].dtype == torch.float32 and got[1].dtype == torch.int64 and got[0].shape == (T, K)
+    got_w, got_i = _sorted_pairs(*got)
+    assert torch.equal(got_i, want_i)
+    assert torch.allclose(got_w, want_w, atol=1e-6, rtol=1e-5)
+
+
+def test_ties_go_to_the_lower_expert():
+    logits = torch.zeros(2, 10)
+    got_w, got_i = to_cpu(route_triton(on_dev(logits), on_dev(torch.zeros(10)), 3, 1.0))
+    assert got_i.tolist() == [[0, 1, 2], [0, 1, 2]] and torch.allclose(got_w, torch.full((2, 3), 1 / 3))
+
+
+def test_bad_bias_is_refused_with_the_shapes():
+    with pytest.raises(ValueError, match="bias"):
+        route_triton(torch.randn(3, 8), torch.randn(7), 2, 1.0)
+    with pytest.raises(ValueError, match="top 9 of 8"):
+        route_triton(torch.randn(3, 8), torch.randn(8), 9, 1.0)
+
+
+def test_twin_is_the_engines_gate_after_its_gemm():
+    """engine/moe.py's Gate (score routing) = its GEMM, then this contract (the kernel can replace its tail)."""
+    from deepinfer_sg.engine.moe import Gate
+    torch.manual_seed(3)
+    gate = Gate(hidden=32, n_experts=12, top_k=3, vocab_size=50, hashed=False, scaling=1.5)
+    with torch.no_grad():
+        gate.weight.normal_()
+        gate.bias.normal_()
+    x = torch.randn(6, 32)
+    want_w, want_i = gate(x, None)
+    got_w, got_i = route_torch(torch.nn.functional.linear(x, gate.weight), gate.bias, 3, 1.5)
+    assert torch.equal(got_i, want_i) and torch.equal(got_w, want_w)

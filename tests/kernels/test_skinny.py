@@ -1,0 +1,99 @@
+"""Few-row products (kernels/skinny.py): the twin vs the sum written out in float64 (plain and grouped) and vs the
+clamped SwiGLU by hand; the Triton kernel vs the twin on awkward shapes (rows not a power of two and past one row
+block, N and K not multiples of the blocks, strided rows, groups, fp32 and bf16). Outputs start poisoned
+(conftest), so an unwritten element fails."""
+import pytest
+import torch
+
+from deepinfer_sg.kernels.backend import INTERPRETING
+from deepinfer_sg.kernels.skinny import skinny_linear_torch, skinny_linear_triton
+from helpers import on_dev, to_cpu
+
+
+def _by_hand(x, w, G):
+    """out[t, g*N + n] = sum_k x[t, g*K + k] * w[g*N + n, k] in float64."""
+    x = x.double()
+    K, N = x.shape[1] // G, w.shape[0] // G
+    out = torch.zeros(x.shape[0], G * N, dtype=torch.float64)
+    for g in range(G):
+        out[:, g * N:(g + 1) * N] = x[:, g * K:(g + 1) * K] @ w[g * N:(g + 1) * N].double().T
+    return out
+
+
+@pytest.mark.parametrize("G", [1, 3])
+def test_twin_is_the_sum(G):
+    g = torch.Generator().manual_seed(G)
+    T, K, N = 4, 24, 5
+    x, w = torch.randn(T, G * K, generator=g), torch.randn(G * N, K, generator=g)
+    assert torch.allclose(skinny_linear_torch(x, w, G).double(), _by_hand(x, w, G), atol=1e-4)
+
+
+# (rows, groups, N, K)
+SHAPES = [(1, 1, 40, 96), (7, 1, 33, 70), (20, 1, 130, 300), (3, 4, 24, 64), (17, 2, 33, 96), (70, 1, 18, 40)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_matches_twin(shape, dtype):
+    T, G, N, K = shape
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(T, G * K, generator=g) + 0.1).to(dtype)
+    w = (torch.randn(G * N, K, generator=g) * 0.5).to(dtype)
+    want = skinny_linear_torch(x, w, G)
+    got = to_cpu(skinny_linear_triton(on_dev(x), on_dev(w), G))
+    assert got.dtype == dtype and got.shape == (T, G * N)
+    scale = want.float().abs().max()
+    if dtype == torch.float32:   # (a GPU's fp32 dot runs in tf32)
+        assert torch.allclose(got, want, atol=1e-4 * scale if INTERPRETING else 3e-3 * scale)
+    else:    # fp32 sums in another order, one bf16 rounding of the result (and of the rotated inputs)
+        assert torch.allclose(got.float(), want.float(), atol=2e-2 * scale, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [5, 40])
+def test_clamped_swiglu_of_gate_and_up(dtype, rows):
+    """A shared expert's front half: silu(min(x w1, L)) * clamp(x w3, -L, L) with L small enough that both clamps
+    bite; the twin vs float64 by hand, the kernel vs the twin."""
+    g = torch.Generator().manual_seed(rows)
+    K, N, L = 64, 48, 1.5
+    x = torch.randn(rows, K, generator=g).to(dtype)
+    w1, w3 = ((torch.randn(N, K, generator=g) * 0.4).to(dtype) for _ in range(2))
+    want = skinny_linear_torch(x, w1, glu=(w3, L))
+    if dtype == torch.float32:
+        gate, up = x.double() @ w1.double().T, x.double() @ w3.double().T
+        assert (gate > L).any() and (up.abs() > L).any()          # (both clamps bite)
+        gate = gate.clamp(max=L)
+        hand = gate / (1 + torch.exp(-gate)) * up.clamp(-L, L)
+        assert torch.allclose(want.double(), hand, atol=1e-5)
+    got = to_cpu(skinny_linear_triton(on_dev(x), on_dev(w1), glu=(on_dev(w3), L)))
+    scale = want.float().abs().max()
+    tol = (1e-4 if INTERPRETING else 3e-3) if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype and torch.allclose(got.float(), want.float(), atol=tol * scale, rtol=1e-2)
+
+
+def test_triton_reads_strided_rows():
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randn(6, 200, generator=g)
+    x = wide[:, 30:130]                       # a column block of a wider product: rows at stride 200
+    w = torch.randn(45, 100, generator=g)
+    got = to_cpu(skinny_linear_triton(on_dev(wide)[:, 30:130], on_dev(w)))
+    assert torch.allclose(got, skinny_linear_torch(x, w), atol=1e-4 if INTERPRETING else 5e-2)
+
+
+def test_bad_shapes_are_refused_with_the_shapes():
+    with pytest.raises(ValueError, match="in 2 groups"):
+        skinny_linear_triton(torch.randn(3, 10), torch.randn(4, 4), groups=2)
+    with pytest.raises(ValueError, match="glu up weight"):
+        skinny_linear_triton(torch.randn(3, 16), torch.randn(4, 16), glu=(torch.randn(5, 16), 1.0))
+
+
+
+def test_twin_glu_then_down_is_the_engines_shared_expert():
+    """engine/moe.py's Expert = the glu product, then w2 (the kernel can replace a shared expert's 7 launches)."""
+    from deepinfer_sg.engine.moe import Expert
+    torch.manual_seed(4)
+    ex = Expert(hidden=32, inter=24, limit=0.8)
+    x = torch.randn(5, 32) * 3
+    want = ex(x)
+    got = skinny_linear_torch(skinny_linear_torch(x, ex.w1.weight, glu=(ex.w3.weight, ex.limit)), ex.w2.weight)
+    assert torch.equal(got, want)
