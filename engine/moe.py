@@ -150,18 +150,25 @@ class Gate(nn.Module):
         else:
             self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
 
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 [T, n_experts]: sqrt(softplus(x W^T)), the affinities both the choice and the weights use."""
+        return F.softplus(F.linear(x, self.weight).float()).sqrt()
+
+    def weights_at(self, scores: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """fp32 [T, K]: the chosen experts' scores normalised to sum 1, times routed_scaling_factor."""
+        w = scores.gather(1, idx)
+        return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
+
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None):
         """-> (weights [T, K] fp32 incl. routed_scaling_factor, expert ids [T, K])."""
-        scores = F.softplus(F.linear(x, self.weight).float()).sqrt()
+        scores = self.scores(x)
         if self.hashed:
             if token_ids is None:
                 raise ValueError("hash-routed MoE layer needs the token ids")
             idx = self.tid2eid[token_ids.reshape(-1)].long()
         else:
             idx = torch.topk(scores + self.bias.float(), self.top_k, dim=-1, sorted=False).indices
-        w = scores.gather(1, idx)
-        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return w * self.scaling, idx
+        return self.weights_at(scores, idx), idx
 
 
 class MoE(nn.Module):

@@ -4,8 +4,8 @@ Why: the fast and the reference path of a bf16 model round differently, and a ro
 side of a near tie sends a token to another expert: the logits then differ by far more than rounding. To tell the
 two apart, `record_routes` keeps every score-routed gate's expert choice per call (in call order: one forward step
 calls each layer's gate once, over all of the step's rows in chunk order on either path), and `force_routes` makes
-the gates choose those experts, with the weights computed from their own scores at them (engine/moe.py Gate's
-formula). A difference that remains is the rounding of everything else.
+the gates choose those experts, with the weights computed from their own scores at them (Gate.weights_at). A
+difference that remains is the rounding of everything else.
 
 Both are context managers that patch engine/moe.py's Gate for their duration (eager steps only: a CUDA graph
 replays what its capture saw); hash-routed gates are left alone (their route is the token id's).
@@ -13,8 +13,6 @@ replays what its capture saw); hash-routed gates are left alone (their route is 
 from __future__ import annotations
 
 import contextlib
-
-import torch.nn.functional as F
 
 from .moe import Gate
 
@@ -53,9 +51,7 @@ def force_routes(model, routes: dict):
         idx = routes[self][calls[self]].to(x.device)
         calls[self] += 1
         flips[0] += int((own.sort(dim=1).values != idx.sort(dim=1).values).sum())
-        scores = F.softplus(F.linear(x, self.weight).float()).sqrt()
-        w = scores.gather(1, idx)
-        return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling, idx
+        return self.weights_at(self.scores(x), idx), idx
     Gate.forward = forward
     try:
         yield flips
