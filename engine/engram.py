@@ -481,9 +481,10 @@ class EngramTable:
 
     def lookup_packed(self, row_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The raw stored bytes of the looked-up rows, uint8 [*row_ids.shape, head_dim + head_dim / 32]: the FP8
-        E4M3 row, then its UE8M0 scale bytes (`unpack_rows` decodes them, on any device, to exactly `lookup`'s
-        values). Why: a quarter of the bytes of fp32 rows to copy and pin, and no host-side dequantization (which
-        measured 3 ms per Engram layer at 64 tokens on a busy GPU host). None when the table is not FP8 + UE8M0.
+        E4M3 row, then its UE8M0 scale bytes (kernels.engram_gate.unpack_rows decodes them, on any device, to
+        exactly `lookup`'s values). Why: a quarter of the bytes of fp32 rows to copy and pin, and no host-side
+        dequantization (which measured 3 ms per Engram layer at 64 tokens on a busy GPU host). None when the table
+        is not FP8 + UE8M0.
         out: a uint8 host tensor of the result's shape (e.g. the pinned buffer of the upload) to write into."""
         if self._weight_dtype != "F8_E4M3" or self._scale_dtype not in ("F8_E8M0", "U8"):
             return None
@@ -515,13 +516,6 @@ class EngramTable:
     def full(self) -> torch.Tensor:
         """All rows as float32 (only for small tables / tests)."""
         return self.lookup(torch.arange(self.rows))
-
-
-def unpack_rows(packed: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """`EngramTable.lookup_packed`'s bytes [..., head_dim + head_dim / 32] -> fp32 [..., head_dim], on their device
-    (e4m3 value times a power of two: exact, so equal to `lookup` bit for bit)."""
-    w = packed[..., :head_dim].contiguous().view(torch.float8_e4m3fn)
-    return dequantize_fp8_groups(w, packed[..., head_dim:].contiguous(), group=SCALE_GROUP)
 
 
 def quantize_rows_fp8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from deepinfer_sg.engine import engram as eg
+from deepinfer_sg.kernels.engram_gate import unpack_rows
 
 TINY = {  # the engram part of the spec's tiny V4.1 config (§6.1)
     "vocab_size": 512, "hidden_size": 64, "hc_mult": 4, "rms_norm_eps": 1e-6,
@@ -288,7 +289,7 @@ def test_fp8_table_from_safetensors_matches_decoding_by_hand(tmp_path):
         packed = t.lookup_packed(ids)
         assert packed.shape == (2, 3, width + width // 32) and packed.dtype == torch.uint8
         assert torch.equal(packed[..., :width], weight_bytes[ids]) and torch.equal(packed[..., width:], scale_bytes[ids])
-        assert torch.equal(eg.unpack_rows(packed, width), got)
+        assert torch.equal(unpack_rows(packed, width, torch.float32), got)   # the decoder the model runs
     assert eg.EngramTable.from_tensors(torch.randn(4, 64)).lookup_packed(ids[:, :1] % 4) is None   # not FP8
 
 
