@@ -66,6 +66,7 @@ import os
 import random
 import sys
 import time
+import types
 from functools import partial
 from pathlib import Path
 
@@ -156,6 +157,13 @@ class Pairs:
             if after is not None:
                 after(side)
 
+    def run_timed(self, row, timers, rng, after=None):
+        """run() for sides given as timers (a call that times itself and returns ns: see timer())."""
+        for side in shuffled(timers, rng):
+            self.t[row][side].append(timers[side]())
+            if after is not None:
+                after(side)
+
     def add(self, row, side, ns):
         self.t[row][side].append(ns)
 
@@ -202,17 +210,52 @@ def print_rows(pairs, sides, rng):
 
 # -- the sides --------------------------------------------------------------------------------------------------
 class Side:
-    """One side's matcher operations on one schema: make() -> a fresh matcher at the start state; fill(m),
-    accept(m) and rollback(m) -> the callable a client calls for that matcher (fill() -> mask at row 0,
-    accept(t), rollback(n)). Each is exactly one Python frame of client code: our method (bound, or through a C
-    `partial`), or the raw client's function."""
+    """One side's matcher operations on one schema: make() -> a fresh matcher at the start state; fill(m) -> (fn,
+    args): the call a client makes to fill the mask at row 0 (ours: (m.fill_mask, (mask, 0)); raw: (its function,
+    ())); accept(m) and rollback(m) -> the callable a client calls (accept(t), rollback(n)). Each is exactly one
+    Python frame of client code (our method, or the raw client's function), and the bench calls each straight from
+    its own frame with its own arguments (timer(), block_of()), as a client's loop does: no side goes through an
+    extra C-level wrapper (a `partial` re-enters the interpreter from C: measured +40-60 ns per call on 2-core
+    CPython 3.11/3.12, which session 7's fill rows charged to ours alone)."""
 
     def __init__(self, make, fill, accept, rollback):
         self.make, self.fill, self.accept, self.rollback = make, fill, accept, rollback
 
 
+def timer(call):
+    """A zero-argument callable that makes the client call `call` = (fn, args) once and returns its time in ns."""
+    fn, args = call
+    if args:
+        a, b = args
+
+        def timed():
+            t0 = now(); fn(a, b); t1 = now()
+            return t1 - t0
+    else:
+        def timed():
+            t0 = now(); fn(); t1 = now()
+            return t1 - t0
+    return timed
+
+
+def block_of(call, calls):
+    """A zero-argument callable that makes the client call `call` = (fn, args) `calls` times."""
+    fn, args = call
+    if args:
+        a, b = args
+
+        def block():
+            for _ in range(calls):
+                fn(a, b)
+    else:
+        def block():
+            for _ in range(calls):
+                fn()
+    return block
+
+
 def ours_side(compiled, mask):
-    return Side(compiled.matcher, lambda m: partial(m.fill_mask, mask, 0), lambda m: m.accept, lambda m: m.rollback)
+    return Side(compiled.matcher, lambda m: (m.fill_mask, (mask, 0)), lambda m: m.accept, lambda m: m.rollback)
 
 
 def raw_side(template, mask):
@@ -225,7 +268,7 @@ def raw_side(template, mask):
             r.unsafe_compute_mask_ptr(ptr, nbytes)
             if r.is_error():  # a failed matcher writes an EOS-only row: without this the output silently ends
                 raise RuntimeError(r.get_error())
-        return fill
+        return fill, ()
 
     def accept_of(r):
         def accept(t):
@@ -251,12 +294,12 @@ def raw_safe_side(template, mask):
 
     def fill_of(r):
         def fill():
-            if mask.data_ptr() != ptr:  # (the one torch accessor: ~50 ns)
+            if mask.data_ptr() != ptr:  # (the one torch accessor: 100-250 ns)
                 raise RuntimeError("the bitmask moved")
             r.unsafe_compute_mask_ptr(ptr, nbytes)
             if r.is_error():
                 raise RuntimeError(r.get_error())
-        return fill
+        return fill, ()
 
     def history_of(r):
         history, back = [], 0
@@ -298,12 +341,13 @@ SUB_LINES = (("raw2 vs raw (swap control)", SWAP, "raw"), ("vs raw+safe", "ours"
 def ablation_classes(lm):
     """Two variants of ours' LLGuidanceMatcher (module `lm`), each with operations of its hot paths removed, so that
     ours - raw splits into measured parts (same pairs, each side its own compile). Not memory-safe / repairable:
-    measurement only, never shipped.
+    measurement only, never shipped. Every hot method of each class is its own code object (own_code), as ours'
+    are: no side runs a method another side's instances also run.
       ours-1    fill: no data_ptr() re-read (tensor and row identity tests kept); accept: no token history (no
                 `_back` test, no append); rollback: no `_back` counter. So ours - ours-1 = that one operation.
-      ours-all  fill: the cached address used with no test at all; accept: no plain-id range test either (one
+      ours-all  fill: the cached address used with no test at all; accept: no EOS test either (one
                 try_consume_tokens call); rollback: the same as ours-1 (llguidance's call and its check). So
-                ours-1 - ours-all = the identity tests (fill) / the range test (accept), and ours-all - raw = the
+                ours-1 - ours-all = the identity tests (fill) / the EOS compare (accept), and ours-all - raw = the
                 Matcher protocol call itself: the bound method called with (bitmask, row), its frame, the slot loads.
     In the compile rows (main()): ours-1 = backend_llguidance.compile_spec(JsonSchema(the schema as ours hands it
     over)), i.e. ours without the scan, the rewrite and the compiler's plumbing; ours-all = LLMatcher(ours' grammar
@@ -311,9 +355,9 @@ def ablation_classes(lm):
     encode and wrap, the compiled object, and ours-all - raw = minus raw's grammar_from_json_schema (its dict
     conversion).
     """
-    global _ABL_LO, _ABL_HI
+    global _ABL_EOS_TOP
     base = lm.LLGuidanceMatcher
-    _ABL_LO, _ABL_HI = lm._PLAIN_LO, lm._PLAIN_HI  # (module globals here too, as ours reads them: no default
+    _ABL_EOS_TOP = lm._EOS_TOP  # (a module global here too, as ours reads it: no default
     # arguments, which would take the call off the interpreter's exact-arguments fast path)
 
     class One(base):
@@ -327,7 +371,7 @@ def ablation_classes(lm):
                 raise RuntimeError(m.get_error())
 
         def accept(self, token_id):  # (a rejection returns at once: the walks only accept)
-            if not _ABL_LO < token_id < _ABL_HI:
+            if not _ABL_EOS_TOP < token_id:
                 return self._accept_rare(token_id)
             try:
                 return self.m.try_consume_tokens((token_id,)) == 1
@@ -355,10 +399,20 @@ def ablation_classes(lm):
         def accept(self, token_id):
             return self.m.try_consume_tokens((token_id,)) == 1
 
+        rollback = own_code(One.rollback)
+
     return One, All
 
 
-_ABL_LO = _ABL_HI = 0  # the plain-id range of ours' accept, for the ablations (set by ablation_classes)
+def own_code(fn):
+    """`fn` with a code object of its own. CPython 3.11+ specializes attribute access per code object for ONE class
+    (type version): a method that instances of two classes both run flips between them and runs unspecialized,
+    +30-60 ns a call on this bench's 2-core CPython 3.12 (session 7's ablations shared One.rollback between ours-1
+    and ours-all, which charged that to "ours-all vs raw" as the protocol call)."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+_ABL_EOS_TOP = 0  # the EOS bound of ours' accept, for the ablations (set by ablation_classes)
 
 
 def ablation_side(compiled, mask, cls):
@@ -368,7 +422,7 @@ def ablation_side(compiled, mask, cls):
         m._address(mask, 0)  # what ours' first fill_mask caches (the ablations have no slow path of their own)
         m.__class__ = cls
         return m
-    return Side(make, lambda m: partial(m.fill_mask, mask, 0), lambda m: m.accept, lambda m: m.rollback)
+    return Side(make, lambda m: (m.fill_mask, (mask, 0)), lambda m: m.accept, lambda m: m.rollback)
 
 
 REFERENCES_NOTE = """\
@@ -427,11 +481,11 @@ def bench_schema(schema, ids, sides, pairs, rng, same, mask, walks=3):
         # the matchers made, and every untimed loop run, in a fresh random order of the sides)
         ms = {name: op.make() for name, op in ops.items()}
         acc = {name: ops[name].accept(ms[name]) for name in ops}
-        fills = {name: op.fill(ms[name]) for name, op in ops.items()}
+        fills = {name: timer(op.fill(ms[name])) for name, op in ops.items()}
         for t in ids:
             ref[0] = None
             if w:
-                pairs.run("fill per token", fills, rng, after=same_mask)
+                pairs.run_timed("fill per token", fills, rng, after=same_mask)
             else:
                 for name, f in fills.items():
                     f()
@@ -453,7 +507,7 @@ def bench_schema(schema, ids, sides, pairs, rng, same, mask, walks=3):
         ms = {name: op.make() for name, op in ops.items()}
         acc = {name: ops[name].accept(ms[name]) for name in ops}
         back = {name: ops[name].rollback(ms[name]) for name in ops}
-        fills = {name: op.fill(ms[name]) for name, op in ops.items()}
+        fills = {name: block_of(op.fill(ms[name]), 1) for name, op in ops.items()}
         for j in range(0, len(ids) - BLOCK + 1, BLOCK):
             block = ids[j: j + BLOCK]
             order = list(ops)
@@ -492,13 +546,9 @@ def one_call_blocks(sides_for, schemas, pairs, rng, calls=100, reps=12):
             fns = {}
             for name, at in side_at.items():
                 op = at(r)
-                fill = op.fill(op.make())
-                fill()
-
-                def block(fill=fill):
-                    for _ in range(calls):
-                        fill()
-                fns[name] = block
+                call = op.fill(op.make())
+                block_of(call, 1)()
+                fns[name] = block_of(call, calls)
             pairs.run(f"fill, one call ({calls} calls)", fns, rng)
 
 

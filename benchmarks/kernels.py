@@ -20,26 +20,27 @@ default CUDA path, Triton) at the same shapes. --sweep adds launch-parameter var
 on the CPU (interpreter, tiny shapes) to check the script itself. Twins are timed with do_bench when they sync.
 
 Last measured (NVIDIA H200, torch 2.11 / Triton 3.6; copy ~4,250 GB/s; bitmask 2026-11-29 session 3, the other
-rows 2026-11-30 session 7 round 3; each family's module docstring has its own rows and sweeps):
+rows 2026-11-30 session 8 round 3 unless marked; each family's module docstring has its own rows and sweeps):
   kernel                 shape                                  triton us          roofline (of copy bandwidth)
   bitmask                B=64 / 256 / 512, V=129280             20.8 / 72 / 140    76% / 87% / 90% (xgrammar 0.2.9's
                                                                                         own kernel: 55% / 66% / 71%)
   bitmask by step        64 requests x 4 rows                   70.9               89%
-  sample T=1             B=64 / 256                             11.0-11.7 / 33.6   66-71% / 93% (read pass alone 88%)
-  sample T=0.7 + mask    B=64 / 256                             13.5 / 41.6        60% / 77%
-  sample greedy          B=64 / 256                             10.7 / 33.1        73% / 94%
-  sample top-k50 p0.9    B=64 / 256                             30.2 / 77.0        26% / 40%
-  sample top-p0.9 flat   B=64 / 256                             33.0 / 136 (R2)    24% (by rejection; was 150 / 461)
-  sample top-p0.95 peak  B=64                                   33.9               23% (was 57.0)
-  speculative accept     64 requests x 4 rows + draft probs     50.3               67%
-  sparse attention       N=64 / 256, H=64 D=512, 128+512 keys   41.7 / 107.9       28% / 44% of max(bytes, flops)
-  indexer score + top-k  N=64 Hi=32 Di=128 L=16384 k=512        96.8 / 94.2 unsort 65% / 67% (scores alone 94%)
-  moe experts (fp8 w)    V4.1 shapes T=8 / 64 / 256             439 / 2,025 / 3,301  89% / 98% / 96% of the fp8 bytes
-  moe experts (fp4 pack) V4.1 shapes T=8 / 64 / 256             479 / 2,136 / 3,405  43% / 51% / 50% of the fp4 bytes
-  hc mixes + sinkhorn    T=64 / 256 / 4096, H=5120              11.0 / 16.4 / 89.1 24-27% / 28% / 43% of a launch
+  sample T=1             B=64 / 256                             11.0-11.8 / 33.6-35.1  65-71% / 88-93% (read pass 88%)
+  sample T=0.7 + mask    B=64 / 256                             13.4 / 40.9        59% / 78%
+  sample greedy          B=64 / 256                             10.6-12.3 / 33.4   69-73% / 94% (R2 / R3)
+  sample top-k50 p0.9    B=64 / 256                             29.1 / 75.2        27% / 41%
+  sample top-p0.9 flat   B=64 / 256                             32.6 / 87.0        by rejection (was 150 / 461)
+  sample top-p0.95 peak  B=64 / 256                             24.5 / 63.0        32% / 49% (was 57.0 / 121)
+  speculative accept     64 requests x 4 rows + draft probs     49.9               65%
+  sparse attention       N=64 / 256, H=64 D=512, 128+512 keys   41.4 / 107.1       28% / 44% of max(bytes, flops)
+  indexer score + top-k  N=64 Hi=32 Di=128 L=16384 k=512        96.6 / 91.9 unsort 65% / 68% (scores alone 92-94%)
+  moe experts (fp8 w)    V4.1 shapes T=8 / 64 / 256             447 / 2,131 / 3,429  86% / 94% / 92% of the fp8 bytes
+  moe experts (fp4 pack) V4.1 shapes T=8 / 64 / 256             471 / 2,154 / 3,428  43% / 50% / 49% of the fp4 bytes
+  hc mixes + sinkhorn    T=64 / 256 / 4096, H=5120              11.0 / 16.4 / 89.7 24-27% / 28% / 43% of a launch
                                                                                         that only streams the bytes
-  hc post + next pre     T=64 / 256                             4.0 / 9.3          38% / 67% (83% / 82% of one
+  hc post + next pre     T=64 / 256                             4.0 / 9.2          38% / 67% (83% / 82% of one
                                                                                         launch reading the bytes)
+  hc post + next mixes   T=8 / 16, H=5120 (one launch)          9.1 / 9.8          was 11.9 / 12.6 in two launches
 The whole run takes about 2-3 minutes on an H200 (--budget, default 200 s, skips the steps left after that);
 with OUT set it also writes $OUT/kernels.txt (the table) and $OUT/kernels.json.
 """
@@ -153,6 +154,8 @@ def compile_check():
         params = list(inspect.signature(fn.fn).parameters)
         sig = {p: "constexpr" if p in consts else types.get(p, "*fp32" if p.endswith("_ptr") else "i32")
                for p in params}
+        # (integer arguments get no hint here, while real launches specialise those divisible by 16: a build
+        # reported here may spill where the real one does not, e.g. the hc mixes at K = 20480)
         # real launches specialise pointers that are 16-byte aligned (every torch allocation is); without the same
         # hint the build would vectorise less and report spills that never happen
         aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if sig[p].startswith("*")}

@@ -99,6 +99,15 @@ Round 2, us at T = 64 / 256 / 4096 (read floor 2.9 / 4.6 / 38.4):
   when the grid fits one wave.
   hc post + next pre (block_h x warps): 256 x 1 4.0 / 9.3 us (the new default; 256 x 2 4.1 / 10.1); one launch
   that only reads the same 6.6 / 26.2 MB takes 3.4 / 7.6 us.
+
+Session 8 (the write-back + read-out + NEXT sub-layer's mixes in one launch, hc_mix.hc_post_mix_*; H200, copy
+4247 GB/s, an empty launch 0.5-0.7 us; read floor = one launch streaming the same bytes: R, R', y, x and fp32 fn):
+Rounds 1-2, us at T = 8 / 64 / 256 (read floor 2.0 / 3.8 / 8.0; the two launches it replaces 11.8-12.4 /
+  14.7-15.0 / 24.6-25.3): 9.0-9.4 / 15.4-15.5 / 29.7-29.9 at the best tiles (kernels/hc_mix.py _post_mix_tiles
+  has the sweep: fn tiles a stream ahead or the streams unrolled lost). A win up to 16 tokens only
+  (hc_mix.POST_MIX_MAX_T); its streaming pass alone is 11.3 us at T = 64, as long as both launches' together.
+  Mixes kernel register variants: see kernels/hc_mix.py _fused_tiles (the real builds do not spill).
+  Packed FP4 with the shifts folded into the decoded weights: kernels/moe.py's W4_TILES notes (lost, deleted).
 """
 import math
 import os
@@ -111,9 +120,9 @@ import triton.language as tl
 from deepinfer_sg.kernels import hc_mix, moe
 from kbench import DEV, DRY, emit, rotating, row, S, time_ms
 
-T_IMPORT = time.time()
+T_START = [time.time()]     # the sweep's start (sweep() resets it: the ceilings before it are not its time)
 FP8_COMPUTE = "fp16"     # fp8 weights widened to fp16 (one cvt) for the dot: set from the round-2 sweep
-# the sweep stops adding variants this many seconds after import; K3_SWEEP names its parts ("hc,moe"), and the
+# the sweep stops adding variants this many seconds after it starts; K3_SWEEP names its parts ("hc,moe"), and the
 # mHC part stops when less than HC_SHARE_LEFT of that time is left
 SWEEP_S = float(os.environ.get("K3_SWEEP_S", "40"))
 SWEEP_PARTS = os.environ.get("K3_SWEEP", "hc,moe").split(",")
@@ -264,10 +273,65 @@ def bench_hc(bw, l2, batches):
         achievable = max(one, nb / (bw * 1e9) * 1e3)
         row("hc post + next pre", f"T={T} M={M} H={H}", t, tt, nb, bw,
             f"err/max {err:.1e} (bf16 ulps); {achievable / t:.0%} of max(launch floor, bytes/bw); twin ~9 launches")
+    bench_post_mix(bw, l2, S((8, 16, 64, 256), (5,)), one)
+    bench_post_mix(bw, l2, S((8, 64), (5,)), one, H=S(2048, 32))        # the mid-size decode step's shape
+
+
+def _post_mix_inputs(T, M, H):
+    """(R, y, post, comb, next_pre, fn, base, scale): a write-back and the next sub-layer's mixes parameters."""
+    return _apply_inputs(T, M, H) + hc_inputs(1, M, H)[1:]
+
+
+def _post_mix_bytes(T, M, H):
+    """R read, R' written, y read, x written (bf16) and fn once (fp32): the write-back + mixes pass's floor."""
+    return T * M * H * 2 * 2 + T * H * 2 * 2 + (2 + M) * M * M * H * 4
+
+
+def _two_launches(s):
+    """What the engine ran before the fused pass: the write-back + read-out, then the mixes of R'."""
+    out, x = hc_mix.hc_post_apply(*s[:5])
+    return out, x, hc_mix.hc_mixes(out, *s[5:])
+
+
+def post_mix_err(a, s):
+    """Largest difference of (R', x) relative to their size, and of the mixes absolute, against the twin."""
+    out, x, m = a
+    ro, rx, rm = hc_mix.hc_post_mix_torch(*s)
+    rel = max(float((u.float() - v.float()).abs().max() / v.float().abs().max()) for u, v in ((out, ro), (x, rx)))
+    # the mixes compared on the kernel's own R' (a bf16 ulp of R' moves them more than the kernel's error)
+    rm = hc_mix.hc_mixes_torch(out, *s[5:])
+    return rel, max(float((u - v).abs().max()) for u, v in ((m.pre, rm.pre), (m.post, rm.post), (m.comb, rm.comb)))
+
+
+def _post_mix_kernel(s):
+    """The write-back + mixes kernel at its default tiles, with fn's cached parts where hc_post_mix_apply uses
+    them (it takes the kernel up to hc_mix.POST_MIX_MAX_T tokens only)."""
+    big = hc_mix.parts_pay(s[0].shape[0])
+    return hc_mix.hc_post_mix_triton(*s, fn_parts=hc_mix.fn_parts_cached(s[5]) if big else None)
+
+
+def bench_post_mix(bw, l2, batches, one, H=S(5120, 64)):
+    """The write-back + read-out + next sub-layer's mixes in one launch (hc_post_mix_triton) against the two
+    launches it replaces, timed in the same run (H: 5120 for V4.1, 2048 for model_forward's mid-size config)."""
+    M = 4
+    for T in batches:
+        nb = _post_mix_bytes(T, M, H)
+        nxt = rotating(lambda: _post_mix_inputs(T, M, H), nb, l2)
+        s = nxt()
+        rel, err = post_mix_err(_post_mix_kernel(s), s)
+        for _ in range(16):                 # fn parts cached per rotating input set before the graph
+            _post_mix_kernel(nxt())
+            _two_launches(nxt())
+        t = time_ms(lambda: _post_mix_kernel(nxt()))
+        t2 = time_ms(lambda: _two_launches(nxt()))
+        rf = one if DRY else read_floor(nb)
+        row("hc post + next mixes", f"T={T} M={M} H={H}", t, None, nb, bw,
+            f"two launches {t2 * 1e3:.1f} us; err R'/x {rel:.0e} (bf16 ulps), mixes {err:.0e}; "
+            f"{rf / t:.0%} of one launch streaming the bytes ({rf * 1e3:.1f} us)")
 
 
 def _left():
-    return SWEEP_S - (time.time() - T_IMPORT)
+    return SWEEP_S - (time.time() - T_START[0])
 
 
 def block_scaled_inputs(s, R):
@@ -285,11 +349,12 @@ def block_scaled_inputs(s, R):
 
 def sweep(bw, l2):
     """Variants, most informative first; stops adding rows when the sweep's time is spent."""
+    T_START[0] = time.time()
     one, two = (1.0, 1.0) if DRY else launch_floor()
     emit(f"# launch floor (empty kernel in a CUDA graph): one launch {one * 1e3:.1f} us, two {two * 1e3:.1f} us")
     # mHC (breakdown of the mixing launch, first-pass tiles) for the first part of the sweep's time, then MoE
     if "hc" in SWEEP_PARTS:
-        _sweep_hc(bw, l2, one, S((64, 256, 4096), (5, 300)))
+        _sweep_hc(bw, l2, one)
     if "moe" in SWEEP_PARTS:
         _sweep_moe(bw)
 
@@ -300,7 +365,7 @@ def _moe_variants(T):
     R (block shift rows; None: per-row scales only), W4 (packed FP4 bytes), the rest moe_experts_triton's."""
     fp8 = dict(R=None, **moe.FP8_TILES)                       # the CUDA default: FP4 repacked to fp8
     fp4 = dict(R=1, W4=True, **moe.W4_TILES)
-    return [("fp8 rows (default)", fp8), ("fp4 packed (W4_TILES)", fp4), ("fp4 packed 4 stages", dict(fp4, num_stages=4))]
+    return [("fp8 rows (default)", fp8), ("fp4 packed (W4_TILES)", fp4)]
 
 
 def _moe_case(s, v, cache=None):
@@ -397,24 +462,17 @@ def read_floor(nbytes: int) -> float:
                                                                   num_warps=8))
 
 
-def _hc_variants(T):
-    """(label, options) of the mHC sweep at T tokens: the default (kernels/hc_mix.py _fused_tiles: session 7 round
-    2's sweep is there), its streaming pass alone (only_partial), its Sinkhorn cut to one step (the difference is
-    the 19 other steps; the error then is expected) and a neighbour tile; fn_parts=True reads fn as its three bf16
-    parts (rotated with the inputs)."""
-    parts = hc_mix.parts_pay(T)
-    d = dict(fn_parts=True) if parts else {}
-    return [("default", d), ("partial (first pass alone)", dict(d, only_partial=True)),
-            ("iters=1 (err expected)", dict(d, iters=1)),
-            ("split x2", dict(d, split=hc_mix._fused_tiles(T)["split"] * 2)),
-            ("no pf 2 stages", dict(d, prefetch=False, num_stages=2))]
+# (label, hc_post_mix_triton options) of the write-back + next mixes sweep; "parts": fn read as its bf16 parts
+POST_MIX_VARIANTS = (("bt16 s64 k64", dict(block_t=16, split=64, block_k=64)),
+                     ("bt16 s128 k64", dict(block_t=16, split=128, block_k=64)),
+                     ("bt16 s32 k32", dict(block_t=16, split=32, block_k=32)),
+                     ("bt16 s64 k64 no mixing", dict(block_t=16, split=64, block_k=64, only_partial=True)))
 
 
-def _hc_runner(v):
-    """(run(input set with parts), options without fn_parts) for a sweep variant."""
-    use_parts = v.get("fn_parts", False)
-    kw = {k: x for k, x in v.items() if k != "fn_parts"}
-    return (lambda x: hc_mix.hc_mixes_triton(*x[0], fn_parts=x[1] if use_parts else None, **kw)), kw
+def _post_mix_runner(v):
+    """run(input set, its fn parts) for a write-back + mixes sweep variant."""
+    kw = {k: x for k, x in v.items() if k != "parts"}
+    return lambda s, parts: hc_mix.hc_post_mix_triton(*s, fn_parts=parts if v.get("parts") else None, **kw)
 
 
 def _run_share(i: int, n: int, jobs):
@@ -433,67 +491,85 @@ def _run_share(i: int, n: int, jobs):
 
 
 def warm(i: int, n: int):
-    """Build the mHC sweep's variants (every n-th from the i-th) by running each once on its real shape
-    (building is most of the sweep's time: ~2-3 s per variant)."""
+    """Build the write-back + mixes sweep's variants (every n-th from the i-th) by running each once on its real
+    shape (building is most of the sweep's time: ~3 s per variant)."""
     M, H = 4, 5120
 
     def jobs():
-        for T in (64, 256, 4096):
-            x = hc_inputs(T, M, H)
-            xs = (x, hc_mix.split_fn_bf16(x[1]))
-            for label, v in _hc_variants(T):
-                yield f"T={T} {label}", (lambda v=v, xs=xs: _hc_runner(v)[0](xs))
-        a = _apply_inputs(64, M, H)
-        for bh, w in POST_VARIANTS:
-            yield f"post {bh} {w}", (lambda bh=bh, w=w: hc_mix.hc_post_triton(*a, block_h=bh, num_warps=w))
+        # (builds differ with T where the split count or the one-wave rule does); the defaults first
+        sets = {T: (lambda s: (s, hc_mix.split_fn_bf16(s[5])))(_post_mix_inputs(T, M, H)) for T in (8, 16, 64, 256)}
+        mid = {T: _post_mix_inputs(T, M, 2048) for T in (8, 64)}          # (bench_post_mix's mid-size rows)
+        for T, s in [(T, s) for T, (s, _) in sets.items()] + list(mid.items()):
+            yield f"post+mix T={T} H={s[0].shape[2]} kernel default", (lambda s=s: _post_mix_kernel(s))
+            yield f"post+mix T={T} H={s[0].shape[2]} two launches", (lambda s=s: _two_launches(s))
+        for T, (s, parts) in sets.items():
+            if T <= 16:
+                for label, v in POST_MIX_VARIANTS:
+                    yield f"post+mix T={T} {label}", (lambda v=v, s=s, p=parts: _post_mix_runner(v)(s, p))
     _run_share(i, n, jobs())
 
 
-def _sweep_hc(bw, l2, one, batches):
-    """mHC variants at decode sizes (_hc_variants); `read floor` is one launch streaming the same bytes."""
+def report_builds():
+    """Registers and spilled bytes of every mHC kernel build this process ran (the real launches' builds: the
+    --compile-check builds lack the launch's integer specialisations and report spills these do not have)."""
+    for fn in (hc_mix._hc_fused_kernel, hc_mix._hc_post_mix_kernel):
+        names = fn.arg_names
+        for caches in getattr(fn, "device_caches", {}).values():
+            for k in list(caches[0].values()):
+                try:
+                    k._init_handles()
+                    consts = getattr(k.src, "constants", {})
+                    shown = {names[key[0]] if isinstance(key, tuple) else key: val for key, val in consts.items()}
+                    tiles = " ".join(f"{c}={shown[c]}" for c in ("BT", "BK", "SPLIT", "MODE", "NW", "TPW", "PF")
+                                     if c in shown)
+                    emit(f"# build {fn.__name__} {tiles} warps={k.metadata.num_warps}: {k.n_regs} registers, "
+                         f"{k.n_spills} spilled")
+                except Exception as e:              # noqa: BLE001 - a report line must not end the sweep
+                    emit(f"# build {fn.__name__}: {type(e).__name__}: {str(e)[:120]}")
+
+
+def _sweep_hc(bw, l2, one):
+    """The write-back + next mixes variants (POST_MIX_VARIANTS) at decode sizes beside the two launches they
+    replace; `read floor` is one launch streaming the same bytes. (The mixes kernel's register variants, session 8
+    round 1, are in kernels/hc_mix.py _fused_tiles.)"""
     M, H = 4, S(5120, 64)
-    nz = (2 + M) * M
-    for T, share in zip(batches, (0.45, 0.7, 0.9)):           # T's variants stop at this share of the sweep's time
-        nbytes = T * M * H * 2 + nz * M * H * 4
-        floor = one if DRY else read_floor(nbytes)
-        emit(f"  sweep hc T={T}: read floor (one launch streaming {nbytes / 1e6:.1f} MB) {floor * 1e3:.1f} us; "
-             f"empty launch {one * 1e3:.1f} us")
-        nxt = rotating(lambda: (lambda x: (x, hc_mix.split_fn_bf16(x[1])))(hc_inputs(T, M, H)), nbytes * 1.5, l2)
-        s, parts = nxt()
-        for label, v in _hc_variants(T):
-            if _left() < SWEEP_S * max(HC_SHARE_LEFT, 1 - share):
-                emit("  sweep hc: stopped (time)")
+    for T, share in zip(S((8, 16), (5,)), (0.5, 1.0)):
+        nb = _post_mix_bytes(T, M, H)
+        floor = one if DRY else read_floor(nb)
+        emit(f"  sweep post+mix T={T}: read floor (one launch streaming {nb / 1e6:.1f} MB) {floor * 1e3:.1f} us")
+        nxt = rotating(lambda: (lambda s: (s, hc_mix.split_fn_bf16(s[5])))(_post_mix_inputs(T, M, H)), nb * 1.5, l2)
+        base = [("public entry", lambda s, p: hc_mix.hc_post_mix_apply(*s)),
+                ("two launches (post + pre, then mixes)", lambda s, p: _two_launches(s))]
+        for label, run in base + [(lb, _post_mix_runner(v)) for lb, v in POST_MIX_VARIANTS]:
+            if _left() < SWEEP_S * (1 - share * (1 - HC_SHARE_LEFT)):
+                emit("  sweep post+mix: stopped (time)")
                 break
             try:
-                run, kw = _hc_runner(v)
-                err = 0.0 if v.get("only_partial") else hc_err(s, fn_parts=parts if v.get("fn_parts") else None, **kw)
-                t = time_ms(lambda: run(nxt()))
+                s, parts = nxt()
+                rel, err = post_mix_err(run(s, parts), s) if "no mixing" not in label else (0.0, 0.0)
+                for _ in range(16):
+                    run(*nxt())
+                t = time_ms(lambda: run(*nxt()))
             except Exception as e:                      # noqa: BLE001 - one variant must not end the sweep
-                emit(f"  sweep hc T={T} {label}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                emit(f"  sweep post+mix T={T} {label}: FAILED {type(e).__name__}: {str(e)[:300]}")
                 continue
-            row("  sweep hc", f"T={T} {label}", t, None, nbytes, bw, f"err {err:.0e}; {floor / t:.0%} of the read floor")
-    s = nxt = parts = None
-    for T in batches[:2]:                       # the write-back + next read-out pass: block_h x warps
-        nb = T * M * H * 2 * 2 + T * H * 2 * 2
-        floor = one if DRY else read_floor(nb)
-        nxt = rotating(lambda: _apply_inputs(T, M, H), nb, l2)
-        for bh, w in POST_VARIANTS:
-            if _left() < 0:
-                emit("  sweep hc post: stopped (time)")
-                return
-            t = time_ms(lambda: hc_mix.hc_post_triton(*nxt(), block_h=bh, num_warps=w))
-            row("  sweep hc post", f"T={T} block_h={bh} w={w}", t, None, nb, bw,
-                f"{max(one, nb / (bw * 1e9) * 1e3) / t:.0%} of max(launch, bytes/bw); read floor {floor * 1e3:.1f} us")
+            row("  sweep post+mix", f"T={T} {label}", t, None, nb, bw,
+                f"err {rel:.0e} / {err:.0e}; {floor / t:.0%} of the read floor")
         nxt = None
-
-
-POST_VARIANTS = ((256, 1), (256, 2), (512, 2))
+    if not DRY:
+        report_builds()
 
 
 def _apply_inputs(T, M, H):
     """(R, y, post, comb, next_pre) of the write-back pass: random, never zeros."""
     return (torch.randn(T, M, H, device=DEV, dtype=torch.bfloat16), torch.randn(T, H, device=DEV, dtype=torch.bfloat16),
             torch.rand(T, M, device=DEV) * 2, torch.rand(T, M, M, device=DEV), torch.rand(T, M, device=DEV))
+
+
+# (label, block_t, split, block_k, mode (1: fn split in registers, 2: bf16 parts), warps) built by --compile-check
+# (its builds lack the launches' integer specialisations: report_builds prints the real ones)
+POST_MIX_BUILDS = (("bt16 s64 k64", 16, 64, 64, 1, 4), ("bt16 s128 k64", 16, 128, 64, 1, 4),
+                   ("bt16 s128 k64 parts", 16, 128, 64, 2, 4))
 
 
 def compile_cases():
@@ -549,6 +625,13 @@ def compile_cases():
         ("hc post + pre", hc_mix._hc_post_kernel, dict(r_ptr="*bf16", y_ptr="*bf16", out_ptr="*bf16", x_ptr="*bf16"),
          dict(M=4, BH=256, PRE=True), 1),
     ]
+    pm = dict(NZP=32, UPCAST=False, ITERS=20, FAST=True, SPC=32, TAIL=True)
+    pz = dict(r_ptr="*bf16", y_ptr="*bf16", out_ptr="*bf16", x_ptr="*bf16", cnt_ptr="*i32", norm_eps="fp32",
+              hc_eps="fp32", post_mult="fp32")
+    for label, bt, sp, bk, mode, w in POST_MIX_BUILDS:
+        cases.append((f"hc post+mix {label}", hc_mix._hc_post_mix_kernel,
+                      dict(pz, fn_ptr="*bf16") if mode == 2 else pz,
+                      dict(pm, BT=bt, BK=bk, SPLIT=sp, MODE=mode, NW=bt, TPW=1), w))
     # the grouped kernels' defaulted constexprs (block scales, packed FP4) must be given, or they become run-time
     plain = dict(GS=False, GR=1, PF=False)
     grouped = (moe._gate_up_kernel, moe._down_kernel)

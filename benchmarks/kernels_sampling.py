@@ -102,6 +102,31 @@ H200 numbers (torch 2.11 / Triton 3.6; copy 4,250-4,275 GB/s; us, fraction of co
                                 B=64 (each twice): one-launch pass 13.2 / 13.2 against 11.7 / 11.8; adaptive mask
                                 mode 17.1 / 17.1 against 14.5 / 14.5 on random masks, 13.6 / 13.6 against 14.5 / 14.4
                                 on grammar-like masks; top-k group bound 52.1 / 50.7 against 49.6 / 45.7: all off.
+  session 8 round 1 (2026-11-30; copy 4,250 GB/s; the compiled tests beside it: +-1 us), B=64 / 256:
+    top-k50, whole lane-path call  flat p0.9: group bound (16-lane groups) 30.0 / 75.0 against the histogram
+                                rounds alone 31.0 / 78.7; peaked: 31.8 / 77.0 against 30.4 / 75.8 (102
+                                candidates against 55: leaders in consecutive ids share groups). Stages at B=64 /
+                                256 (group bound): lane maxima 10.1 / 34.2, merge fixed part (lane maxima loaded,
+                                lane list, gather) 6.4 / 14.6, bound 3.2 / 7.9 (was 5.7 / 12.2 with the rounds),
+                                tau 5.9 / 11.8, draw 3.5 / 6.8; merge at 8 warps 31.6 / 75.2
+    top-p alone (rejection)     the pass with 4 proposals 11.0 / 35.2 with the in-lane picks deferred to the
+                                winning lanes (1 proposal: 9.6 / 31.9) against 14.9 / 52.3 with every lane's picks;
+                                the mass-above pass 16.6 / 46.3 (instruction-bound: an exp and 4 compare-adds per
+                                token) and 19.4 / 72.8 when each of its programs drew the tokens itself (230
+                                registers): the tokens are now drawn once per row (`_tokens_kernel`)
+  session 8 round 2 (copy 4,249 GB/s; the compiled tests beside it), B=64 / 256:
+    top-k50, whole call         group size 0 (rounds only) / 8 / 16 / 32: flat p0.9 30.5 / 28.9 / 29.3 / 28.2,
+                                peaked 29.1 / 30.9 / 31.1 / 31.4 (B=64); B=256 flat 78.5 / - / 74.3, peaked 74.4 /
+                                - / 75.9
+    top-p alone (rejection)     tokens drawn once per row; the mass-above pass gathering only the lanes above the
+                                smallest proposal (HOT_LANES, the pass storing lane maxima and program masses):
+                                peaked p0.95 24.3 / 61.8 against 29.6 / 81.0 reading every lane (stages: pass 12.7
+                                / 37.6, tokens + mass above 9.3 / 21.8, finish 2.3 / 2.4); flat p0.9 31.2 / 84.7
+                                against 29.7 / 81.5 (~80 of a segment's 256 lanes lie above the smallest proposal
+                                on these rows: the whole segment is read, and the lane maxima cost ~1.5 / 3 us)
+    default rows                T=1 11.0 / 34.4; T=0.7 +mask 13.4 / 41.0; greedy 10.6 / 33.4; top-k50 p0.9 28.9 /
+                                75.0; top-k50 +mask 34.6 / 83.8; top-p0.95 peak 25.8 / 63.1; top-p0.9 flat 32.8 /
+                                85.4 (session 7: 33.0 / 136)
   Floor of the histogram path: its histogram pass is instruction-bound (1,832 SASS instructions per thread, x 8
   warps x 2,048 programs at B=64 = 30M warp instructions: 32 us at 4 per SM per cycle, 55 us measured), so top-p
   alone on flat rows cannot approach one read (8.7 us) this way; a sampling rule that needs no tau (proposals from
@@ -115,6 +140,12 @@ import triton.language as tl
 
 from deepinfer_sg.kernels import sampling, speculative, threshold
 from kbench import DEV, V, W, emit, rand_bitmask, rotating, row, S, time_ms
+
+
+# what the host tells sample_triton when every row is a top-k row (sample_from_logits' host_flags): the merge
+# draws every token, no sampling pass, no top-p-alone rows (so no device-side parameter view either)
+LANE_ONLY = dict(filters=True, histogram=False, lane_only=True, reject=False)
+TOP_P_ONLY = dict(filters=False, histogram=False, lane_rows=False, reject=True)      # every row top-p alone
 
 
 def flat_logits(B):
@@ -269,8 +300,8 @@ def sweep(bw, l2):
     batches = S([64, 256], [3])
     floors(bw, l2, batches)
     SWEPT.append(True)
-    parts = dict(final=sweep_final, reject=sweep_reject, spec_one=sweep_spec_one, topk=sweep_topk, plain=sweep_plain,
-                 top_p_tune=sweep_top_p_tune, top_p=sweep_top_p, shapes=sweep_shapes, threshold=sweep_threshold,
+    parts = dict(final=sweep_final, topk=sweep_topk, threshold=sweep_threshold, reject=sweep_reject, spec_one=sweep_spec_one,
+                 plain=sweep_plain, top_p_tune=sweep_top_p_tune, top_p=sweep_top_p, shapes=sweep_shapes,
                  spec=sweep_speculative)
     chosen = os.environ.get("K1_SWEEP")                    # a comma list of the parts to run (default: all)
     for name, part in parts.items():
@@ -284,8 +315,7 @@ def sweep(bw, l2):
 
 def sweep_plain(bw, l2):
     """Plain rows at B=64 (T=1, T=0.7 with random 50% masks, T=0.7 with grammar-like masks: 2% allowed in runs of
-    512; B=256: T=1): the pass + finish (two launches) against one launch (ONE_LAUNCH: an atomic max per row), and
-    for masked rows the mask modes (dense, mask first, adaptive per program), each variant twice at B=64 (the
+    512; B=256: T=1), for masked rows both mask modes (dense, MASK_FIRST), each variant twice at B=64 (the
     run-to-run spread)."""
     for B in S([64, 256], [3]):
         cases = (("T=1", 1.0, None), ("T=0.7 +mask", 0.7, dict()),
@@ -296,15 +326,13 @@ def sweep_plain(bw, l2):
                            B * V * 4, l2)
             x, m = nxt()
             want = sampling.sample_torch(x, p, m)
-            modes = (False,) if mask_kw is None else (False, True, "adaptive")
-            variants = [(one, mf) for mf in modes for one in (False, True)]
-            for one, mf in variants + (variants if B == S(64, 3) else []):
+            modes = (False,) if mask_kw is None else (False, True)
+            for mf in modes + (modes if B == S(64, 3) else ()):
                 run = lambda s: sampling.sample_triton(s[0], p, s[1], filters=False, reject=False,  # noqa: E731
-                                                       one_launch=one, mask_first=mf)
+                                                       mask_first=mf)
                 same = float((run((x, m)) == want).float().mean())
                 t = time_ms(lambda: run(nxt()))
-                row("  sweep plain", f"B={B} {label} {'one' if one else 'two'} launch{'es' * (not one)}"
-                    f"{'' if mask_kw is None else ' mask ' + str(mf)}", t, None,
+                row("  sweep plain", f"B={B} {label}{'' if mask_kw is None else ' mask first ' + str(mf)}", t, None,
                     B * V * 4 + (B * W * 4 if mask_kw is not None else 0), bw, f"tokens = twin {same:.1%}")
 
 
@@ -339,8 +367,8 @@ def sweep_spec_one(bw, l2):
 
 def sweep_topk(bw, l2):
     """Top-k sampling (top-k50 p0.9 on flat rows; top-k50 on peaked rows) at B=64 and 256, whole lane-path call
-    (lane maxima + merge, which draws), with the merge's lane bound by the histogram rounds or by the group
-    maxima first (GROUP_BOUND), each twice at B=64, and the group bound with the merge at 8 warps."""
+    (lane maxima + merge, which draws): the merge's lane bound by the histogram rounds alone (groups=0) or by the
+    maxima of groups of 8, 16 (the default) or 32 lanes first (B=256: 0 and the default)."""
     for B in S([64, 256], [3]):
         for label, gen_rows, k, top_p in (("top-k50 p0.9 flat", flat_logits, 50, 0.9),
                                           ("top-k50 peak", peaked_logits, 50, 1.0)):
@@ -348,77 +376,70 @@ def sweep_topk(bw, l2):
             nxt = rotating(lambda: gen_rows(B), B * V * 4, l2)
             x = nxt()
             want = sampling.sample_torch(x, p)
-            for groups in ((False, True, False, True) if B == S(64, 3) else (False, True)):
-                threshold.GROUP_BOUND = groups
-                same = float((sampling.sample_triton(x, p, filters=True, histogram=False, lane_only=True) == want)
-                             .float().mean())
+            keep = threshold.GROUP_SIZE
+            for gs in ((0, 8, 16, 32) if B == S(64, 3) else (0, keep)):
+                threshold.GROUP_BOUND, threshold.GROUP_SIZE = gs > 0, max(gs, 1)
+                same = float((sampling.sample_triton(x, p, **LANE_ONLY) == want).float().mean())
                 cands = threshold.thresholds_and_paths(x, p, None, None, histogram=False)[1].float().mean()
-                t = time_ms(lambda: sampling.sample_triton(nxt(), p, filters=True, histogram=False, lane_only=True))
-                row("  sweep topk", f"B={B} {label} groups={int(groups)}", t, None, B * V * 4, bw,
+                t = time_ms(lambda: sampling.sample_triton(nxt(), p, **LANE_ONLY))
+                row("  sweep topk", f"B={B} {label} groups of {gs}", t, None, B * V * 4, bw,
                     f"tokens = twin {same:.1%}; {float(cands):.0f} candidates")
-            threshold.GROUP_BOUND, warps = True, threshold.MERGE_WARPS
-            threshold.MERGE_WARPS = 8
-            t = time_ms(lambda: sampling.sample_triton(nxt(), p, filters=True, histogram=False, lane_only=True))
-            row("  sweep topk", f"B={B} {label} groups=1 merge 8 warps", t, None, B * V * 4, bw)
-            threshold.GROUP_BOUND, threshold.MERGE_WARPS = False, warps
+            threshold.GROUP_BOUND, threshold.GROUP_SIZE = True, keep
 
 
 def sweep_final(bw, l2):
-    """The short sweep of round 3 (B=64, beside the default rows): the variants that are off by default against the
-    default, each pair twice: the one-launch pass (T=1), the adaptive mask mode (random 50% masks and grammar-like
-    2% masks), the top-k merge's group bound (top-k50 p0.9)."""
+    """Round 3's short check of this session's two switches at B=64, each pair twice: the top-k merge's group
+    bound (GROUP_BOUND) on flat and peaked rows, and the mass-above pass's hot lanes (HOT_LANES) on top-p-alone
+    peaked and flat rows."""
+    from deepinfer_sg.kernels import rejection
     B = S(64, 3)
-    for label, temp, mask_kw, var in (("T=1", 1.0, None, dict(one_launch=True)),
-                                      ("T=0.7 +mask", 0.7, dict(), dict(mask_first="adaptive")),
-                                      ("T=0.7 grammar mask", 0.7, dict(density=0.02, span=512),
-                                       dict(mask_first="adaptive"))):
-        p = sampling.row_params(B, DEV, temp, 0, 1.0, seed=torch.arange(B, device=DEV), position=0)
-        nxt = rotating(lambda: (flat_logits(B), rand_bitmask(B, **mask_kw) if mask_kw is not None else None),
-                       B * V * 4, l2)
-        for kw in (dict(), var, dict(), var):
-            t = time_ms(lambda: (lambda s: sampling.sample_triton(s[0], p, s[1], filters=False, reject=False, **kw))(
-                nxt()))
-            row("  sweep final", f"B={B} {label} {kw or 'default'}", t, None,
-                B * V * 4 + (B * W * 4 if mask_kw is not None else 0), bw)
-    p = sampling.row_params(B, DEV, 1.0, 50, 0.9, seed=torch.arange(B, device=DEV), position=0)
-    nxt = rotating(lambda: flat_logits(B), B * V * 4, l2)
-    for groups in (False, True, False, True):
-        threshold.GROUP_BOUND = groups
-        t = time_ms(lambda: sampling.sample_triton(nxt(), p, filters=True, histogram=False, lane_only=True))
-        row("  sweep final", f"B={B} top-k50 p0.9 groups={int(groups)}", t, None, B * V * 4, bw)
-    threshold.GROUP_BOUND = False
+    for label, gen_rows, k, top_p, mod, knob, call in (
+            ("top-k50 p0.9 flat", flat_logits, 50, 0.9, threshold, "GROUP_BOUND", LANE_ONLY),
+            ("top-k50 peak", peaked_logits, 50, 1.0, threshold, "GROUP_BOUND", LANE_ONLY),
+            ("top-p0.95 peak", peaked_logits, 0, 0.95, rejection, "HOT_LANES", TOP_P_ONLY),
+            ("top-p0.9 flat", flat_logits, 0, 0.9, rejection, "HOT_LANES", TOP_P_ONLY)):
+        p = sampling.row_params(B, DEV, 1.0, k, top_p, seed=torch.arange(B, device=DEV), position=0)
+        nxt = rotating(lambda: gen_rows(B), B * V * 4, l2)
+        for on in (True, False, True, False):
+            setattr(mod, knob, on)
+            t = time_ms(lambda: sampling.sample_triton(nxt(), p, **call))
+            row("  sweep final", f"B={B} {label} {knob}={int(on)}", t, None, B * V * 4, bw)
+        setattr(mod, knob, True)
 
 
 def sweep_reject(bw, l2):
     """Top-p alone by rejection (kernels/rejection.py) at B=64 and 256, flat rows p 0.9 and peaked rows p 0.95:
     tokens against the twin, the whole call at several proposal counts, its stages by differences (the pass with
-    the proposals, + the mass-above pass, + the finish: one stage when fused), the mass-above pass reading every
-    lane (LANE_SKIP off), the finish as its own launch (FUSE_FINISH off), the mass-above pass at 4 warps, and
-    session 6's tau-first path."""
+    the proposals, + the proposals' tokens and the mass-above pass, + the finish), the mass-above pass reading
+    every lane (HOT_LANES off); K1_REJECT_KNOBS=1 adds the mass-above pass at 4 warps and session 6's tau-first
+    path."""
     from deepinfer_sg.kernels import rejection
     for B, label, p, nxt, x in top_p_cases(l2):
         want = sampling.sample_torch(x, p)
-        flags = dict(filters=False, histogram=False, lane_rows=False, reject=True)
-        for np_ in ((2, 4, 6) if B == S(64, 3) else (4,)):
+        flags = TOP_P_ONLY
+        for np_ in (1, 4):
             same = float((sampling.sample_triton(x, p, proposals=np_, **flags) == want).float().mean())
             prev = 0.0
-            for stages in ((0, 1, 2) if np_ == 4 else (2,)):
+            for stages in ((0, 1, 2) if np_ == 4 else (0,)):
                 rejection.STAGES = stages
                 t = time_ms(lambda: sampling.sample_triton(nxt(), p, proposals=np_, **flags))
                 rejection.STAGES = 2
                 row("  sweep reject", f"B={B} {label} np={np_} st{stages}", t, None, B * V * 4, bw,
                     f"stage {(t - prev) * 1e3:.1f} us; tokens = twin {same:.1%}")
                 prev = t
-        for knob, value, label2 in (("LANE_SKIP", False, "every lane read"),
-                                    ("FUSE_FINISH", False, "finish launched apart"),
-                                    ("ABOVE_WARPS", 4, "mass-above pass 4 warps")):
-            keep = getattr(rejection, knob)
-            setattr(rejection, knob, value)
-            same = float((sampling.sample_triton(x, p, **flags) == want).float().mean())
-            t = time_ms(lambda: sampling.sample_triton(nxt(), p, **flags))
-            setattr(rejection, knob, keep)
-            row("  sweep reject", f"B={B} {label} np=4 {label2}", t, None, B * V * 4, bw,
-                f"tokens = twin {same:.1%}")
+        rejection.HOT_LANES = False
+        same = float((sampling.sample_triton(x, p, **flags) == want).float().mean())
+        t = time_ms(lambda: sampling.sample_triton(nxt(), p, **flags))
+        rejection.HOT_LANES = True
+        row("  sweep reject", f"B={B} {label} np=4 every lane read", t, None, B * V * 4, bw,
+            f"tokens = twin {same:.1%}")
+        if not os.environ.get("K1_REJECT_KNOBS"):
+            continue
+        keep = rejection.ABOVE_WARPS
+        rejection.ABOVE_WARPS = 4
+        t = time_ms(lambda: sampling.sample_triton(nxt(), p, **flags))
+        rejection.ABOVE_WARPS = keep
+        row("  sweep reject", f"B={B} {label} np=4 mass-above pass 4 warps", t, None, B * V * 4, bw)
         sampling.P_REJECT = False
         try:
             t = time_ms(lambda: sampling.sample_triton(nxt(), p, filters=True, histogram=True, reject=False))
@@ -562,40 +583,27 @@ def sweep_shapes(bw, l2):
 
 
 def sweep_threshold(bw, l2):
-    """Top-k sampling (top-k50 p0.9, flat rows) at B=64 and 256 on the lane path: the lane-maxima pass alone (two
-    program shapes), then the merge's stages timed by differences (1: the top lane gathered only, 2: + the lane
-    bound, 3: + tau, 4: + the draw = the whole two-launch call), the merge at 32 warps, and the sampling call
-    when the host cannot promise every row is a lane-path row (the pass then runs and skips them)."""
+    """Top-k sampling (top-k50 p0.9, flat rows) at B=64 and 256 on the lane path: the lane-maxima pass alone, then
+    the merge's stages timed by differences (1: the top lane gathered only, 2: + the lane bound, 3: + tau, 4: + the
+    draw = the whole two-launch call), and the sampling call when the host cannot promise every row is a lane-path
+    row (the pass then runs and skips them)."""
     for B in S([64, 256], [3]):
         k, top_p = 50, 0.9
         p = sampling.row_params(B, DEV, 1.0, k, top_p, seed=torch.arange(B, device=DEV), position=0)
         nxt = rotating(lambda: flat_logits(B), B * V * 4, l2)
-        x = nxt()
-        want = sampling.sample_torch(x, p)
         label = f"top-k{k} p{top_p}"
         layout = (sampling.SEG, sampling.LANES)
-        for shape in (threshold.LANE_SHAPE, (256, 2)):
-            t1 = time_ms(lambda: threshold.thresholds_and_paths(nxt(), p, None, None, stages=1, histogram=False,
-                                                                draw=layout, lane_shape=shape))
-            row("  sweep threshold", f"B={B} {label} lane max {shape[0]}x{shape[1]}", t1, None, B * V * 4, bw)
+        prev = time_ms(lambda: threshold.thresholds_and_paths(nxt(), p, None, None, stages=1, histogram=False,
+                                                              draw=layout))
+        row("  sweep threshold", f"B={B} {label} lane max", prev, None, B * V * 4, bw)
         tau, path, tok = (torch.empty(B, device=DEV), torch.empty(B, dtype=torch.int32, device=DEV),
                           torch.empty(B, dtype=torch.int64, device=DEV))
-        prev = t1
         for upto in (1, 2, 3, 4):
             t = time_ms(lambda: threshold.lane_path(nxt(), p, None, None, tau, path, tok, *layout, upto=upto))
             row("  sweep threshold", f"B={B} {label} merge upto {upto}", t, None, B * V * 4, bw,
                 f"stage {(t - prev) * 1e3:.1f} us")
             prev = t
-        same = float((sampling.sample_triton(x, p, filters=True, histogram=False, lane_only=True) == want)
-                     .float().mean())
-        warps = threshold.MERGE_WARPS
-        for w in (8, 32):
-            threshold.MERGE_WARPS = w
-            t = time_ms(lambda: threshold.thresholds_and_paths(nxt(), p, None, None, histogram=False, draw=layout))
-            row("  sweep top-k sample", f"B={B} {label} lane only merge w{w}", t, None, B * V * 4, bw,
-                f"default equal to twin {same:.1%}")
-        threshold.MERGE_WARPS = warps
-        t = time_ms(lambda: sampling.sample_triton(nxt(), p, filters=True, histogram=False))
+        t = time_ms(lambda: sampling.sample_triton(nxt(), p, filters=True, histogram=False, reject=False))
         row("  sweep top-k sample", f"B={B} {label} lane + pass", t, None, B * V * 4, bw)
 
 
@@ -603,10 +611,9 @@ def compile_cases():
     """(name, kernel, extra pointer types, constexprs, warps) for kernels.py --compile-check."""
     seg_types = {"greedy_ptr": "*i1", "out_ptr": "*i64", "count_ptr": "*i32"}
     # constexprs (an unlisted one would build as a run-time int)
-    seg_flags = dict(DONE=False, MASK_FIRST=False, NP=1, REJECT=False, ONE=False, LANE_STATS=False)
+    seg_flags = dict(DONE=False, MASK_FIRST=False, NP=1, REJECT=False, DEFER=False)
     from deepinfer_sg.kernels import rejection
-    one_types = dict(seg_types, ws_ptr="*i64", cnt_ptr="*i32", out_ptr="*i64", done_ptr="*i64")
-    rej_types = {"packed_ptr": "*i64", "part_ptr": "*fp64", "out_ptr": "*i64", "done_ptr": "*i64"}
+    rej_types = {"packed_ptr": "*i64", "part_ptr": "*fp64", "out_ptr": "*i64", "done_ptr": "*i64", "keys_ptr": "*i64"}
     return [
         ("sample segment w8", sampling._segment_kernel, seg_types, dict(HAS_MASK=False, HAS_TAU=False, LANES=256,
                                                                         LW=16, PL=256, VEC=1, FAST=True, **seg_flags),
@@ -616,11 +623,7 @@ def compile_cases():
         ("topk lane merge", threshold._lane_merge_kernel, {"path_ptr": "*i32", "tok_ptr": "*i64", "lane_ptr": "*i32",
                                                            "greedy_ptr": "*i8"},
          dict(HAS_MASK=True, NG=8192, LCAP=128, KMAX=64, KP=128, JB=32, HB=64, ROUNDS=3, BLOCK=1024, DRAW=True,
-              LANES=256, LW=16, FAST=True, GROUPS=False), 16),
-        ("topk lane merge groups", threshold._lane_merge_kernel, {"path_ptr": "*i32", "tok_ptr": "*i64",
-                                                                  "lane_ptr": "*i32", "greedy_ptr": "*i8"},
-         dict(HAS_MASK=True, NG=8192, LCAP=128, KMAX=64, KP=128, JB=32, HB=64, ROUNDS=3, BLOCK=1024, DRAW=True,
-              LANES=256, LW=16, FAST=True, GROUPS=True), 16),
+              LANES=256, LW=16, FAST=True, GROUPS=True, GS=16), 16),
         ("sample finish", sampling._finish_kernel, {"done_ptr": "*i64", "NEG_INF_KEY": "i64"},
          dict(BLOCK=32, DONE=True), 1),
         ("threshold hist", threshold._hist_kernel, {}, dict(HAS_MASK=True, CHUNK=4096, NB=512, INV_W=32.0,
@@ -639,27 +642,21 @@ def compile_cases():
                                                                            **seg_flags), 4),
         ("sample segment +mask 1st", sampling._segment_kernel, seg_types,
          dict(HAS_MASK=True, HAS_TAU=True, LANES=256, LW=16, PL=128, VEC=1, FAST=True, DONE=False, MASK_FIRST=True,
-              NP=1, REJECT=False, ONE=False, LANE_STATS=False), 4),
+              NP=1, REJECT=False, DEFER=False), 4),
         ("sample segment +mask v4", sampling._segment_kernel, seg_types, dict(HAS_MASK=True, HAS_TAU=True,
                                                                               LANES=256, LW=16, PL=256, VEC=4,
                                                                               FAST=True, **seg_flags), 2),
         ("sample segment np4", sampling._segment_kernel, seg_types,
          dict(HAS_MASK=False, HAS_TAU=False, LANES=256, LW=16, PL=128, VEC=2, FAST=True, DONE=False, MASK_FIRST=False,
-              NP=4, REJECT=True, ONE=False, LANE_STATS=True), 2),
-        ("sample segment one launch", sampling._segment_kernel, one_types,
-         dict(HAS_MASK=False, HAS_TAU=False, LANES=256, LW=16, PL=128, VEC=2, FAST=True, DONE=True, MASK_FIRST=False,
-              NP=1, REJECT=False, ONE=True, LANE_STATS=False), 2),
-        ("sample segment +mask adaptive", sampling._segment_kernel, seg_types,
-         dict(HAS_MASK=True, HAS_TAU=False, LANES=256, LW=16, PL=64, VEC=1, FAST=True, DONE=False, MASK_FIRST=2,
-              NP=1, REJECT=False, ONE=False, LANE_STATS=False), 2),
-        ("reject mass above", rejection._above_kernel, rej_types,
-         dict(HAS_MASK=True, NP=4, NPP=64, LANES=256, LW=16, VEC=4, FAST=True, SKIP=False, DONE=True, FUSE=False,
-              NSP=32, NMAX=8, BLOCK=1024, NPQ=8), 2),
-        ("reject mass above fused", rejection._above_kernel, dict(rej_types, cnt_ptr="*i32"),
-         dict(HAS_MASK=True, NP=4, NPP=64, LANES=256, LW=16, VEC=4, FAST=True, SKIP=True, DONE=True, FUSE=True,
-              NSP=32, NMAX=8, BLOCK=1024, NPQ=8), 2),
-        ("reject finish", rejection._reject_finish_kernel, rej_types,
-         dict(DONE=True, HAS_MASK=True, NP=4, NPP=64, NSP=32, NMAX=8, LANES=256, LW=16, BLOCK=1024, FAST=True), 4),
+              NP=4, REJECT=True, DEFER=True, HOT=True), 2),
+        ("reject tokens", rejection._tokens_kernel, dict(rej_types, tok_ptr="*i64"),
+         dict(DONE=True, HAS_MASK=True, HAS_TAU=True, NP=4, NPP=64, NPQ=8, LANES=256, LW=16, FAST=True), 1),
+        ("reject mass above", rejection._above_kernel, dict(rej_types, tok_ptr="*i64", lane_ptr="*fp32",
+                                                            hot_ptr="*i32"),
+         dict(HAS_MASK=True, NP=4, NPP=64, LANES=256, LW=16, VEC=4, FAST=True, NPQ=8, HOT=True, HOTCAP=32), 2),
+        ("reject finish", rejection._reject_finish_kernel, dict(rej_types, tok_ptr="*i64", pmass_ptr="*fp32"),
+         dict(DONE=True, HAS_MASK=True, NP=4, NPP=64, NPQ=8, NSP=32, NMAX=8, LANES=256, LW=16, BLOCK=1024,
+              FAST=True), 4),
         ("spec stats pass", speculative._stats_kernel, {"pack_ptr": "*i64"},
          dict(HAS_MASK=True, HAS_TAU=False, LANES=256, LW=16, PL=256, VEC=4, NB=64, FAST=True, NP=1), 2),
         ("spec stats pass np4", speculative._stats_kernel, {"pack_ptr": "*i64"},

@@ -15,14 +15,16 @@ the device runs the previous one (Model.plan_step / launch, as engine/step_pipel
 between two steps' ends; printed with the host ms of launch, split at the graph run, and of the overlapped plan),
 "exact" vs eager; "unstacked": the graphs path with one GEMM per attention-norm projection
 (model.stack_projections = False, engine/projections.py), vs the fast path; "rope-apart": the graphs path with RoPE
-in launches of its own (model.fused_rope = False), vs the fast path; "router" (only when named in --paths): the
-graphs path with the MoE gates' tail as kernels.router (a patch of engine/moe.py's Gate for this path), vs the fast
-path; "routes" (only when named, after "reference"):
+in launches of its own (model.fused_rope = False), vs the fast path; "routes" (only when named, after "reference"):
 the eager fast path with the reference run's MoE routes forced (engine/routes.py), vs the reference, with the
-number of route choices that differed ("flips"): what is left of the difference is rounding; "glue" (only when
-named): the graphs path with the MoE gates' tail by kernels.router and the shared experts by kernels.skinny (two
-launches each), patched in for this path, vs the fast path; with --fused-mhc also the graphs path with the other
-mHC setting than the engine's default (model.fused_mhc; "unfused" or "fused", vs the reference).
+number of route choices that differed ("flips"): what is left of the difference is rounding; the ablations (only
+when named; `ABLATIONS`): the ahead path with one engine choice changed for its duration, vs the fast path:
+"torch-gate" (the MoE gates' GEMM, then their tail as torch ops, instead of kernels.router.gate_route),
+"gemm-gate" (the GEMM, then kernels.router's tail), "torch-shared" (the shared experts' front half as torch ops
+instead of kernels.skinny), "serial-shared" (the shared experts after the routed ones on one stream, not beside
+them on a second: engine/streams.py), "control" (nothing changed: the drift between paths of one run); with
+--fused-mhc also the graphs path with the other mHC setting than the engine's default (model.fused_mhc;
+"unfused" or "fused", vs the reference).
 Printed per path: step time, tokens/s, the bytes one step must read (dense weights + the routed experts hit in that
 step + the KV caches) and the roofline = measured read bandwidth / bytes per
 step, i.e. the speed of a perfect memory-bound implementation; plus the fast path's speed-up. After each batch:
@@ -260,31 +262,63 @@ def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, wa
     return statistics.median(times), sum(bytes_) / len(bytes_), logits   # median: robust to a stray slow step
 
 
-def _route_by_kernel(model):
-    """The "router" path (only when asked for): score-routed MoE gates run their GEMM, then kernels.router (one
-    launch) instead of engine/moe.py's ~9 torch ops after it: what that one-line change in Gate.forward would give.
-    -> undo()."""
-    import torch.nn.functional as F
-    from deepinfer_sg.engine.moe import Gate
-    from deepinfer_sg.kernels.router import route
-    orig = Gate.forward
+def _gate_by(kind: str):
+    """A path whose score-routed MoE gates run another way than kernels.router.gate_route's one launch: "torch" (the
+    gate GEMM, then the ~9 torch ops of the twin, as engine/moe.py's Gate ran before session 8) or "gemm" (the GEMM
+    library, then kernels.router's one-launch tail). -> (model -> undo())."""
+    def patch(model):
+        import torch.nn.functional as F
+        from deepinfer_sg.kernels import router
+        orig = router.gate_route
+        other = router.gate_route_torch if kind == "torch" else \
+            (lambda x, w, b, k, s: router.route(F.linear(x, w), b, k, s))
+        return _patched(model, lambda: setattr(router, "gate_route", other),
+                        lambda: setattr(router, "gate_route", orig))
+    return patch
 
-    def forward(self, x, token_ids):
-        if self.hashed:
-            return orig(self, x, token_ids)
-        return route(F.linear(x, self.weight), self.bias, self.top_k, self.scaling)
-    return _patched(model, lambda: setattr(Gate, "forward", forward), lambda: setattr(Gate, "forward", orig))
+
+def _shared_by_torch(model):
+    """The "torch-shared" path: the shared experts' front half as the 6 torch launches (kernels.skinny's twin)
+    instead of its one launch. -> undo()."""
+    from deepinfer_sg.engine import moe
+    from deepinfer_sg.kernels.skinny import skinny_linear_torch
+    orig = moe.skinny_linear
+    return _patched(model, lambda: setattr(moe, "skinny_linear", lambda x, w, groups=1, glu=None, site="":
+                                           skinny_linear_torch(x, w, groups, glu)),
+                    lambda: setattr(moe, "skinny_linear", orig))
+
+
+def _serial_shared(model):
+    """The "serial-shared" path: the shared experts after the routed ones on one stream (engine/streams.py off).
+    -> undo()."""
+    from deepinfer_sg.engine import streams
+    orig = streams.ENABLED
+    return _patched(model, lambda: setattr(streams, "ENABLED", False), lambda: setattr(streams, "ENABLED", orig))
+
+
+def _control(model):
+    """The "control" path: nothing changed, the graphs captured again, measured after the other paths (how far the
+    same code drifts between paths of one run). -> undo()."""
+    return _patched(model, lambda: None, lambda: None)
+
+
+# paths that change one engine choice for their duration (only when named in --paths): graphs + plan-ahead steps,
+# compared with the fast path (a changed rounding can flip MoE routes: the difference is then not rounding)
+ABLATIONS = {"torch-gate": _gate_by("torch"), "gemm-gate": _gate_by("gemm"), "torch-shared": _shared_by_torch,
+             "serial-shared": _serial_shared, "control": _control}
 
 
 def _patched(model, apply, restore):
     """apply() now, restore() by the returned undo(); the captured graphs dropped both times (they ran the other
-    code)."""
+    code; model None: none yet)."""
     apply()
-    model.reset_graphs()
+    if model is not None:
+        model.reset_graphs()
 
     def undo():
         restore()
-        model.reset_graphs()
+        if model is not None:
+            model.reset_graphs()
     return undo
 
 
@@ -304,27 +338,6 @@ def _routes_for(model, path: str, paths: list, results: dict):
             yield flips
     else:
         yield [0]
-
-
-def _moe_glue_by_kernels(model):
-    """The "glue" path (only when named): the MoE layers' work around the routed experts by E's kernels, as
-    engine/moe.py could call them: the gate's tail by kernels.router (`_route_by_kernel`) and each shared expert as
-    two kernels.skinny launches (w1 + w3 + clamped SwiGLU, then w2) instead of 7. -> undo()."""
-    from deepinfer_sg.engine.moe import MoE
-    from deepinfer_sg.kernels.skinny import skinny_linear
-    undo_router = _route_by_kernel(model)
-    shared = [m.shared_experts for m in model.modules() if isinstance(m, MoE) and m.shared_experts is not None]
-
-    def apply():
-        for ex in shared:
-            ex.forward = lambda x, ex=ex: skinny_linear(skinny_linear(x, ex.w1.weight, glu=(ex.w3.weight, ex.limit)),
-                                                        ex.w2.weight)
-
-    def restore():
-        for ex in shared:
-            del ex.forward
-        undo_router()
-    return _patched(model, apply, restore)
 
 
 def _time_launch_parts(model, acc: dict):
@@ -379,10 +392,10 @@ def run(args):
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params, built in {build_s:.1f} s; "
         f"measured read bandwidth {bw / 1e9:.1f} GB/s; prompt {args.prompt}, {args.decode} timed decode steps "
         f"after {args.warmup} warm-up; engine code in {Path(__import__('deepinfer_sg.engine.model').engine.model.__file__).parent}")
-    say(f"{'phase':8} {'path':9} {'batch':>5} {'step ms':>9} {'tok/s':>9} {'MB/step':>9} {'roof tok/s':>11} "
+    say(f"{'phase':8} {'path':12} {'batch':>5} {'step ms':>9} {'tok/s':>9} {'MB/step':>9} {'roof tok/s':>11} "
         f"{'of roof':>8} {'speed-up':>8} {'diff':>12}")
     g = torch.Generator().manual_seed(0)
-    for B in args.batches:
+    for B in [] if args.gemms_only else args.batches:
         caches = [model.new_cache() for _ in range(B)]
         prompts = torch.randint(0, V, (B, args.prompt), generator=g)
         _sync(dev)
@@ -400,9 +413,8 @@ def run(args):
         paths = (["reference"] if ref else []) + ["fast"] + (["graphs"] if has_graphs else []) + \
             (["ahead"] if has_graphs and ahead else []) + (["unstacked"] if has_graphs and stacking else []) + \
             (["rope-apart"] if has_graphs and hasattr(model, "fused_rope") else []) + \
-            (["router"] if has_graphs and args.paths and "router" in args.paths else []) + \
             (["routes"] if ref and args.paths and "routes" in args.paths else []) + \
-            (["glue"] if has_graphs and args.paths and "glue" in args.paths else [])
+            [p for p in ABLATIONS if has_graphs and ahead and args.paths and p in args.paths]
         if args.paths:
             paths = [p for p in paths if p in args.paths]
         fused_default = getattr(model, "fused_mhc", None)
@@ -412,23 +424,21 @@ def run(args):
         for path in paths:
             model.fast_decode = path != "reference"
             if has_graphs:
-                model.cuda_graphs = path in ("graphs", "ahead", "unstacked", "rope-apart", "router", "glue",
-                                             other_mhc)
+                model.cuda_graphs = path in ("graphs", "ahead", "unstacked", "rope-apart", other_mhc, *ABLATIONS)
             if stacking:
                 model.stack_projections = path != "unstacked"
             if hasattr(model, "fused_rope"):
                 model.fused_rope = path != "rope-apart" and args.fused_rope == "on"
             if fused_default is not None:
                 model.fused_mhc = (not fused_default) if path == other_mhc else fused_default
-            undo = {"router": _route_by_kernel, "glue": _moe_glue_by_kernels}.get(
-                path, lambda m: None)(model)
+            undo = ABLATIONS.get(path, lambda m: None)(model)
             try:
                 with _routes_for(model, path, paths, results) as flips:
                     step_s, sb, logits = decode_run(model, caches, toks, dev, counter, dense, per_expert, args.warmup,
-                                                    ahead=path == "ahead")
+                                                    ahead=path == "ahead" or path in ABLATIONS)
             except Exception as e:   # (the graphs path is last: report, then go on eager)
                 import traceback
-                say(f"{'decode':8} {path:9} {B:5d} FAILED: {e!r}")
+                say(f"{'decode':8} {path:12} {B:5d} FAILED: {e!r}")
                 _out_file(f"failed_{path}_B{B}.txt", traceback.format_exc())
                 if has_graphs:
                     model.cuda_graphs = False
@@ -445,8 +455,7 @@ def run(args):
             speed = ""
             # fast vs reference: relative (bf16 round-off can flip MoE routes); graphs vs fast: must be exactly 0
             against = {"fast": "reference", "graphs": "fast", "ahead": "fast", "unstacked": "fast", "rope-apart": "fast",
-                       "router": "fast", "routes": "reference", "glue": "fast",
-                       other_mhc: "reference"}.get(path)
+                       "routes": "reference", other_mhc: "reference", **{p: "fast" for p in ABLATIONS}}.get(path)
             if against in results:
                 ref_s, ref_logits, _ = results[against]
                 if path in ("graphs", "ahead"):
@@ -459,12 +468,12 @@ def run(args):
                 speed = f"{results.get('reference', results['fast'])[0] / step_s:7.1f}x"
             if path == "routes":
                 speed = f"{flips[0]} flips"
-            host = "" if path != "ahead" else \
+            host = "" if not (path == "ahead" or path in ABLATIONS) else \
                 (f"   host ms: launch {decode_run.host_ms[0]:.2f} (before the graph run {decode_run.host_ms[2]:.2f}, "
                  f"in it {decode_run.host_ms[3]:.2f}, after {decode_run.host_ms[4]:.2f}) + plan "
                  f"{decode_run.host_ms[1]:.2f} (overlapped); launch parts ms: " +
                  ", ".join(f"{k} {v:.3f}" for k, v in getattr(decode_run, "launch_parts", {}).items()))
-            say(f"{'decode':8} {path:9} {B:5d} {step_s * 1e3:9.2f} {B / step_s:9.1f} {sb / 1e6:9.1f} {roof:11.1f} "
+            say(f"{'decode':8} {path:12} {B:5d} {step_s * 1e3:9.2f} {B / step_s:9.1f} {sb / 1e6:9.1f} {roof:11.1f} "
                 f"{B / step_s / roof:8.1%} {speed:>8} {diff:>12}   warm-up steps ms {decode_run.warm_ms}{host}")
         model.fast_decode = True
         if stacking:
@@ -475,8 +484,8 @@ def run(args):
             model.fused_mhc = fused_default
         memory_line(model, caches)
         del caches
-    if args.gemms:
-        gemm_table(model, args.batches, bw, dev)
+    if args.gemms or args.gemms_only:
+        gemm_table(model, args.batches, bw, dev, args.gemm_names, args.gemm_sweep == "on")
     if args.profile:
         modes = ["graphs"] if hasattr(model, "cuda_graphs") else ["fast"]
         if args.paths and "unstacked" in args.paths and hasattr(model, "stack_projections"):
@@ -671,6 +680,7 @@ def _part_hooks():
     from deepinfer_sg.engine import attention, batched, compress_step, indexer, model as M, moe, norm
     parts = [("pre_attention", batched, "pre_attention"), ("post_attention", batched, "post_attention"),
              ("mhc.mixes", M.Block, "mixes"), ("mhc.pre", batched, "hc_pre"), ("mhc.post", batched, "hc_post"),
+             ("mhc.post+mixes", batched, "hc_post_and_mixes"),
              ("norm", norm.RMSNorm, "forward"), ("proj.stacked", batched.projections, "xn_products"),
              ("attn.q", attention.Attention, "project_q"), ("attn.kv", attention.Attention, "project_kv"),
              ("attn.kv", attention.Attention, "store_kv"),
@@ -680,7 +690,8 @@ def _part_hooks():
              ("window_idx", batched, "window_idx"), ("attend", batched, "attend"),
              ("sparse_attention", batched, "sparse_attention"), ("compress", compress_step, "compress_rows"),
              ("moe", moe.MoE, "forward_grouped"), ("moe.gate", moe.Gate, "forward"),
-             ("moe.shared", moe.Expert, "forward"), ("moe.routed", K, "moe_experts"),
+             ("moe.shared", moe.Expert, "forward"), ("moe.shared", moe.Expert, "forward_fast"),
+             ("moe.routed", K, "moe_experts"),
              ("embed", M.Model, "embed_streams"), ("collapse", M.Model, "collapse_streams")]
     try:
         from deepinfer_sg.engine import engram
@@ -777,11 +788,13 @@ def _graph_us(fn_calls, reps: int = 3) -> float:
     return statistics.median(times[1:])
 
 
-def gemm_table(model: Model, batches: list[int], bw: float, dev) -> None:
+def gemm_table(model: Model, batches: list[int], bw: float, dev, names: list[str] | None = None,
+               sweep: bool = True) -> None:
     """The decode step's few-row products at each batch size: the GEMM library ('lib': F.linear / the grouped einsum;
     for a shared expert's front half its two products and the SwiGLU launches) vs kernels.skinny (the SwiGLU
     inside), each against its weight bytes over the measured read bandwidth ('floor'); and the MoE router's tail,
-    Gate's torch ops vs kernels.router. In CUDA graphs, weights rotating through copies larger than the L2."""
+    Gate's torch ops vs kernels.router. In CUDA graphs, weights rotating through copies larger than the L2.
+    names: only the products whose name contains one of these; sweep: also time kernels.skinny's block sweep."""
     from deepinfer_sg.kernels.skinny import skinny_linear_triton, launch_config
     c = model.config
     attn = next(blk.attn for blk in model.layers if blk.attn.spec.index_source == blk.layer_id)
@@ -794,23 +807,29 @@ def gemm_table(model: Model, batches: list[int], bw: float, dev) -> None:
               ("shared w1+w3 glu (K3)", 1, c.moe_intermediate_size, H, True),
               ("shared w2 (K3)", 1, H, c.moe_intermediate_size, False)]
     dt = model.dtype
-    # the router after its GEMM (engine/moe.py Gate: ~9 torch launches) vs kernels.router (one)
-    from deepinfer_sg.kernels.router import route_torch, route_triton
+    # the gate: its GEMM + the ~9 torch ops of the tail (before session 8) vs the GEMM + kernels.router's tail vs
+    # kernels.router.gate_route (one launch)
+    from deepinfer_sg.kernels.router import gate_route_triton, route_torch, route_triton
     E, K = c.n_routed_experts, c.num_experts_per_tok
     bias = torch.randn(E, device=dev) * 0.1
-    for T in batches:
-        logits = [torch.randn(T, E, device=dev, dtype=dt) for _ in range(8)]
-        t_lib = _graph_us([lambda x=x: route_torch(x, bias, K, 1.5) for x in logits])
-        t_k = _graph_us([lambda x=x: route_triton(x, bias, K, 1.5) for x in logits])
-        a, b = route_torch(logits[0], bias, K, 1.5), route_triton(logits[0], bias, K, 1.5)
-        same = bool((a[1].sort(1).values == b[1].sort(1).values).all())
-        say(f"{'router epilogue':20} {T:3d} {'':6} {'':8} {t_lib:7.2f} {t_k:7.2f} {'':7}  kernels.router vs Gate's "
-            f"torch ops; same experts: {same}")
-    say("gemms: us per call at T rows (CUDA graph, cold weights); 'lib' = F.linear / einsum (+ the clamps, silu and "
-        "product for glu), 'skinny' = kernels.skinny default config, 'best' = the best of its sweep")
-    say(f"{'product':20} {'T':>3} {'MB':>6} {'floor us':>8} {'lib us':>7} {'skinny':>7} {'best':>7}  best config")
+    gws = [torch.randn(E, H, device=dev, dtype=dt) * H ** -0.5 for _ in range(16)]
+    say(f"{'gate + route':20} {'T':>3} {'torch':>8} {'tail k.':>8} {'fused':>8}  (us; GEMM + torch tail, GEMM + "
+        f"kernels.router tail, kernels.router.gate_route)")
     F_ = torch.nn.functional
-    for name, groups, N, K, glu in shapes:
+    for T in batches:
+        x = torch.randn(T, H, device=dev, dtype=dt)
+        t_lib = _graph_us([lambda w=w: route_torch(F_.linear(x, w), bias, K, 1.5) for w in gws])
+        t_k = _graph_us([lambda w=w: route_triton(F_.linear(x, w), bias, K, 1.5) for w in gws])
+        t_f = _graph_us([lambda w=w: gate_route_triton(x, w, bias, K, 1.5) for w in gws])
+        a, b = route_torch(F_.linear(x, gws[0]), bias, K, 1.5), gate_route_triton(x, gws[0], bias, K, 1.5)
+        same = bool((a[1].sort(1).values == b[1].sort(1).values).all())
+        say(f"{'gate + route':20} {T:3d} {t_lib:8.2f} {t_k:8.2f} {t_f:8.2f}  same experts (fused vs torch): {same}")
+    say("gemms: us per call at T rows (CUDA graph, cold weights); 'lib' = F.linear / one bmm (+ the clamps, silu "
+        "and product for glu), 'skinny' = kernels.skinny default config, 'unsplit' = the same without split-K, "
+        "'best' = the best of its sweep")
+    say(f"{'product':20} {'T':>3} {'MB':>6} {'floor us':>8} {'lib us':>7} {'skinny':>7} {'unsplit':>7} {'best':>7}  "
+        f"best config")
+    for name, groups, N, K, glu in [sh for sh in shapes if not names or any(n in sh[0] for n in names)]:
         wbytes = groups * N * K * 2 * (2 if glu else 1)
         copies = max(2, min(16, int(2 * 60e6 // wbytes) + 1)) if dev.type == "cuda" else 1
         ws = [torch.randn(groups * N, K, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
@@ -821,12 +840,16 @@ def gemm_table(model: Model, batches: list[int], bw: float, dev) -> None:
             def lib(w, u):
                 if glu:
                     return F_.silu(F_.linear(x, w).clamp(max=10.0)) * F_.linear(x, u).clamp(-10.0, 10.0)
-                if groups > 1:
-                    return torch.einsum("tgi,goi->tgo", x.view(T, groups, -1), w.view(groups, N, -1)).reshape(T, -1)
+                if groups > 1:       # (as engine/projections.py runs it without kernels.skinny: one bmm)
+                    out = x.new_empty(T, groups * N)
+                    torch.bmm(x.view(T, groups, -1).transpose(0, 1), w.view(groups, N, -1).transpose(1, 2),
+                              out=out.view(T, groups, N).transpose(0, 1))
+                    return out
                 return F_.linear(x, w)
             floor = wbytes / bw * 1e6
             t_lib = _graph_us([lambda w=w, u=u: lib(w, u) for w, u in zip(ws, ups)])
-            cfgs = [None] + [dict(BN=bn, BK=128) for bn in (16, 32, 64)][:None if dev.type == "cuda" else 2]
+            cfgs = [None, dict(SPLIT=1)] + [dict(BN=bn, BK=128) for bn in (16, 32, 64)][
+                :(None if dev.type == "cuda" else 2) if sweep else 0]
             res = []
             for cfg in cfgs:
                 try:
@@ -835,12 +858,12 @@ def gemm_table(model: Model, batches: list[int], bw: float, dev) -> None:
                 except Exception:   # (a config the compiler refuses: skipped)
                     t = float("inf")
                 res.append((t, cfg))
-            best = min(res[1:], key=lambda r: r[0])
+            best = min(res[2:] or res[:1], key=lambda r: r[0])
             want = lib(ws[0], ups[0]).float()
             got = skinny_linear_triton(x, ws[0], groups, (ups[0], 10.0) if glu else None).float()
             err = (got - want).abs().max() / want.abs().max()
-            say(f"{name:20} {T:3d} {wbytes / 1e6:6.1f} {floor:8.2f} {t_lib:7.2f} {res[0][0]:7.2f} {best[0]:7.2f}  "
-                f"{best[1]} (default {launch_config(T, N, K, groups)}; |skinny - lib| / max {err:.1e})")
+            say(f"{name:20} {T:3d} {wbytes / 1e6:6.1f} {floor:8.2f} {t_lib:7.2f} {res[0][0]:7.2f} {res[1][0]:7.2f} "
+                f"{best[0]:7.2f}  {best[1]} (default {launch_config(T, N, K, groups)}; |skinny - lib| / max {err:.1e})")
         del ws, ups
 
 
@@ -856,8 +879,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=2, help="untimed decode steps first (Triton compiles)")
     ap.add_argument("--skip-reference", action="store_true", help="time the fast path only")
     ap.add_argument("--paths", nargs="+", default=None,
-                    choices=["reference", "fast", "graphs", "ahead", "unstacked", "rope-apart", "router", "routes",
-                             "glue"],
+                    choices=["reference", "fast", "graphs", "ahead", "unstacked", "rope-apart", "routes",
+                             *ABLATIONS],
                     help="time only these decode paths (default: all; graphs is compared with fast when both run)")
     ap.add_argument("--fused-mhc", action="store_true",
                     help="also time the graphs path with the other mHC setting than the engine's default "
@@ -871,8 +894,15 @@ def main():
                          "loader.CUDA_EXPERT_DTYPE, CPU: bf16)")
     ap.add_argument("--fused-rope", default="on", choices=["on", "off"],
                     help="model.fused_rope for every path but rope-apart (off: e.g. when the fused kernels failed)")
+    ap.add_argument("--gate", default="fused", choices=["fused", "gemm", "torch"],
+                    help="score-routed MoE gates for every path: kernels.router.gate_route's one launch (fused), the "
+                         "GEMM library then kernels.router's tail (gemm, e.g. when its compiled tests failed), or "
+                         "the GEMM then the torch twin (torch)")
     ap.add_argument("--gemms", action="store_true",
                     help="CUDA: also time the step's few-row products, GEMM library vs kernels.skinny (gemm_table)")
+    ap.add_argument("--gemm-names", nargs="+", default=None, help="--gemms: only products whose name has one of these")
+    ap.add_argument("--gemm-sweep", default="on", choices=["on", "off"], help="--gemms: also kernels.skinny's sweep")
+    ap.add_argument("--gemms-only", action="store_true", help="only the --gemms table (no decode steps)")
     ap.add_argument("--no-engram", action="store_true", help="drop the Engram layers from --config")
     ap.add_argument("--reference-max-batch", type=int, default=None,
                     help="run the (slow) reference path only for batches up to this size")
@@ -881,6 +911,8 @@ def main():
                          "wake-ups and spin contention, on the CPU path and in the host work of a GPU step alike)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads or 1)
+    if args.gate != "fused":
+        _gate_by(args.gate)(None)
     try:
         run(args)
     finally:

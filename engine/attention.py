@@ -104,7 +104,10 @@ class Attention(nn.Module):
     def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """o [T, nh, D] -> [T, H]: inverse RoPE at the query positions, then the grouped low-rank projection.
         (Measured and dropped, session 7: the rotation inside a few-row Triton GEMM for `wo_a` (kernels.skinny),
-        35 / 129 us at 8 / 64 rows of the mid-size model against 14 / 15 us for rope + bmm + copy.)"""
+        35 / 129 us at 8 / 64 rows of the mid-size model against 14 / 15 us for rope + bmm + copy; session 8 R1:
+        wo_a, wo_b, wq_b and the stacked xn projections all by split-K kernels.skinny, the whole mid-size step
+        5.21 / 4.61 ms at batch 8 (bf16 / fp8 experts) and 8.17 ms at 64 (fp8) against 5.15 / 4.58 / 7.93 ms with
+        the GEMM library.)"""
         T = o.shape[0]
         G = self.config.o_groups
         o = apply_rope(o, cos, sin, inverse=True)
@@ -112,5 +115,8 @@ class Attention(nn.Module):
         if self.act_qdq is not None:
             g = self.act_qdq(g)
         w = self.wo_a.weight.view(G, -1, g.shape[-1])                      # [G, Lo, nh/G*D]
-        u = torch.einsum("tgi,goi->tgo", g, w).reshape(T, -1)
+        # the per-group products written straight into their columns of u [T, G*Lo] (the batched GEMM takes the
+        # strided output; an einsum's [G, T, Lo] result needed one more launch to copy it into place)
+        u = g.new_empty(T, G * w.shape[1])
+        torch.bmm(g.transpose(0, 1), w.transpose(1, 2), out=u.view(T, G, -1).transpose(0, 1))
         return self.wo_b(u)

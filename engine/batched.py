@@ -47,7 +47,7 @@ from . import compress_step, projections
 from .arena import arena_for
 from .compressor import Sources
 from .indexer import candidate_block_mask, topk_mask
-from .mhc import hc_pre, hc_post
+from .mhc import ReadOut, hc_post, hc_post_and_mixes, hc_pre
 from .rope import Turns, apply_rope, rope_cos_sin, turns
 from .transfer import to_device_many
 
@@ -426,17 +426,21 @@ def pre_attention(model, block, R: torch.Tensor, a, cos: torch.Tensor, sin: torc
     norm output run as one GEMM where engine/projections.py stacked them; side["comp"] then gets the in-graph
     compressor's (for compress_step.compress_rows). store = (win_all, new_rows): with model.fused_rope the window
     kv goes straight into its slab rows (Attention.store_kv; kv is then None: `attend` has nothing to write).
-    x: the read-out hc_pre(R, a), when the write-back before made it (post_attention); unused after an Engram mix.
+    x: the read-out hc_pre(R, a), when the write-back before made it (post_attention), or a mhc.ReadOut with this
+    layer's attention mixes too; unused after an Engram mix.
     -> (R, pre, post, comb, xn, q, kv, iq, w, feat); iq / w / feat None where the layer has none."""
     c = model.config
     i = block.layer_id
     attn = block.attn
+    mixes = None
+    if isinstance(x, ReadOut):
+        x, mixes = x.x, x[1:]
     if e is not None:
         R = block.engram.mix(R, e)
-        x = None             # (the streams changed)
+        x = mixes = None     # (the streams changed)
     # (the mean accumulated in fp32 without an fp32 copy of R: 2 launches instead of 3)
     feat = R.mean(dim=1, dtype=torch.float32).to(R.dtype) if i in c.dspark_target_layer_ids else None
-    pre, post, comb = block.mixes(R, "attn", True)
+    pre, post, comb = mixes if mixes is not None else block.mixes(R, "attn", True)
     xn = block.attn_norm(x if x is not None else hc_pre(R, a if c.hc_shifted else pre, fast=model.fused_mhc))
     parts = (None if model.quant_sim or not model.stack_projections   # [q_a, kv, (w), (the compressor's)]
              else projections.xn_products(model, attn, xn))
@@ -466,19 +470,26 @@ def post_attention(model, block, o: torch.Tensor, R: torch.Tensor, pre: torch.Te
     """The dense work of a layer after its attention core (a CUDA-graph segment): output projection, mHC write-back,
     then the whole MoE sub-layer. With model.fused_mhc (shifted mHC only) the
     write-backs and read-outs are the fused kernels: the attention write-back also reads out the MoE input (its
-    pre-mix is known, shifted schedule), one launch each instead of ~9 (same math up to fp32 summation order), and
-    the MoE write-back reads out the next sub-layer's input the same way. -> (R, a, that read-out or None)."""
+    pre-mix is known, shifted schedule) and computes the MoE sub-layer's mixes from the R' it wrote
+    (mhc.hc_post_and_mixes), and the MoE write-back reads out the next sub-layer's input the same way, with the
+    next layer's attention mixes where nothing changes R in between (no Engram mix there: the read-out is then a
+    mhc.ReadOut for its pre_attention). -> (R, a, that read-out or None)."""
     y = block.attn.output(o, cos, sin)
     # the grouped expert kernel bypasses the experts' Linear modules, so not with quant_sim's input hooks
     fast_moe = not model.quant_sim
     if not (model.fused_mhc and model.config.hc_shifted):
         R = hc_post(R, y, post, comb)
         return (*block.ffn_sublayer(R, pre, token_ids, fast=True, fast_moe=fast_moe), None)
-    R, x = hc_post(R, y, post, comb, fast=True, next_pre=pre)
-    pre_f, post_f, comb_f = block.mixes(R, "ffn", True)
+    R, (x, pre_f, post_f, comb_f) = hc_post_and_mixes(block, "ffn", R, y, post, comb, pre)
     xn = block.ffn_norm(x)
     y = block.ffn.forward_grouped(xn, token_ids) if fast_moe else block.ffn(xn, token_ids)
-    R, x = hc_post(R, y, post_f, comb_f, fast=True, next_pre=pre_f)
+    j = block.layer_id + 1
+    # the next layer's attention mixes from this write-back unless an Engram mix changes R first (the step's graph
+    # is cut only before Engram layers, so the ReadOut always reaches the next layer's pre_attention in this span)
+    if j < len(model.layers) and not hasattr(model.layers[j], "engram"):
+        R, x = hc_post_and_mixes(model.layers[j], "attn", R, y, post_f, comb_f, pre_f)
+    else:
+        R, x = hc_post(R, y, post_f, comb_f, fast=True, next_pre=pre_f)
     return R, pre_f, x
 
 

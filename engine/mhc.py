@@ -8,6 +8,8 @@ All in fp32. Cost per token: one (M*H x (2+M)M) matvec plus O(iters * M^2).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -52,6 +54,30 @@ def hc_post(R: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
         return hc_post_apply(R, y, post, comb, next_pre)
     out = (post.unsqueeze(-1) * y.float().unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), R.float())).to(R.dtype)
     return out if next_pre is None else (out, hc_pre(out, next_pre))
+
+
+class ReadOut(NamedTuple):
+    """A write-back's read-out x together with the mixes (pre, post, comb) of the sub-layer after it, computed by
+    the same pass (hc_post_and_mixes) from the R' it wrote."""
+    x: torch.Tensor
+    pre: torch.Tensor
+    post: torch.Tensor
+    comb: torch.Tensor
+
+
+def hc_post_and_mixes(block, which: str, R: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                      next_pre: torch.Tensor) -> ReadOut:
+    """R' = hc_post(R, y, post, comb), its read-out with next_pre, and the mixes of `block`'s sub-layer `which`
+    ("attn" / "ffn") of R': (R', ReadOut(x, pre, post, comb)). One launch on CUDA instead of two
+    (deepinfer_sg.kernels.hc_mix.hc_post_mix_apply: R' is not read back); elsewhere exactly hc_post(fast=True)
+    followed by block.mixes(R', which, fast=True)."""
+    from deepinfer_sg.kernels.hc_mix import hc_post_mix_apply
+    c = block.config
+    out, x, m = hc_post_mix_apply(R, y, post, comb, next_pre, getattr(block, f"hc_{which}_fn"),
+                                  getattr(block, f"hc_{which}_base"), getattr(block, f"hc_{which}_scale"),
+                                  norm_eps=c.rms_norm_eps, hc_eps=c.hc_eps, iters=c.hc_sinkhorn_iters,
+                                  post_mult=c.hc_post_mult)
+    return out, ReadOut(x, m.pre, m.post, m.comb)
 
 
 def hc_head_collapse(R: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, eps: float,

@@ -3,6 +3,11 @@ clamped-SwiGLU routed experts and one shared expert. Parameter names follow Deep
 (`ffn.gate.weight`, `ffn.gate.bias` | `ffn.gate.tid2eid`, `ffn.experts.{e}.w1/w2/w3.weight`,
 `ffn.shared_experts.w1/w2/w3.weight`). Cost per token: K+1 expert SwiGLUs plus an E x H router matvec.
 
+The decode step's form (`MoE.forward_grouped`, CUDA): the gate is one kernels.router launch (GEMM + scores + top-k +
+weights), the routed experts one grouped kernels.moe call, and the shared expert runs beside both on a second
+stream (engine/streams.py), its front half one kernels.skinny launch for few rows (`Expert.forward_fast`). On the
+CPU the same calls run the torch twins, which are these modules' formulas: the same results bit for bit.
+
 Routed experts kept quantized (`MoE.keep_quantized`, done by the loader for FP8/FP4 checkpoints on CUDA): the
 experts' weights live in one `KeptExperts` per layer, float8_e4m3fn stacks [E, out, in] with fp32 row scales and
 uint8 block-scale shifts (the layout of kernels.moe's fp8 path: 1 byte per weight + 1 per 32 weights, against 2
@@ -19,6 +24,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from deepinfer_sg.kernels import router
+from deepinfer_sg.kernels.skinny import skinny_linear
+
+from . import streams
 
 _META_EXPERTS = False    # set by routed_experts_on_meta(): MoE builds its routed experts' weights on `meta`
 
@@ -136,6 +146,16 @@ class Expert(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(swiglu_clamped(self.w1(x), self.w3(x), self.limit))
 
+    def forward_fast(self, x: torch.Tensor) -> torch.Tensor:
+        """Same as forward (bit for bit on the CPU, where kernels.skinny runs its twin: these formulas); on CUDA,
+        up to kernels.skinny.MAX_ROWS rows, the front half (w1, w3, two clamps, silu, product: 6 launches) is one
+        kernels.skinny launch (H200, session 8 R2, mid-size V4.1: 7.4 / 7.5 / 7.9 / 8.5 us at 8 / 16 / 32 / 64 rows
+        against 18.1 - 18.4 us for the 6 launches). Not for weights kept quantized."""
+        if self.w1.kept is not None:
+            return self(x)
+        # (its own split-K tickets: it may run beside other kernels.skinny launches, on the side stream)
+        return self.w2(skinny_linear(x, self.w1.weight, glu=(self.w3.weight, self.limit), site="shared expert"))
+
 
 class Gate(nn.Module):
     def __init__(self, hidden: int, n_experts: int, top_k: int, vocab_size: int, hashed: bool,
@@ -152,23 +172,22 @@ class Gate(nn.Module):
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 [T, n_experts]: sqrt(softplus(x W^T)), the affinities both the choice and the weights use."""
-        return F.softplus(F.linear(x, self.weight).float()).sqrt()
+        return router.scores_torch(F.linear(x, self.weight))
 
     def weights_at(self, scores: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """fp32 [T, K]: the chosen experts' scores normalised to sum 1, times routed_scaling_factor."""
-        w = scores.gather(1, idx)
-        return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
+        return router.weights_at(scores, idx, self.scaling)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None):
-        """-> (weights [T, K] fp32 incl. routed_scaling_factor, expert ids [T, K])."""
-        scores = self.scores(x)
-        if self.hashed:
-            if token_ids is None:
-                raise ValueError("hash-routed MoE layer needs the token ids")
-            idx = self.tid2eid[token_ids.reshape(-1)].long()
-        else:
-            idx = torch.topk(scores + self.bias.float(), self.top_k, dim=-1, sorted=False).indices
-        return self.weights_at(scores, idx), idx
+        """-> (weights [T, K] fp32 incl. routed_scaling_factor, expert ids [T, K]). Score routing is
+        kernels.router.gate_route: on CUDA the GEMM and the ~9 torch ops after it in one launch for few rows (the
+        same formulas; the GEMM, then the twin, on the CPU)."""
+        if not self.hashed:
+            return router.gate_route(x, self.weight, self.bias.float(), self.top_k, self.scaling)
+        if token_ids is None:
+            raise ValueError("hash-routed MoE layer needs the token ids")
+        idx = self.tid2eid[token_ids.reshape(-1)].long()
+        return self.weights_at(self.scores(x), idx), idx
 
 
 class MoE(nn.Module):
@@ -243,8 +262,16 @@ class MoE(nn.Module):
 
     def forward_grouped(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Same as forward, with the routed experts in one grouped kernel call (no per-expert Python loop, no
-        host sync on CUDA): deepinfer_sg.kernels.moe_experts (Triton on CUDA, its torch twin on CPU)."""
+        host sync on CUDA): deepinfer_sg.kernels.moe_experts (Triton on CUDA, its torch twin on CPU). On CUDA the
+        shared expert runs on a second stream beside the gate and the routed experts (engine/streams.py: the
+        same kernels on the same inputs, so the same bits)."""
         from deepinfer_sg.kernels import moe_experts
+        shared = self.shared_experts
+        side = streams.fork(x) if shared is not None else None
+        y_shared = None
+        if side is not None:
+            with streams.on(side):
+                y_shared = shared.forward_fast(x)
         weights, idx = self.gate(x, token_ids)
         q = self.kept
         if q is not None:
@@ -253,9 +280,12 @@ class MoE(nn.Module):
         else:
             w1, w3, w2 = self.stacked_weights()
             out = moe_experts(x, idx, weights, w1, w3, w2, swiglu_limit=self.experts[0].limit)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        if shared is None:
+            return out
+        if y_shared is None:
+            y_shared = shared.forward_fast(x)
+        streams.join(side)
+        return out + y_shared
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ from functools import lru_cache
 
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
-from .llguidance_matcher import LLGuidanceMatcher, clean_error, register_vocab
+from .llguidance_matcher import LLGuidanceMatcher, NamedTokensLLGuidanceMatcher, clean_error, register_vocab
 from .specs import ConstraintError, Grammar, JsonSchema, Regex
 from .vocab import TokenizerVocab
 
@@ -135,7 +135,8 @@ class LLGuidanceCompiled:
 
     backend = "llguidance"
 
-    def __init__(self, vocab: TokenizerVocab, grammar: str, template: LLMatcher, limits: LLParserLimits | None = None):
+    def __init__(self, vocab: TokenizerVocab, grammar: str, template: LLMatcher, limits: LLParserLimits | None = None,
+                 names_tokens: bool = True):
         self.vocab = vocab
         self.grammar = grammar
         self.limits = limits
@@ -143,12 +144,18 @@ class LLGuidanceCompiled:
         self.renewals = 0  # how many times an exhausted shared lexer was replaced
         # Rough memory estimate for the byte-bounded cache: the serialized grammar and lexer tables.
         self.nbytes = 4 * len(grammar) + 64 * 1024
-        self.added_ids = vocab.added_ids
+        # The added tokens a matcher must roll back carefully (LLGuidanceMatcher._rollback): llguidance 1.9.1 rolls
+        # back wrongly only over a non-special added token that the grammar names by id (lark `<[128825]>`, DSML),
+        # so only a Grammar spec has any; a JSON schema or regex matches added tokens as text at most, which rolls
+        # back right (test_grammar_rollback's raw reproductions).
+        self.names_tokens = names_tokens
+        self.added_ids = vocab.added_ids if names_tokens else frozenset()
+        self._matcher_class = NamedTokensLLGuidanceMatcher if names_tokens else LLGuidanceMatcher
         register_vocab(vocab)  # (before this constraint's first matcher: see llguidance_matcher._PLAIN_LO)
 
     def matcher(self) -> LLGuidanceMatcher:
         t = self.template
-        return LLGuidanceMatcher(t.deep_copy(), self, t)
+        return self._matcher_class(t.deep_copy(), self, t)
 
     def new_start(self) -> LLMatcher:
         """A start-state LLMatcher with a lexer of its own (its own fuel budget). Costs one compile."""
@@ -179,7 +186,7 @@ def compile_spec(spec, vocab: TokenizerVocab, limits: LLParserLimits | None = No
     m = LLMatcher(lltokenizer(vocab), grammar, log_level=0, limits=limits)
     if m.is_error():
         raise ConstraintError(f"llguidance: {clean_error(m.get_error())}")
-    return LLGuidanceCompiled(vocab, grammar, m, limits)
+    return LLGuidanceCompiled(vocab, grammar, m, limits, names_tokens=not isinstance(spec, (JsonSchema, Regex)))
 
 
 def _rule_location(text: str, msg: str) -> str:

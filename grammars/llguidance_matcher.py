@@ -36,21 +36,25 @@ def _replay(m: LLMatcher, tokens: list) -> bool:
 
 
 class LLGuidanceMatcher:
-    """Matcher protocol over an `LLMatcher` (see matcher.Matcher).
+    """Matcher protocol over an `LLMatcher` (see matcher.Matcher), for a grammar that names no token by id (JSON
+    schemas, regexes); NamedTokensLLGuidanceMatcher (a subclass) serves Grammar specs.
 
     Keeps the accepted tokens so that a backend failure can be repaired by rebuilding the state from the start:
-    llguidance 1.9.1 cannot roll back some token pairs (`"<"` then the DSML added token, with a mask computed in
-    between: "rollback: too many bytes 11 > 10", or a silent landing one token too far back), and a lexer whose
-    fuel another sequence exhausted fails every copy sharing it. The history costs one list append per accept and
-    one counter update per rollback (`_back`: the newest ids rolled back but still listed, dropped at the next
-    accept or history use): the newest ids sit in a list of this matcher's own; fork() freezes them into
-    `array("i")` chunks (4 bytes an id, no garbage-collected object per token) shared with the fork, merging a
-    short newest chunk so chunks stay near HISTORY_CHUNK ids, so a fork copies at most about HISTORY_CHUNK + the
-    ids accepted since the last fork.
-    Rollback over added tokens is the only place llguidance's own rollback goes wrong, so only a matcher that has
-    accepted one switches to RiskyLLGuidanceMatcher, whose rollback checks the ids it drops; the others roll back
-    with one call and one counter update. accept() finds EOS and added tokens with two int compares (see
-    _PLAIN_LO).
+    llguidance 1.9.1 cannot roll back over a non-special added token its grammar names by id (`｜DSML｜` as
+    `<[128825]>`, with a mask computed after it: "rollback: too many bytes 11 > 10", or a silent landing one token
+    too far back), and a lexer whose fuel another sequence exhausted fails every copy sharing it. The history costs
+    one list append per accept and one counter update per rollback (`_back`: the newest ids rolled back but still
+    listed, dropped at the next accept or history use): the newest ids sit in a list of this matcher's own; fork()
+    freezes them into `array("i")` chunks (4 bytes an id, no garbage-collected object per token) shared with the
+    fork, merging a short newest chunk so chunks stay near HISTORY_CHUNK ids, so a fork copies at most about
+    HISTORY_CHUNK + the ids accepted since the last fork.
+    That named token is the only place llguidance's own rollback goes wrong (test_grammar_rollback's raw
+    reproductions: the same token as text, e.g. in a JSON string, and special tokens named by id roll back right).
+    So only a grammar that can name tokens has `_added` ids (compiled.added_ids: the vocabulary's added tokens; empty
+    here), and only its matcher switches to RiskyLLGuidanceMatcher, whose rollback checks the ids it drops, once it
+    accepts one; the others roll back with one call and one counter update. And this class only has to keep EOS
+    away from llguidance (whose own EOS handling does not roll back right): accept() tells EOS apart with one int
+    compare (see _EOS_TOP); NamedTokensLLGuidanceMatcher also finds added tokens (two compares, see _PLAIN_LO).
     Repairs cost one replay of the history (plus one compile for a lexer of its own); the normal path pays nothing
     for them but one `is_error()` call per mask (~40 ns).
     """
@@ -60,13 +64,14 @@ class LLGuidanceMatcher:
                  "c", "vocab", "vocab_size", "_base", "_private", "_chunks", "_frozen", "_eos", "_added", "_words",
                  "_rows", "_live")
     # The matcher's state beyond llguidance's is its class (class attributes, one source of truth): `_done`, EOS
-    # accepted (FinishedLLGuidanceMatcher and its risky twin); `_risky`, an added token was accepted and may still
-    # be in the history (RiskyLLGuidanceMatcher and its finished twin). No hot path tests a flag.
+    # accepted (the Finished* classes); `_risky`, an added token its grammar names was accepted and may still be in
+    # the history (RiskyLLGuidanceMatcher and its finished twin); `_live_class`, the live class a fork is made in.
+    # No hot path tests a flag.
     _done = False
     _risky = False
 
     def __init__(self, m: LLMatcher, compiled: "LLGuidanceCompiled", base: LLMatcher, done: bool = False,
-                 tail=(), chunks=None, frozen: int = 0, private: bool = False, risky: bool = False):
+                 tail=(), chunks=None, frozen: int = 0, private: bool = False):
         # `m` while the matcher is live, None once it accepted EOS: fill_batch hands `_live` of every matcher to
         # llguidance's executor, whose own type check then rejects a batch holding a finished matcher (or another
         # backend's), so a batch needs no class-uniformity pass of its own
@@ -91,16 +96,17 @@ class LLGuidanceMatcher:
         # the last bitmask validated (checked once per tensor); with it (set by _address only: fill_mask reads them
         # only once _bm is a tensor) its address _ptr, row count _rows, and the row last filled and its address
         self._bm = None
-        if done or risky:
-            self.__class__ = (FinishedRiskyLLGuidanceMatcher if risky else FinishedLLGuidanceMatcher) if done \
-                else RiskyLLGuidanceMatcher
+        if done:
+            self.__class__ = self._finished
 
     def fill_mask(self, bitmask: torch.Tensor, row: int = 0) -> None:
         # The hot path (every token): the tensor and row of the last call (identities), the tensor's address
         # unchanged (data_ptr: it follows a tensor re-pointed in place, the one check a raw client with its own
-        # buffer skips: grammar_bench's "raw+safe" reference; 140-190 ns on the H200 host, measured as "ours vs
-        # ours-1"; calling it through torch.Tensor's descriptor instead measured the same), then the address
-        # computed for them then.
+        # buffer skips: grammar_bench's "raw+safe" reference; 170-240 ns on the H200 host, measured as "ours vs
+        # ours-1"; calling it through torch.Tensor's descriptor instead measured the same; no tensor can be made
+        # immovable instead: set_, .data =, share_memory_ and torch.utils.swap_tensors re-point even a detached
+        # tensor over numpy memory; const_data_ptr, ~20 ns cheaper on torch 2.13, is not in the host's torch 2.11),
+        # then the address computed for them then.
         # A finished matcher is another class (FinishedLLGuidanceMatcher), so there is no EOS-flag test here.
         if bitmask is self._bm and row is self._row and bitmask.data_ptr() == self._ptr:
             addr = self._addr
@@ -123,8 +129,11 @@ class LLGuidanceMatcher:
         return addr
 
     def accept(self, token_id: int) -> bool:
-        # (a finished matcher is another class: it accepts nothing)
-        if _PLAIN_LO < token_id < _PLAIN_HI:  # neither EOS nor an added token (two compares: see _PLAIN_LO)
+        # (a finished matcher is another class: it accepts nothing) Cost over a raw client's try_consume_tokens call
+        # on the H200 host: the history (the `_back` test and the append) ~75 ns, the EOS compare ~15 ns, the call
+        # ~20 ns. (llguidance's consume_token is ~30% cheaper than try_consume_tokens, but does not check the token:
+        # a disallowed one is taken silently, so accept() cannot use it.)
+        if _EOS_TOP < token_id:  # not EOS (one compare: see _EOS_TOP)
             try:
                 if self.m.try_consume_tokens((token_id,)) == 1:
                     if self._back:
@@ -137,8 +146,8 @@ class LLGuidanceMatcher:
         return self._accept_rare(token_id)
 
     def _accept_rare(self, token_id: int) -> bool:
-        """accept() of an id outside the plain range: EOS, an added token, or an ordinary id of a vocabulary
-        whose added tokens are not all at its ends."""
+        """accept() of an id its class's fast test sends here: EOS, an added token (of a grammar that names tokens), or
+        an ordinary id at or below _EOS_TOP / outside the plain range."""
         if token_id in self._eos:
             return self._accept_eos(token_id)
         try:
@@ -162,8 +171,9 @@ class LLGuidanceMatcher:
         return self._rejected(token_id)
 
     def rollback(self, n: int) -> None:
-        # No added token was accepted (else this is a RiskyLLGuidanceMatcher): llguidance's rollback is right, and
-        # refuses (False, error state) n past its tokens. The history drops the ids later (_settle).
+        # No added token of `_added` was accepted (else this is a RiskyLLGuidanceMatcher): llguidance's rollback is
+        # right, and refuses (False, error state) n past its tokens. The history drops the ids later (_settle): the
+        # counter is ~30 ns on the H200 host (dropping them here, `del tail[-1]`, measured ~3x that).
         try:
             if self.m.rollback(n):
                 self._back += n
@@ -176,7 +186,7 @@ class LLGuidanceMatcher:
         self._rollback(n)  # too far: ValueError; else the careful path
 
     def _rollback(self, n: int) -> None:
-        """rollback(n) for any n, checking the dropped ids for added tokens."""
+        """rollback(n) for any n, checking the dropped ids for the added tokens of `_added`."""
         if n <= 0:
             return
         if self._back:
@@ -190,9 +200,10 @@ class LLGuidanceMatcher:
             del tail[-n:]
         else:
             unsafe = not added.isdisjoint(self._pop(n))
-        # llguidance 1.9.1 rolls back wrongly over added tokens (`｜DSML｜` after "<", with a mask computed in
-        # between): either it fails ("rollback: too many bytes 11 > 10") or it silently lands one token too far
-        # back. Over those tokens, and whenever its rollback fails, rebuild from the history instead.
+        # llguidance 1.9.1 rolls back wrongly over a non-special added token the grammar names by id (`｜DSML｜` as
+        # `<[128825]>`, with a mask computed after it): either it fails ("rollback: too many bytes 11 > 10") or it
+        # silently lands one token too far back. Over added tokens (of `_added`: none unless the grammar can name
+        # tokens), and whenever its rollback fails, rebuild from the history instead.
         if unsafe or not self.m.rollback(n):
             self._recover(self.m.get_error() or "rollback over an added token")
 
@@ -227,8 +238,8 @@ class LLGuidanceMatcher:
             self._settle()
         if self._tail:
             self._freeze()
-        return LLGuidanceMatcher(self.m.deep_copy(), self.c, self._base, self._done, (), self._chunks,
-                                 self._frozen, self._private, self._risky)
+        return self._live_class(self.m.deep_copy(), self.c, self._base, self._done, (), self._chunks,
+                                self._frozen, self._private)
 
     def _freeze(self) -> None:
         """Move the tail into the shared chunks (merged with a newest chunk shorter than HISTORY_CHUNK)."""
@@ -409,8 +420,8 @@ class _LLGuidanceBatch:
             elif m._added.isdisjoint(draft):
                 drafted.append((mm, starts[k], draft if c == len(draft) else draft[:c]))
             else:
-                # The executor rolls its draft walk back, wrongly over added tokens (see rollback()):
-                # walk such drafts on a copy.
+                # The executor rolls its draft walk back, wrongly over added tokens the grammar names (see
+                # _rollback): walk such drafts on a copy.
                 walker = mm.deep_copy()
                 drafted.append((walker, starts[k], draft[:c]))
                 copies.append((k, walker))
@@ -448,6 +459,9 @@ class _LLGuidanceBatch:
 # which looks the id up exactly. Only narrowed (one more vocabulary), under a lock, before that vocabulary's first
 # matcher exists; LO only rises and HI only falls, so a racing reader of old and new values is still right.
 _PLAIN_LO, _PLAIN_HI = 0, 0
+# LLGuidanceMatcher.accept (grammars that name no token: only EOS must not reach llguidance) tests one compare:
+# ids above _EOS_TOP, the largest EOS id of any vocabulary registered (for DeepSeek-V4: 1), are not EOS. Only rises.
+_EOS_TOP = -1
 _PLAIN_VOCABS: set = set()
 _PLAIN_LOCK = threading.Lock()
 
@@ -460,12 +474,14 @@ def plain_range(vocab) -> tuple:
 
 
 def register_vocab(vocab) -> None:
-    """Narrow the plain range to exclude `vocab`'s EOS and added ids (its plain_range)."""
-    global _PLAIN_LO, _PLAIN_HI
+    """Narrow the plain range to exclude `vocab`'s EOS and added ids (its plain_range), and raise _EOS_TOP to its
+    largest EOS id."""
+    global _PLAIN_LO, _PLAIN_HI, _EOS_TOP
     if vocab.fingerprint in _PLAIN_VOCABS:
         return
     lo, hi = plain_range(vocab)
     with _PLAIN_LOCK:
+        _EOS_TOP = max((_EOS_TOP, *vocab.eos_token_ids))
         if _PLAIN_VOCABS:  # the intersection with the range so far
             lo, hi = max(_PLAIN_LO, lo), min(_PLAIN_HI, hi)
             if hi <= lo:
@@ -510,10 +526,29 @@ def _rows_allowing(out: torch.Tensor, starts, word: int, bit) -> list:
     return np.flatnonzero(col & bit).tolist()
 
 
-class RiskyLLGuidanceMatcher(LLGuidanceMatcher):
-    """An LLGuidanceMatcher that has accepted an added token: every rollback checks the ids it drops (llguidance
-    1.9.1 rolls back wrongly over added tokens, see _rollback). It stays this class once switched (a rollback
-    past every added token only costs the check)."""
+class NamedTokensLLGuidanceMatcher(LLGuidanceMatcher):
+    """An LLGuidanceMatcher for a grammar that may name tokens by id (a Grammar spec: lark `<[id]>`, DSML), whose
+    compiled.added_ids are the vocabulary's added tokens: accept() sends EOS and every added token down the exact
+    path (two int compares, see _PLAIN_LO), where accepting one switches to RiskyLLGuidanceMatcher."""
+
+    __slots__ = ()
+
+    def accept(self, token_id: int) -> bool:
+        # (a finished matcher is another class: it accepts nothing)
+        if _PLAIN_LO < token_id < _PLAIN_HI:  # neither EOS nor an added token (two compares: see _PLAIN_LO)
+            if self.m.try_consume_tokens((token_id,)) == 1:  # (ids in the plain range fit in 32 bits)
+                if self._back:
+                    self._settle()
+                self._tail.append(token_id)
+                return True
+            return self._rejected(token_id)
+        return self._accept_rare(token_id)
+
+
+class RiskyLLGuidanceMatcher(NamedTokensLLGuidanceMatcher):
+    """A NamedTokensLLGuidanceMatcher that has accepted an added token: every rollback checks the ids it drops
+    (llguidance 1.9.1 rolls back wrongly over those its grammar names by id, see _rollback). It stays this class
+    once switched (a rollback past every added token only costs the check)."""
 
     __slots__ = ()
     _risky = True
@@ -561,6 +596,12 @@ class FinishedLLGuidanceMatcher(LLGuidanceMatcher):
         return [0] * len(matchers)
 
 
+class FinishedNamedTokensLLGuidanceMatcher(FinishedLLGuidanceMatcher):
+    """A NamedTokensLLGuidanceMatcher that has accepted EOS."""
+
+    __slots__ = ()
+
+
 class FinishedRiskyLLGuidanceMatcher(FinishedLLGuidanceMatcher):
     """A RiskyLLGuidanceMatcher that has accepted EOS."""
 
@@ -568,11 +609,14 @@ class FinishedRiskyLLGuidanceMatcher(FinishedLLGuidanceMatcher):
     _risky = True
 
 
-# the class accept(EOS) switches to, and the one rollback() over EOS switches back to
-LLGuidanceMatcher._finished = FinishedLLGuidanceMatcher
-RiskyLLGuidanceMatcher._finished = FinishedRiskyLLGuidanceMatcher
-FinishedLLGuidanceMatcher._unfinished = LLGuidanceMatcher
-FinishedRiskyLLGuidanceMatcher._unfinished = RiskyLLGuidanceMatcher
+# Per live class: the class accept(EOS) switches to, the one rollback() over that EOS switches back to, and the
+# class its matchers (and forks, finished or not) are made in (`_live_class`).
+for _live_cls, _finished_cls in ((LLGuidanceMatcher, FinishedLLGuidanceMatcher),
+                                 (NamedTokensLLGuidanceMatcher, FinishedNamedTokensLLGuidanceMatcher),
+                                 (RiskyLLGuidanceMatcher, FinishedRiskyLLGuidanceMatcher)):
+    _live_cls._finished = _finished_cls
+    _live_cls._live_class = _finished_cls._unfinished = _finished_cls._live_class = _live_cls
+del _live_cls, _finished_cls
 
 _EXECUTOR = None
 _EXECUTOR_LOCK = threading.Lock()

@@ -44,7 +44,9 @@ Top-k/top-p thresholds (threshold.py): rows with 0 < top_k <= 64 take the lane p
 then a per-row merge that gathers the few lanes able to hold the top-k, applies top-k/top-p exactly and draws the
 token; sample_from_logits then runs no sampling pass); top-p alone (top-k off) is drawn by rejection
 (rejection.py: proposals from the unrestricted softmax, the first inside the top-p set is the token: the same law q,
-but a seed draws other tokens than the tau path did, and the speculative bonus token follows the same rule); the
+but a seed draws other tokens than the tau path did, and the speculative bonus token follows the same rule; the
+sampling pass stores each proposal's best lane, a per-row kernel draws the tokens inside those lanes, and the
+mass-above pass gathers only the lanes whose max exceeds the smallest proposal); the
 other filters take the histogram path (a top-p cut is
 bracketed by per-bin mass bounds, only the bracketed bins' tokens are gathered, and tau is placed on masses summed
 in float64, as in the torch twin: fp32 sums misplace the cut of flat rows); sampling draws a lane of 16 tokens by

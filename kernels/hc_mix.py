@@ -18,6 +18,10 @@ Cost: T*M*H*bytes(R) + |fn| (fp32 fn, or its 6-byte bf16 parts above 128 tokens;
 block) + the partials (T*n_split*32*4 B, written and read back through L2). H200 (session 7): 10.9 / 16.4 / 89.6
 us at T = 64 / 256 / 4096 against 2.9 / 4.6 / 38.4 for one launch that only streams the same bytes; at T=64 the
 streaming pass alone takes 6.4 us and the 20 Sinkhorn steps 1.8 (_fused_tiles has the sweep).
+The write-back of a sub-layer and the mixes of the NEXT one in one launch (_hc_post_mix_kernel, M = 4): programs
+(token block, split of the hidden columns) form R' = post y + comb^T R from R and y, store it and the next
+read-out x, and add R' times fn's columns to their partial z (R' in R's dtype: what a separate mixes launch would
+read); the same tickets and tail then mix the tokens. It saves the mixes launch and its read of R'.
 The product r . fn^T needs fp32 accuracy: bf16 residuals (the model's) take three bf16 tensor-core products
 against a hi/mid/lo bf16 split of fn (exact products, fp32 accumulation); fp32 residuals use Triton's "ieee" dot
 (FMAs: D measured it arithmetic-bound, 1-3% of bandwidth on an H200).
@@ -180,20 +184,28 @@ def _mix_rows(acc, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, K, NZ, norm
 
 
 @triton.jit
-def _load_tiles(r_ptr, fn_ptr, T, K, NZ, toks, zs, k0, live, BK: tl.constexpr, MODE: tl.constexpr):
-    """r [BT, BK] at columns k0.. and fn's tiles there: (fp32 fn, same, same) for modes 0-1, the three bf16 parts
-    (hi, mid, lo) of fn given as [3, NZ, K] for mode 2; nothing is loaded where `live` is False."""
-    ks = k0 + tl.arange(0, BK)
-    r = tl.load(r_ptr + toks[:, None].to(tl.int64) * K + ks[None, :],
-                mask=(toks[:, None] < T) & (ks[None, :] < K) & live, other=0.0)
-    wm = (zs[:, None] < NZ) & (ks[None, :] < K) & live
-    w = fn_ptr + zs[:, None] * K + ks[None, :]
+def _fn_tiles(fn_ptr, K, NZ, zs, cols, ok, MODE: tl.constexpr):
+    """fn's tiles [NZP, BK] at the columns `cols` (masked by ok [BK]): (fp32 fn, same, same) for modes 0-1, the
+    three bf16 parts (hi, mid, lo) of fn given as [3, NZ, K] for mode 2."""
+    wm = (zs[:, None] < NZ) & ok[None, :]
+    w = fn_ptr + zs[:, None] * K + cols[None, :]
     if MODE == 2:
-        return r, tl.load(w, mask=wm, other=0.0), tl.load(w + NZ * K, mask=wm, other=0.0), \
+        return tl.load(w, mask=wm, other=0.0), tl.load(w + NZ * K, mask=wm, other=0.0), \
             tl.load(w + 2 * NZ * K, mask=wm, other=0.0)
     else:
         a = tl.load(w, mask=wm, other=0.0)
-        return r, a, a, a
+        return a, a, a
+
+
+@triton.jit
+def _load_tiles(r_ptr, fn_ptr, T, K, NZ, toks, zs, k0, live, BK: tl.constexpr, MODE: tl.constexpr):
+    """r [BT, BK] at columns k0.. and fn's tiles there (_fn_tiles); nothing is loaded where `live` is False."""
+    ks = k0 + tl.arange(0, BK)
+    ok = (ks < K) & live
+    r = tl.load(r_ptr + toks[:, None].to(tl.int64) * K + ks[None, :], mask=(toks[:, None] < T) & ok[None, :],
+                other=0.0)
+    a, b, c = _fn_tiles(fn_ptr, K, NZ, zs, ks, ok, MODE)
+    return r, a, b, c
 
 
 @triton.jit
@@ -222,6 +234,47 @@ def _add_products(acc, r, a, b, c, MODE: tl.constexpr, PRECISION: tl.constexpr, 
             acc += tl.dot(r, tl.trans(mid))
             acc += tl.dot(r, tl.trans(lo))
     return acc
+
+
+@triton.jit
+def _finish_block(acc, sq, ticket, z_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, NZ, n_split,
+                  norm_eps, hc_eps, post_mult, tb, sp, toks, M: tl.constexpr, NZP: tl.constexpr, BT: tl.constexpr,
+                  NW: tl.constexpr, TPW: tl.constexpr, SPC: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr,
+                  TAIL: tl.constexpr):
+    """A program's partial z acc [BT, NZP] of the tokens `toks` (sq: their sums of squares, put in column NZ)
+    stored as split sp of z [T, n_split, NZP]; then, with TAIL, the store counted and, for the last NW starters
+    of token block tb (ticket: this program's start ticket), the wait for the block's partials and the mixing of
+    TPW tokens each (module docstring; _hc_fused_kernel says why it cannot deadlock)."""
+    zs = tl.arange(0, NZP)
+    acc = tl.where(zs[None, :] == NZ, sq[:, None], acc)
+    tl.store(z_ptr + (toks[:, None].to(tl.int64) * n_split + sp) * NZP + zs[None, :], acc,
+             mask=(toks[:, None] < T) & (zs[None, :] <= NZ))
+    if TAIL:
+        tl.debug_barrier()              # every thread's partial stores precede the release below
+        tl.atomic_add(cnt_ptr + 2 * tb + 1, 1, sem="release", scope="gpu")
+        w = ticket - (n_split - NW)
+        if w >= 0:
+            done = tl.atomic_add(cnt_ptr + 2 * tb + 1, 0, sem="acquire", scope="gpu")
+            while done < n_split:
+                done = tl.atomic_add(cnt_ptr + 2 * tb + 1, 0, sem="acquire", scope="gpu")
+            tl.debug_barrier()
+            j = w + tl.arange(0, TPW) * NW                  # this waiter's tokens in the block
+            mt = tb * BT + j
+            ok = (j < BT) & (mt < T)
+            n = tl.arange(0, NZP)
+            z = tl.zeros([TPW, NZP], tl.float32)
+            for s0 in range(0, n_split, SPC):
+                s = s0 + tl.arange(0, SPC)
+                v = tl.load(z_ptr + ((mt[:, None, None].to(tl.int64) * n_split + s[None, :, None]) * NZP
+                                     + n[None, None, :]),
+                            mask=ok[:, None, None] & (s[None, :, None] < n_split) & (n[None, None, :] <= NZ),
+                            other=0.0, cache_modifier=".cg")
+                z += tl.sum(v, 1)
+            _mix_rows(z, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, K, NZ, norm_eps, hc_eps, post_mult, mt,
+                      ok, M, NZP, ITERS, FAST)
+            if tl.atomic_add(cnt_ptr + 2 * tb, 1, sem="relaxed", scope="gpu") == n_split + NW - 1:
+                tl.atomic_xchg(cnt_ptr + 2 * tb, 0, sem="relaxed", scope="gpu")     # the last waiter out
+                tl.atomic_xchg(cnt_ptr + 2 * tb + 1, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -259,41 +312,14 @@ def _hc_fused_kernel(r_ptr, fn_ptr, z_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr
         acc = _add_products(acc, rc, ac, bc, cc, MODE, PRECISION, UPCAST)
         rf = rc.to(tl.float32)
         sq += tl.sum(rf * rf, 1)
-    acc = tl.where(zs[None, :] == NZ, sq[:, None], acc)
-    tl.store(z_ptr + (toks[:, None].to(tl.int64) * n_split + sp) * NZP + zs[None, :], acc,
-             mask=(toks[:, None] < T) & (zs[None, :] <= NZ))
-    if TAIL:
-        tl.debug_barrier()              # every thread's partial stores precede the release below
-        tl.atomic_add(cnt_ptr + 2 * tb + 1, 1, sem="release", scope="gpu")
-        w = ticket - (n_split - NW)
-        if w >= 0:
-            done = tl.atomic_add(cnt_ptr + 2 * tb + 1, 0, sem="acquire", scope="gpu")
-            while done < n_split:
-                done = tl.atomic_add(cnt_ptr + 2 * tb + 1, 0, sem="acquire", scope="gpu")
-            tl.debug_barrier()
-            j = w + tl.arange(0, TPW) * NW                  # this waiter's tokens in the block
-            mt = tb * BT + j
-            ok = (j < BT) & (mt < T)
-            n = tl.arange(0, NZP)
-            z = tl.zeros([TPW, NZP], tl.float32)
-            for s0 in range(0, n_split, SPC):
-                s = s0 + tl.arange(0, SPC)
-                v = tl.load(z_ptr + ((mt[:, None, None].to(tl.int64) * n_split + s[None, :, None]) * NZP
-                                     + n[None, None, :]),
-                            mask=ok[:, None, None] & (s[None, :, None] < n_split) & (n[None, None, :] <= NZ),
-                            other=0.0, cache_modifier=".cg")
-                z += tl.sum(v, 1)
-            _mix_rows(z, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, K, NZ, norm_eps, hc_eps, post_mult, mt,
-                      ok, M, NZP, ITERS, FAST)
-            if tl.atomic_add(cnt_ptr + 2 * tb, 1, sem="relaxed", scope="gpu") == n_split + NW - 1:
-                tl.atomic_xchg(cnt_ptr + 2 * tb, 0, sem="relaxed", scope="gpu")     # the last waiter out
-                tl.atomic_xchg(cnt_ptr + 2 * tb + 1, 0, sem="relaxed", scope="gpu")
+    _finish_block(acc, sq, ticket, z_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, NZ,
+                  n_split, norm_eps, hc_eps, post_mult, tb, sp, toks, M, NZP, BT, NW, TPW, SPC, ITERS, FAST, TAIL)
 
 
 def _one_wave(programs: int, warps: int, dev) -> bool:
     """Whether `programs` programs of `warps` warps are all resident at once on dev, whatever their registers:
     a thread holds at most 255 registers, so an SM (64K registers) keeps 8 // warps such programs (at most 2 are
-    counted: the kernel's shared memory, <= 74 KB a program at the tiles measured, allows 2 of the 228 KB)."""
+    counted: the kernels' shared memory, <= 74 KB a program at the tiles measured, allows 2 of the 228 KB)."""
     if INTERPRETING or dev.type != "cuda":
         return False
     return programs <= torch.cuda.get_device_properties(dev).multi_processor_count * max(1, min(2, 8 // warps))
@@ -347,7 +373,10 @@ def _fused_tiles(T: int) -> dict:
       T <= 256: 64 x 512 x 128 with fn's cached bf16 parts: 16.4 (fn split in registers 18.7, 128-token blocks
                 19.2, 1024-wide splits 22.7)
       larger:   128-token blocks, 2048-wide splits, 64-wide steps, 8 warps, parts, loads pipelined by Triton (3
-                stages) instead of a step ahead by hand: T=4096 89.6 (a step ahead 98.1; 64 x 1024 x 128 107.5)."""
+                stages) instead of a step ahead by hand: T=4096 89.6 (a step ahead 98.1; 64 x 1024 x 128 107.5).
+    Session 8 round 1 (registers of the real launches' builds, which specialise the integer arguments: none of
+    these spills; --compile-check's unspecialised builds reported 1.0-1.6 KB): T=64 default 11.1 (254 registers),
+    64-wide steps 12.4 (127), 8 warps 12.5 (143); T=256 default 16.4 (255), 64-wide steps 16.1 (157)."""
     if T <= 128:
         return dict(block_t=64, split=256, block_k=128, num_warps=4)
     if T <= 256:
@@ -554,6 +583,165 @@ def hc_post_triton(R, y, post, comb, next_pre=None, block_h=256, num_warps=1):
     return out if next_pre is None else (out, x)
 
 
+@triton.jit
+def _bcast(p, ok):
+    return tl.load(p, mask=ok, other=0.0)[:, None]
+
+
+@triton.jit
+def _pin(x, INTERP: tl.constexpr):
+    """x unchanged, through an opaque move: the compiler then converts the one result to the layouts its uses
+    need instead of recomputing it from its inputs in each (it did: R's four streams and y held in three
+    layouts, 246 registers). The interpreter cannot run PTX."""
+    if INTERP:
+        return x
+    else:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _write_back(r0, r1, r2, r3, yv, post_ptr, comb_ptr, toks, tok_ok, k):
+    """Destination stream k of R' for a [BT, BK] tile (M = 4): post[k] y + sum_j comb[j, k] R_j, fp32."""
+    c = comb_ptr + toks * 16 + k
+    return (_bcast(post_ptr + toks * 4 + k, tok_ok) * yv + _bcast(c, tok_ok) * r0 + _bcast(c + 4, tok_ok) * r1
+            + _bcast(c + 8, tok_ok) * r2 + _bcast(c + 12, tok_ok) * r3)
+
+
+@triton.jit
+def _post_mix_stream(r0, r1, r2, r3, yv, post_ptr, comb_ptr, a_ptr, op, fn_ptr, toks, tok_ok, m, h, hok, zs, acc, x,
+                     sq, k, H, K, NZ, MODE: tl.constexpr, UPCAST: tl.constexpr):
+    """Destination stream k of one BK-wide step of _hc_post_mix_kernel: R'_k stored, added to the read-out x, its
+    squares to sq and its products with fn's columns k*H + h to acc."""
+    o = _pin(_write_back(r0, r1, r2, r3, yv, post_ptr, comb_ptr, toks, tok_ok, k), UPCAST)
+    o = o.to(op.dtype.element_ty)
+    tl.store(op + k * H, o, mask=m)
+    of = o.to(tl.float32)
+    x += _bcast(a_ptr + toks * 4 + k, tok_ok) * of
+    sq += tl.sum(of * of, 1)
+    a, b, c = _fn_tiles(fn_ptr, K, NZ, zs, k * H + h, hok, MODE)
+    acc = _add_products(acc, o, a, b, c, MODE, "ieee", UPCAST)
+    return acc, x, sq
+
+
+@triton.jit
+def _hc_post_mix_kernel(r_ptr, y_ptr, post_ptr, comb_ptr, a_ptr, out_ptr, x_ptr, fn_ptr, z_ptr, cnt_ptr, base_ptr,
+                        scale_ptr, pre2_ptr, post2_ptr, comb2_ptr, T, H, NZ, n_split, norm_eps, hc_eps, post_mult,
+                        NZP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                        MODE: tl.constexpr, UPCAST: tl.constexpr, NW: tl.constexpr, TPW: tl.constexpr,
+                        SPC: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr, TAIL: tl.constexpr):
+    """The write-back R' = post y + comb^T R (M = 4), the next read-out x = sum_k a_k R'_k, and the NEXT
+    sub-layer's mixes of R' in one launch. Program (token block tb, split sp of the H hidden columns): for each
+    BK-wide step it reads R's 4 streams and y, forms the 4 streams of R' (rounded to R's dtype: what a separate
+    mixes launch would read), stores them and x, and adds their products with fn's columns k*H + h to its partial
+    z (as _hc_fused_kernel's first pass, on R' instead of a loaded R); _finish_block then stores the partial and
+    the last NW starters of the token block mix its tokens into pre2 / post2 / comb2. TAIL=False: no mixing
+    (benchmark breakdown)."""
+    tb = tl.program_id(0)
+    sp = tl.program_id(1)
+    toks = tb * BT + tl.arange(0, BT)
+    tok_ok = toks < T
+    zs = tl.arange(0, NZP)
+    acc = tl.zeros([BT, NZP], tl.float32)
+    sq = tl.zeros([BT], tl.float32)
+    ticket = 0
+    if TAIL:
+        ticket = tl.atomic_add(cnt_ptr + 2 * tb, 1, sem="relaxed", scope="gpu")
+    row = toks[:, None].to(tl.int64)
+    K = 4 * H
+    for i in range(0, SPLIT // BK):
+        h = sp * SPLIT + i * BK + tl.arange(0, BK)
+        hok = h < H
+        m = tok_ok[:, None] & hok[None, :]
+        rp = r_ptr + row * K + h[None, :]
+        r0 = tl.load(rp, mask=m, other=0.0).to(tl.float32)
+        r1 = tl.load(rp + H, mask=m, other=0.0).to(tl.float32)
+        r2 = tl.load(rp + 2 * H, mask=m, other=0.0).to(tl.float32)
+        r3 = tl.load(rp + 3 * H, mask=m, other=0.0).to(tl.float32)
+        yv = tl.load(y_ptr + row * H + h[None, :], mask=m, other=0.0).to(tl.float32)
+        op = out_ptr + row * K + h[None, :]
+        x = tl.zeros([BT, BK], tl.float32)
+        for k in range(0, 4):           # a loop, not unrolled: one stream's fn tiles live at a time
+            acc, x, sq = _post_mix_stream(r0, r1, r2, r3, yv, post_ptr, comb_ptr, a_ptr, op, fn_ptr, toks, tok_ok, m,
+                                          h, hok, zs, acc, x, sq, k, H, K, NZ, MODE, UPCAST)
+        tl.store(x_ptr + row * H + h[None, :], x.to(x_ptr.dtype.element_ty), mask=m)
+    _finish_block(acc, sq, ticket, z_ptr, cnt_ptr, base_ptr, scale_ptr, pre2_ptr, post2_ptr, comb2_ptr, T, K, NZ,
+                  n_split, norm_eps, hc_eps, post_mult, tb, sp, toks, 4, NZP, BT, NW, TPW, SPC, ITERS, FAST, TAIL)
+
+
+def _post_mix_tiles(T: int) -> dict:
+    """The write-back + mixes kernel's tiles at T tokens (hidden columns). H200 session 8 (us, T = 8 / 64 / 256;
+    the two launches it replaces 11.8-12.4 / 14.7-15.0 / 24.6-25.3): 16-token blocks in 64-wide steps, 64-wide
+    splits 9.0-9.4 / 16.3 / 34.0, 128-wide 12.5 / 15.4-15.5 / 29.7-29.9, 256-wide - / 20.1 / 30.0; 128-wide steps
+    (spill) - / 21.7 / 42.6; 8 warps - / - / 53.6; 32-token blocks (fn tiles a stream ahead) - / 18.0 / 42.0.
+    Measured and deleted (round 2): each stream's fn tiles loaded a stream ahead 13.8 / 16.4-16.6 / 29.9-30.7,
+    the four streams unrolled 22.0 / 34.5 (T = 64 / 256; ~90-120 KB of shared memory a program), both 19.3 / 33.5.
+    Its streaming pass alone takes 11.3 us at T = 64, as long as the two launches' (4.1 + 6.0): the
+    sixteen-token dots against fn's columns do not hide under the write-back's traffic."""
+    return dict(block_t=16, split=64 if T <= 16 else 128, block_k=64, num_warps=4)
+
+
+# The write-back + mixes kernel replaces the two launches up to this many tokens (session 8 rounds 1-2: it wins at
+# T = 8, ties or loses at 64, loses at 256)
+POST_MIX_MAX_T = 16
+
+
+def hc_post_mix_torch(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iters=20,
+                      post_mult=2.0):
+    """Twin of hc_post_mix_triton: (R', x, HcMixes of R') from hc_post_torch and hc_mixes_torch."""
+    out, x = hc_post_torch(R, y, post, comb, next_pre)
+    return out, x, hc_mixes_torch(out, fn, base, scale, norm_eps, hc_eps, iters, post_mult)
+
+
+def hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iters=20,
+                       post_mult=2.0, block_t: int | None = None, split: int | None = None,
+                       block_k: int | None = None, num_warps: int | None = None,
+                       fn_parts: torch.Tensor | None = None, waiters: int | None = None, spc: int | None = None,
+                       fast_rcp: bool | None = None, only_partial: bool = False):
+    """One launch (_hc_post_mix_kernel, M = 4): (R', x, the next sub-layer's HcMixes of R'), equal to
+    hc_post_mix_torch up to fp32 summation order. split / block_k count hidden columns (each covers the 4
+    streams); fn_parts: split_fn_bf16(fn) read instead of splitting fp32 fn in registers (bf16 R only); waiters /
+    spc / fast_rcp as hc_mixes_triton. Cost: R read once, R' written once, y read, x written, fn read once per
+    token block (L2 hits after the first), the partials through L2. only_partial: no mixing (benchmark: the
+    mixes' outputs are left unwritten)."""
+    _check_apply(R, y, post, comb, next_pre, triton_path=True)
+    check(next_pre is not None, "the write-back + mixes pass needs the next pre-mix")
+    T, M, H = R.shape
+    check(M == 4, f"the write-back + mixes kernel is written for 4 streams, got {M}")
+    _check(R, fn, base, scale)
+    check(iters >= 1, f"sinkhorn iterations must be >= 1, got {iters}")
+    NZ = (2 + M) * M
+    NZP = max(16, triton.next_power_of_2(NZ + 1))
+    tiles = _post_mix_tiles(T)
+    block_t, split, block_k = block_t or tiles["block_t"], split or tiles["split"], block_k or tiles["block_k"]
+    warps = num_warps or tiles["num_warps"]
+    split = min(split, max(block_k, triton.next_power_of_2(H)))
+    block_k = min(block_k, split)
+    n_split = triton.cdiv(H, split)
+    n_tb = triton.cdiv(T, block_t)
+    dev = R.device
+    R = R.contiguous()
+    bf16 = R.dtype == torch.bfloat16
+    check(fn_parts is None or bf16, "fn parts need a bf16 residual")
+    mode, w = (2, fn_parts) if fn_parts is not None else (1 if bf16 else 0, fn.float().contiguous())
+    out = empty((T, M, H), R.dtype, dev)
+    x = empty((T, H), R.dtype, dev)
+    z = empty((T, n_split, NZP), torch.float32, dev)
+    mixes = HcMixes(empty((T, M), torch.float32, dev), empty((T, M), torch.float32, dev),
+                    empty((T, M, M), torch.float32, dev))
+    fast = (FAST_RCP_DEFAULT if fast_rcp is None else fast_rcp) and _CAN_RCP
+    nw = min(waiters or block_t, block_t, n_split) if _one_wave(n_tb * n_split, warps, dev) else 1
+    tpw = triton.next_power_of_2(-(-block_t // nw))
+    spc = spc or min(triton.next_power_of_2(n_split), max(1, 256 // tpw))
+    if T:
+        _hc_post_mix_kernel[(n_tb, n_split)](
+            R, y.contiguous(), post.float().contiguous(), comb.float().contiguous(), next_pre.float().contiguous(),
+            out, x, w, z, _counters(dev, 2 * n_tb), base.float().contiguous(), scale.float().contiguous(),
+            mixes.pre, mixes.post, mixes.comb, T, H, NZ, n_split, norm_eps, hc_eps, post_mult, NZP=NZP,
+            BT=block_t, BK=block_k, SPLIT=split, MODE=mode, UPCAST=INTERPRETING, NW=nw, TPW=tpw, SPC=spc,
+            ITERS=iters, FAST=fast, TAIL=not only_partial, num_warps=warps)
+    return out, x, mixes
+
+
 def hc_pre_apply(R: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """Read one hidden [T, H] out of the streams R [T, M, H] with the weights a [T, M] (one launch on CUDA)."""
     return hc_pre_triton(R, a) if use_triton(R) else hc_pre_torch(R, a)
@@ -563,3 +751,17 @@ def hc_post_apply(R, y, post, comb, next_pre=None):
     """R' = post * y + comb^T R per token (one launch on CUDA); next_pre [T, M]: also return the read-out of
     R' with those weights, (R', x), from the same pass."""
     return hc_post_triton(R, y, post, comb, next_pre) if use_triton(R) else hc_post_torch(R, y, post, comb, next_pre)
+
+
+def hc_post_mix_apply(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iters=20,
+                      post_mult=2.0):
+    """The write-back R' = post * y + comb^T R, the read-out x of R' with next_pre, and the mixes of R' for the
+    sub-layer with parameters (fn, base, scale): (R', x, HcMixes). On CUDA with 4 streams and up to
+    POST_MIX_MAX_T tokens one launch (hc_post_mix_triton; fn as cached bf16 parts where hc_mixes would use them),
+    else hc_post_apply then hc_mixes (the twins on CPU)."""
+    if use_triton(R) and R.shape[1] == 4 and R.shape[0] <= POST_MIX_MAX_T:
+        parts = fn_parts_cached(fn) if R.dtype == torch.bfloat16 and parts_pay(R.shape[0]) else None
+        return hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps, hc_eps, iters, post_mult,
+                                  fn_parts=parts)
+    out, x = hc_post_apply(R, y, post, comb, next_pre)
+    return out, x, hc_mixes(out, fn, base, scale, norm_eps, hc_eps, iters, post_mult)

@@ -13,47 +13,49 @@ Triton, two launches:
     [Hi, Di] x [Di, BLOCK_G] product, relu and the head-weighted sum in registers; the row's queries loaded once
     per program, the key loads pipelined) writes scores [N, max_len] (fp32: 64 KB a row at 16384 entries,
     L2-resident): 68 us at N=64, L=16384 on an H200 = 94% of copy bandwidth;
-  * `topk_select_triton`, exact, the same selection as a stable sort. Its k-th-key searches find two bits per
-    counting reduction, starting below the leading bits that the largest and smallest selectable keys share.
-    With cap (rows up to RESIDENT_MAX entries, `threshold_cap`): one program per row, a threshold from its group
-    maxima keeps a few k candidates, whose exact top-k is taken (`_threshold_select_row`); by default each chunk of a row
-    (`default_chunks`) picks its own exact top-k, then one program per row picks the top-k of those chunks * k
-    candidates (the row's top-k is among them: an entry beaten by k entries of its own chunk is beaten by k in
-    the row). Each chunk search stops at the first exact cut (count(keys >= t) == k: random scores meet one
-    several two-bit steps before the last), and unsorted winners are written straight from registers.
-    H200 at N=64, L=16384, k=512 (scores in L2): session 5 round 2, chunked 24.8 us unsorted with 4-warp chunk
-    programs (8 warps 28.7; round 1, before the direct writes: 26.0 with 8 warps, stage 1 alone 16.9, stage 2
-    9.3), threshold 24.7; session 4: chunked 29.3 / 32.0 sorted, threshold 26.4 / 30.3, one program per row
-    36-41, torch.topk 77. Both are chains of ~20-30 dependent CTA-wide reductions, latency-bound. Measured and
-    removed: the threshold select run by the score kernel's last program of each row (one launch: 157-158 us
-    against ~96), the chunk stage folded into the score kernel (99 us against 100), programmatic dependent launch
-    between the score kernel and the select launches (35.8 against 28.7 alone, 103.7 against 98.4 after the
-    scores: the early-launched programs wait on SMs the producer needs); session 6: four bits per counting
-    reduction (15 counts in one reduction: 24.7 -> 42.4 us, the select is instruction-bound), the merge run by
-    each row's last chunk program (25.0), and scores + select in one launch (programs take tickets: score pieces
-    first, then select chunks that wait for their row's scores, so the selects of early rows overlap the scoring
-    of the last: 94.4 us against 93.4 for the two launches; 8 / 2 chunks 105-106), and a shrinking search (6
-    reductions over the chunk, then the bucket holding the k-th key compacted to 512 entries and searched alone:
-    26.8 against 25.2; behind the scores 95.3 against 92.8); session 7: scores + select in one launch again with
-    the tickets interleaved (row s's select chunks queued behind row s + lag's score pieces, the row's last chunk
-    merging) 95.4-110 us against 93.4 for the two launches (lag 4-32: 100.2-96.8, 8 chunks 101.5-102.5, 8-block
-    pieces 95.4-97.0, 2 stages 108-110, sorted 101.6). Why overlap cannot pay: a select is latency, not work (one
-    row alone 18.8 us, 8 rows 21.4, 64 rows 25.0), so at least one row's select stays after the last scores, and
-    the chunk programs that run during the scoring take score-program slots (3 per SM by shared memory) for their
-    ~10 us each. ncu of one row's select: the chunk stage ~5,700 instructions per warp (4 warps, 32 entries a
-    thread, 254 registers) at 3.5 cycles each, mostly fixed-latency dependencies; the merge ~2,340 per warp (8
-    warps) at 6.1: ~10.5 + 7.5 us of dependent chains. Score grids measured: 4 blocks a program 67.9 us, 2 blocks
-    67.7, 3 blocks (a full last wave) 69.3, 5-8 blocks 69.0-70.7.
+  * `topk_select_triton`, exact, the same selection as a stable sort: each chunk of a row (`default_chunks`)
+    picks its own exact top-k, then one program per row picks the top-k of those chunks * k candidates (the row's
+    top-k is among them: an entry beaten by k entries of its own chunk is beaten by k in the row), in the same
+    launch for unsorted output (each row's last chunk program to take its ticket merges); unsorted winners are
+    written straight from registers. Each pick finds its cut by an interpolation search
+    (`_cut_key`): three counting thresholds per CTA-wide reduction, the first from a normal fit of the scores,
+    then at the interpolated key of rank k in the bracket, and a top-4 reduction once at most 4 ranks are left:
+    ~3-4 dependent reductions on random scores (the slowest of 256 chunks ~6), against ~10 (12-15) for the
+    two-bit radix search of sessions 3-7. H200, N=64, L=16384, k=512 (session 8 round 1): select alone (scores
+    in L2) 19.2 us unsorted / 21.8 sorted against 25.1 / 27.7 for the two-bit search; one row alone 12.5 (two-bit
+    19.0), 8 rows 15.6 (21.1); behind the score kernel 91.1 unsorted / 93.8 sorted (69% / 67%) against 94.2 /
+    96.8. The same search without the top-4 end game: 25.1 (the slowest chunks' last passes are the latency).
+    Measured and removed: one program per row finding a threshold from its 16-entry group maxima and selecting
+    among the candidates above it (24.7-24.8 us alone, 95.5-96.8 behind the scores, session 7-8), the threshold
+    select run by the score kernel's last program of each row (one launch: 157-158 us against ~96), the chunk
+    stage folded into the score kernel (99 us against 100), programmatic dependent launch between the score
+    kernel and the select launches (35.8 against 28.7 alone, 103.7 against 98.4 after the scores: the
+    early-launched programs wait on SMs the producer needs); session 6: four bits per counting reduction (15
+    counts in one reduction: 24.7 -> 42.4 us, the select is instruction-bound), the merge run by each row's last
+    chunk program (25.0), and scores + select in one launch (programs take tickets: score pieces first, then
+    select chunks that wait for their row's scores, so the selects of early rows overlap the scoring of the last:
+    94.4 us against 93.4 for the two launches; 8 / 2 chunks 105-106), and a shrinking search (6 reductions over
+    the chunk, then the bucket holding the k-th key compacted to 512 entries and searched alone: 26.8 against
+    25.2; behind the scores 95.3 against 92.8); session 7: scores + select in one launch again with the tickets
+    interleaved (row s's select chunks queued behind row s + lag's score pieces, the row's last chunk merging)
+    95.4-110 us against 93.4 for the two launches (lag 4-32: 100.2-96.8, 8 chunks 101.5-102.5, 8-block pieces
+    95.4-97.0, 2 stages 108-110, sorted 101.6). Why overlap cannot pay: a select is latency, not work, so at
+    least one row's select stays after the last scores, and the chunk programs that run during the scoring take
+    score-program slots (3 per SM by shared memory). ncu of one row's two-bit select (session 7): the chunk stage
+    ~5,700 instructions per warp (4 warps, 32 entries a thread) at 3.5 cycles each, mostly fixed-latency
+    dependencies; the merge ~2,340 per warp (8 warps) at 6.1. Score grids measured: 4 blocks a program 67.9 us,
+    2 blocks 67.7, 3 blocks (a full last wave) 69.3, 5-8 blocks 69.0-70.7.
 The candidate-block restriction of layers 24/28/... is expressed by the caller through key_start/key_len of a
 gathered pool, or by -inf scores (not selectable).
 Cost: N * max_len * Di * bytes(keys) read once, + N * max_len * 4 written and re-read from L2 by the select,
-+ N * (chunks * k or cap) * 12 bytes of candidates (L2).
++ N * chunks * k * 12 bytes of candidates (L2).
 """
 import torch
 import triton
 import triton.language as tl
 
 from .backend import empty, INTERPRETING, check, use_triton
+from .decode_attention import _COUNTERS, _counters
 
 
 def _check(iq, w, keys, key_start, key_len, k):
@@ -171,18 +173,6 @@ def _load_keys(scores_ptr, row, g, L):
 
 
 @triton.jit
-def _count_at_least(scores_ptr, row, L, keys, t, offs, BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
-    """Number of the row's order keys >= t (0 never counts: t >= 1)."""
-    if RESIDENT:
-        cnt = tl.sum((keys >= t).to(tl.int32), 0)
-    else:
-        cnt = tl.zeros([], tl.int32)
-        for start in range(0, L, BLOCK):
-            cnt += tl.sum((_load_keys(scores_ptr, row, start + offs, L) >= t).to(tl.int32), 0)
-    return cnt
-
-
-@triton.jit
 def _add_pair(a0, b0, a1, b1):
     return a0 + a1, b0 + b1
 
@@ -207,84 +197,200 @@ def _count3(scores_ptr, row, L, keys, t1, t2, t3, offs, BLOCK: tl.constexpr, RES
 
 
 @triton.jit
-def _range3(a0, a1, a2, b0, b1, b2):
-    return a0 + b0, tl.maximum(a1, b1), tl.minimum(a2, b2)
+def _stats5(a0, a1, a2, a3, a4, b0, b1, b2, b3, b4):
+    return a0 + b0, tl.maximum(a1, b1), tl.minimum(a2, b2), a3 + b3, a4 + b4
 
 
 @triton.jit
-def _key_range(base, n, keys, offs, BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
-    """(number of selectable keys, their largest, their smallest) in ONE reduction (0 = not selectable)."""
+def _key_stats(base, n, keys, offs, BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
+    """(number of selectable keys, their largest, their smallest, sum and sum of squares of their scores) in ONE
+    reduction (0 = not selectable). The scores are decoded back from the keys (no second register copy)."""
     if RESIDENT:
-        cnt, mx, mn = tl.reduce(((keys != 0).to(tl.int32), keys, tl.where(keys != 0, keys, 0xFFFFFFFF)), 0,
-                                _range3)
+        sel = keys != 0
+        x = tl.where(sel, _order_value(keys), 0.0)
+        cnt, mx, mn, sx, sxx = tl.reduce((sel.to(tl.int32), keys, tl.where(sel, keys, 0xFFFFFFFF), x, x * x), 0,
+                                         _stats5)
     else:
         cnt = tl.zeros([], tl.int32)
         mx = tl.zeros([], tl.uint32)
         mn = tl.full([], 0xFFFFFFFF, tl.uint32)
+        sx = tl.zeros([], tl.float32)
+        sxx = tl.zeros([], tl.float32)
         for start in range(0, n, BLOCK):
             kb = _load_keys(base, 0, start + offs, n)
-            c1, x1, n1 = tl.reduce(((kb != 0).to(tl.int32), kb, tl.where(kb != 0, kb, 0xFFFFFFFF)), 0, _range3)
+            sel = kb != 0
+            x = tl.where(sel, _order_value(kb), 0.0)
+            c1, x1, n1, s1, s2 = tl.reduce((sel.to(tl.int32), kb, tl.where(sel, kb, 0xFFFFFFFF), x, x * x), 0,
+                                           _stats5)
             cnt += c1
             mx = tl.maximum(mx, x1)
             mn = tl.minimum(mn, n1)
-    return cnt, mx, mn
+            sx += s1
+            sxx += s2
+    return cnt, mx, mn, sx, sxx
 
 
 @triton.jit
-def _kth_key(base, n, keys, n_take, mx, mn, offs, BLOCK: tl.constexpr, RESIDENT: tl.constexpr,
-             PASSES: tl.constexpr = 16):
-    """A cut t for the n_take largest of the n order keys (1 <= n_take <= the selectable keys, which lie in
-    [mn, mx]): the n_take-th largest key, or any t above the (n_take+1)-th largest and at most the n_take-th
-    (count(keys >= t) == n_take: the same winners; the search stops as soon as it meets one, which random scores
-    do several reductions before the last; `exact` (returned second) says it did). Two bits per counting
-    reduction: the largest t with count(keys >= t) >= n_take. The leading bits mn and mx share are the answer's
-    too, so the search starts below them. PASSES < 16: stop after that many reductions with the bits found so far
-    and zeros below: a lower bound of the answer (never above it)."""
-    x = mx ^ mn
-    b0 = tl.zeros([], tl.int32)
-    same = tl.full([], 1, tl.int32)
-    for b in tl.static_range(16):
-        same = same & (((x >> (30 - 2 * b)) & 3) == 0).to(tl.int32)
-        b0 += same
-    low = (tl.full([], 1, tl.uint64) << (32 - 2 * b0).to(tl.uint64)) - 1      # the bits still to find
-    prefix = (mx.to(tl.uint64) - (mx.to(tl.uint64) & low)).to(tl.uint32)
-    b_end = tl.minimum(b0 + PASSES, 16)
-    b = b0
-    exact = tl.zeros([], tl.int32)
-    while b < b_end:
-        step = tl.full([], 1, tl.uint32) << (30 - 2 * b)
-        t1 = prefix | step
-        t2 = prefix | (2 * step)
-        t3 = prefix | (3 * step)
-        c1, c2, c3 = _count3(base, 0, n, keys, t1, t2, t3, offs, BLOCK, RESIDENT)
-        prefix = tl.where(c3 >= n_take, t3, tl.where(c2 >= n_take, t2, tl.where(c1 >= n_take, t1, prefix)))
-        exact = ((c1 == n_take) | (c2 == n_take) | (c3 == n_take)).to(tl.int32)
-        b = tl.where(exact != 0, b_end, b + 1)                                   # exact cut found: stop
-    return prefix, exact
+def _order_value(key):
+    """The inverse of `_order_key` (for selectable keys): the score whose order key this is."""
+    bits = tl.where((key & 0x80000000) != 0, key ^ 0x80000000, key ^ 0xFFFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _upper_normal_quantile(p):
+    """z with P(Z >= z) = p for a standard normal Z (Abramowitz-Stegun 26.2.23, |error| < 4.5e-4): only a first
+    guess of the search below, never a result."""
+    pp = tl.minimum(p, 1.0 - p)
+    t = tl.sqrt(-2.0 * tl.log(tl.maximum(pp, 1e-30)))
+    z = t - (2.515517 + t * (0.802853 + t * 0.010328)) / (1.0 + t * (1.432788 + t * (0.189269 + t * 0.001308)))
+    return tl.where(p <= 0.5, z, -z)
+
+
+@triton.jit
+def _guess_key(mean, sd, p, lo, hi):
+    """The order key of mean + sd * (upper p-quantile), clamped strictly inside (lo, hi) (int64)."""
+    x = mean + sd * _upper_normal_quantile(p)
+    t = _order_key(x).to(tl.int64)
+    return tl.minimum(tl.maximum(t, lo + 1), hi - 1)
+
+
+@triton.jit
+def _top4(a0, a1, a2, a3, b0, b1, b2, b3):
+    """The 4 largest of two descending 4-lists, descending: max(a_i, b_3-i) is bitonic and holds them; two
+    half-cleaner stages sort it (in-thread, where b = (x, 0, 0, 0), most of it folds away)."""
+    d0 = tl.maximum(a0, b3)
+    d1 = tl.maximum(a1, b2)
+    d2 = tl.maximum(a2, b1)
+    d3 = tl.maximum(a3, b0)
+    e0 = tl.maximum(d0, d2)
+    e2 = tl.minimum(d0, d2)
+    e1 = tl.maximum(d1, d3)
+    e3 = tl.minimum(d1, d3)
+    return tl.maximum(e0, e1), tl.minimum(e0, e1), tl.maximum(e2, e3), tl.minimum(e2, e3)
+
+
+@triton.jit
+def _top4_between(base, n, keys, lo, top, offs, BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
+    """The 4 largest order keys in [lo, top] (lo >= 1), descending, 0 where there are fewer, in ONE reduction."""
+    if RESIDENT:
+        v = tl.where((keys >= lo) & (keys <= top), keys, 0)
+        z = tl.zeros_like(v)
+        a0, a1, a2, a3 = tl.reduce((v, z, z, z), 0, _top4)
+    else:
+        a0 = tl.zeros([], tl.uint32)
+        a1 = tl.zeros([], tl.uint32)
+        a2 = tl.zeros([], tl.uint32)
+        a3 = tl.zeros([], tl.uint32)
+        for start in range(0, n, BLOCK):
+            kb = _load_keys(base, 0, start + offs, n)
+            v = tl.where((kb >= lo) & (kb <= top), kb, 0)
+            z = tl.zeros_like(v)
+            b0, b1, b2, b3 = tl.reduce((v, z, z, z), 0, _top4)
+            a0, a1, a2, a3 = _top4(a0, a1, a2, a3, b0, b1, b2, b3)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _cut_key(base, n, keys, need, n_sel, mx, mn, sx, sxx, offs, BLOCK: tl.constexpr, RESIDENT: tl.constexpr,
+             FW: tl.constexpr, WIDTH: tl.constexpr, TOPR: tl.constexpr):
+    """A cut for the `need` largest of the n order keys (1 <= need <= n_sel, the selectable keys, which lie in
+    [mn, mx]): (cut, rem) such that the winners are every key > cut and the `rem` lowest-id keys == cut.
+    Interpolation search over a bracket lo <= answer < hi (count(keys >= lo) = clo >= need > chi = count(keys >=
+    hi)), three thresholds per counting reduction: the first pass from a normal fit of the scores (mean and
+    variance from `_key_stats`), then each pass places its thresholds at the interpolated key of rank `need` in
+    the bracket and +-WIDTH standard deviations of that rank around it. A pass that shrank the key range less than
+    4x is followed by one that quarters it, so the search ends within 32 passes on any input (ties, constant
+    rows); it stops at an exact cut (count(keys >= t) == need: every key >= t wins) or at hi == lo + 1 (the
+    answer is lo; count(keys > lo) = chi). TOPR = 4: once need - chi <= 4 the answer is among the 4 largest keys
+    of the bracket, which one reduction finds (`_top4_between`). Random scores need ~3-4 reductions (the two-bit
+    search ~9-10; the slowest of 256 chunks ~6 against 12-15)."""
+    lo = mn.to(tl.int64)
+    hi = mx.to(tl.int64) + 1
+    clo = n_sel
+    chi = tl.zeros([], tl.int32)
+    nf = tl.maximum(n_sel, 1).to(tl.float32)
+    mean = sx / nf
+    sd = tl.sqrt(tl.maximum(sxx / nf - mean * mean, 0.0))
+    q = need.to(tl.float32) / nf
+    g1 = _guess_key(mean, sd, tl.minimum(q * (1.0 + FW), 1.0 - 0.5 / nf), lo, hi)
+    g2 = _guess_key(mean, sd, q, lo, hi)
+    g3 = _guess_key(mean, sd, q * (1.0 - FW), lo, hi)
+    cut = lo
+    rem = need
+    done = ((n_sel <= need) | (hi - lo <= 1)).to(tl.int32)
+    prev = (hi - lo) * 8                         # the first pass never counts as "did not shrink"
+    first = tl.full([], 1, tl.int32)
+    while (done == 0) & (need - chi > TOPR):
+        rng = hi - lo
+        m = (clo - chi).to(tl.float32)
+        j = (need - chi).to(tl.float32)
+        d = tl.maximum(1.0, WIDTH * tl.sqrt(j * (m - j) / m))
+        rf = rng.to(tl.float32)
+        i1 = tl.minimum(tl.maximum(hi - (rf * tl.minimum((j + d) / m, 1.0)).to(tl.int64), lo + 1), hi - 1)
+        i2 = tl.minimum(tl.maximum(hi - (rf * (j / m)).to(tl.int64), lo + 1), hi - 1)
+        i3 = tl.minimum(tl.maximum(hi - (rf * tl.maximum((j - d) / m, 0.0)).to(tl.int64), lo + 1), hi - 1)
+        slow = rng * 4 > prev
+        i1 = tl.where(slow, lo + tl.maximum(rng // 4, 1), i1)
+        i2 = tl.where(slow, tl.minimum(lo + rng // 2, hi - 1), i2)
+        i3 = tl.where(slow, tl.minimum(lo + (3 * rng) // 4, hi - 1), i3)
+        i1 = tl.where(first != 0, g1, i1)
+        i2 = tl.where(first != 0, g2, i2)
+        i3 = tl.where(first != 0, g3, i3)
+        first = first * 0
+        prev = rng
+        i2 = tl.maximum(i2, i1)
+        i3 = tl.maximum(i3, i2)
+        c1, c2, c3 = _count3(base, 0, n, keys, i1.to(tl.uint32), i2.to(tl.uint32), i3.to(tl.uint32), offs, BLOCK,
+                             RESIDENT)
+        c1 = c1.to(tl.int32)
+        c2 = c2.to(tl.int32)
+        c3 = c3.to(tl.int32)
+        # an exact cut: every key >= it wins
+        ex = tl.where(c3 == need, i3, tl.where(c2 == need, i2, tl.where(c1 == need, i1, -1)))
+        # the bracket's new ends (counts do not increase with t, and i1 <= i2 <= i3)
+        lo2 = tl.where(c3 >= need, i3, tl.where(c2 >= need, i2, tl.where(c1 >= need, i1, lo)))
+        clo = tl.where(c3 >= need, c3, tl.where(c2 >= need, c2, tl.where(c1 >= need, c1, clo)))
+        hi2 = tl.where(c1 < need, i1, tl.where(c2 < need, i2, tl.where(c3 < need, i3, hi)))
+        chi = tl.where(c1 < need, c1, tl.where(c2 < need, c2, tl.where(c3 < need, c3, chi)))
+        lo = lo2
+        hi = hi2
+        cut = tl.where(ex >= 0, ex, lo)
+        rem = tl.where(ex >= 0, need, need - chi)
+        done = ((ex >= 0) | (hi - lo <= 1)).to(tl.int32)
+    if TOPR > 0:
+        if done == 0:                                # the answer is the (need - chi)-th largest key in [lo, hi)
+            a0, a1, a2, a3 = _top4_between(base, n, keys, lo.to(tl.uint32), (hi - 1).to(tl.uint32), offs,
+                                           BLOCK, RESIDENT)
+            j = need - chi
+            a = tl.where(j == 1, a0, tl.where(j == 2, a1, tl.where(j == 3, a2, a3)))
+            above = chi + (a0 > a).to(tl.int32) + (a1 > a).to(tl.int32) + (a2 > a).to(tl.int32)
+            cut = a.to(tl.int64)
+            rem = need - above
+    return cut.to(tl.uint32), rem
 
 
 @triton.jit
 def _select_chunk(base, n, k, idx_ptr, val_ptr, out, map_base, seg0, BLOCK: tl.constexpr, RESIDENT: tl.constexpr,
-                  SORTED: tl.constexpr, KP: tl.constexpr, MAP: tl.constexpr):
+                  SORTED: tl.constexpr, KP: tl.constexpr, MAP: tl.constexpr, FW: tl.constexpr, WIDTH: tl.constexpr,
+                  TOPR: tl.constexpr):
     """The exact k best of the n scores at `base` (ties: lower id) -> idx/val slots out .. out + k (-1 / -inf
-    padded). The k-th best order key T is found two bits at a time (16 counting reductions: T = the largest t
-    with count(keys >= t) >= k; only sum reductions over a register-resident chunk), then one compaction pass in
-    entry order takes every key > T and the lowest-id keys == T. RESIDENT (n <= BLOCK): the scores are loaded
-    once and stay in registers; otherwise every pass streams them (from L2 at decode sizes). SORTED: the winners
-    are re-ordered best first by one in-register sort of (key, -id) (KP = next pow2 of k). Ids written: seg0 +
-    the entry's position, or map_base[position] when MAP."""
+    padded). One statistics reduction (`_key_stats`), the cut found by `_cut_key` (3-4 counting reductions and a
+    top-4 one on random scores), then one compaction pass in entry order takes every key above the cut and the
+    lowest-id keys equal to it. RESIDENT (n <= BLOCK): the scores are loaded once and stay in registers;
+    otherwise every pass streams them (from L2 at decode sizes). SORTED: the winners are re-ordered best first
+    by one in-register sort of (key, -id) (KP = next pow2 of k). Ids written: seg0 + the entry's position, or
+    map_base[position] when MAP."""
     offs = tl.arange(0, BLOCK)
     keys = tl.zeros([BLOCK], tl.uint32)
     if RESIDENT:
         keys = _load_keys(base, 0, offs, n)
-    n_sel, mx, mn = _key_range(base, n, keys, offs, BLOCK, RESIDENT)
+    n_sel, mx, mn, sx, sxx = _key_stats(base, n, keys, offs, BLOCK, RESIDENT)
     n_take = tl.minimum(n_sel, k)
-    prefix, exact = _kth_key(base, n, keys, tl.maximum(n_take, 1), mx, mn, offs, BLOCK, RESIDENT)
-    # prefix = the n_take-th largest key (or an exact cut: then every key >= it wins); take every key above it and
-    # the `rem` lowest-id keys equal to it
-    rem = n_take
-    if exact == 0:
-        rem = n_take - _count_at_least(base, 0, n, keys, prefix + 1, offs, BLOCK, RESIDENT)
+    # the winners: every key > prefix and the `rem` lowest-id keys == prefix
+    prefix, rem = _cut_key(base, n, keys, tl.maximum(n_take, 1), n_sel, mx, mn, sx, sxx, offs, BLOCK, RESIDENT, FW,
+                           WIDTH, TOPR)
+    rem = tl.minimum(rem, n_take)
     at = tl.arange(0, KP)                              # k <= KP: the output row in one block
     if RESIDENT:
         # one scan for both running counts (keys above the cut in the low 16 bits, keys equal to it above: a
@@ -339,66 +445,30 @@ def _select_chunk(base, n, k, idx_ptr, val_ptr, out, map_base, seg0, BLOCK: tl.c
 
 
 @triton.jit
-def _topk_select_kernel(scores_ptr, L, CL, k, idx_ptr, val_ptr, map_ptr, BLOCK: tl.constexpr,
-                        RESIDENT: tl.constexpr, SORTED: tl.constexpr, KP: tl.constexpr, MAP: tl.constexpr):
+def _topk_select_kernel(scores_ptr, L, CL, k, idx_ptr, val_ptr, map_ptr, fin_idx_ptr, fin_val_ptr, cnt_ptr,
+                        BLOCK: tl.constexpr, RESIDENT: tl.constexpr, SORTED: tl.constexpr, KP: tl.constexpr,
+                        MAP: tl.constexpr, FW: tl.constexpr, WIDTH: tl.constexpr, TOPR: tl.constexpr,
+                        FUSE: tl.constexpr = False, MBLOCK: tl.constexpr = 16, MSORTED: tl.constexpr = False):
     """Program (row, chunk): `_select_chunk` over entries [c * CL, c * CL + CL) of row `row` of scores [N, L],
     written to output slots (row * chunks + c) * k... With MAP (the second stage of the chunked select) the row
     holds the first stage's candidates, whose positions increase with the original ids (so position ties are id
-    ties), and map [N, L] their ids."""
+    ties), and map [N, L] their ids. FUSE: the row's last chunk program to finish (an atomic ticket, reset to 0
+    after) also runs the second stage over the row's chunks * k candidates (MBLOCK slots, sorted when MSORTED)
+    into fin_idx / fin_val [N, k]: one launch."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     seg0 = c * CL
     _select_chunk(scores_ptr + row * L + seg0, tl.minimum(CL, L - seg0), k, idx_ptr, val_ptr,
                   (row * tl.num_programs(1) + c) * k, map_ptr + row * L + seg0, seg0, BLOCK, RESIDENT, SORTED, KP,
-                  MAP)
-
-
-@triton.jit
-def _threshold_select_row(base, row, L, k, cand_val_ptr, cand_idx_ptr, idx_ptr, val_ptr, NGB: tl.constexpr,
-                          GS: tl.constexpr, CB: tl.constexpr, FB: tl.constexpr, CAP: tl.constexpr,
-                          SORTED: tl.constexpr, KP: tl.constexpr):
-    """The exact top-k of one row's L scores at `base` -> idx/val row `row`. T = the k-th largest of the row's
-    group maxima (NGB groups of GS entries, held in registers) is at most the row's k-th largest score (the k best
-    groups' maxima are k entries >= T), so every winner scores >= T; those candidates (a few k at random scores)
-    are compacted in entry order into cand (L2), CB entries at a time, and the exact select runs over them alone
-    (ids mapped back: ties stay lower-id first). More than CAP candidates (many equal scores): the exact select
-    streams the whole row instead, FB entries at a time."""
-    goffs = tl.arange(0, NGB)
-    g = goffs[:, None] * GS + tl.arange(0, GS)[None, :]
-    gmax = tl.max(tl.load(base + g, mask=g < L, other=float("-inf")), 1)
-    gkeys = tl.where(gmax > float("-inf"), _order_key(gmax), 0)
-    t = tl.full([], 1, tl.uint32)                  # fewer than k groups hold a selectable entry: take them all
-    n_groups, mx, mn = _key_range(base, 0, gkeys, goffs, NGB, True)
-    if n_groups >= k:
-        # 6 reductions below the maxima's common leading bits: a lower bound of their k-th largest, close enough
-        # (12 more bits) that few extra candidates pass, for 10 reductions less
-        t = tl.maximum(_kth_key(base, 0, gkeys, k, mx, mn, goffs, NGB, True, 6)[0], 1)
-    c0 = row * CAP
-    offs = tl.arange(0, CB)
-    cnt = tl.zeros([], tl.int32)
-    for start in tl.static_range(0, NGB * GS, CB):     # unrolled: the blocks' loads are in flight together
-        x = tl.load(base + start + offs, mask=start + offs < L, other=float("-inf"))         # L1 hits
-        sel = (x > float("-inf")) & (_order_key(x) >= t)
-        pos = cnt + tl.cumsum(sel.to(tl.int32), 0) - 1
-        tl.store(cand_val_ptr + c0 + pos, x, mask=sel & (pos < CAP))
-        tl.store(cand_idx_ptr + c0 + pos, (start + offs).to(tl.int64), mask=sel & (pos < CAP))
-        cnt += tl.sum(sel.to(tl.int32), 0)
-    tl.debug_barrier()                             # the candidates are visible to every thread of the program
-    if cnt <= CAP:
-        _select_chunk(cand_val_ptr + c0, cnt, k, idx_ptr, val_ptr, row * k, cand_idx_ptr + c0, 0, CAP, True,
-                      SORTED, KP, True)
-    else:
-        _select_chunk(base, L, k, idx_ptr, val_ptr, row * k, base, 0, FB, False, SORTED, KP, False)
-
-
-@triton.jit
-def _threshold_select_kernel(scores_ptr, L, k, cand_val_ptr, cand_idx_ptr, idx_ptr, val_ptr, NGB: tl.constexpr,
-                             GS: tl.constexpr, CB: tl.constexpr, FB: tl.constexpr, CAP: tl.constexpr,
-                             SORTED: tl.constexpr, KP: tl.constexpr):
-    """Program per row: `_threshold_select_row`."""
-    row = tl.program_id(0).to(tl.int64)
-    _threshold_select_row(scores_ptr + row * L, row, L, k, cand_val_ptr, cand_idx_ptr, idx_ptr, val_ptr, NGB, GS, CB,
-                          FB, CAP, SORTED, KP)
+                  MAP, FW, WIDTH, TOPR)
+    if FUSE:
+        tl.debug_barrier()                       # every thread's candidate stores precede the release below
+        ticket = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu")
+        if ticket == tl.num_programs(1) - 1:
+            tl.atomic_xchg(cnt_ptr + row, 0, sem="relaxed", scope="gpu")
+            C = tl.num_programs(1) * k
+            _select_chunk(val_ptr + row * C, C, k, fin_idx_ptr, fin_val_ptr, row * k, idx_ptr + row * C, 0, MBLOCK,
+                          True, MSORTED, KP, True, FW, WIDTH, TOPR)
 
 
 SELECT_BLOCK = 4096      # entries per streamed block; rows up to RESIDENT_MAX stay in registers
@@ -407,7 +477,7 @@ SORT_MAX = 4096          # largest k ordered in-kernel (a bitonic sort in regist
 KMAX = 1 << 16           # the output row is one register block
 
 
-def _select_launch(scores, k, chunks, sorted, block, num_warps, id_map=None):
+def _select_launch(scores, k, chunks, sorted, block, num_warps, id_map=None, search=None):
     """One launch of `_topk_select_kernel` over [N, L] scores in `chunks` chunks per row -> (idx, val) [N, chunks
     * k] (each chunk's k slots; ids from id_map when given)."""
     N, L = scores.shape
@@ -418,10 +488,39 @@ def _select_launch(scores, k, chunks, sorted, block, num_warps, id_map=None):
     block = block or (max(16, triton.next_power_of_2(cl)) if resident else SELECT_BLOCK)
     kp = max(16, triton.next_power_of_2(k))
     in_kernel_sort = sorted and kp <= SORT_MAX
-    _topk_select_kernel[(N, chunks)](scores, L, cl, k, idx, val, scores if id_map is None else id_map,
-                                     BLOCK=block, RESIDENT=resident, SORTED=in_kernel_sort, KP=kp,
-                                     MAP=id_map is not None,
+    _topk_select_kernel[(N, chunks)](scores, L, cl, k, idx, val, scores if id_map is None else id_map, idx, val,
+                                     idx, BLOCK=block, RESIDENT=resident, SORTED=in_kernel_sort, KP=kp,
+                                     MAP=id_map is not None, FW=search[0], WIDTH=search[1], TOPR=search[2],
                                      num_warps=num_warps or (16 if block >= 8192 else 8 if block >= 2048 else 4))
+    return _sort_after(idx, val, sorted, in_kernel_sort)
+
+
+def _tickets(device, n: int):
+    """decode_attention's zeroed ticket counters (shared: every launch leaves them at 0, and launches on one stream
+    never overlap), or None while a CUDA graph is being captured and they do not exist yet (an allocation made
+    during capture belongs to the graph's pool and must not outlive it)."""
+    c = _COUNTERS.get(device)
+    if (c is None or c.numel() < n) and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    return _counters(device, n)
+
+
+def _fused_launch(scores, k, chunks, sorted, num_warps, search, tickets):
+    """Both stages in one launch of `_topk_select_kernel` (FUSE: each row's last chunk program merges) -> (idx,
+    val) [N, k]. Rows of at most chunks * RESIDENT_MAX entries, chunks * k candidates at most RESIDENT_MAX."""
+    N, L = scores.shape
+    cl = triton.cdiv(L, chunks)
+    cand_idx = empty((N, chunks * k), torch.int64, scores.device)
+    cand_val = empty((N, chunks * k), torch.float32, scores.device)
+    idx = empty((N, k), torch.int64, scores.device)
+    val = empty((N, k), torch.float32, scores.device)
+    kp = max(16, triton.next_power_of_2(k))
+    in_kernel_sort = sorted and kp <= SORT_MAX
+    _topk_select_kernel[(N, chunks)](scores, L, cl, k, cand_idx, cand_val, scores, idx, val,
+                                     tickets, BLOCK=max(16, triton.next_power_of_2(cl)),
+                                     RESIDENT=True, SORTED=False, KP=kp, MAP=False, FW=search[0], WIDTH=search[1],
+                                     TOPR=search[2], FUSE=True, MBLOCK=max(16, triton.next_power_of_2(chunks * k)),
+                                     MSORTED=in_kernel_sort, num_warps=num_warps or 4)
     return _sort_after(idx, val, sorted, in_kernel_sort)
 
 
@@ -432,8 +531,9 @@ def default_chunks(L: int, k: int) -> int:
     return max(1, min(16, L // (8 * k)))
 
 
-GROUP = 16               # entries per group maximum in the threshold select
-
+# `_cut_key`'s (first-guess spread FW, rank spread WIDTH, top-4 end game TOPR: 4 or 0). H200, N=64, L=16384,
+# k=512, scores in L2 (session 8 round 1): 19.2 us; (0.3, 1.0, 4) 20.6, (0.5, 2.0, 4) 19.6, (0.3, 1.0, 0) 25.1
+SEARCH = (0.3, 2.0, 4)
 
 
 def _sort_after(idx, val, sorted, in_kernel_sort):
@@ -444,44 +544,19 @@ def _sort_after(idx, val, sorted, in_kernel_sort):
     return idx, val
 
 
-def _threshold_launch(scores, k, sorted, cap, num_warps):
-    """One launch of `_threshold_select_kernel` (rows of at most RESIDENT_MAX entries) -> (idx, val) [N, k]."""
-    N, L = scores.shape
-    ngb = max(16, triton.next_power_of_2(triton.cdiv(L, GROUP)))
-    cap = max(16, triton.next_power_of_2(cap))
-    cand_val = empty((N, cap), torch.float32, scores.device)
-    cand_idx = empty((N, cap), torch.int64, scores.device)
-    idx = empty((N, k), torch.int64, scores.device)
-    val = empty((N, k), torch.float32, scores.device)
-    kp = max(16, triton.next_power_of_2(k))
-    in_kernel_sort = sorted and kp <= SORT_MAX
-    _threshold_select_kernel[(N,)](scores, L, k, cand_val, cand_idx, idx, val, NGB=ngb, GS=GROUP,
-                                   CB=min(SELECT_BLOCK, ngb * GROUP), FB=min(SELECT_BLOCK, ngb * GROUP), CAP=cap,
-                                   SORTED=in_kernel_sort, KP=kp,
-                                   num_warps=num_warps or (8 if cap >= 1024 else 4))
-    return _sort_after(idx, val, sorted, in_kernel_sort)
-
-
-def threshold_cap(L: int, k: int) -> int | None:
-    """Candidates per row for the threshold select (4k rounded up: random scores leave about 1.4k), or None where
-    the chunked select is used instead: rows shorter than twice that (the filter would not pay) or longer than
-    RESIDENT_MAX."""
-    cap = max(16, triton.next_power_of_2(4 * k))
-    return cap if 2 * cap <= L <= RESIDENT_MAX else None
-
-
 def topk_select_triton(scores: torch.Tensor, k: int, sorted: bool = True, block: int | None = None,
                        num_warps: int | None = None, chunks: int | None = None, num_warps2: int | None = None,
-                       cap: int | None = None):
+                       search: tuple = SEARCH, fused: bool | None = None):
     """Exact top-k of fp32 scores [N, L] (-inf = not selectable) -> (idx int64 [N, k], val fp32 [N, k]), -1 / -inf
     padded; the same selection as the stable-sort twin `_select` (ties: lower id). sorted=False: winners in
     ascending entry order (what a mask needs). chunks > 1 (default `default_chunks`): two launches, each chunk's
     exact top-k by its own program, then the top-k of those chunks * k candidates per row (they contain the row's
     top-k: an entry beaten by k entries of its own chunk is beaten by k in the row). Cost: the row read once
     (L2 at decode sizes) + chunks * k * 12 bytes of candidates written and read back, plus k * 12 written.
-    cap (`threshold_cap` gives one): the one-launch threshold select (`_threshold_select_kernel`) keeping at most
-    cap candidates per row; not the default: 26.6 / 30.5 us alone vs 29.3 chunked, but behind the score kernel
-    104.0 / 115.9 us against the chunked path's 98.2 / 100.1 (H200, session 4 round 3; cause not found)."""
+    search: `SEARCH`'s parameters (for the benchmark's sweep). fused (default: when not sorted and the chunks and
+    candidates fit in registers): both stages in one launch, each row's last chunk program merging
+    (`_fused_launch`; H200, N=64, L=16384, k=512, scores in L2, session 8 round 2: 18.4 us unsorted against
+    18.9 for two launches, 2 chunks of 8 warps 18.2; sorted 21.6 against 21.3, so sorted stays two launches)."""
     check(scores.dim() == 2 and scores.dtype == torch.float32, f"scores must be fp32 [rows, entries], got "
           f"{scores.dtype} {tuple(scores.shape)}")
     check(k >= 1, f"top-k must be >= 1, got {k}")
@@ -491,17 +566,21 @@ def topk_select_triton(scores: torch.Tensor, k: int, sorted: bool = True, block:
     scores = scores.contiguous()
     if N == 0:
         return empty((N, k), torch.int64, scores.device), empty((N, k), torch.float32, scores.device)
-    if cap is not None:
-        check(L <= RESIDENT_MAX, f"the threshold select holds a row in registers: at most {RESIDENT_MAX} entries, "
-              f"got {L}")
-        return _threshold_launch(scores, k, sorted, cap, num_warps)
     chunks = default_chunks(L, k) if chunks is None else max(1, min(chunks, triton.cdiv(L, k)))
     if chunks == 1:
-        return _select_launch(scores, k, 1, sorted, block, num_warps)
-    # first stage: 4 warps per chunk program (H200, N=64, L=16384, k=512, scores in L2: 24.8 us for both stages
-    # against 28.7 with 8 warps; before the direct winner writes 8 warps were faster, 26.0 vs 27.2)
-    cand_idx, cand_val = _select_launch(scores, k, chunks, False, block, num_warps or 4)
-    return _select_launch(cand_val, k, 1, sorted, None, num_warps2, id_map=cand_idx)
+        return _select_launch(scores, k, 1, sorted, block, num_warps, search=search)
+    fits = block is None and triton.cdiv(L, chunks) <= RESIDENT_MAX and chunks * k <= RESIDENT_MAX
+    if fused:
+        check(fits, f"the fused select holds a chunk and a row's candidates in registers: chunks of at most "
+              f"{RESIDENT_MAX} entries, chunks * k at most {RESIDENT_MAX}; got {L} entries in {chunks} chunks, k={k}")
+    tickets = _tickets(scores.device, N) if (fused or (fused is None and fits and not sorted)) else None
+    if tickets is not None:
+        return _fused_launch(scores, k, chunks, sorted, num_warps, search, tickets)
+    # first stage: 4 warps per chunk program (H200, N=64, L=16384, k=512, scores in L2, session 8 round 1: 19.2 us
+    # for both stages against 22.4 with 8 warps, 19.5 with a 4-warp merge; 2 chunks of 8 warps 19.2, 8 chunks
+    # 21.0-21.6, one program per row 24.0-24.5)
+    cand_idx, cand_val = _select_launch(scores, k, chunks, False, block, num_warps or 4, search=search)
+    return _select_launch(cand_val, k, 1, sorted, None, num_warps2, id_map=cand_idx, search=search)
 
 
 def indexer_topk_triton(iq, w, keys, key_start, key_len, k, max_len=None, block_g: int = 128,

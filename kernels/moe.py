@@ -538,6 +538,9 @@ PREFETCH_SHIFTED = True
 # the bits in fp16 directly (about 1.9 operations a weight) 2168 and through fp16 high bytes + byte permutes
 # 2171 (this one: 2168); the session 4 kernel (weights second, decoded tiles through shared memory, low / high
 # nibbles against even / odd activation columns) 2401 / 3940 (round 1: 2380 / 3737).
+# Session 8 round 2 (V4.1, T = 64 / 8 / 256, us): the shifts folded into the decoded weights (one mul.f16x2 per
+# two weights, exact for shifts <= 23) so the dot accumulates in place: 3322 / 695 / 4955 against 2228 / 480 /
+# 3363 for the kept form (fp8 rows 2143 / 438 / 3259) -> deleted.
 W4_TILES = dict(block_n=128, num_warps=4, num_stages=3)
 
 # Tensor-descriptor weight loads by default (when the shapes allow). H200 round 1: as fast as the pointer loads

@@ -17,16 +17,26 @@ It draws other tokens for a seed than the tau-first rule (sessions <= 6) did; th
 follows the same rule (kernels/speculative.py), so the bonus is still exactly the plain draw.
 
 Work on a GPU (no tau first, no histogram): pass 1 is the sampling pass itself computing PROPOSALS draws per
-program (the lane weights and running sums are shared; each proposal costs a compare and an add per token and a
-hash, a log and a block reduction per lane), the program's max z and (LANE_SKIP) every lane's max and mass;
-pass 2 (`_above_kernel`, per (row, segment), only top-p-alone rows) sums, in fp64 across lanes, the mass
-exp(z - m) of the segment and the mass above each proposal, reading only the lanes whose max exceeds the
-smallest proposal's z (the others hold no token above any proposal: on LLM-like rows, whose proposals sit among
-the few top tokens, almost none; the segment's mass comes from the lane masses); with FUSE_FINISH the row's last
-pass-2 program (a per-row count) takes the first proposal whose mass above is < p * s (`_row_token`), otherwise
-a third launch does (`_reject_finish_kernel`). A row whose PROPOSALS proposals all miss runs the rest of the rule
-in that program (loops over the row: proposals PROPOSALS .. NMAX - 1, then the row-wide tau bisection and the
-restricted draw): exact, slow, rare.
+program (the lane weights and running sums are shared; each proposal costs a hash, two logs and a block
+reduction per lane: the pass keeps each proposal's best lane only) and the program's max z; `_tokens_kernel`
+(per row) draws the token inside each proposal's winning lane (`lane_token`; session 7's pass made the in-lane
+pick of every proposal in every lane, a compare and an add per token each: the pass with 4 proposals ran 14.9 /
+52.3 us at B=64 / 256 against 11.0 / 35.2 without the picks, session 8 R1); pass 2 (`_above_kernel`, per (row,
+segment), only top-p-alone rows) sums, in fp64 across lanes, the mass exp(z - m) above each proposal: with
+HOT_LANES only over the lanes whose max (stored by the pass) exceeds the smallest proposal's z, gathered when
+they are at most HOTCAP of the segment's lanes (peaked rows: ~none outside the leaders' segment; session 8 R2,
+whole call at B=64 / 256: 24.3 / 61.8 us against 29.6 / 81.0 reading every lane; flat rows, where ~80 of 256
+lanes lie above it: 31.2 / 84.7 against 29.7 / 81.5); the row mass s comes from the pass's program masses (sum of
+its lane masses rescaled to its max: the mass-above pass need not read lanes that hold nothing above a
+proposal); a last launch (`_reject_finish_kernel`, per row) takes the first proposal whose mass above
+is < p * s (`_row_token`). A row whose PROPOSALS proposals all miss runs the rest of the rule in that program (loops over
+the row: proposals PROPOSALS .. NMAX - 1, then the row-wide tau bisection and the restricted draw): exact,
+slow, rare.
+Deleted after session 7's R2 (whole call, B=64 / 256, flat p 0.9 and peaked p 0.95 rows, us): the mass-above
+pass reading only the lanes above the smallest proposal (lane maxima and masses stored by pass 1) 55.4 / 151.9
+and 53.8 / 142.3 against 52.5 / 141.8 and 52.3 / 136.6 reading every lane (a lane's 16 tokens sit in 16
+sectors, so skipping 6% of the lanes still touched ~40% of the sectors); the finish fused into pass 2 (the row's
+last program, by a per-row count) against 53.9 / 135.8 and 52.0 / 128.0 launched apart.
 """
 import torch
 import triton
@@ -34,8 +44,8 @@ import triton.language as tl
 
 from . import rng
 from .backend import empty
-from .threshold import (NEG_INF_KEY, _below, _bisect_tau, exp2_w, lane_block, lane_score, load_z, pack_lanes,
-                        row_block_z, segment_pack)
+from .threshold import (NEG_INF_KEY, _below, _bisect_tau, _kept_column, exp2_w, lane_block, lane_score, load_z,
+                        pack_lanes, row_block_z, segment_pack)
 
 NMAX = 8              # proposals of the rule (part of the contract: it decides the token)
 PROPOSALS = 4         # proposals the sampling pass computes (the finish computes the rest when all miss)
@@ -45,13 +55,12 @@ MIN_PACKED_C = tl.constexpr(MIN_PACKED)
 NEG_INF_KEY_C = tl.constexpr(NEG_INF_KEY)
 ABOVE_WARPS = 2       # warps of the mass-above pass ([LANES, LW] blocks: 4 lanes per thread, 16-byte loads)
 FINISH_WARPS = 4
-# R2 (H200, whole top-p call, B=64 / 256, flat p 0.9 and peaked p 0.95 rows; the device-side parameter view then
-# still cost ~15 us in every row): defaults 55.4 / 151.9 and 53.8 / 142.3 us; every lane read 52.5 / 141.8 and
-# 52.3 / 136.6; the finish launched apart 53.9 / 135.8 and 52.0 / 128.0; the mass-above pass at 4 warps 69.2 /
-# 193.0 and 67.4 / 178.4; 2 proposals 120.6 / 63.6 at B=64 (flat rows then often reach the finish's loops), 6
-# proposals 67.4 / 65.3. So: every lane read, the finish apart, 2 warps, 4 proposals.
-LANE_SKIP = False     # the mass-above pass reads only lanes above the smallest proposal (lane statistics from the pass)
-FUSE_FINISH = False   # the mass-above pass also finishes (its row's last program): one launch fewer
+# Session 7 R2 (H200, whole top-p call, B=64 / 256, flat p 0.9 and peaked p 0.95 rows; the device-side parameter
+# view then still cost ~15 us in every row): the mass-above pass at 4 warps 69.2 / 193.0 and 67.4 / 178.4 against
+# 52.5 / 141.8 and 52.3 / 136.6 at 2; 2 proposals 120.6 / 63.6 at B=64 (flat rows then often reach the finish's
+# loops), 6 proposals 67.4 / 65.3. So: 2 warps, 4 proposals.
+HOT_LANES = True      # the mass-above pass gathers only the lanes above the smallest proposal when they are few
+HOTCAP = 32           # most such lanes per segment gathered (more: the segment is read whole)
 STAGES = 2            # benchmarks time the stages by differences: 0 stops after the pass, 1 after the mass above
 
 
@@ -87,13 +96,17 @@ def is_p_alone(row, V, greedy_ptr, top_k_ptr, top_p_ptr, FROM_TEMP: tl.constexpr
 
 @triton.jit
 def store_proposals(x, lane, pos, start, seg, inv_t, greedy, key, out_ptr, HAS_TAU: tl.constexpr,
-                    LANES: tl.constexpr, LW: tl.constexpr, FAST: tl.constexpr, NP: tl.constexpr, lane_ptr=None,
-                    n_lanes=0, LANE_STATS: tl.constexpr = False):
+                    LANES: tl.constexpr, LW: tl.constexpr, FAST: tl.constexpr, NP: tl.constexpr,
+                    DEFER: tl.constexpr = False, pmass_ptr=None, lane_ptr=None, alone=False,
+                    STATS: tl.constexpr = False, HOT: tl.constexpr = False):
     """The sampling pass's per-program work with NP proposals (threshold.segment_pack for each): out_ptr[j] = the
-    packed best lane of proposal j (greedy rows: out_ptr[0] only). The lane weights, running sums and masses are
-    computed once; each proposal adds its in-lane pick, its Gumbel score and one block reduction. LANE_STATS:
-    every lane's max z and mass sum exp(z - max) stored at lane_ptr[g] and lane_ptr[n_lanes + g] (the mass-above
-    pass then reads only the lanes that can hold tokens above a proposal)."""
+    packed best lane of proposal j (greedy rows: out_ptr[0] only, with the token). The lane weights, running sums
+    and masses are computed once; each proposal adds its Gumbel score, one block reduction and (unless DEFER) its
+    in-lane pick. DEFER: the packed entry holds the lane's global id instead of the token (`lane_token` draws the
+    token of the winning lane; ties between lanes go to the lowest id, the twin's rule). STATS: the program's mass
+    sum exp(z - its max z) at pmass_ptr (from the lane masses; the rejection finish's row mass), and with HOT every
+    lane's max z at lane_ptr[g] for rows that are top-p alone (`alone`: the mass-above pass then gathers only the
+    lanes above the smallest proposal)."""
     xm = tl.max(x, 1)
     if greedy:
         tl.store(out_ptr, segment_pack(x, lane, pos, start, seg, inv_t, greedy, key, HAS_TAU, LANES, LW, FAST))
@@ -109,17 +122,22 @@ def store_proposals(x, lane, pos, start, seg, inv_t, greedy, key, out_ptr, HAS_T
         cdf = tl.cumsum(w, 1)
         k = tl.arange(0, LW)[None, :]
         s = tl.max(tl.where(k == LW - 1, cdf, float("-inf")), 1)
-        if LANE_STATS:
-            tl.store(lane_ptr + gid, m)
-            tl.store(lane_ptr + n_lanes + gid, s)
+        if STATS:
+            pm = tl.max(m, 0)
+            tl.store(pmass_ptr, tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - pm), 0.0), 0))
+            if HOT:
+                tl.store(lane_ptr + gid, m, mask=(gid == gid) & alone)
         for j in tl.static_range(NP):
             kj = key
             if j > 0:
                 kj = proposal_key_tl(key, tl.full([], j, tl.int32))
-            target = _below(rng.uniform_tl(kj, gid + 1073741824) * s, s)          # U_ID + g
-            kk = tl.sum((cdf <= target[:, None]).to(tl.int32), 1)
-            tl.store(out_ptr + j, pack_lanes(lane_score(m, s, kj, gid, FAST),
-                                             start + tl.minimum(kk, LW - 1) * LANES + lane))
+            if DEFER:
+                tl.store(out_ptr + j, pack_lanes(lane_score(m, s, kj, gid, FAST), gid))
+            else:
+                target = _below(rng.uniform_tl(kj, gid + 1073741824) * s, s)          # U_ID + g
+                kk = tl.sum((cdf <= target[:, None]).to(tl.int32), 1)
+                tl.store(out_ptr + j, pack_lanes(lane_score(m, s, kj, gid, FAST),
+                                                 start + tl.minimum(kk, LW - 1) * LANES + lane))
 
 
 @triton.jit
@@ -135,87 +153,144 @@ def _proposal(packed_ptr, row, n_prog, j, NP: tl.constexpr, NPP: tl.constexpr):
     return best, _unpack(best)
 
 
+@triton.jit
+def lane_token(logits_ptr, row, g, ok, V, inv_t, tau, key, bitmask_ptr, mrow, bitmask_stride, HAS_MASK: tl.constexpr,
+               HAS_TAU: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, FAST: tl.constexpr):
+    """The token the sampling pass's in-lane pick draws in lane g (a global lane id, elementwise over g, ok and
+    key; tau: the row's tau when HAS_TAU) with key `key`: the pass's own operations on the pass's own values (raw
+    logits, or z cut at tau when HAS_TAU), one token column at a time (the max, then the running sum over
+    k = 0 .. LW-1 in the pass's order), so it is the pass's pick bit for bit. Loads: LW tokens per lane (L2)."""
+    base = (g // LANES) * (LANES * LW) + g % LANES                   # the lane's first token
+    t_inv = 1.0
+    t_cut = float("-inf")
+    c = inv_t * 1.4426950408889634                                  # weights 2^(x * c - ref), as the pass
+    if HAS_TAU:
+        t_inv = inv_t
+        t_cut = tau
+        c = 1.4426950408889634
+    xm = tl.where(ok, float("-inf"), float("-inf"))
+    for k in tl.static_range(LW):
+        xm = tl.maximum(xm, _kept_column(logits_ptr, row, base + k * LANES, ok, V, t_inv, t_cut, bitmask_ptr, mrow,
+                                         bitmask_stride, HAS_MASK))
+    m = xm
+    if not HAS_TAU:
+        m = xm * inv_t
+    ref = tl.where(m > float("-inf"), m, 0.0) * 1.4426950408889634
+    s = tl.zeros_like(xm)
+    for k in tl.static_range(LW):
+        s += exp2_w(_kept_column(logits_ptr, row, base + k * LANES, ok, V, t_inv, t_cut, bitmask_ptr, mrow,
+                                 bitmask_stride, HAS_MASK) * c - ref, FAST)
+    target = _below(rng.uniform_tl(key, g + 1073741824) * s, s)               # U_ID + g
+    cdf = tl.zeros_like(xm)
+    kk = tl.zeros_like(g)
+    for k in tl.static_range(LW):
+        cdf += exp2_w(_kept_column(logits_ptr, row, base + k * LANES, ok, V, t_inv, t_cut, bitmask_ptr, mrow,
+                                   bitmask_stride, HAS_MASK) * c - ref, FAST)
+        kk += (cdf <= target).to(kk.dtype)
+    return base + tl.minimum(kk, LW - 1) * LANES
+
 
 @triton.jit
-def _above_kernel(logits_ptr, packed_ptr, pmax_ptr, part_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr,
-                  bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, n_seg, lane_ptr, n_lanes,
+def _tokens_kernel(packed_ptr, tok_ptr, logits_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, keys_ptr, tau_ptr,
+                   bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, done_ptr, DONE: tl.constexpr,
+                   HAS_MASK: tl.constexpr, HAS_TAU: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr,
+                   NPQ: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, FAST: tl.constexpr):
+    """Program (row): tok[row, j] = the token of proposal j (the best packed lane over the row's programs, its
+    token drawn inside it by `lane_token`; greedy rows: the packed argmax), -1 where the best score is -inf (nothing
+    allowed); only proposal 0 for rows that are not top-p alone. Once per row, so the mass-above programs and the
+    finish only load the tokens (each (row, segment) program drawing them itself cost more than the pass saved:
+    session 8 R1, the mass-above pass 19.4 / 72.8 us against 16.6 / 46.3 at B=64 / 256)."""
+    row = tl.program_id(0).to(tl.int64)
+    skip = False
+    if DONE:
+        skip = tl.load(done_ptr + row) != -2
+    if not skip:
+        i = tl.arange(0, NPP)
+        jj = tl.arange(0, NPQ)
+        pk = tl.load(packed_ptr + (row * n_prog + i)[:, None] * NP + jj[None, :],
+                     mask=(i < n_prog)[:, None] & (jj < NP)[None, :], other=MIN_PACKED_C)
+        best = tl.max(pk, 0)
+        toks = _unpack(best)
+        live = (best >> 32) > NEG_INF_KEY_C
+        if tl.load(greedy_ptr + row) == 0:
+            n = tl.where(is_p_alone(row, V, greedy_ptr, top_k_ptr, top_p_ptr), NP, 1)
+            mrow = -1
+            if HAS_MASK:
+                mrow = tl.load(mask_rows_ptr + row)
+            tau = float("-inf")
+            if HAS_TAU:
+                tau = tl.load(tau_ptr + row)
+            key = tl.load(keys_ptr + row).to(tl.uint32)
+            kj = tl.where(jj == 0, key, proposal_key_tl(key, jj))
+            live = live & (jj < n)
+            toks = lane_token(logits_ptr, row, toks, live, V, tl.load(inv_t_ptr + row), tau, kj, bitmask_ptr, mrow,
+                              bitmask_stride, HAS_MASK, HAS_TAU, LANES, LW, FAST)
+        tl.store(tok_ptr + row * NPQ + jj, tl.where(live, toks, -1), mask=jj < NP)
+
+
+@triton.jit
+def _above_sums(z, e, zs, jj, NP: tl.constexpr, NPQ: tl.constexpr):
+    """[NPQ] fp64: entry j the sum of e over the block's tokens with z > zs[j] (j < NP): fp32 inside each lane
+    (dim 1), fp64 across lanes, all proposals in one reduction."""
+    col = tl.arange(0, NPQ)[None, :]
+    acc = tl.zeros([z.shape[0], NPQ], tl.float32)
+    for j in tl.static_range(NP):
+        zj = tl.sum(tl.where(jj == j, zs, 0.0), 0)
+        acc = tl.where(col == j, tl.sum(tl.where(z > zj, e, 0.0), 1)[:, None], acc)
+    return tl.sum(acc.to(tl.float64), 0)
+
+
+@triton.jit
+def _above_kernel(logits_ptr, tok_ptr, pmax_ptr, part_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr,
+                  bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, n_seg, lane_ptr, n_lanes, hot_ptr,
                   HAS_MASK: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr,
-                  VEC: tl.constexpr, FAST: tl.constexpr, SKIP: tl.constexpr, out_ptr=None, keys_ptr=None,
-                  done_ptr=None, cnt_ptr=None, DONE: tl.constexpr = False, FUSE: tl.constexpr = False,
-                  NSP: tl.constexpr = 16, NMAX: tl.constexpr = 8, BLOCK: tl.constexpr = 1024, NPQ: tl.constexpr = 8):
-    """Program (row, segment) of a top-p-alone row: part[row, segment] = (mass of the segment, mass above each
-    proposal), as sum exp(z - m) (m: the row max from the pass's program maxima): fp32 inside a thread's lane
-    (LW terms), fp64 across lanes. SKIP: only the lanes whose max (the pass's lane statistics) exceeds the
-    smallest proposal's z are read (the others hold no token above any proposal), and the segment's mass comes
-    from the lane masses. Other rows return at once. FUSE: the finish too, in one launch: the row's last program
-    (a count per row; acq_rel, after a barrier: every part is visible to it) computes its token (`_row_token`)
-    and resets the count; rows that are not top-p alone get theirs from their segment 0 program."""
+                  VEC: tl.constexpr, FAST: tl.constexpr, NPQ: tl.constexpr = 8, HOT: tl.constexpr = False,
+                  HOTCAP: tl.constexpr = 32):
+    """Program (row, segment) of a top-p-alone row: part[row, segment, j] = the mass above proposal j, as sum
+    exp(z - m) (m: the row max from the pass's program maxima): fp32 inside a lane (LW terms), fp64 across lanes
+    (`_above_sums`). The proposals' tokens (`_tokens_kernel`) and z in one load each. HOT: only the lanes whose
+    max (stored by the pass) exceeds the smallest proposal's z can hold a token above a proposal; when at most
+    HOTCAP of the segment's lanes do, only those are gathered (a lane list through a small scratch), else the
+    whole segment is read. Other rows return at once."""
     row = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
-    alone = is_p_alone(row, V, greedy_ptr, top_k_ptr, top_p_ptr)
-    if alone:
+    if is_p_alone(row, V, greedy_ptr, top_k_ptr, top_p_ptr):
         i = tl.arange(0, NPP)
         m = tl.max(tl.load(pmax_ptr + row * n_prog + i, mask=i < n_prog, other=float("-inf")), 0)
         if m > float("-inf"):
             start = seg * (LANES * LW)
             inv_t = tl.load(inv_t_ptr + row)
-            o = (row * n_seg + seg) * (NP + 1)
-            if SKIP:
+            o = (row * n_seg + seg) * NP
+            jj = tl.arange(0, NPQ)
+            toks = tl.load(tok_ptr + row * NPQ + jj, mask=jj < NP, other=0)
+            zs = tl.load(logits_ptr + row * V + toks, mask=jj < NP, other=0.0).to(tl.float32) * inv_t
+            n_hot = HOTCAP + 1
+            if HOT:
                 lane = tl.arange(0, LANES)
-                lok = lane < V - start
-                lm = tl.load(lane_ptr + row * 2 * n_lanes + seg * LANES + lane, mask=lok, other=float("-inf"))
-                lmass = tl.load(lane_ptr + (row * 2 + 1) * n_lanes + seg * LANES + lane, mask=lok, other=0.0)
-                live = lm > float("-inf")
-                tl.store(part_ptr + o, tl.sum(tl.where(live, lmass * tl.exp(lm - m), 0.0).to(tl.float64), 0))
-                zmin = float("inf")
-                for j in tl.static_range(NP):
-                    _, tok = _proposal(packed_ptr, row, n_prog, j, NP, NPP)
-                    zmin = tl.minimum(zmin, tl.load(logits_ptr + row * V + tok).to(tl.float32) * inv_t)
-                pos = lane[:, None] + tl.arange(0, LW)[None, :] * LANES
-                ok = (lm > zmin)[:, None] & (pos < V - start)
-                x = tl.load(logits_ptr + row * V + start + pos, mask=ok, other=float("-inf")).to(tl.float32)
-                if HAS_MASK:
-                    mrow = tl.load(mask_rows_ptr + row)
-                    w = tl.load(bitmask_ptr + mrow * bitmask_stride + (start + pos) // 32, mask=ok & (mrow >= 0),
-                                other=-1)
-                    x = tl.where(((w >> ((start + pos) % 32)) & 1) != 0, x, float("-inf"))
-                z = x * inv_t
-            else:
+                lm = tl.load(lane_ptr + row * n_lanes + seg * LANES + lane)
+                hot = lm > tl.min(tl.where(jj < NP, zs, float("inf")), 0)
+                n_hot = tl.sum(hot.to(tl.int32), 0)
+                if n_hot <= HOTCAP:
+                    hp = hot_ptr + (row * n_seg + seg) * HOTCAP
+                    tl.store(hp + tl.cumsum(hot.to(tl.int32), 0) - 1, lane, mask=hot)
+                    tl.debug_barrier()                              # the lane list's stores before its loads
+                    h = tl.arange(0, HOTCAP)
+                    hl = tl.load(hp + h, mask=h < n_hot, other=0)
+                    t = start + hl[:, None] + tl.arange(0, LW)[None, :] * LANES
+                    ok = (h < n_hot)[:, None] & (t < V)
+                    x = tl.load(logits_ptr + row * V + t, mask=ok, other=float("-inf")).to(tl.float32)
+                    if HAS_MASK:
+                        mrow = tl.load(mask_rows_ptr + row)
+                        w = tl.load(bitmask_ptr + mrow * bitmask_stride + t // 32, mask=ok & (mrow >= 0), other=-1)
+                        x = tl.where(((w >> (t % 32)) & 1) != 0, x, float("-inf"))
+                    zh = x * inv_t
+                    eh = tl.where(zh > float("-inf"), tl.exp(zh - m), 0.0)
+                    tl.store(part_ptr + o + jj, _above_sums(zh, eh, zs, jj, NP, NPQ), mask=jj < NP)
+            if n_hot > HOTCAP:
                 z, pos = row_block_z(logits_ptr, bitmask_ptr, mask_rows_ptr, inv_t_ptr, row, start, V,
                                      bitmask_stride, HAS_MASK, LANES, LW, LANES, 0, VEC, FAST)
-            e = tl.where(z > float("-inf"), tl.exp(z - m), 0.0)
-            if SKIP:
-                for j in tl.static_range(NP):
-                    _, tok = _proposal(packed_ptr, row, n_prog, j, NP, NPP)
-                    zj = tl.load(logits_ptr + row * V + tok).to(tl.float32) * inv_t
-                    tl.store(part_ptr + o + 1 + j, tl.sum(tl.sum(tl.where(z > zj, e, 0.0), 1).to(tl.float64), 0))
-            else:
-                # every proposal's token in one reduction, their z in one load, and the segment's mass with the
-                # masses above them in one fp64 reduction across lanes (a chain of block reductions made the pass
-                # latency-bound: R2, ~23 us at B=64 for one read of the row)
-                jj = tl.arange(0, NPQ)
-                pk = tl.load(packed_ptr + (row * n_prog + i)[:, None] * NP + jj[None, :],
-                             mask=(i < n_prog)[:, None] & (jj < NP)[None, :], other=MIN_PACKED_C)
-                toks = _unpack(tl.max(pk, 0))
-                zs = tl.load(logits_ptr + row * V + toks, mask=jj < NP, other=0.0).to(tl.float32) * inv_t
-                col = tl.arange(0, NPQ)[None, :]
-                acc = tl.where(col == 0, tl.sum(e, 1)[:, None], 0.0)
-                for j in tl.static_range(NP):
-                    zj = tl.sum(tl.where(jj == j, zs, 0.0), 0)
-                    acc = tl.where(col == j + 1, tl.sum(tl.where(z > zj, e, 0.0), 1)[:, None], acc)
-                tl.store(part_ptr + o + jj, tl.sum(acc.to(tl.float64), 0), mask=jj <= NP)
-    if FUSE:
-        last = seg == 0
-        if alone:
-            tl.debug_barrier()                                     # every thread's part stores before the count
-            last = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel") == n_seg - 1
-        if last:
-            if alone:
-                tl.store(cnt_ptr + row, 0)
-            tl.store(out_ptr + row, _row_token(logits_ptr, packed_ptr, pmax_ptr, part_ptr, row, inv_t_ptr, greedy_ptr,
-                                               top_k_ptr, top_p_ptr, keys_ptr, bitmask_ptr, mask_rows_ptr,
-                                               bitmask_stride, V, n_prog, n_seg, done_ptr, DONE, HAS_MASK, NP, NPP,
-                                               NSP, NMAX, LANES, LW, BLOCK, FAST, min(LANES, 64)))
+                e = tl.where(z > float("-inf"), tl.exp(z - m), 0.0)
+                tl.store(part_ptr + o + jj, _above_sums(z, e, zs, jj, NP, NPQ), mask=jj < NP)
 
 
 @triton.jit
@@ -270,14 +345,16 @@ def rest_of_rule(logits_ptr, row, V, inv_t, top_p, key, m, lim, tau, bitmask_ptr
 
 
 @triton.jit
-def _row_token(logits_ptr, packed_ptr, pmax_ptr, part_ptr, row, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, keys_ptr,
+def _row_token(logits_ptr, tok_ptr, pmax_ptr, pmass_ptr, part_ptr, row, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, keys_ptr,
                bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, n_seg, done_ptr, DONE: tl.constexpr,
-               HAS_MASK: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr, NSP: tl.constexpr, NMAX: tl.constexpr,
-               LANES: tl.constexpr, LW: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, RPL: tl.constexpr):
+               HAS_MASK: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr, NPQ: tl.constexpr, NSP: tl.constexpr,
+               NMAX: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr,
+               RPL: tl.constexpr):
     """A row's token. Rows the top-k merge drew (DONE, done != -2) keep it; top-p-alone rows take their first
-    proposal whose mass above is < p * s (sums of `_above_kernel`'s fp64 parts, loaded past L1: other programs
-    of this launch may have written them), or the rest of the rule (`rest_of_rule`); other rows take proposal 0
-    (the plain draw, or the draw restricted by tau). -1: nothing allowed."""
+    proposal whose mass above is < p * s (s: the pass's program masses, rescaled to the row max and summed in
+    fp64; the masses above: sums of `_above_kernel`'s fp64 parts), or the rest of the rule
+    (`rest_of_rule`); other rows proposal 0 (the plain draw, the draw restricted by tau, or the greedy argmax).
+    Proposals' tokens from `_tokens_kernel`. -1: nothing allowed."""
     tok = tl.full([], -2, tl.int64)
     if DONE:
         tok = tl.load(done_ptr + row)
@@ -288,13 +365,18 @@ def _row_token(logits_ptr, packed_ptr, pmax_ptr, part_ptr, row, inv_t_ptr, greed
             tok = tl.full([], -1, tl.int64)
             if m > float("-inf"):
                 c = tl.arange(0, NSP)
-                base = part_ptr + (row * n_seg + c) * (NP + 1)
+                base = part_ptr + (row * n_seg + c) * NP
                 top_p = tl.load(top_p_ptr + row)
-                lim = top_p.to(tl.float64) * tl.sum(tl.load(base, mask=c < n_seg, other=0.0, cache_modifier=".cg"), 0)
+                pmx = tl.load(pmax_ptr + row * n_prog + i, mask=i < n_prog, other=float("-inf"))
+                pms = tl.load(pmass_ptr + row * n_prog + i, mask=i < n_prog, other=0.0)
+                s_row = tl.sum(tl.where(pmx > float("-inf"), pms * tl.exp(pmx - m), 0.0).to(tl.float64), 0)
+                lim = top_p.to(tl.float64) * s_row
                 tok = tl.full([], -2, tl.int64)
+                jj = tl.arange(0, NPQ)
+                toks = tl.load(tok_ptr + row * NPQ + jj, mask=jj < NP, other=-1)
                 for j in tl.static_range(NP):
-                    _, t = _proposal(packed_ptr, row, n_prog, j, NP, NPP)
-                    above = tl.sum(tl.load(base + 1 + j, mask=c < n_seg, other=0.0, cache_modifier=".cg"), 0)
+                    above = tl.sum(tl.load(base + j, mask=c < n_seg, other=0.0), 0)
+                    t = tl.sum(tl.where(jj == j, toks, 0), 0)
                     tok = tl.where((tok == -2) & (above < lim), t, tok)
                 if tok == -2:
                     mrow = -1
@@ -304,71 +386,61 @@ def _row_token(logits_ptr, packed_ptr, pmax_ptr, part_ptr, row, inv_t_ptr, greed
                                        tl.load(keys_ptr + row).to(tl.uint32), m, lim, m, bitmask_ptr, mrow,
                                        bitmask_stride, HAS_MASK, NP, NMAX, LANES, LW, BLOCK, FAST, False, RPL)
         else:
-            best, t = _proposal(packed_ptr, row, n_prog, 0, NP, NPP)
-            tok = tl.where((best >> 32) > NEG_INF_KEY_C, t, -1)
+            tok = tl.load(tok_ptr + row * NPQ)
     return tok
 
 
 @triton.jit
-def _reject_finish_kernel(logits_ptr, packed_ptr, pmax_ptr, part_ptr, out_ptr, inv_t_ptr, greedy_ptr, top_k_ptr,
+def _reject_finish_kernel(logits_ptr, tok_ptr, pmax_ptr, pmass_ptr, part_ptr, out_ptr, inv_t_ptr, greedy_ptr, top_k_ptr,
                           top_p_ptr, keys_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, n_seg,
                           done_ptr, DONE: tl.constexpr, HAS_MASK: tl.constexpr, NP: tl.constexpr,
-                          NPP: tl.constexpr, NSP: tl.constexpr, NMAX: tl.constexpr, LANES: tl.constexpr,
-                          LW: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):
+                          NPP: tl.constexpr, NPQ: tl.constexpr, NSP: tl.constexpr, NMAX: tl.constexpr,
+                          LANES: tl.constexpr, LW: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):
     """Program (row): the row's token (`_row_token`)."""
     row = tl.program_id(0).to(tl.int64)
-    tl.store(out_ptr + row, _row_token(logits_ptr, packed_ptr, pmax_ptr, part_ptr, row, inv_t_ptr, greedy_ptr,
+    tl.store(out_ptr + row, _row_token(logits_ptr, tok_ptr, pmax_ptr, pmass_ptr, part_ptr, row, inv_t_ptr, greedy_ptr,
                                        top_k_ptr, top_p_ptr, keys_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V,
-                                       n_prog, n_seg, done_ptr, DONE, HAS_MASK, NP, NPP, NSP, NMAX, LANES, LW, BLOCK,
-                                       FAST, min(LANES, 128)))
+                                       n_prog, n_seg, done_ptr, DONE, HAS_MASK, NP, NPP, NPQ, NSP, NMAX, LANES, LW,
+                                       BLOCK, FAST, min(LANES, 128)))
 
 
-def reject_finish(logits, params, bitmask, mrows, packed, pmax, drawn, seg: int, lanes: int, np_: int,
-                  interpreting: bool, lane_stats=None) -> torch.Tensor:
-    """The tokens [R] int64 after a sampling pass with np_ proposals per program (packed [R, n_prog, np_], pmax
-    [R, n_prog]): the mass-above pass over the top-p-alone rows, then the per-row finish. drawn: the top-k merge's
-    tokens (-2: none) or None. lane_stats: [R, 2, n_lanes] lane maxima and masses from the pass (the mass-above
-    pass then skips the lanes below every proposal), or None."""
+def reject_finish(logits, params, bitmask, mrows, packed, pmax, pmass, lane_max, drawn, seg: int, lanes: int,
+                  np_: int, interpreting: bool, tau=None) -> torch.Tensor:
+    """The tokens [R] int64 after a sampling pass with np_ proposals per program that stored lanes (DEFER; packed
+    [R, n_prog, np_], pmax and pmass [R, n_prog], lane_max [R, lanes of the row] or None without HOT_LANES): the
+    proposals' tokens per row, the mass-above pass over the top-p-alone rows, then the per-row finish. drawn: the top-k merge's tokens (-2: none) or None. tau: the rows' tau [R] when
+    the pass cut at it (None: no row filtered)."""
     R, V = logits.shape
     n_prog = packed.shape[1]
     n_seg = triton.cdiv(V, seg)
-    part = torch.empty((R, n_seg, np_ + 1), dtype=torch.float64, device=logits.device)
+    dev = logits.device
+    part = torch.empty((R, n_seg, np_), dtype=torch.float64, device=dev)
+    npq = triton.next_power_of_2(np_ + 1)
+    toks = torch.empty((R, npq), dtype=torch.int64, device=dev)
     has_mask = bitmask is not None
     bm = bitmask if has_mask else logits
     mr = mrows if has_mask else packed
     stride = bitmask.stride(0) if has_mask else 0
     warps = max(1, min(ABOVE_WARPS, lanes // 32))
     npp = max(16, triton.next_power_of_2(n_prog))
-    nsp = max(16, triton.next_power_of_2(n_seg))
-    out = empty((R,), torch.int64, logits.device)
+    out = empty((R,), torch.int64, dev)
     if STAGES < 1:
         return out
-    common = dict(HAS_MASK=has_mask, NP=np_, NPP=npp, LANES=lanes, LW=seg // lanes, FAST=not interpreting,
-                  DONE=drawn is not None, NSP=nsp, NMAX=NMAX, BLOCK=min(1024, triton.next_power_of_2(V)))
-    above = dict(NPQ=triton.next_power_of_2(np_ + 1))
-    fuse = FUSE_FINISH
-    cnt = counts_workspace(R, logits.device) if fuse else None
-    _above_kernel[(R, n_seg)](logits, packed, pmax, part, params.inv_temperature, params.greedy, params.top_k,
-                              params.top_p, bm, mr, stride, V, n_prog, n_seg,
-                              lane_stats if lane_stats is not None else pmax,
-                              lane_stats.shape[2] if lane_stats is not None else 0, VEC=max(1, lanes // (32 * warps)),
-                              SKIP=lane_stats is not None, out_ptr=out, keys_ptr=params.keys, done_ptr=drawn,
-                              cnt_ptr=cnt, FUSE=fuse, num_warps=warps, **common, **above)
-    if fuse or STAGES < 2:
+    flags = dict(HAS_MASK=has_mask, NP=np_, NPP=npp, NPQ=npq, LANES=lanes, LW=seg // lanes, FAST=not interpreting)
+    _tokens_kernel[(R,)](packed, toks, logits, params.inv_temperature, params.greedy, params.top_k, params.top_p,
+                         params.keys, tau if tau is not None else pmax, bm, mr, stride, V, n_prog, drawn,
+                         DONE=drawn is not None, HAS_TAU=tau is not None, num_warps=1, **flags)
+    hot = lane_max is not None
+    hotcap = min(HOTCAP, lanes)
+    hot_buf = torch.empty((R, n_seg, hotcap) if hot else (1,), dtype=torch.int32, device=dev)
+    _above_kernel[(R, n_seg)](logits, toks, pmax, part, params.inv_temperature, params.greedy, params.top_k,
+                              params.top_p, bm, mr, stride, V, n_prog, n_seg, lane_max if hot else pmax,
+                              lane_max.shape[1] if hot else 0, hot_buf, VEC=max(1, lanes // (32 * warps)), HOT=hot,
+                              HOTCAP=hotcap, num_warps=warps, **flags)
+    if STAGES < 2:
         return out
-    _reject_finish_kernel[(R,)](logits, packed, pmax, part, out, params.inv_temperature, params.greedy, params.top_k,
+    _reject_finish_kernel[(R,)](logits, toks, pmax, pmass, part, out, params.inv_temperature, params.greedy, params.top_k,
                                 params.top_p, params.keys, bm, mr, stride, V, n_prog, n_seg, drawn,
-                                num_warps=FINISH_WARPS, **common)
+                                DONE=drawn is not None, NSP=max(16, triton.next_power_of_2(n_seg)), NMAX=NMAX,
+                                BLOCK=min(1024, triton.next_power_of_2(V)), num_warps=FINISH_WARPS, **flags)
     return out
-
-
-_COUNTS = {}
-
-
-def counts_workspace(rows: int, device) -> torch.Tensor:
-    """int32 [>= rows] zeros kept per device; every fused launch leaves it at zero (its last programs reset their
-    row's count), so no call pays a reset launch. One stream at a time."""
-    key = str(device)
-    if key not in _COUNTS or _COUNTS[key].numel() < rows:
-        _COUNTS[key] = torch.zeros(max(rows, 256), dtype=torch.int32, device=device)
-    return _COUNTS[key]

@@ -56,10 +56,10 @@ rows by the histogram path (histogram pass, selection, candidate compaction, tau
 some row may filter, and the lane path only when some row takes it: decided on the host when top_k/top_p come
 from the host (sample_from_logits does this: `host_flags`), otherwise assumed.
 MASK_FIRST (masked rows, one lane per thread): the mask words load first and only allowed tokens' logits are
-read, so a grammar mask that bans whole ranges skips their bytes; "adaptive": each program decides from its
-block's mask words (a uniform branch), so dense masks keep the plain load.
-ONE_LAUNCH: the pass also finishes (an integer atomic max per row into a self-cleaning workspace, the row's last
-program writes the token): one launch instead of two.
+read, so a grammar mask that bans whole ranges skips their bytes. Deleted after session 7's R3 (B=64, us): an
+"adaptive" mask mode (each program picking dense or mask-first from its block's words) ran 17.1 against 14.5 on
+random masks and 13.6 against 14.5 on grammar-like 2% masks (where MASK_FIRST itself ran 11.4); a one-launch
+pass (an atomic max per row, the row's last program writing the token) ran 13.2 against 11.7 for two launches.
 Measured on an H200: see benchmarks/kernels_sampling.py (its docstring holds the latest table).
 """
 from dataclasses import dataclass
@@ -70,7 +70,7 @@ import triton.language as tl
 
 from . import rejection, rng, threshold
 from .backend import INTERPRETING, check, empty, use_triton
-from .rejection import p_alone_rows, proposal_keys, store_proposals
+from .rejection import is_p_alone, p_alone_rows, proposal_keys, store_proposals
 from .threshold import (_below, _ordered, exp2_w, lane_block, lane_pick, lane_score, needs_histogram_path,
                         needs_lane_path, pack_lanes, segment_pack, thresholds_and_paths, thresholds_triton)
 
@@ -303,26 +303,20 @@ def segment_block(logits_ptr, tau_ptr, bitmask_ptr, row, seg, inv_t, mrow, bitma
 def _segment_body(logits_ptr, packed_ptr, tau_ptr, row, prog, n_prog, inv_t, greedy, key, bitmask_ptr, mrow,
                   bitmask_stride, V, HAS_MASK: tl.constexpr, HAS_TAU: tl.constexpr, FULL: tl.constexpr,
                   LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr, VEC: tl.constexpr, FAST: tl.constexpr,
-                  MASK_FIRST: tl.constexpr, NP: tl.constexpr, REJECT: tl.constexpr, pmax_ptr, ONE: tl.constexpr,
-                  ws_ptr, cnt_ptr, out_ptr, lane_ptr, n_lanes, LANE_STATS: tl.constexpr):
+                  MASK_FIRST: tl.constexpr, NP: tl.constexpr, REJECT: tl.constexpr, pmax_ptr, DEFER: tl.constexpr,
+                  pmass_ptr, lane_ptr, n_lanes, alone, HOT: tl.constexpr):
     seg = prog // (LANES // PL)
     start, lane, pos, x = segment_block(logits_ptr, tau_ptr, bitmask_ptr, row, seg, inv_t, mrow, bitmask_stride, V,
                                        HAS_MASK, HAS_TAU, FULL, LANES, LW, PL, prog % (LANES // PL), VEC, FAST,
                                        MASK_FIRST)
     if not REJECT:
         packed = segment_pack(x, lane, pos, start, seg, inv_t, greedy, key, HAS_TAU, LANES, LW, FAST)
-        if ONE:
-            _one_launch_finish(packed, row, n_prog, ws_ptr, cnt_ptr, out_ptr)
-        else:
-            tl.store(packed_ptr + row * n_prog + prog, packed)
+        tl.store(packed_ptr + row * n_prog + prog, packed)
     else:
         # top-p-alone rows by rejection (kernels/rejection.py): NP proposals, and the program's max z for the row max
         o = row * n_prog + prog
-        lp = pmax_ptr
-        if LANE_STATS:
-            lp = lane_ptr + row * 2 * n_lanes
         store_proposals(x, lane, pos, start, seg, inv_t, greedy, key, packed_ptr + o * NP, HAS_TAU, LANES, LW, FAST,
-                        NP, lp, n_lanes, LANE_STATS)
+                        NP, DEFER, pmass_ptr + o, lane_ptr + row * n_lanes, alone, True, HOT)
         xmax = tl.max(tl.max(x, 1), 0)
         if not HAS_TAU:
             xmax = xmax * inv_t
@@ -335,8 +329,8 @@ def _segment_kernel(logits_ptr, packed_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys
                     HAS_TAU: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr,
                     VEC: tl.constexpr, FAST: tl.constexpr, done_ptr=None, DONE: tl.constexpr = False,
                     MASK_FIRST: tl.constexpr = False, NP: tl.constexpr = 1, REJECT: tl.constexpr = False,
-                    pmax_ptr=None, ONE: tl.constexpr = False, ws_ptr=None, cnt_ptr=None, out_ptr=None,
-                    lane_ptr=None, n_lanes=0, LANE_STATS: tl.constexpr = False):
+                    pmax_ptr=None, DEFER: tl.constexpr = False, pmass_ptr=None, lane_ptr=None, n_lanes=0,
+                    top_k_ptr=None, top_p_ptr=None, HOT: tl.constexpr = False):
     """Program (row, part): PL lanes of one segment (LANES // PL parts per segment) as [PL, LW] in registers (lane
     l: tokens start + k * LANES + l, held by one thread). Every lane computes in-thread its max, weights, running
     sum and inverse-CDF candidate, then its score M_g + ln S_g + G_g (greedy rows: max z and its first id); one
@@ -349,9 +343,6 @@ def _segment_kernel(logits_ptr, packed_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys
     if DONE:
         drawn = tl.load(done_ptr + row)
         if drawn != -2:
-            if ONE:
-                if prog == 0:
-                    tl.store(out_ptr + row, drawn)
             return
     inv_t = tl.load(inv_t_ptr + row)
     greedy = tl.load(greedy_ptr + row) != 0
@@ -359,28 +350,17 @@ def _segment_kernel(logits_ptr, packed_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys
     mrow = -1
     if HAS_MASK:
         mrow = tl.load(mask_rows_ptr + row)
+    alone = False
+    if HOT:
+        alone = is_p_alone(row, V, greedy_ptr, top_k_ptr, top_p_ptr)
     if (prog // (LANES // PL) + 1) * (LANES * LW) <= V:
         _segment_body(logits_ptr, packed_ptr, tau_ptr, row, prog, n_prog, inv_t, greedy, key, bitmask_ptr, mrow,
                       bitmask_stride, V, HAS_MASK, HAS_TAU, True, LANES, LW, PL, VEC, FAST, MASK_FIRST, NP, REJECT,
-                      pmax_ptr, ONE, ws_ptr, cnt_ptr, out_ptr, lane_ptr, n_lanes, LANE_STATS)
+                      pmax_ptr, DEFER, pmass_ptr, lane_ptr, n_lanes, alone, HOT)
     else:
         _segment_body(logits_ptr, packed_ptr, tau_ptr, row, prog, n_prog, inv_t, greedy, key, bitmask_ptr, mrow,
                       bitmask_stride, V, HAS_MASK, HAS_TAU, False, LANES, LW, PL, VEC, FAST, MASK_FIRST, NP,
-                      REJECT, pmax_ptr, ONE, ws_ptr, cnt_ptr, out_ptr, lane_ptr,
-                      n_lanes, LANE_STATS)
-
-
-@triton.jit
-def _one_launch_finish(packed, row, n_prog, ws_ptr, cnt_ptr, out_ptr):
-    """One launch instead of pass + finish: every program folds its packed best into the row's word by an integer
-    atomic max, then counts itself done (acq_rel: the max is visible before the count); the row's last program
-    swaps the word back to the lowest value, resets the count (the workspace is clean for the next call) and
-    writes the token."""
-    tl.atomic_max(ws_ptr + row, packed, sem="relaxed")
-    if tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel") == n_prog - 1:
-        best = tl.atomic_xchg(ws_ptr + row, -9223372036854775807, sem="relaxed")
-        tl.store(cnt_ptr + row, 0)
-        tl.store(out_ptr + row, tl.where((best >> 32) > NEG_INF_KEY_T, 4294967295 - (best & 4294967295), -1))
+                      REJECT, pmax_ptr, DEFER, pmass_ptr, lane_ptr, n_lanes, alone, HOT)
 
 
 @triton.jit
@@ -407,14 +387,14 @@ def _finish_kernel(packed_ptr, out_ptr, n_chunks, NEG_INF_KEY, BLOCK: tl.constex
 
 
 NEG_INF_KEY = threshold.NEG_INF_KEY
-NEG_INF_KEY_T = threshold.NEG_INF_KEY_C
 _WORKSPACES = {}
 
 
 def one_launch_workspace(rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(words int64, counts int32) of at least `rows` entries for the one-launch pass, kept per device and left
-    clean by every pass (words at the lowest value, counts 0), so no call pays a reset launch. One stream at a
-    time: two passes running concurrently on other streams would share it."""
+    """(words int64, counts int32) of at least `rows` entries for a one-launch finish (kernels/speculative.py's
+    residual pass), kept per device and left clean by every launch (words at the lowest value, counts 0), so no
+    call pays a reset launch. One stream at a time: two launches running concurrently on other streams would
+    share it."""
     key = str(device)
     ws = _WORKSPACES.get(key)
     if ws is None or ws[0].numel() < rows:
@@ -462,7 +442,6 @@ SMALL_SHAPE = (128, 2)
 MASKED_SHAPE = (128, 4)         # masked rows from 128 rows (below: MASKED_SMALL_SHAPE)
 MASKED_SMALL_SHAPE = (64, 2)
 MASK_FIRST = False              # masked rows: mask words first, then only allowed tokens' logits (one lane/thread)
-ONE_LAUNCH = False              # plain rows: one launch (atomic max per row, the last program writes the token)
 P_REJECT = True                 # top-p-alone rows by rejection (kernels/rejection.py); False: tau first (session 6)
 SPEC_SHAPE = (256, 2)           # the speculative statistics / residual passes: 50.5 us vs 55.1 at 256x8 (R1)
 
@@ -482,7 +461,7 @@ def pass_shape(lanes: int, shape=None, masked: bool = False, rows: int = 0) -> t
 def sample_triton(logits, params: RowParams, bitmask=None, mask_rows=None, seg: int = SEG, lanes: int = LANES,
                   filters: bool | None = None, histogram: bool | None = None, draw: bool = True, shape=None,
                   lane_only: bool = False, lane_rows: bool | None = None, mask_first: bool | None = None,
-                  reject: bool | None = None, proposals: int | None = None, one_launch: bool | None = None):
+                  reject: bool | None = None, proposals: int | None = None):
     """Two launches (+ the threshold launches when rows may filter: kernels/threshold.py): the pass, one program
     per (row, PL lanes of a segment), then a per-row finish. seg, lanes: segment size and lanes per segment
     (powers of two, lanes a multiple of 32 when a bitmask is given; other values than SEG, LANES draw other tokens
@@ -526,37 +505,25 @@ def sample_triton(logits, params: RowParams, bitmask=None, mask_rows=None, seg: 
         tau = logits
     pl, warps, vec = pass_shape(lanes, shape, has_mask, R)
     n_prog = triton.cdiv(V, seg) * (lanes // pl)
-    one = not rejecting and (ONE_LAUNCH if one_launch is None else one_launch)
-    packed = empty((R, 1 if one else n_prog, np_), torch.int64, logits.device)
+    packed = empty((R, n_prog, np_), torch.int64, logits.device)
     pmax = torch.empty((R, n_prog), dtype=torch.float32, device=logits.device) if rejecting else None
-    ws = one_launch_workspace(R, logits.device) if one else (None, None)
+    pmass = torch.empty_like(pmax) if rejecting else None
     n_l = triton.cdiv(V, seg) * lanes
-    stats = torch.empty((R, 2, n_l), dtype=torch.float32, device=logits.device) if rejecting and rejection.LANE_SKIP \
-        else None
-    out = empty((R,), torch.int64, logits.device) if one else None
+    lane_max = torch.empty((R, n_l), dtype=torch.float32, device=logits.device) if rejecting and \
+        rejection.HOT_LANES else None
     _segment_kernel[(R, n_prog)](
         logits, packed, params.inv_temperature, params.greedy, tau, params.keys,
         bitmask if has_mask else logits, mrows if has_mask else packed, bitmask.stride(0) if has_mask else 0,
         V, n_prog, HAS_MASK=has_mask, HAS_TAU=has_tau, LANES=lanes, LW=seg // lanes, PL=pl, VEC=vec,
         FAST=not INTERPRETING, done_ptr=drawn, DONE=drawn is not None,
-        MASK_FIRST=mask_mode(has_mask, vec, pl, MASK_FIRST if mask_first is None else mask_first), NP=np_,
-        REJECT=rejecting, pmax_ptr=pmax, ONE=one, ws_ptr=ws[0], cnt_ptr=ws[1], out_ptr=out, lane_ptr=stats,
-        n_lanes=n_l, LANE_STATS=stats is not None, num_warps=warps)
-    if one:
-        return out
+        MASK_FIRST=has_mask and vec == 1 and bool(MASK_FIRST if mask_first is None else mask_first), NP=np_,
+        REJECT=rejecting, pmax_ptr=pmax, DEFER=rejecting, pmass_ptr=pmass,
+        lane_ptr=lane_max if lane_max is not None else pmax, n_lanes=n_l,
+        top_k_ptr=params.top_k, top_p_ptr=params.top_p, HOT=lane_max is not None, num_warps=warps)
     if rejecting:
-        return rejection.reject_finish(logits, params, bitmask, mrows, packed, pmax, drawn, seg, lanes, np_,
-                                       INTERPRETING, stats)
+        return rejection.reject_finish(logits, params, bitmask, mrows, packed, pmax, pmass, lane_max, drawn, seg,
+                                       lanes, np_, INTERPRETING, tau if has_tau else None)
     return finish_packed(packed.view(R, n_prog), drawn)
-
-
-def mask_mode(has_mask: bool, vec: int, pl: int, mask_first) -> int:
-    """The pass's MASK_FIRST constexpr: 0 mask words beside the logits (dense), 1 mask words first and only the
-    allowed tokens' logits read (sparse), 2 each program picks one of the two from its block's mask words
-    ("adaptive"). The sparse path needs one lane per thread, the adaptive one also whole words per block."""
-    if not has_mask or vec != 1 or not mask_first:
-        return 0
-    return 2 if mask_first == "adaptive" and pl >= 32 else 1
 
 
 def threshold_view(params: RowParams, V: int) -> RowParams:

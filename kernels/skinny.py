@@ -7,14 +7,17 @@ fp32 accumulation, result in x's dtype [T, G*N]. `glu` = (w_up [N, K], limit), G
 clamp(x w_up^T, -L, L), each product rounded to x's dtype first as separate launches store them: a shared
 expert's front half (w1, w3, two clamps, silu, the product: 6 launches) in one.
 
-Measured (session 7, R2, H200, mid-size V4.1 shapes, CUDA graphs, cold weights; us at 8 / 64 rows, GEMM library in
-brackets): wo_b 2048 x 2048 6.7 / 7.3 (6.5 / 6.6), stacked wq_a + wkv 1280 x 2048 6.6 / 7.1 (6.7 / 6.5), shared w2
-4.9 / 5.0 (5.2 / 5.3): the same as the library, both ~5 us over the bytes (the walk over K is a chain of dependent
-loads; a split over K is the next thing to try). Variants measured and dropped: RoPE of the input inside the
+Split-K (`launch_config`'s SPLIT, `product_tile`): where the output tiles would not fill the GPU, K is cut into
+slices, one program each, and the tile's last program to finish adds the slices' fp32 sums in slice order
+(deterministic). Without it (session 7, R2, H200, mid-size V4.1 shapes, CUDA graphs, cold weights; us at 8 / 64
+rows, GEMM library in brackets): wo_b 2048 x 2048 6.7 / 7.3 (6.5 / 6.6), stacked wq_a + wkv 1280 x 2048 6.6 / 7.1
+(6.7 / 6.5), shared w2 4.9 / 5.0 (5.2 / 5.3): the same as the library, both ~5 us over the bytes (the walk over K
+a chain of dependent loads). Variants measured and dropped: RoPE of the input inside the
 product (attention output + `wo_a`: 35 / 129 us against 14 / 15 for rope + bmm + copy) and RMSNorm + RoPE of the
 output (q_norm + `wq_b` + rope: 23 / 31 us against 13 / 14): the rotation's extra loads and the per-program
 prologue cost more than the launches they saved.
-Cost: G*N*K weight elements read once per BM rows (T <= BM: once), x read G*N/BN times, T*G*N written.
+Cost: G*N*K weight elements read once per BM rows (T <= BM: once), x read G*N/BN times, T*G*N written (split-K:
+plus SPLIT fp32 partial tiles written and read back).
 """
 from __future__ import annotations
 
@@ -40,11 +43,18 @@ def skinny_linear_torch(x: torch.Tensor, w: torch.Tensor, groups: int = 1, glu: 
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, out_ptr, w3_ptr, limit, T, N, K, x_stride, GLU: tl.constexpr,
-                   UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def product_tile(x_ptr, w_ptr, w3_ptr, part_ptr, ticket_ptr, T, N, K, x_stride, k_split, GLU: tl.constexpr,
+                 UPCAST: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """This program's output tile of x [T, G*K] times w [G*N, K]^T (grid: N tiles, G, row tiles * SPLIT) in fp32,
+    [and of the up product with w3]. Split-K (SPLIT > 1): each program sums its slice of K into the workspace
+    part [2 * SPLIT, T, G*N] fp32; the tile's last program to finish (a ticket per tile, self-resetting) adds the
+    slices in slice order, so the sums do not depend on which program was last.
+    -> (acc, up, last: whether this program holds the finished tile, rows, cols, mask)."""
     pn = tl.program_id(0)
     g = tl.program_id(1)
-    pm = tl.program_id(2)
+    pm = tl.program_id(2) // SPLIT
+    ps = tl.program_id(2) % SPLIT        # this program's slice of K: [ps * k_split, (ps + 1) * k_split)
+    NT = N * tl.num_programs(1)          # out's row length
     rows = pm * BM + tl.arange(0, BM)
     cols = pn * BN + tl.arange(0, BN)
     rok = rows < T
@@ -53,7 +63,7 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, w3_ptr, limit, T, N, K, x_stride, GLU:
     wrow = (g * N + cols).to(tl.int64) * K
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     up = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(ps * k_split, tl.minimum(ps * k_split + k_split, K), BK):
         k = k0 + tl.arange(0, BK)
         kok = k < K
         x = tl.load(xrow + (g * K + k)[None, :], mask=rok[:, None] & kok[None, :], other=0.0)
@@ -68,19 +78,57 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, w3_ptr, limit, T, N, K, x_stride, GLU:
                 up += tl.dot(x.to(tl.float32), w3.to(tl.float32))
             else:
                 up += tl.dot(x, w3)
-    if GLU:          # silu(min(gate, L)) * clamp(up, -L, L), each step rounded as the separate launches stored it
-        dt = out_ptr.dtype.element_ty
-        gate = tl.minimum(acc.to(dt).to(tl.float32), limit)
-        u = tl.minimum(tl.maximum(up.to(dt).to(tl.float32), -limit), limit)
-        acc = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * u
-    out = out_ptr + rows[:, None].to(tl.int64) * (N * tl.num_programs(1)) + (g * N + cols)[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rok[:, None] & nok[None, :])
+    mask = rok[:, None] & nok[None, :]
+    last = True
+    if SPLIT > 1:    # partial sums to the workspace; the tile's last program to finish adds them in split order
+        at = rows[:, None].to(tl.int64) * NT + (g * N + cols)[None, :]
+        n_part = T * NT
+        tl.store(part_ptr + (2 * ps) * n_part + at, acc, mask=mask)
+        if GLU:
+            tl.store(part_ptr + (2 * ps + 1) * n_part + at, up, mask=mask)
+        tl.debug_barrier()               # every thread's partial stores precede the release below
+        tile = (pm * tl.num_programs(1) + g) * tl.num_programs(0) + pn
+        done = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        last = done == SPLIT - 1
+        if last:
+            tl.debug_barrier()           # (the acquire above precedes every thread's reads below)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            up = tl.zeros((BM, BN), dtype=tl.float32)
+            for j in tl.static_range(SPLIT):     # a fixed order: the same sums whichever program is last
+                acc += tl.load(part_ptr + (2 * j) * n_part + at, mask=mask, other=0.0)
+                if GLU:
+                    up += tl.load(part_ptr + (2 * j + 1) * n_part + at, mask=mask, other=0.0)
+            tl.atomic_xchg(ticket_ptr + tile, 0, sem="relaxed", scope="gpu")      # ready for the next launch
+    return acc, up, last, rows, cols, mask
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, out_ptr, w3_ptr, part_ptr, ticket_ptr, limit, T, N, K, x_stride, k_split,
+                   GLU: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr):
+    acc, up, last, rows, cols, mask = product_tile(x_ptr, w_ptr, w3_ptr, part_ptr, ticket_ptr, T, N, K, x_stride,
+                                                   k_split, GLU, UPCAST, SPLIT, BM, BN, BK)
+    if last:
+        if GLU:      # silu(min(gate, L)) * clamp(up, -L, L), each step rounded as the separate launches stored it
+            dt = out_ptr.dtype.element_ty
+            gate = tl.minimum(acc.to(dt).to(tl.float32), limit)
+            u = tl.minimum(tl.maximum(up.to(dt).to(tl.float32), -limit), limit)
+            acc = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * u
+        NT = N * tl.num_programs(1)
+        out = out_ptr + rows[:, None].to(tl.int64) * NT + (tl.program_id(1) * N + cols)[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def launch_config(T: int, N: int, K: int, groups: int, elsize: int = 2) -> dict:
     """Block sizes: all rows in one tile up to 64 (the weight is read once); BN about the row count (each program
     reads its rows' x once: x traffic / weight traffic = T / BN), made smaller while the grid would not cover the
-    132 SMs of an H200; BK a few KB of weight per stage, 4 stages of x + w tiles within ~128 KB of shared memory."""
+    132 SMs of an H200; BK a few KB of weight per stage, 4 stages of x + w tiles within ~128 KB of shared memory;
+    SPLIT: K cut into that many slices (programs) while the grid would not fill two waves of SMs, each slice at
+    least two BK steps (a few-row product of a wide K is otherwise a few long chains of dependent loads), and the
+    fp32 partial sums written and read back (8 * SPLIT * T bytes per output column) at most 1/8 of the weight's
+    bytes (2 * K per column). H200, session 8 R2, the shared expert's front half (N 1024, K 2048, bf16, us at
+    8 / 16 / 32 / 64 rows): split into 4 / 4 / 4 / 8 slices 7.4 / 7.5 / 7.9 / 13.4, unsplit 9.3 / 9.3 / 8.4 / 8.5,
+    the GEMM library's two products + 4 launches 18.1 / 18.2 / 18.4 / 18.3 (this rule: 4 / 4 / 2 / 1 slices)."""
     BM = 16 if T <= 16 else 32 if T <= 32 else 64
     BN = min(64, max(16, triton.next_power_of_2(T)))
     while BN > 16 and groups * triton.cdiv(N, BN) < 132:
@@ -88,12 +136,33 @@ def launch_config(T: int, N: int, K: int, groups: int, elsize: int = 2) -> dict:
     BK = min(256, max(16, triton.next_power_of_2(K)))
     while BK > 16 and 4 * (BM + BN) * BK * elsize > 128 * 1024:
         BK //= 2
-    return dict(BM=BM, BN=BN, BK=BK, num_warps=4, num_stages=4)
+    tiles = groups * triton.cdiv(N, BN) * triton.cdiv(T, BM)
+    split = 1
+    while split < 8 and tiles * split < 2 * 132 and K >= 2 * BK * (2 * split) and 2 * split * T * 32 <= K:
+        split *= 2
+    return dict(BM=BM, BN=BN, BK=BK, SPLIT=split, num_warps=4, num_stages=4)
+
+
+_TICKETS: dict = {}
+
+
+def tickets_for(device, n: int, site: str = "skinny") -> torch.Tensor:
+    """A zeroed int32 counter per output tile for split-K launches (`product_tile`), kept per device, size and
+    site (each launch leaves them zero again: its last program per tile resets its counter). Launches that may
+    run at the same time on two streams need different ones: another site, or `skinny_linear_triton`'s
+    `tickets=`."""
+    key = (str(device), n, site)
+    t = _TICKETS.get(key)
+    if t is None:
+        t = _TICKETS[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return t
 
 
 def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, groups: int = 1, glu: tuple | None = None,
-                         config: dict | None = None) -> torch.Tensor:
-    """The kernel: same contract as `skinny_linear_torch`. config: launch_config's keys (benchmarks sweep it)."""
+                         config: dict | None = None, tickets: torch.Tensor | None = None,
+                         site: str = "skinny") -> torch.Tensor:
+    """The kernel: same contract as `skinny_linear_torch`. config: launch_config's keys (benchmarks sweep it).
+    tickets: int32 zeros, one per output tile, for a split-K launch (default: `tickets_for` this site's)."""
     check(x.dim() == 2 and w.dim() == 2, f"skinny_linear: x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-d")
     T, GK = x.shape
     check(GK % groups == 0 and w.shape[0] % groups == 0 and w.shape[1] == GK // groups,
@@ -110,11 +179,21 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, groups: int = 1, glu:
     if T == 0 or N == 0:
         return out
     cfg = dict(launch_config(T, N, K, groups, x.element_size()), **(config or {}))
-    grid = (triton.cdiv(N, cfg["BN"]), groups, triton.cdiv(T, cfg["BM"]))
-    _skinny_kernel[grid](xs, wc, out, glu[0].contiguous() if glu is not None else wc,
-                         float(glu[1]) if glu is not None else 0.0, T, N, K, xs.stride(0), GLU=glu is not None,
-                         UPCAST=INTERPRETING, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"],
-                         num_stages=cfg["num_stages"])
+    split = cfg["SPLIT"]
+    k_split = triton.cdiv(triton.cdiv(K, split), cfg["BK"]) * cfg["BK"]       # whole BK steps per slice
+    split = triton.cdiv(K, k_split)
+    tiles = (triton.cdiv(N, cfg["BN"]), groups, triton.cdiv(T, cfg["BM"]))
+    part = tk = out
+    if split > 1:
+        part = empty((2 * split if glu is not None else 2 * split - 1, T, groups * N), torch.float32, x.device)
+        tk = tickets if tickets is not None else tickets_for(x.device, tiles[0] * tiles[1] * tiles[2], site)
+        check(tk.dtype == torch.int32 and tk.numel() >= tiles[0] * tiles[1] * tiles[2],
+              f"skinny_linear: tickets {tk.dtype} [{tk.numel()}] for {tiles[0] * tiles[1] * tiles[2]} tiles")
+    _skinny_kernel[(tiles[0], tiles[1], tiles[2] * split)](
+        xs, wc, out, glu[0].contiguous() if glu is not None else wc, part, tk,
+        float(glu[1]) if glu is not None else 0.0, T, N, K, xs.stride(0), k_split, GLU=glu is not None,
+        UPCAST=INTERPRETING, SPLIT=split, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     return out
 
 
@@ -122,8 +201,10 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, groups: int = 1, glu:
 MAX_ROWS = 64
 
 
-def skinny_linear(x: torch.Tensor, w: torch.Tensor, groups: int = 1, glu: tuple | None = None) -> torch.Tensor:
-    """Dispatch: the kernel on CUDA for up to MAX_ROWS rows of a 16-bit dtype, the twin elsewhere."""
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, groups: int = 1, glu: tuple | None = None,
+                  site: str = "skinny") -> torch.Tensor:
+    """Dispatch: the kernel on CUDA for up to MAX_ROWS rows of a 16-bit dtype, the twin elsewhere. site: whose
+    split-K tickets (`tickets_for`): launches that may overlap on two streams name different sites."""
     if use_triton(x) and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
-        return skinny_linear_triton(x, w, groups, glu)
+        return skinny_linear_triton(x, w, groups, glu, site=site)
     return skinny_linear_torch(x, w, groups, glu)

@@ -5,9 +5,11 @@ Two paths, both exact:
   those KMAX tokens carry >= p of the row's mass, i.e. the kept set is inside them; two launches, one read of the
   row; `lane_path`): `_lane_max_kernel` per (row, PL lanes of a segment) stores every lane's max z (a lane: the
   16 tokens of the sampling rule's lane, held by one thread: no block reduction at all) and, for top-p-alone
-  rows, its mass; `_lane_merge_kernel` per row picks an upper set of lanes by lane max holding >= k lanes
-  (`_lane_bound`: up to three 64-bin histograms until at most LCAP = 128 lanes remain). Every token >= the
-  smallest selected lane max sits in a selected lane and at least k tokens do, so the top-k set is inside them:
+  rows, its mass; `_lane_merge_kernel` per row picks a bound lo with at least k tokens >= lo (`_group_bound`:
+  the k-th largest maximum of 16-lane groups, from one 64-bin histogram of 512 values; `_lane_bound`, up to three
+  64-bin histograms of the lane maxima, when that leaves more than LCAP = 128 lanes; lo = -inf when the row has
+  fewer than k live lanes). Every token >= lo sits in a lane with max >= lo and at least k tokens do, so the
+  top-k set is inside those lanes:
   the merge gathers those lanes' tokens ([LCAP, 16], from L2), finds t_k and top-p on the top-k set by all
   pairs (`_block_tau`; a histogram top slice first when there are more than KP = 128 candidates) and, when
   sampling, draws the row's token with the sampling pass's own per-lane operations on those lanes restricted to
@@ -285,29 +287,19 @@ def _dense_block(ptrs, bitmask_ptr, lane, k, pos, start, V, mrow, bitmask_stride
 @triton.jit
 def lane_block(logits_ptr, bitmask_ptr, row, start, V, mrow, bitmask_stride, HAS_MASK: tl.constexpr,
                FULL: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr, sub, VEC: tl.constexpr,
-               FAST: tl.constexpr, MASK_FIRST: tl.constexpr = 0):
+               FAST: tl.constexpr, MASK_FIRST: tl.constexpr = False):
     """Raw logits (fp32) of the tokens start + k * LANES + l, l = sub * PL .. sub * PL + PL - 1, as a [PL, LW]
     block: lanes along dim 0 (contiguous in memory, VEC side by side per thread: 16 / 8 / 4-byte loads, spread
     over threads), a lane's LW tokens along dim 1 (held by one thread, so per-lane reductions need no
     communication); -inf for padding and banned tokens. FULL: no token is past V (no bounds checks).
-    MASK_FIRST (masked rows): 1 `_sparse_block`; 2 per program at run time, from the block's mask words (PL / 32
-    per k): `_sparse_block` when at most a quarter of them allow anything, `_dense_block` otherwise (a uniform
-    branch per program). Returns (lane, pos, x): lane and pos counted from start."""
+    MASK_FIRST (masked rows): `_sparse_block` (mask words first). Returns (lane, pos, x): lane and pos counted
+    from start."""
     lane = sub * PL + tl.arange(0, PL)
     k = tl.arange(0, LW)
     pos = lane[:, None] + k[None, :] * LANES
     pos = tl.max_contiguous(tl.multiple_of(pos, [VEC, 1]), [VEC, 1])
     ptrs = logits_ptr + row * V + start + pos
-    if MASK_FIRST == 2:
-        wi = tl.arange(0, PL // 32)
-        wtok = start + k[:, None] * LANES + sub * PL + wi[None, :] * 32          # each word's first token
-        wb = tl.load(bitmask_ptr + mrow * bitmask_stride + wtok // 32, mask=(mrow >= 0) & (wtok < V), other=-1)
-        if tl.sum(tl.sum((wb != 0).to(tl.int32), 1), 0) * 4 <= LW * (PL // 32):
-            x = _sparse_block(ptrs, bitmask_ptr, lane, k, pos, start, V, mrow, bitmask_stride, LANES)
-        else:
-            x = _dense_block(ptrs, bitmask_ptr, lane, k, pos, start, V, mrow, bitmask_stride, HAS_MASK, FULL,
-                             LANES, VEC, FAST)
-    elif MASK_FIRST == 1:
+    if MASK_FIRST:
         x = _sparse_block(ptrs, bitmask_ptr, lane, k, pos, start, V, mrow, bitmask_stride, LANES)
     else:
         x = _dense_block(ptrs, bitmask_ptr, lane, k, pos, start, V, mrow, bitmask_stride, HAS_MASK, FULL, LANES,
@@ -855,6 +847,30 @@ def _lane_max_kernel(logits_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, bi
 
 
 @triton.jit
+def _group_bound(lm, top_k, NG: tl.constexpr, GS: tl.constexpr, HB: tl.constexpr):
+    """(lo, ok): ok when at least k groups of GS consecutive lanes hold an allowed token; then lo is a value with
+    at least k group maxima >= lo (each a distinct lane's max, so at least k tokens are >= lo: a valid bound for
+    the top-k set), from ONE HB-bin histogram of the NG / GS group maxima (the k-th largest group max lies in the
+    histogram's bin b*; lo = the smallest group max in the bins down to b*). The group maxima are in-thread or
+    in-warp (a group's lanes are consecutive), so the merge works on NG / GS values instead of NG. Tight: the
+    k largest tokens of a row rarely share groups, so lo lies near the k-th largest token and the lanes with max
+    >= lo are ~k + a few (flat rows) or k + the tail tokens above the (k - clustered)-th group max (rows whose
+    top tokens cluster in consecutive ids: a few groups hold them)."""
+    gm = tl.max(tl.reshape(lm, [NG // GS, GS]), 1)
+    live_g = gm > float("-inf")
+    n_g = tl.sum(live_g.to(tl.int32), 0)
+    hi = tl.max(gm, 0)
+    glo = tl.min(tl.where(live_g, gm, float("inf")), 0)
+    scale = HB / tl.where(hi > glo, hi - glo, 1.0)
+    b = tl.where(live_g, tl.minimum(tl.floor((hi - tl.where(live_g, gm, hi)) * scale), HB - 1.0), HB - 1.0)
+    b = b.to(tl.int32)
+    cum = tl.cumsum(tl.histogram(b, HB, mask=live_g), 0)
+    bstar = tl.min(tl.where(cum >= top_k, tl.arange(0, HB), HB - 1), 0)
+    lo = tl.min(tl.where(live_g & (b <= bstar), gm, float("inf")), 0)
+    return lo, n_g >= top_k
+
+
+@triton.jit
 def _lane_bound(lm, live, n_live, top_k, LCAP: tl.constexpr, HB: tl.constexpr, ROUNDS: tl.constexpr):
     """(lo, n): the lanes with max >= lo (n of them, at least min(k, n_live)) are an upper set of the live lanes
     holding >= k lanes, cut down by up to ROUNDS histograms until at most LCAP lanes remain: each round bins the
@@ -880,22 +896,6 @@ def _lane_bound(lm, live, n_live, top_k, LCAP: tl.constexpr, HB: tl.constexpr, R
             lo = tl.min(tl.where(in_b, lm, float("inf")), 0)
             hi = tl.max(tl.where(in_b, lm, float("-inf")), 0)
             n = tl.sum((lm >= lo).to(tl.int32), 0)
-    return lo, n
-
-
-@triton.jit
-def _group_bound(lm, top_k, NG: tl.constexpr, GS: tl.constexpr):
-    """(lo, n): lo = the k-th largest of the maxima of NG / GS groups of GS lanes, n = the lanes with max >= lo.
-    k groups have a lane with max >= lo, so those lanes hold >= k tokens >= lo and every token >= lo sits in one of
-    them: an upper set of lanes holding the top-k set. Tight: the k-th largest group max lies near the k-th
-    largest lane max (~k + 10 lanes for k = 50 of 8,000 on flat rows), in one sort of NG / GS values instead of
-    the histogram rounds. Group i holds the lanes i, i + NG / GS, ... (token ids = i mod 256 at the default
-    layout), so tokens clustered in an id range (frequent tokens have low ids) fall into different groups. lo is
-    -inf when fewer than k groups hold an allowed token (the caller then falls back)."""
-    gm = tl.max(tl.reshape(lm, [GS, NG // GS]), 0)
-    srt = tl.sort(gm, 0, descending=True)
-    lo = tl.max(tl.where(tl.arange(0, NG // GS) == top_k - 1, srt, float("-inf")), 0)
-    n = tl.sum((lm >= lo).to(tl.int32), 0)
     return lo, n
 
 
@@ -946,9 +946,10 @@ def _lane_merge_kernel(logits_ptr, tau_ptr, path_ptr, tok_ptr, inv_t_ptr, greedy
                        KMAX: tl.constexpr, KP: tl.constexpr, JB: tl.constexpr, HB: tl.constexpr,
                        ROUNDS: tl.constexpr, BLOCK: tl.constexpr, DRAW: tl.constexpr, LANES: tl.constexpr,
                        LW: tl.constexpr, FAST: tl.constexpr, UPTO: tl.constexpr = 4, P_LANES: tl.constexpr = True,
-                       GROUPS: tl.constexpr = False):
-    """Program (row) of a candidate-path row: the lanes that may hold top-k tokens (`_lane_bound` on the stored
-    lane maxima; GROUPS: `_group_bound` first, the histograms only when that leaves more than LCAP lanes), their
+                       GROUPS: tl.constexpr = True, GS: tl.constexpr = 16):
+    """Program (row) of a candidate-path row: the lanes that may hold top-k tokens (GROUPS: `_group_bound` on
+    the maxima of GS-lane groups; `_lane_bound` on the stored lane maxima when that leaves more than LCAP lanes,
+    or without GROUPS), their
     tokens gathered as a [LCAP, LW] block, tau from them (`_block_tau`), and with DRAW the row's token by the
     sampling rule on those lanes restricted to z >= tau (`segment_pack`, the pass's very operations per lane;
     every other lane holds no kept token, so it would score -inf in the pass). path[row]:
@@ -982,14 +983,22 @@ def _lane_merge_kernel(logits_ptr, tau_ptr, path_ptr, tok_ptr, inv_t_ptr, greedy
             lo = m
             n_sel = n_live * 0 + 1
             if UPTO >= 2:
-                n_sel = LCAP + 1
-                if GROUPS:
-                    lo, n_sel = _group_bound(lm, top_k, NG, 32)
-                if n_sel > LCAP:
-                    lo, n_sel = _lane_bound(lm, live, n_live, top_k, LCAP, HB, ROUNDS)
+                # lo: at least k tokens are >= lo (each of >= k lanes has its max there), or lo = -inf when the
+                # row has fewer than k live lanes (then every token of every live lane is a candidate: with
+                # lo = the smallest lane max, tokens below it that belong to the top-k set would be lost)
+                lo = float("-inf")
+                n_sel = n_live
+                if n_live >= top_k:
+                    ok = n_live < 0
+                    if GROUPS:
+                        lo, ok = _group_bound(lm, top_k, NG, GS, HB)
+                        if ok:
+                            n_sel = tl.sum((lm >= lo).to(tl.int32), 0)
+                    if (not ok) | (n_sel > LCAP):
+                        lo, n_sel = _lane_bound(lm, live, n_live, top_k, LCAP, HB, ROUNDS)
             key = tl.load(keys_ptr + row).to(tl.uint32)
             if n_sel <= LCAP:
-                sel = lm >= lo                                      # (-inf lanes never: lo is a live lane's max)
+                sel = (lm >= lo) & live
                 at = tl.cumsum(sel.to(tl.int32), 0) - 1
                 tl.store(lane_ptr + row * LCAP + at, g, mask=sel)
                 tl.debug_barrier()                                  # the lane list's stores before its loads
@@ -1051,7 +1060,11 @@ def _lane_merge_kernel(logits_ptr, tau_ptr, path_ptr, tok_ptr, inv_t_ptr, greedy
 NEG_INF_KEY = (0xFF800000 - (1 << 32)) ^ 0x7FFFFFFF
 NEG_INF_KEY_C = tl.constexpr(NEG_INF_KEY)
 LCAP = 128            # lanes the lane path's merge gathers at most (x LW tokens each)
-GROUP_BOUND = False    # the merge bounds the top-k lanes by the k-th largest maximum of 32-lane groups first
+# Deleted after session 7's R3: a group bound over strided groups (lanes i, i + 256, ...: the group maxima
+# crossed warps, and one sort of 256 values found the k-th largest) ran 50.7-52.1 us against 45.7-49.6 (top-k50
+# p0.9, B=64). GROUP_BOUND (session 8) groups consecutive lanes (maxima in-warp) and takes one histogram.
+GROUP_BOUND = True     # the merge bounds the top-k lanes by `_group_bound` first (the histogram rounds as fallback)
+GROUP_SIZE = 16        # lanes per group of `_group_bound` (consecutive lanes: the group maxima stay in-warp)
 P_ONLY_LANES = True    # top-p-alone rows try the lane path (k = KMAX) before the histogram path
 LANE_SHAPE = (128, 4)  # lane-maxima pass: (lanes per program, warps); R1: top-k50 sampling 34.8 / 86.4 us at
                       # B=64 / 256 vs 38.3 / 92.4 at 256x2, 35.8 / 91.1 at 256x8
@@ -1092,7 +1105,7 @@ def lane_path(logits, params, bitmask, mrows, tau, path, tok, seg, lanes, kmax=K
         NG=max(16, triton.next_power_of_2(n_l)), LCAP=lcap, KMAX=kmax, KP=KP, JB=32, HB=HB, ROUNDS=rounds,
         BLOCK=min(block, triton.next_power_of_2(V)), DRAW=draw, LANES=lanes, LW=seg // lanes,
         FAST=not INTERPRETING, UPTO=upto, P_LANES=P_ONLY_LANES if p_lanes is None else p_lanes,
-        GROUPS=GROUP_BOUND and triton.next_power_of_2(n_l) >= 32 * kmax, num_warps=MERGE_WARPS)
+        GROUPS=GROUP_BOUND, GS=min(GROUP_SIZE, max(16, triton.next_power_of_2(n_l))), num_warps=MERGE_WARPS)
 
 
 def needs_histogram_path(params, V: int, kmax: int = KMAX) -> bool | None:

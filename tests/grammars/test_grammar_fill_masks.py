@@ -1,7 +1,7 @@
 """Batched fill_masks: rows equal one-matcher-at-a-time masks along each draft; invalid tails are zero."""
 import torch
 
-from deepinfer_sg.grammars import JsonSchema, Regex, Triggered, allocate_bitmask, fill_masks
+from deepinfer_sg.grammars import Grammar, JsonSchema, Regex, Triggered, allocate_bitmask, fill_masks
 from grammar_testutil import DEEPSEEK_VOCAB, EOS, encode
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}, "required": ["n", "s"]}
@@ -140,16 +140,16 @@ def test_fill_masks_with_finished_matchers(compiler, ds_tokenizer, raw_lltokeniz
 def test_batch_led_by_a_finished_matcher_holding_other_backends_and_a_finished_risky_one(
         compiler, xgr_compiler, ds_tokenizer, raw_lltokenizer):
     """A batch whose first matcher is finished (its class picks the batch call) but which also holds an xgrammar
-    matcher and a finished matcher that had accepted an added token (another finished class): every row is what
+    matcher and a finished matcher that had accepted an added token its grammar names by id (another finished
+    class): every row is what
     that matcher gives alone (EOS-only rows hand-computed; the xgrammar row from xgrammar's own GrammarMatcher at
     the same state); a rollback over EOS makes the risky one live and risky again, and its rollback over the added
     token lands where raw llguidance fed the kept prefix is."""
     from llguidance import LLMatcher
 
-    dsml = 128825  # `｜DSML｜`: a non-special added token, valid inside a JSON string
-    string = compiler.compile(JsonSchema({"type": "string"}, whitespace="compact"))
-    seq = encode(ds_tokenizer, '"a<｜DSML｜"')
-    assert seq[-2:] == [dsml, encode(ds_tokenizer, '"')[0]]
+    dsml = 128825  # `｜DSML｜`: a non-special added token, named by id (what llguidance rolls back wrongly)
+    string = compiler.compile(Grammar(f'start: "\\"a<" <[{dsml}]> "\\""', syntax="lark"))
+    seq = encode(ds_tokenizer, '"a<') + [dsml] + encode(ds_tokenizer, '"')
     risky = string.matcher()
     assert all(risky.accept(t) for t in seq) and risky.accept(EOS) and risky.is_terminated()
     ids = encode(ds_tokenizer, '{"n":3,"s":"abc"}')

@@ -160,17 +160,22 @@ def test_out_of_range_ids_are_rejected(compiler, xgr_compiler):
 
 
 def test_accept_fast_path_range_excludes_every_added_token(compiler, ds_tokenizer):
-    """accept() sends ids inside llguidance_matcher's plain range straight to llguidance; EOS and every added
-    token (the tokenizer's own list) must fall outside it, or EOS would reach llguidance and an added token
-    would skip the careful rollback. The DeepSeek vocabulary's own range holds ordinary text ids (the fast path
-    is used); the process-wide range is within every registered vocabulary's."""
+    """A grammar that names tokens (NamedTokensLLGuidanceMatcher) sends ids inside llguidance_matcher's plain range
+    straight to llguidance; EOS and every added token (the tokenizer's own list) must fall outside it, or EOS would
+    reach llguidance and an added token would skip the careful rollback. A grammar that names none (JSON, regex:
+    LLGuidanceMatcher) sends every id above _EOS_TOP straight there: every EOS id must be at or below it. The
+    DeepSeek vocabulary's own bounds let ordinary text ids through (the fast paths are used); the process-wide ones
+    are within every registered vocabulary's."""
     from deepinfer_sg.grammars import llguidance_matcher as lm
 
-    compiler.compile(Regex(r"[a-z]+"))  # (registers the vocabulary, as any compile does)
+    compiled = compiler.compile(Regex(r"[a-z]+"))  # (registers the vocabulary, as any compile does)
+    assert type(compiled.matcher()) is lm.LLGuidanceMatcher and not compiled.added_ids
     added = set(ds_tokenizer.get_added_tokens_decoder())
     assert EOS in added
     lo, hi = lm.plain_range(compiler.vocab)
     assert lo <= lm._PLAIN_LO <= lm._PLAIN_HI <= hi
     assert not any(lo < i < hi for i in added)
+    assert max(compiler.vocab.eos_token_ids) <= lm._EOS_TOP
     text = encode(ds_tokenizer, '{"name": "Ada Lovelace", "age": 36} and some plain words')
     assert all(lo < i < hi for i in text)
+    assert all(i > max(compiler.vocab.eos_token_ids) for i in text)

@@ -16,6 +16,7 @@ from deepinfer_sg.grammars.dsml import dsml_grammar
 from grammar_testutil import DEEPSEEK_VOCAB, EOS, encode
 
 DSML = 128825
+THINK_END = 128822  # `</think>`: a special added token
 TOOLS = [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                 "required": ["city"]}}]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "integer"}}},
@@ -71,6 +72,50 @@ def test_raw_llguidance_rollback_bug(dsml, raw_lltokenizer):
     assert raw.try_consume_tokens([DSML]) == 1
     assert not raw.rollback(2)
     assert raw.is_error() and "rollback" in raw.get_error()
+
+
+def raw_rollbacks_gone_wrong(lltok, grammar, seq):
+    """(back, masks) pairs for which raw llguidance, fed `seq` (a mask computed before each token and after the
+    last, or none), then rolled back `back` tokens, fails or differs from a fresh matcher fed the kept prefix."""
+    wrong = []
+    for back in range(1, len(seq) + 1):
+        for masks in (True, False):
+            m = LLMatcher(lltok, grammar, log_level=0)
+            for t in seq:
+                if masks:
+                    m.compute_bitmask()
+                assert m.try_consume_tokens([t]) == 1
+            if masks:
+                m.compute_bitmask()
+            fresh = raw_llg_at(lltok, grammar, seq[: len(seq) - back])
+            if not m.rollback(back) or not torch.equal(raw_llg_mask(m), raw_llg_mask(fresh)):
+                wrong.append((back, masks))
+    return wrong
+
+
+def test_raw_llguidance_rollback_bug_needs_a_non_special_token_named_by_id(ds_tokenizer, raw_lltokenizer):
+    """What exactly llguidance 1.9.1 rolls back wrongly, on raw llguidance alone (which is why only Grammar specs,
+    the ones that can name tokens by id, make their matchers check the ids a rollback drops: compiled.added_ids):
+    `｜DSML｜` (a NON-special added token) named by id (`<[128825]>`), with masks computed during the walk, fails
+    or lands wrong when a rollback crosses it, whatever precedes it; the same token matched as text (a lark
+    literal, a JSON string) and a special token named by id (`</think>`) roll back right at every depth."""
+    assert not raw_lltokenizer.is_special_token(DSML) and raw_lltokenizer.is_special_token(THINK_END)
+    lt, a, x = (encode(ds_tokenizer, c)[0] for c in ("<", "a", "x"))
+    for before in ([lt], [a], []):
+        grammar = LLMatcher.grammar_from_lark(
+            'start: ' + " ".join([f'"{ds_tokenizer.decode([t])}"' for t in before] + [f'<[{DSML}]> "x"']))
+        wrong = raw_rollbacks_gone_wrong(raw_lltokenizer, grammar, before + [DSML, x])
+        assert wrong and all(masks for _, masks in wrong), (before, wrong)
+    named_special = LLMatcher.grammar_from_lark(f'start: "<" <[{THINK_END}]> "x"')
+    assert raw_rollbacks_gone_wrong(raw_lltokenizer, named_special, [lt, THINK_END, x]) == []
+    as_text = encode(ds_tokenizer, "<｜DSML｜x")
+    assert DSML in as_text
+    literal = LLMatcher.grammar_from_lark('start: "<｜DSML｜x"')
+    assert raw_rollbacks_gone_wrong(raw_lltokenizer, literal, as_text) == []
+    string = LLMatcher.grammar_from_json_schema({"type": "string"}, overrides={"whitespace_flexible": False})
+    in_string = encode(ds_tokenizer, '"a<｜DSML｜ x<｜DSML｜"')
+    assert in_string.count(DSML) == 2
+    assert raw_rollbacks_gone_wrong(raw_lltokenizer, string, in_string) == []
 
 
 @pytest.mark.parametrize("back", [1, 2])
@@ -285,10 +330,10 @@ def test_long_history_rollback_and_repair(dsml, ds_tokenizer, raw_lltokenizer, w
 
 
 def test_added_token_inside_a_json_string_rolls_back_right(compiler, ds_tokenizer, raw_lltokenizer):
-    """`｜DSML｜` is a non-special added token, so a JSON string may hold it: a JSON matcher that accepted one takes
-    the careful rollback path (RiskyLLGuidanceMatcher), as a DSML matcher does. Walked with masks,
-    then rolled back to every depth (one call, one token at a time, from a fork, and across EOS); each mask equals
-    a fresh raw matcher fed the kept prefix."""
+    """`｜DSML｜` is a non-special added token, so a JSON string may hold it (as text: llguidance's own rollback
+    is right there, see test_raw_llguidance_rollback_bug_needs_a_non_special_token_named_by_id, so the matcher
+    keeps its one-call rollback). Walked with masks, then rolled back to every depth (one call, one token at a
+    time, from a fork, and across EOS); each mask equals a fresh raw matcher fed the kept prefix."""
     compiled = compiler.compile(JsonSchema({"type": "string"}, whitespace="compact"))
     seq = encode(ds_tokenizer, '"a<｜DSML｜ x<｜DSML｜"')
     assert seq.count(DSML) == 2

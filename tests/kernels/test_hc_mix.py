@@ -245,3 +245,71 @@ def test_fused_launch_beyond_one_wave():
     out = hc_mixes_triton(*on_dev(x), block_t=16, split=64, block_k=64)
     for a, b in zip(to_cpu((out.pre, out.post, out.comb)), (ref.pre, ref.post, ref.comb)):
         assert torch.allclose(a, b, atol=2e-5, rtol=1e-4), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("T,H,dtype,block_t,split,block_k,parts,waiters", [
+    (21, 100, torch.bfloat16, 16, 64, 32, False, None),  # 2 token blocks (the last partial), 2 splits (partial), 2 steps
+    (5, 72, torch.float32, 16, 32, 32, False, 2),        # fp32 streams (one fp32 dot), 3 splits, waiters
+    (35, 80, torch.bfloat16, 16, 128, 64, True, 4)])     # fn as bf16 parts, one split of 2 steps, 3 token blocks
+def test_post_mix_matches_twin_and_repeats(T, H, dtype, block_t, split, block_k, parts, waiters):
+    """The write-back + next mixes launch: R' and x as the write-back's formula (float64 loops), the mixes as the
+    float64 formula on the R' the kernel wrote (what a separate mixes launch would read), twice with the same
+    bits, and the counters left zero."""
+    from deepinfer_sg.kernels import hc_mix
+    gen = torch.Generator().manual_seed(T * H)
+    R, y, post, comb, a = _apply_inputs(gen, T, 4, H, dtype)
+    _, fn, base, scale = _params(gen, 1, 4, H)
+    kw = dict(block_t=block_t, split=split, block_k=block_k, waiters=waiters,
+              fn_parts=on_dev(hc_mix.split_fn_bf16(fn)) if parts else None)
+    args = on_dev((R, y, post, comb, a, fn, base, scale))
+    out, x, m = hc_mix.hc_post_mix_triton(*args, **kw)
+    out2, x2, m2 = hc_mix.hc_post_mix_triton(*args, **kw)
+    out, x = to_cpu((out, x))
+    ref = _post_f64(R, y, post, comb)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    assert out.dtype == dtype and float((out.double() - ref).abs().max() / ref.abs().max()) < tol
+    x_ref = (a.double().unsqueeze(-1) * out.double()).sum(1)
+    assert float((x.double() - x_ref).abs().max() / x_ref.abs().max()) < tol
+    mix_ref = _naive(out.double(), fn.double(), base.double(), scale.double(), 20)
+    for u, v, w in zip((m.pre, m.post, m.comb), (m2.pre, m2.post, m2.comb), mix_ref):
+        assert torch.equal(u, v)
+        assert torch.allclose(u.cpu().double(), w, atol=2e-5, rtol=1e-4), (u.cpu().double() - w).abs().max()
+    assert torch.equal(to_cpu(out2), out) and torch.equal(to_cpu(x2), x)
+    assert int(hc_mix._COUNTERS[m.pre.device][0].abs().sum()) == 0
+
+
+def test_post_mix_apply_is_post_then_mixes():
+    """The public entry equals the write-back then the mixes (on CPU the twins, bit for bit; the engine's
+    fused and separate paths rely on it); a stream count the kernel does not take (2) still works."""
+    from deepinfer_sg.kernels import hc_mix
+    for M in (4, 2):
+        gen = torch.Generator().manual_seed(M)
+        R, y, post, comb, a = _apply_inputs(gen, 6, M, 40, torch.bfloat16)
+        _, fn, base, scale = _params(gen, 1, M, 40)
+        out, x, m = hc_mix.hc_post_mix_apply(R, y, post, comb, a, fn, base, scale)
+        o2, x2 = hc_mix.hc_post_apply(R, y, post, comb, a)
+        m2 = hc_mix.hc_mixes(o2, fn, base, scale)
+        assert torch.equal(out, o2) and torch.equal(x, x2)
+        for u, v in zip((m.pre, m.post, m.comb), (m2.pre, m2.post, m2.comb)):
+            assert torch.equal(u, v)
+
+
+def test_post_mix_beyond_one_wave():
+    """The write-back + mixes launch with more programs than the GPU holds at once (132 token blocks x 3 splits
+    on a GPU; a small case in the interpreter): one waiter per token block, no deadlock; mixes as the twin's on
+    the kernel's R'."""
+    from helpers import DEVICE
+    from deepinfer_sg.kernels import hc_mix
+    T = 2100 if DEVICE == "cuda" else 20
+    gen = torch.Generator().manual_seed(9)
+    R, y, post, comb, a = _apply_inputs(gen, T, 4, 80, torch.bfloat16)
+    _, fn, base, scale = _params(gen, 1, 4, 80)
+    out, x, m = hc_mix.hc_post_mix_triton(*on_dev((R, y, post, comb, a, fn, base, scale)), block_t=16, split=32,
+                                          block_k=32)
+    ref = hc_mix.hc_mixes_torch(out.cpu(), fn, base, scale)
+    for u, v in zip(to_cpu((m.pre, m.post, m.comb)), (ref.pre, ref.post, ref.comb)):
+        assert torch.allclose(u, v, atol=2e-5, rtol=1e-4), (u - v).abs().max()
+    ro = hc_mix.hc_post_torch(R, y, post, comb)
+    assert float((out.cpu().float() - ro.float()).abs().max() / ro.float().abs().max()) < 8e-3
+    x_ref = (a.double().unsqueeze(-1) * out.cpu().double()).sum(1)      # the read-out of the kernel's R'
+    assert float((x.cpu().double() - x_ref).abs().max() / x_ref.abs().max()) < 8e-3

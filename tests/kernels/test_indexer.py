@@ -117,11 +117,11 @@ def test_twin_select_is_stable():
 def test_engine_topk_ids_through_the_kernel():
     """engine/batched.py's CUDA selection (`topk_ids` through the select kernel) gives the entries of the
     reference's stable `topk_mask`, ascending and -1 padded, with ties, zeros / -0.0, entries not allowed and rows
-    with fewer allowed entries than k; also with rows long enough for the threshold select."""
+    with fewer allowed entries than k."""
     from deepinfer_sg.engine import batched
     from deepinfer_sg.engine.indexer import topk_mask
     gen = torch.Generator().manual_seed(11)
-    for T, G, k in ((5, 300, 40), (5, 600, 12)):                    # k = 12: the threshold select (cap 64)
+    for T, G, k in ((5, 300, 40), (5, 240, 12)):
         s = torch.randn(T, G, generator=gen).round() * torch.randn(T, 1, generator=gen).sign()
         s[1] = torch.where(s[1] > 0, s[1], torch.zeros(G)) * -1.0      # relu-style zeros, many -0.0
         allowed = torch.rand(T, G, generator=gen) < 0.7
@@ -166,40 +166,60 @@ def test_looped_score_kernel_matches_twin(block_g, bpp):
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("L,k,cap", [(1000, 30, 256), (700, 12, 64), (333, 40, 128)])
-@pytest.mark.parametrize("sorted_", [True, False])
-def test_threshold_select_matches_stable_sort(L, k, cap, sorted_):
-    """The one-launch threshold select (group maxima -> a threshold under the k-th best score -> candidates in
-    entry order -> exact select over them) picks exactly what a stable sort picks: random rows (few candidates),
-    rounded rows (ties at the threshold), a constant row (every entry a candidate: more than cap, the whole-row
-    fallback), a row with fewer selectable groups than k, +0.0 / -0.0 ties, a row with nothing selectable."""
-    gen = torch.Generator().manual_seed(L + k + cap)
-    s = torch.randn(6, L, generator=gen)
-    s[1] = s[1].round()
-    s[2] = 2.0
-    s[3, 2 * k:] = float("-inf")                                 # at most 2k / 16 + 1 groups hold entries
-    s[4] = torch.where(torch.rand(L, generator=gen) < 0.5, torch.zeros(L), s[4].abs())
-    s[4, ::3] = -0.0
-    s[5] = float("-inf")
-    _check_select(s, k, sorted_, cap=cap)
-
-
-@pytest.mark.parametrize("G,k,chunks,cap", [(200, 24, None, None), (600, 12, None, 64), (330, 16, 3, None),
-                                            (20, 32, None, None)])
-def test_unsorted_select_is_already_in_id_order(G, k, chunks, cap):
+@pytest.mark.parametrize("G,k,chunks", [(200, 24, None), (330, 16, 3), (20, 32, None)])
+def test_unsorted_select_is_already_in_id_order(G, k, chunks):
     """sorted=False returns the winners as ascending entry ids, then -1 padding, on every select path (one program
-    per row, the chunked two-launch select, the threshold select, k > G): exactly what engine/batched.py's
-    `topk_ids` gets after re-sorting, so that sort is the identity (and `idx[:, :min(k, G)]` is its result)."""
+    per row, the chunked two-launch select, k > G): exactly what engine/batched.py's `topk_ids` gets after
+    re-sorting, so that sort is the identity (and `idx[:, :min(k, G)]` is its result)."""
     from deepinfer_sg.kernels.indexer import topk_select_triton
     gen = torch.Generator().manual_seed(G + k)
     s = torch.randn(5, G, generator=gen).round()                  # ties across chunks
     s[1, G // 3:] = float("-inf")                                  # fewer selectable entries than k
     s[2] = float("-inf")                                           # none
     s[3] = torch.where(torch.rand(G, generator=gen) < 0.5, torch.zeros(G), -torch.zeros(G))   # +0.0 / -0.0
-    idx, _ = to_cpu(topk_select_triton(on_dev(s), k, sorted=False, chunks=chunks, cap=cap))
+    idx, _ = to_cpu(topk_select_triton(on_dev(s), k, sorted=False, chunks=chunks))
     resorted = torch.where(idx >= 0, idx, G).sort(dim=1).values[:, :min(k, G)]
     resorted = torch.where(resorted < G, resorted, -1)
     assert torch.equal(idx[:, :min(k, G)], resorted)
     ref_i, _ = _in_entry_order(*_stable_topk(s, k), G)
     assert torch.equal(idx, ref_i)
 
+
+
+@pytest.mark.parametrize("search", [None, (0.0, 0.1, 0)])
+def test_select_search_on_hostile_rows(search):
+    """The interpolation search (whose first guess is a normal fit) picks exactly what a stable sort picks on rows
+    where a normal fit is a bad guess: a bimodal row, magnitudes from 1e-38 (subnormal) to 1e38 with +inf among
+    them, a row of two values (the cut inside a run of ties), one huge outlier above near-equal values, and
+    negative scores only. (0, 0.1, 0): all three first-guess thresholds at one key, a tiny spread and no top-4
+    end game, so the search leans on its quartering passes."""
+    from deepinfer_sg.kernels.indexer import SEARCH
+    search = search or SEARCH
+    gen = torch.Generator().manual_seed(7)
+    L, k = 96, 16
+    s = torch.randn(6, L, generator=gen)
+    s[0] = torch.where(torch.rand(L, generator=gen) < 0.9, s[0] - 50.0, s[0] + 50.0)          # bimodal
+    s[1] = torch.exp(torch.empty(L).uniform_(-87.0, 87.0, generator=gen)) * s[1].sign()   # 1e-38 .. 1e38
+    s[1, 5] = 1e-40                                                                          # subnormal
+    s[1, 9] = float("inf")
+    s[2] = torch.where(torch.rand(L, generator=gen) < 0.5, torch.full((L,), 3.0), torch.full((L,), 2.0))
+    s[3] = 1.0 + s[3] * 1e-6
+    s[3, 70] = 1e30
+    s[4] = -s[4].abs() - 1.0
+    s[5, ::2] = float("-inf")
+    for sorted_ in (True, False):                     # two chunks: the chunk stage, then the merge over its ids
+        _check_select(s, k, sorted_, chunks=2, search=search)
+
+
+@pytest.mark.parametrize("sorted_", [True, False])
+def test_fused_select_matches_stable_sort(sorted_):
+    """The one-launch select (each row's last chunk program to take its ticket merges the row's candidates) picks
+    exactly what a stable sort picks: ties across chunks, a constant row whose selectable entries sit in its last
+    chunk, a row with nothing selectable; run twice, so the tickets left at 0 by the first launch serve the second."""
+    gen = torch.Generator().manual_seed(12)
+    s = torch.randn(4, 300, generator=gen).round()
+    s[1] = 2.0
+    s[1, :200] = float("-inf")
+    s[2] = float("-inf")
+    for _ in range(2):
+        _check_select(s, 24, sorted_, chunks=3, fused=True)

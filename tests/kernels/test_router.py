@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from deepinfer_sg.kernels.router import route_torch, route_triton
+from deepinfer_sg.kernels.router import gate_route_torch, gate_route_triton, route_torch, route_triton
+from deepinfer_sg.kernels.backend import INTERPRETING
 from helpers import on_dev, to_cpu
 
 
@@ -71,15 +72,46 @@ def test_bad_bias_is_refused_with_the_shapes():
         route_triton(torch.randn(3, 8), torch.randn(8), 9, 1.0)
 
 
-def test_twin_is_the_engines_gate_after_its_gemm():
-    """engine/moe.py's Gate (score routing) = its GEMM, then this contract (the kernel can replace its tail)."""
-    from deepinfer_sg.engine.moe import Gate
-    torch.manual_seed(3)
-    gate = Gate(hidden=32, n_experts=12, top_k=3, vocab_size=50, hashed=False, scaling=1.5)
-    with torch.no_grad():
-        gate.weight.normal_()
-        gate.bias.normal_()
-    x = torch.randn(6, 32)
-    want_w, want_i = gate(x, None)
-    got_w, got_i = route_torch(torch.nn.functional.linear(x, gate.weight), gate.bias, 3, 1.5)
-    assert torch.equal(got_i, want_i) and torch.equal(got_w, want_w)
+# (rows, hidden, experts, top-k, config): several row blocks, hidden not a multiple of BK, experts not a power of two,
+# split-K by default, forced to several / no slices
+GATE_CASES = [(5, 300, 13, 4, None), (20, 256, 64, 6, {"BM": 16, "SPLIT": 3, "BK": 32}), (3, 96, 8, 1, {"SPLIT": 1}),
+              (33, 200, 100, 7, {"BK": 16})]
+
+
+@pytest.mark.parametrize("case", GATE_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gate_route_matches_twin(case, dtype):
+    """The gate GEMM inside the kernel, on strided rows, twice in a row (the split-K tickets reset themselves).
+    fp32: the twin's experts (GEMM, then the formulas) and weights. bf16: the kernel's logits are the same sums in
+    another order, rounded to bf16, so a near tie may go the other way: its experts must be a top-k of the exact
+    (float64) scores + bias up to the rounding of a logit, and its weights the exact ones at its experts."""
+    T, H, E, K, cfg = case
+    g = torch.Generator().manual_seed(T * H + E)
+    wide = torch.randn(T, H + 5, generator=g)
+    x = wide[:, 2:H + 2].to(dtype)                       # strided rows
+    gw = (torch.randn(E, H, generator=g) * 2 / H ** 0.5).to(dtype)
+    bias = torch.randn(E, generator=g) * 0.3
+    exact = torch.nn.functional.softplus(x.double() @ gw.double().T).sqrt()          # float64 scores
+    want_w, want_i = _sorted_pairs(*gate_route_torch(x, gw, bias, K, 1.5))
+    for _ in range(2):
+        got = to_cpu(gate_route_triton(on_dev(x), on_dev(gw), on_dev(bias), K, 1.5, config=cfg))
+        assert got[0].dtype == torch.float32 and got[1].dtype == torch.int64 and got[0].shape == (T, K)
+        got_w, got_i = _sorted_pairs(*got)
+        if dtype == torch.float32 and INTERPRETING:      # (a GPU's fp32 dot runs in tf32: checked as bf16 below)
+            assert torch.equal(got_i, want_i)
+            assert torch.allclose(got_w, want_w, atol=1e-5, rtol=1e-4)
+            continue
+        key = exact + bias.double()
+        chosen = torch.zeros_like(key, dtype=torch.bool).scatter_(1, got_i, True)
+        worst_in = key.masked_fill(~chosen, float("inf")).min(dim=1).values
+        best_out = key.masked_fill(chosen, float("-inf")).max(dim=1).values
+        assert (worst_in >= best_out - 2e-2).all()       # (a bf16 logit of size ~3 is within ~1e-2 of its sum)
+        s = exact.gather(1, got_i)
+        assert torch.allclose(got_w.double(), s / s.sum(1, keepdim=True) * 1.5, rtol=2e-2)
+
+
+def test_gate_route_refuses_what_it_cannot_hold():
+    with pytest.raises(ValueError, match="gate weight"):
+        gate_route_triton(torch.randn(3, 8), torch.randn(4, 9), torch.zeros(4), 2, 1.0)
+    with pytest.raises(ValueError, match="at most 256"):
+        gate_route_triton(torch.randn(3, 8), torch.randn(300, 8), torch.zeros(300), 2, 1.0)

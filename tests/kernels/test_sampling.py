@@ -151,14 +151,11 @@ def test_pass_shapes_draw_the_twins_tokens(shape, vocab):
             assert bit_allowed(bm, int(mrows[r]), int(want[r]))
 
 
-@pytest.mark.parametrize("mode", [True, "adaptive"])
 @pytest.mark.parametrize("shape", [None, (128, 1)])
-def test_mask_first_reads_only_allowed_tokens_and_draws_the_twins_tokens(shape, mode):
+def test_mask_first_reads_only_allowed_tokens_and_draws_the_twins_tokens(shape):
     """MASK_FIRST (masked rows, one lane per thread: the mask words first, then only the allowed tokens' logits,
-    banned ones never read; "adaptive": each program reads its block's words first and takes that sparse path
-    only when at most a quarter of them allow anything, the plain dense load otherwise): the twin's tokens on
-    rows whose masks ban whole ranges (as grammar masks do) and on random masks, with a partial last segment; in
-    the always-sparse mode the banned logits are NaN (none may reach the draw)."""
+    banned ones never read): the twin's tokens on rows whose masks ban whole ranges (as grammar masks do) and on
+    random masks, with a partial last segment; the banned logits are NaN (none may reach the draw)."""
     gen = torch.Generator().manual_seed(16)
     R, vocab = 5, 9000
     logits = torch.randn(R, vocab, generator=gen) * 3
@@ -172,31 +169,9 @@ def test_mask_first_reads_only_allowed_tokens_and_draws_the_twins_tokens(shape, 
     bits = (bm.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
     banned = bits.reshape(R, -1)[:, :vocab] == 0                     # per mask row
     poisoned = logits.masked_fill(banned[mrows.clamp_min(0)] & (mrows >= 0)[:, None], float("nan"))
-    got = sample_triton(on_dev(poisoned if mode is True else logits), params_on_dev(p), on_dev(bm), on_dev(mrows),
-                        shape=shape, filters=False, mask_first=mode)
+    got = sample_triton(on_dev(poisoned), params_on_dev(p), on_dev(bm), on_dev(mrows), shape=shape, filters=False,
+                        mask_first=True)
     assert torch.equal(got.cpu(), want)
-
-
-def test_one_launch_pass_draws_the_twins_tokens_and_leaves_its_workspace_clean():
-    """ONE_LAUNCH (each program folds its best lane into the row's word by an atomic max; the row's last program
-    writes the token and resets the word and the count): the twin's tokens on plain, greedy, masked, top-k (drawn
-    by the merge, the pass skips them) and tau-filtered rows, three calls in a row (the second and third find the
-    workspace as the first left it), the third with more rows than the workspace had (it grows)."""
-    from deepinfer_sg.kernels import sampling
-    gen = torch.Generator().manual_seed(19)
-    for R, vocab in ((7, 900), (7, 900), (260, 300)):
-        logits = torch.randn(R, vocab, generator=gen) * 3
-        bm = random_bitmask(R, vocab, gen, density=0.5)
-        mrows = torch.where(torch.arange(R) % 3 == 0, torch.arange(R), torch.full((R,), -1))
-        temperature = torch.where(torch.arange(R) % 4 == 1, 0.0, 0.9)
-        top_k = torch.where(torch.arange(R) % 5 == 2, 4, torch.where(torch.arange(R) % 7 == 3, 80, 0))
-        p = row_params(R, "cpu", temperature, top_k, 1.0, seed=torch.arange(R) + 3 * R, position=5)
-        want = sample_torch(logits, p, bm, mrows, seg=256, lanes=64)
-        got = sample_triton(on_dev(logits), params_on_dev(p), on_dev(bm), on_dev(mrows), seg=256, lanes=64,
-                            one_launch=True, reject=False)
-        assert torch.equal(got.cpu(), want)
-    words, counts = sampling._WORKSPACES[str(got.device)]
-    assert words.numel() >= 260 and bool((words == -9223372036854775807).all()) and bool((counts == 0).all())
 
 
 def test_host_params_moved_in_two_copies_draw_the_same_tokens():
@@ -324,15 +299,11 @@ def test_top_k_rows_drawn_by_the_merge_match_twin_and_pass(seg, lanes, lane_shap
     assert torch.equal(only, want[keep])
 
 
-@pytest.mark.parametrize("groups", [False, True])
-def test_top_k_merge_group_bound_draws_the_twins_tokens(groups, monkeypatch):
-    """GROUP_BOUND (the merge bounds the top-k lanes by the k-th largest maximum of strided 32-lane groups, the
-    histogram rounds only when that leaves more than LCAP lanes): the twin's tokens on flat rows, a row whose top
-    tokens cluster in low ids, a masked row with fewer allowed tokens than groups, k from 1 to 64."""
-    from deepinfer_sg.kernels import threshold
-    monkeypatch.setattr(threshold, "GROUP_BOUND", groups)
+def test_top_k_merge_draws_the_twins_tokens_on_clustered_and_sparse_rows():
+    """The top-k merge (lane_only): the twin's tokens on flat rows, a row whose top tokens cluster in low ids (many
+    in few lanes), a masked row with 64 allowed tokens in two words, k from 1 to 64."""
     gen = torch.Generator().manual_seed(77)
-    R, vocab = 6, 9000                                   # 2,272 lanes of 4: the merge sees 128 groups
+    R, vocab = 6, 9000                                   # 2,272 lanes of 4
     logits = torch.randn(R, vocab, generator=gen) * 2
     logits[1, :60] += 10                                 # top tokens clustered at low ids
     bm = random_bitmask(R, vocab, gen, density=0.9)

@@ -80,6 +80,36 @@ def test_triton_reads_strided_rows():
     assert torch.allclose(got, skinny_linear_torch(x, w), atol=1e-4 if INTERPRETING else 5e-2)
 
 
+# (rows, groups, N, K, SPLIT asked; None: launch_config's choice), glu
+SPLITS = [((3, 1, 40, 2048, None), False), ((5, 2, 24, 700, 3), False), ((9, 1, 33, 1100, 8), True),
+          ((20, 1, 18, 520, 2), True)]
+
+
+@pytest.mark.parametrize("case", SPLITS)
+def test_split_k_matches_twin_and_leaves_the_tickets_zero(case):
+    """K cut into slices (programs): partial sums in a workspace, the tile's last program adds them in slice order
+    and applies the SwiGLU; the same result twice in a row (the tile counters reset themselves), equal to the
+    unsplit launch up to fp32 summation order."""
+    from deepinfer_sg.kernels.skinny import launch_config
+    (T, G, N, K, split), glu = case
+    if split is None:
+        assert launch_config(T, N, K, G)["SPLIT"] > 1
+    g = torch.Generator().manual_seed(T + K)
+    x = (torch.randn(T, G * K, generator=g) * 0.2).to(torch.bfloat16)
+    w = (torch.randn(G * N, K, generator=g) * 0.2).to(torch.bfloat16)
+    up = (on_dev((torch.randn(N, K, generator=g) * 0.2).to(torch.bfloat16)), 1.0) if glu else None
+    cfg = {} if split is None else {"SPLIT": split, "BK": 64}
+    tickets = on_dev(torch.zeros(64, dtype=torch.int32))
+    want = skinny_linear_torch(x, w, G, None if up is None else (to_cpu(up[0]), 1.0)).float()
+    one = to_cpu(skinny_linear_triton(on_dev(x), on_dev(w), G, up, config=dict(cfg, SPLIT=1))).float()
+    for _ in range(2):
+        got = to_cpu(skinny_linear_triton(on_dev(x), on_dev(w), G, up, config=cfg, tickets=tickets)).float()
+        assert torch.equal(to_cpu(tickets), torch.zeros(64, dtype=torch.int32))
+        scale = want.abs().max()
+        assert torch.allclose(got, want, atol=2e-2 * scale, rtol=1e-2)
+        assert torch.allclose(got, one, atol=1e-2 * scale, rtol=1e-2)
+
+
 def test_bad_shapes_are_refused_with_the_shapes():
     with pytest.raises(ValueError, match="in 2 groups"):
         skinny_linear_triton(torch.randn(3, 10), torch.randn(4, 4), groups=2)

@@ -262,3 +262,43 @@ def test_histogram_path_rows_with_few_allowed_tokens_stay_on_the_fast_path(monke
     path = _check(logits, 1.0, torch.tensor([100, 0, 100, 0]), torch.tensor([1.0, 0.995, 0.9, 0.5]), bm,
                   lane_rows=False)
     assert (path > 0).all(), path
+
+
+def test_merge_bound_rows_with_few_live_lanes_or_groups_and_clustered_leaders():
+    """The lane path's merge bounds (group maxima of 16 consecutive lanes first, the histogram rounds when that
+    leaves more than LCAP lanes or fewer than k groups are alive) against the definition and the twin's tokens:
+    a flat row (the group bound holds), a row whose mask leaves fewer live lanes than k with tokens below every
+    lane's max (all of them belong to the top-k set: a bound at the smallest lane max lost them before session
+    8), k above the live groups, leaders clustered in consecutive ids (too many lanes above the group bound), a
+    mask leaving more lanes than k in fewer groups than k. The inputs' lane and group counts are checked here, so
+    every case is the one named."""
+    from deepinfer_sg.kernels.sampling import lanes_view
+    gen = torch.Generator().manual_seed(41)
+    R, V = 6, 9000                                          # 3 segments x 256 lanes: 48 groups of 16 lanes
+    logits = torch.randn(R, V, generator=gen) * 2
+    bm = torch.full((R, (V + 31) // 32), -1, dtype=torch.int32)
+    few = torch.cat([torch.arange(10) + 256 * j for j in range(3)])          # 10 lanes holding 3 tokens each
+    bm[1] = 0
+    bm[1, 0] = (1 << 10) - 1
+    bm[1, 8] = (1 << 10) - 1
+    bm[1, 16] = (1 << 10) - 1
+    logits[1, few[10:]] = -20 - torch.rand(20, generator=gen)                # below every lane's max
+    logits[3, :300] += 8                                                     # leaders in consecutive ids
+    bm[4] = 0
+    bm[4, :2] = -1                                                           # 64 lanes alive, in 4 groups
+    top_k = torch.tensor([20, 25, 64, 40, 30, 0])
+    top_p = torch.tensor([0.9, 1.0, 0.95, 0.8, 1.0, 1.0])
+    temperature = torch.tensor([1.0, 0.9, 1.0, 1.2, 0.8, 0.0])
+    z = masked_z_torch(logits, 1.0 / temperature.clamp_min(1e-6), bm, torch.arange(R))
+    lanes = lanes_view(z, float("-inf")).amax(-1)                            # [R, 768] lane maxima
+    live = lanes > float("-inf")
+    groups = live.view(R, -1, 16).any(-1).sum(1)
+    assert live[1].sum() == 10 < 25 and groups[2] == 48 < 64 and groups[4] == 4 < 30 <= live[4].sum()
+    third_lo = torch.sort(lanes[3].view(-1, 16).amax(-1), descending=True).values[39]
+    assert int((lanes[3] >= third_lo).sum()) > 128                           # the group bound leaves too many
+    path = _check(logits, temperature, top_k, top_p, bm)
+    assert (path[:5] >= 1).all() and int(path[1]) == 30
+    p = row_params(R, "cpu", temperature, top_k, top_p, seed=torch.arange(R) * 7, position=4)
+    want = sample_torch(logits, p, bm, torch.arange(R))
+    got = sample_triton(on_dev(logits), params_on_dev(p), on_dev(bm), on_dev(torch.arange(R))).cpu()
+    assert torch.equal(got, want)
