@@ -361,13 +361,13 @@ def _row_token(logits_ptr, tok_ptr, pmax_ptr, pmass_ptr, part_ptr, row, inv_t_pt
     if tok == -2:
         if is_p_alone(row, V, greedy_ptr, top_k_ptr, top_p_ptr):
             i = tl.arange(0, NPP)
-            m = tl.max(tl.load(pmax_ptr + row * n_prog + i, mask=i < n_prog, other=float("-inf")), 0)
+            pmx = tl.load(pmax_ptr + row * n_prog + i, mask=i < n_prog, other=float("-inf"))
+            m = tl.max(pmx, 0)
             tok = tl.full([], -1, tl.int64)
             if m > float("-inf"):
                 c = tl.arange(0, NSP)
                 base = part_ptr + (row * n_seg + c) * NP
                 top_p = tl.load(top_p_ptr + row)
-                pmx = tl.load(pmax_ptr + row * n_prog + i, mask=i < n_prog, other=float("-inf"))
                 pms = tl.load(pmass_ptr + row * n_prog + i, mask=i < n_prog, other=0.0)
                 s_row = tl.sum(tl.where(pmx > float("-inf"), pms * tl.exp(pmx - m), 0.0).to(tl.float64), 0)
                 lim = top_p.to(tl.float64) * s_row

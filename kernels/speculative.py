@@ -470,8 +470,7 @@ def _bonus_by_rejection(logits_ptr, pack_ptr, tau_ptr, bitmask_ptr, mask_rows_pt
     tok = tl.full([], -2, tl.int64)
     alive = False
     for j in tl.static_range(NP):
-        best = _merge(pack_ptr, pack_ptr, pack_ptr, rf, n_seg, NCP, NP, j)[2]
-        t = 4294967295 - (best & 4294967295)
+        best, t = rejection._proposal(pack_ptr, rf, n_seg, j, NP, NCP)
         live = (best >> 32) > _NEG_INF_KEY
         alive = alive | live
         zt = tl.load(logits_ptr + rf * V + tl.where(live, t, 0)).to(tl.float32) * inv_t
@@ -491,8 +490,8 @@ def _bonus_by_rejection(logits_ptr, pack_ptr, tau_ptr, bitmask_ptr, mask_rows_pt
 def _final_from_winners(rbest, qbest, b, rows_f_ptr, final_ptr, tokens_ptr):
     """A residual request's final token from the packed winners (the residual's, else q's), also written into the
     packed tokens at its final row."""
-    r_tok = tl.where((rbest >> 32) > _NEG_INF_KEY, 4294967295 - (rbest & 4294967295), -1)
-    q_tok = tl.where((qbest >> 32) > _NEG_INF_KEY, 4294967295 - (qbest & 4294967295), -1)
+    r_tok = tl.where((rbest >> 32) > _NEG_INF_KEY, rejection._unpack(rbest), -1)
+    q_tok = tl.where((qbest >> 32) > _NEG_INF_KEY, rejection._unpack(qbest), -1)
     tok = tl.where(r_tok >= 0, r_tok, q_tok)
     tl.store(final_ptr + b, tok)
     tl.store(tokens_ptr + tl.load(rows_f_ptr + b), tok)
