@@ -461,11 +461,19 @@ class EngramTable:
         weight, scale = quantize_rows_fp8(from_values)
         return cls.from_tensors(weight, scale)
 
+    @property
+    def packs(self) -> bool:
+        """Whether the table is FP8 E4M3 rows with UE8M0 scales, the form `lookup_packed` hands out as bytes."""
+        return self._weight_dtype == "F8_E4M3" and self._scale_dtype in ("F8_E8M0", "U8")
+
+    def _check_ids(self, flat: np.ndarray) -> None:
+        if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= self.rows):
+            raise IndexError(f"engram row id out of range [0, {self.rows}): min {int(flat.min())}, "
+                             f"max {int(flat.max())}")
+
     def lookup(self, row_ids: torch.Tensor) -> torch.Tensor:
-        ids = row_ids.detach().to("cpu", torch.long)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.rows):
-            raise IndexError(f"engram row id out of range [0, {self.rows}): min {int(ids.min())}, max {int(ids.max())}")
-        flat = ids.reshape(-1).numpy()
+        flat = row_ids.detach().to("cpu", torch.long).reshape(-1).numpy()
+        self._check_ids(flat)
         # Sort + unique so each touched page is read once and in file order (memmap fancy indexing).
         uniq, inverse = np.unique(flat, return_inverse=True)
         weight = _as_torch(self._weight[uniq], self._weight_dtype)  # [U, head_dim]
@@ -486,15 +494,13 @@ class EngramTable:
         dequantization (which measured 3 ms per Engram layer at 64 tokens on a busy GPU host). None when the table
         is not FP8 + UE8M0.
         out: a uint8 host tensor of the result's shape (e.g. the pinned buffer of the upload) to write into."""
-        if self._weight_dtype != "F8_E4M3" or self._scale_dtype not in ("F8_E8M0", "U8"):
+        if not self.packs:
             return None
         if isinstance(row_ids, np.ndarray):     # (the host path: rows hashed with NumPy)
             flat, shape = row_ids.reshape(-1), row_ids.shape
         else:
             flat, shape = row_ids.detach().to("cpu", torch.long).reshape(-1).numpy(), tuple(row_ids.shape)
-        if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= self.rows):
-            raise IndexError(f"engram row id out of range [0, {self.rows}): min {int(flat.min())}, "
-                             f"max {int(flat.max())}")
+        self._check_ids(flat)
         W = self._weight.shape[1]
         if isinstance(self._weight, np.memmap):   # each page read once, in file order
             uniq, inverse = np.unique(flat, return_inverse=True)
@@ -616,7 +622,7 @@ class Engram(nn.Module):
     def packed_shape(self, T: int) -> tuple | None:
         """The shape of `packed_values` for T tokens, None when the table does not pack (not FP8 + UE8M0)."""
         t = self._table
-        if t is None or t._weight_dtype != "F8_E4M3" or t._scale_dtype not in ("F8_E8M0", "U8"):
+        if t is None or not t.packs:
             return None
         return (T, self.spec.rows_per_token, t.head_dim + t._scale.shape[1])
 
@@ -628,10 +634,9 @@ class Engram(nn.Module):
         if self._table is None:
             raise RuntimeError(f"engram layer {self.layer_id}: no table loaded (set `.table`, see EngramTable)")
         device = torch.device(windows.device if device is None else device)
-        rows = self._rows_np(windows)
-        e = self._table.lookup_packed(rows, out=out if self.packed_shape(rows.shape[0]) is not None else None)
-        if e is None:
+        if not self._table.packs:
             return self.values(windows, device)
+        e = self._table.lookup_packed(self._rows_np(windows), out=out)
         return e.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else e.to(device)
 
     def mix(self, residual: torch.Tensor, e: torch.Tensor) -> torch.Tensor:

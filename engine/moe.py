@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer_sg.kernels import router
-from deepinfer_sg.kernels.skinny import skinny_linear
+from deepinfer_sg.kernels.skinny import skinny_linear, swiglu_clamped
 
 from . import streams
 
@@ -128,11 +128,6 @@ class ExpertLinear(nn.Linear):
             return super().forward(x)
         q, which, e = self.kept
         return F.linear(x, q.dequantized(which, e, x.dtype))
-
-
-def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """silu(min(gate, L)) * clamp(up, -L, L): the gate is clamped above only, up on both sides."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 class Expert(nn.Module):

@@ -36,10 +36,15 @@ def skinny_linear_torch(x: torch.Tensor, w: torch.Tensor, groups: int = 1, glu: 
     else:
         g = x.reshape(T, groups, -1)
         y = torch.einsum("tgi,goi->tgo", g, w.view(groups, -1, g.shape[-1])).reshape(T, -1)
-    if glu is not None:      # V4's clamped SwiGLU (engine/moe.py swiglu_clamped): gate clamped above, up both sides
-        up, limit = torch.nn.functional.linear(x, glu[0]), glu[1]
-        y = torch.nn.functional.silu(y.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    if glu is not None:
+        y = swiglu_clamped(y, torch.nn.functional.linear(x, glu[0]), glu[1])
     return y
+
+
+def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """V4's clamped SwiGLU, silu(min(gate, L)) * clamp(up, -L, L): the gate is clamped above only, up on both
+    sides (engine/moe.py's experts use it too)."""
+    return torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 @triton.jit
