@@ -126,6 +126,24 @@ Measured (H200, copy ~4,250 GB/s, bf16 matmul 700-790 TFLOP/s; launch floor 0.7 
                          20.3, 2 chunks 19.2, 8 chunks 20.9. On the score kernel's output instead of randn 21.4 (the
                          search's passes depend on the scores; emulated: ~3.2 reductions per chunk against ~2.8).
                          One row 13.3, 8 rows 14.9. Score + select 93.5 sorted / 91.1 unsorted (two launches).
+  session 9 round 1 (K2) the shared tickets (kernels.backend) in both families; attention 41.5 / 108.1 us (before:
+                         42.6 / 111.5). Scores + select in one launch of the score kernel (each 4096-entry chunk's
+                         last score program selects it, the row's last chunk merges): 95.2 against 90.3 for the
+                         two launches (212 registers: 2 score programs per SM), capped at 168 registers 91.3, the
+                         chunk's last piece in launch order waiting for the others 93.4 (capped 90.1), rows
+                         together 93.1, 2048-entry chunks 98.1, sorted 99.5; a running top-k per row (chunks merge
+                         in turn, each keeping its entries above the running k-th) 110.4-126.6: all removed.
+                         Select alone 18.5-18.7 unsorted (2 chunks of 8 warps 17.9), one row 13.3 (its chunk
+                         stage 8.0, merge 5.5), 8 rows 15.2; on the score kernel's rows 20.8. Unsorted engine
+                         form 89.4 (71%), sorted 93.2, scores alone 68.2 (94%). Longer rows (the flat merge of 16
+                         chunks' 8192 candidates, spilling): N=8, L=131072 162.6 us (39%), N=64, L=65536 348.7
+                         (72%), N=64, L=131072 656.7 (77%).
+  session 9 round 2 (K2) a tree for rows of more than 4 chunks (groups of 4 merged by their last chunk, the groups by
+                         the row's last): N=8, L=131072 123.5 us (51%; select alone 33.1 against 43.5 for two
+                         launches), N=8, L=65536 74.4 (42%, scores alone 36.9), N=64, L=65536 323.1 (78%; select
+                         alone 63.8 against 57.5 for two launches), N=64, L=131072 629.4 (80%). 2 chunks of 8
+                         warps on the score kernel's rows 19.5 against 20.4 (4 of 4 warps), behind the scores 88.2
+                         (72%) against 90.9: the new default. Attention 41.3 / 108.0.
 """
 import os
 import sys
@@ -148,12 +166,13 @@ ATTN_VARIANTS = []
 # softmax denominators summed per block
 BEFORE = dict(_U, block_k=64, num_stages=2, lazy_sum=False)
 # select variants (label, topk_select_triton keywords), most telling first
-SELECT_VARIANTS = [("4 chunks default", dict(chunks=4, sorted=False)),
-                   ("4 chunks two launches", dict(chunks=4, sorted=False, fused=False)),
-                   ("2 chunks fused w8", dict(chunks=2, num_warps=8, sorted=False, fused=True)),
-                   ("4 chunks default sorted", dict(chunks=4, sorted=True)),
-                   ("4 chunks fused sorted", dict(chunks=4, sorted=True, fused=True)),
-                   ("4 chunks default again", dict(chunks=4, sorted=False))]
+SELECT_VARIANTS = [("default", dict(sorted=False)),
+                   ("4 chunks w4 (session 8 default)", dict(chunks=4, sorted=False)),
+                   ("2 chunks w8 two launches", dict(chunks=2, sorted=False, fused=False)),
+                   ("default sorted", dict(sorted=True)),
+                   ("4 chunks w4 sorted (session 8 default)", dict(chunks=4, sorted=True)),
+                   ("2 chunks w8 fused sorted", dict(chunks=2, sorted=True, fused=True)),
+                   ("default again", dict(sorted=False))]
 
 
 def attn_label(v):
@@ -329,6 +348,10 @@ def _warm_one(task):
             x = attn_inputs(v, H, D, Kw, Kc, pool)()
             decode_attention.sparse_attention(*x)
             decode_attention.sparse_attention_triton(*x, **_before_cfg(v))
+        elif kind == "select-long":            # a select variant on longer rows
+            (rows_, L_), i = v
+            indexer.topk_select_triton(torch.randn(rows_, L_, device=DEV), 512 if not DRY else 16,
+                                       **LONG_SELECT[i][1])
         elif kind == "indexer-defaults":       # bench_indexer's kernels that no select / fused task builds
             N, Hi, Di, L, k = indexer_shape()
             x = indexer_inputs(N, Hi, Di, L)()
@@ -347,6 +370,9 @@ def warm(workers=8):
     import multiprocessing as mp
     tasks = [("attn-dispatch", 64), ("attn-dispatch", 256), ("indexer-defaults", None),
              ("select", 0), ("select", 1), ("select", 3)]                        # what the default rows run
+    # the streamed variants last: their compiled test runs beside this, and one that hangs only ends its worker
+    tasks += [("select-long", (sh, i)) for sh in S([(8, 131072), (64, 65536)], [(2, 2048)])
+              for i in range(len(LONG_SELECT))]
     if os.environ.get("WARM_SWEEP", "1") == "1":
         tasks += [("attn", v) for v in ATTN_VARIANTS] + [("select", i) for i in range(len(SELECT_VARIANTS))
                                                          if i not in (0, 1, 3)]
@@ -367,6 +393,21 @@ def select_latency(bw):
         sc = torch.randn(rows, L, device=DEV)
         t = time_ms(lambda: indexer.topk_select_triton(sc, k, sorted=False))
         row("  sweep select rows", f"N={rows} L={L} k={k}", t, None, rows * L * 4, bw, "unsorted, latency")
+    # one row's two stages apart: the chunk programs alone, then the merge alone on their candidates
+    sc = torch.randn(1, L, device=DEV)
+    chunks = indexer.default_chunks(L, k)
+    ci, cv = indexer._select_launch(sc, k, chunks, False, None, 4)
+    t = time_ms(lambda: indexer._select_launch(sc, k, chunks, False, None, 4))
+    row("  sweep select rows", f"N=1 L={L} k={k} chunk stage alone", t, None, L * 4, bw, f"{chunks} chunks")
+    t = time_ms(lambda: indexer._select_launch(cv, k, 1, False, None, 4, id_map=ci))
+    row("  sweep select rows", f"N=1 L={L} k={k} merge alone", t, None, L * 4, bw, f"{chunks * k} candidates")
+
+
+LONG_SELECT = [("default", dict(sorted=False)), ("two launches", dict(sorted=False, fused=False)),
+               ("8 chunks two launches", dict(sorted=False, fused=False, chunks=8)),
+               ("32 chunks two launches", dict(sorted=False, fused=False, chunks=32))]
+# longer contexts (rows users hit at 64k-128k tokens of compressed entries' worth)
+LONG_SHAPES = S([(64, 65536), (8, 65536), (64, 131072), (8, 131072)], [(2, 2048)])
 
 
 def sweep(bw, l2):
@@ -389,6 +430,34 @@ def sweep(bw, l2):
         row("  sweep select", f"N={N} L={L} k={k} {label} sorted={kw['sorted']}", t, None, N * L * 4, bw,
             f"exact: {same}")
     select_latency(bw)
+    # the select's defaults against 2 chunks of 8 warps on the score kernel's own rows, alone and behind the scores
+    real = [indexer.indexer_scores_triton(*indexer_inputs(N, Hi, Di, L)(), L) for _ in range(4)]
+    for label, kw in (("default (2 chunks w8)", dict(sorted=False)),
+                      ("4 chunks w4 (session 8 default)", dict(sorted=False, chunks=4))):
+        t = time_ms(lambda: indexer.topk_select_triton(real[next(it) % 4], k, **kw))
+        row("  sweep select real", f"N={N} L={L} k={k} {label}", t, None, N * L * 4, bw, "scores in L2")
+        nxt = rotating(indexer_inputs(N, Hi, Di, L), N * L * Di * 2, l2)
+        t = time_ms(lambda: indexer.topk_select_triton(indexer.indexer_scores_triton(*nxt(), L), k, **kw))
+        row("  sweep score+select", f"N={N} L={L} k={k} {label}", t, None, N * L * Di * 2, bw, "two launches")
+    # longer rows: scores + select (two launches, the engine's form) against the bytes floor, then the select
+    # alone on [8, 131072] and [64, 65536] scores (chunks x k candidates merged)
+    for rows_, L_ in LONG_SHAPES:
+        nb = rows_ * L_ * Di * 2
+        nxt = rotating(indexer_inputs(rows_, Hi, Di, L_), nb, l2)
+        t = time_ms(lambda: indexer.topk_select_triton(indexer.indexer_scores_triton(*nxt(), L_), k, sorted=False))
+        ts = time_ms(lambda: indexer.indexer_scores_triton(*nxt(), L_))
+        row("  sweep score+select long", f"N={rows_} L={L_} k={k}", t, None, nb, bw,
+            f"scores + select(sorted=False); scores alone {ts * 1e3:.1f} us; "
+            f"bytes floor {nb / (bw * 1e9) * 1e6:.1f} us")
+    for rows_, L_ in S([(8, 131072), (64, 65536)], [(2, 2048)]):
+        scl = [torch.randn(rows_, L_, device=DEV) for _ in range(2)]
+        for label, kw in LONG_SELECT:
+            try:
+                t = time_ms(lambda: indexer.topk_select_triton(scl[next(it) % 2], k, **kw))
+            except Exception as e:                           # noqa: BLE001 - one failing variant must not end the sweep
+                emit(f"  sweep select long {label}: FAILED {type(e).__name__}: {str(e)[:120]}")
+                continue
+            row("  sweep select long", f"N={rows_} L={L_} k={k} {label}", t, None, rows_ * L_ * 4, bw, "scores in L2")
     H, D, Kw, Kc, pool = attn_shape()
     sets = {}
     for N in S((64, 256), (2,)):
@@ -451,9 +520,11 @@ def compile_cases():
                 MBLOCK=16, MSORTED=False), w)
           for stage, blk, mp, w in (("chunk", 4096, False, 4), ("merge", 2048, True, 8))
           for srt in ((False, True) if mp else (False,))],
-        ("select fused", indexer._topk_select_kernel, dict(_SELECT_PTRS, map_ptr="*fp32"),
-         dict(BLOCK=4096, RESIDENT=True, SORTED=False, KP=512, MAP=False, FW=0.3, WIDTH=2.0, TOPR=4, FUSE=True,
-              MBLOCK=2048, MSORTED=False), 4),
+        *[(f"select fused {blk}{' tree' if fan else ''}", indexer._topk_select_kernel,
+           dict(_SELECT_PTRS, map_ptr="*fp32", grp_idx_ptr="*i64", grp_val_ptr="*fp32"),
+           dict(BLOCK=blk, RESIDENT=True, SORTED=False, KP=512, MAP=False, FW=0.3, WIDTH=2.0, TOPR=4, FUSE=True,
+                MBLOCK=mb, MSORTED=False, FAN=fan, GBLOCK=2048), w)
+          for fan, mb, blk, w in ((0, 1024, 8192, 8), (0, 2048, 4096, 4), (4, 4096, 4096, 4))],
     ]
 
 

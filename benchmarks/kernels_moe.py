@@ -108,6 +108,25 @@ Rounds 1-2, us at T = 8 / 64 / 256 (read floor 2.0 / 3.8 / 8.0; the two launches
   (hc_mix.POST_MIX_MAX_T); its streaming pass alone is 11.3 us at T = 64, as long as both launches' together.
   Mixes kernel register variants: see kernels/hc_mix.py _fused_tiles (the real builds do not spill).
   Packed FP4 with the shifts folded into the decoded weights: kernels/moe.py's W4_TILES notes (lost, deleted).
+
+Session 9 (H200, copy 4248 GB/s, an empty launch 0.7 us; ncu source-level stall sampling in the rounds):
+Round 1, us (read floor = one launch streaming the same bytes):
+  mHC mixes T=64: tail form 0 (session 8) 10.9; 1 (leaving ticket early) 10.5; 3 (+ logits in registers) 10.5;
+  7 (+ acquire-load polls) 9.9; form 7 with one Sinkhorn step 8.5; streaming pass alone 5.9; read floor 2.9.
+  T=256 16.4 -> 17.0 and T=4096 89.3 -> 93.6 with form 7 (hc_mix._tail_form: 7 only where a waiter mixes one
+  token). Tiles at T=64 (form 7): 128-wide splits 11.0, 32-token blocks 12.0, 32 x 128 x 64 26.9.
+  Write-back + mixes (form 7) against the two launches: T=8 8.6 vs 11.7; T=64 15.4 (fn parts 14.6) vs 13.8
+  (14.8 with form 0); T=256 29.7 vs 25.9; H=2048 T=64 11.8 vs 11.5. Its streaming pass alone at T=64: 9.8.
+  ncu (T=64): the mixes kernel 80 programs, 6% achieved occupancy, stalls long-scoreboard 24% / barrier 15%;
+  the write-back + mixes kernel's top stall is its per-stream fn tile loads inside the stream loop.
+  Packed FP4 at V4.1 T=64 / 8: 2188 / 472 (50 / 43% of its bytes), fp8 rows 2078 / 432 (98 / 89%). ncu: L2 at
+  75-78% of its throughput with DRAM at 37-42%, top stall the shift loads' use: the per-step word tiles are
+  16 bytes wide per row (half a sector). Variants: kernels/moe.py's W4_TILES notes.
+Round 3 (final tree, copy 4273 GB/s; session 8's form beside each default in the same run), us:
+  mixes T=64 10.8 -> 9.5 (bench row 9.6; streaming pass 5.8, read floor 2.9); write-back then mixes T=64
+  14.6 -> 13.6; write-back + mixes T=8 / 16 9.2 / 9.8 -> 8.5 / 9.0 (bench 8.2 / 8.8; H=2048 T=8 7.7).
+  T=256 / 4096 mixes 16.3 / 90.1 (unchanged form). Experts V4.1 T=64 / 8 / 256: fp8 2118 / 448 / 3406 (94 / 85
+  / 91%), packed FP4 2142 / 469 / 3403 (49 / 43 / 49% of its bytes).
 """
 import math
 import os
@@ -361,10 +380,12 @@ def sweep(bw, l2):
 
 def _moe_variants(T):
     """(label, options) of the MoE sweep at T tokens (V4.1 shape): the kept fp8 default against packed FP4 at its
-    default tiles (moe.W4_TILES; session 6's tile and decode variants are in kernels/moe.py's notes). Options:
-    R (block shift rows; None: per-row scales only), W4 (packed FP4 bytes), the rest moe_experts_triton's."""
-    fp8 = dict(R=None, **moe.FP8_TILES)                       # the CUDA default: FP4 repacked to fp8
-    fp4 = dict(R=1, W4=True, **moe.W4_TILES)
+    default tiles (moe.W4_TILES; the variants measured are in kernels/moe.py's notes). Options: R (block shift
+    rows; None: per-row scales only), W4 (packed FP4 bytes), the rest moe_experts_triton's; block_m as the
+    384-expert default (warm_moe builds with fewer experts)."""
+    bm = moe.default_block_m(T, REAL["K"], REAL["E"])
+    fp8 = dict(R=None, block_m=bm, **moe.FP8_TILES)                       # the CUDA default: FP4 repacked to fp8
+    fp4 = dict(R=1, W4=True, block_m=bm, **moe.W4_TILES)
     return [("fp8 rows (default)", fp8), ("fp4 packed (W4_TILES)", fp4)]
 
 
@@ -462,17 +483,78 @@ def read_floor(nbytes: int) -> float:
                                                                   num_warps=8))
 
 
-# (label, hc_post_mix_triton options) of the write-back + next mixes sweep; "parts": fn read as its bf16 parts
-POST_MIX_VARIANTS = (("bt16 s64 k64", dict(block_t=16, split=64, block_k=64)),
-                     ("bt16 s128 k64", dict(block_t=16, split=128, block_k=64)),
-                     ("bt16 s32 k32", dict(block_t=16, split=32, block_k=32)),
-                     ("bt16 s64 k64 no mixing", dict(block_t=16, split=64, block_k=64, only_partial=True)))
+def _hc_cases():
+    """(label, kind, T, H, options) of the mHC sweep, most informative first. kind "mix": hc_mixes_triton on R;
+    "post": the write-back + next mixes launch (hc_post_mix_triton); "two": the two launches it replaces
+    (hc_post_apply, then hc_mixes_triton with the options). Options: the kernels' keywords, and parts=True for
+    fn read as its cached bf16 parts (hc_mixes's rule, parts_pay, when not given). tail_form: _finish_block's
+    FORM bits (1 early leaving ticket, 2 logits in registers, 4 acquire-load polls)."""
+    H, H2 = S(5120, 64), S(2048, 32)
+    T64, T256, T4096 = S(64, 5), S(256, 7), S(4096, 9)
+    c = [(f"mixes T={T64} (default form 7)", "mix", T64, H, {}),
+         (f"mixes T={T64} form 7 parts", "mix", T64, H, dict(parts=True)),
+         (f"mixes T={T64} form 7 waiters 32", "mix", T64, H, dict(waiters=32))]
+    c += [(f"two launches T={T} pdl {int(on)}", "two", T, H, dict(pdl=on)) for T in S((64, 32), (3,))
+          for on in (True, False)]
+    c += [(f"mixes T={T} form {f}", "mix", T, H, dict(tail_form=f)) for T in (T256, T4096) for f in (0, 5)]
+    for T in S((16, 32, 64), (3,)):
+        for h in (H, H2):
+            c += [(f"post+mix H={h} T={T}", "post", T, h, {}), (f"two launches H={h} T={T}", "two", T, h, {})]
+    c += [(f"post+mix T={T64} {lb}", "post", T64, H, kw) for lb, kw in (
+        ("bt16 s128 k64 parts w8", dict(block_t=16, split=128, block_k=64, parts=True, num_warps=8)),
+        ("bt16 s64 k64 parts", dict(block_t=16, split=64, block_k=64, parts=True)),
+        ("bt16 s128 k32 parts", dict(block_t=16, split=128, block_k=32, parts=True)),
+        ("bt32 s128 k32 parts", dict(block_t=32, split=128, block_k=32, parts=True)))]
+    return c
 
 
-def _post_mix_runner(v):
-    """run(input set, its fn parts) for a write-back + mixes sweep variant."""
-    kw = {k: x for k, x in v.items() if k != "parts"}
-    return lambda s, parts: hc_mix.hc_post_mix_triton(*s, fn_parts=parts if v.get("parts") else None, **kw)
+def _hc_final_cases():
+    """The final round's mHC rows: each default beside session 8's form of it, in the same run (tail form 0, fn
+    split in registers at T=64); the rest of the defaults are bench_hc's rows."""
+    H, T64 = S(5120, 64), S(64, 5)
+    return [(f"mixes T={T64} session 8 (form 0, fn split in registers)", "mix", T64, H, dict(tail_form=0, parts=False)),
+            (f"mixes T={T64} default", "mix", T64, H, {}),
+            (f"two launches T={T64} session 8 (form 0)", "two", T64, H, dict(tail_form=0, parts=False)),
+            (f"two launches T={T64} default", "two", T64, H, {})] + \
+        [(f"post+mix T={T} {lb}", "post", T, H, kw) for T in S((8, 16), (3,))
+         for lb, kw in (("session 8 (form 0)", dict(tail_form=0)), ("default", {}))]
+
+
+def _bench_defaults():
+    """(label, thunk) of every default launch bench_hc times, for warm() to build first."""
+    H, H2 = S(5120, 64), S(2048, 32)
+    for T in S((64, 256, 4096), (5,)):
+        yield f"mixes T={T} default", (lambda T=T: hc_mix.hc_mixes(*hc_inputs(T, 4, H)))
+    for T in S((64, 256), (5,)):
+        yield f"post + pre T={T}", (lambda T=T: hc_mix.hc_post_triton(*_apply_inputs(T, 4, H)))
+    for T, h in [(T, H) for T in S((8, 16, 64, 256), (5,))] + [(T, H2) for T in S((8, 64), (5,))]:
+        yield f"post+mix T={T} H={h} kernel", (lambda T=T, h=h: _post_mix_kernel(_post_mix_inputs(T, 4, h)))
+        yield f"post+mix T={T} H={h} two launches", (lambda T=T, h=h: _two_launches(_post_mix_inputs(T, 4, h)))
+
+
+FINAL = os.environ.get("K3_FINAL") == "1"
+
+
+def _hc_inputs_for(kind, T, H):
+    """((inputs), fn's bf16 parts) of a sweep case."""
+    s = hc_inputs(T, 4, H) if kind == "mix" else _post_mix_inputs(T, 4, H)
+    return s, hc_mix.split_fn_bf16(s[1] if kind == "mix" else s[5])
+
+
+def _hc_runner(kind, T, kw):
+    """run(inputs, parts) for a sweep case."""
+    kw = dict(kw)
+    use = kw.pop("parts", hc_mix.parts_pay(T))
+    if kind == "mix":
+        return lambda s, p: hc_mix.hc_mixes_triton(*s, fn_parts=p if use else None, **kw)
+    if kind == "post":
+        return lambda s, p: hc_mix.hc_post_mix_triton(*s, fn_parts=p if use else None, **kw)
+
+    def two(s, p):
+        pd = kw.get("pdl")
+        out, x = hc_mix.hc_post_apply(*s[:5]) if pd is None else hc_mix.hc_post_triton(*s[:5], pdl=pd)
+        return out, x, hc_mix.hc_mixes_triton(out, *s[5:], fn_parts=p if use else None, **kw)
+    return two
 
 
 def _run_share(i: int, n: int, jobs):
@@ -491,21 +573,13 @@ def _run_share(i: int, n: int, jobs):
 
 
 def warm(i: int, n: int):
-    """Build the write-back + mixes sweep's variants (every n-th from the i-th) by running each once on its real
-    shape (building is most of the sweep's time: ~3 s per variant)."""
-    M, H = 4, 5120
-
+    """Build the mHC sweep's cases (every n-th from the i-th) by running each once on its real shape (building
+    is most of the sweep's time: ~3 s per variant)."""
     def jobs():
-        # (builds differ with T where the split count or the one-wave rule does); the defaults first
-        sets = {T: (lambda s: (s, hc_mix.split_fn_bf16(s[5])))(_post_mix_inputs(T, M, H)) for T in (8, 16, 64, 256)}
-        mid = {T: _post_mix_inputs(T, M, 2048) for T in (8, 64)}          # (bench_post_mix's mid-size rows)
-        for T, s in [(T, s) for T, (s, _) in sets.items()] + list(mid.items()):
-            yield f"post+mix T={T} H={s[0].shape[2]} kernel default", (lambda s=s: _post_mix_kernel(s))
-            yield f"post+mix T={T} H={s[0].shape[2]} two launches", (lambda s=s: _two_launches(s))
-        for T, (s, parts) in sets.items():
-            if T <= 16:
-                for label, v in POST_MIX_VARIANTS:
-                    yield f"post+mix T={T} {label}", (lambda v=v, s=s, p=parts: _post_mix_runner(v)(s, p))
+        for label, kind, T, H, kw in _hc_final_cases() if FINAL else _hc_cases():
+            yield label, (lambda kind=kind, T=T, H=H, kw=kw: _hc_runner(kind, T, kw)(*_hc_inputs_for(kind, T, H)))
+        if FINAL:
+            yield from _bench_defaults()
     _run_share(i, n, jobs())
 
 
@@ -520,7 +594,7 @@ def report_builds():
                     k._init_handles()
                     consts = getattr(k.src, "constants", {})
                     shown = {names[key[0]] if isinstance(key, tuple) else key: val for key, val in consts.items()}
-                    tiles = " ".join(f"{c}={shown[c]}" for c in ("BT", "BK", "SPLIT", "MODE", "NW", "TPW", "PF")
+                    tiles = " ".join(f"{c}={shown[c]}" for c in ("BT", "BK", "SPLIT", "MODE", "NW", "TPW", "PF", "FORM")
                                      if c in shown)
                     emit(f"# build {fn.__name__} {tiles} warps={k.metadata.num_warps}: {k.n_regs} registers, "
                          f"{k.n_spills} spilled")
@@ -528,34 +602,44 @@ def report_builds():
                     emit(f"# build {fn.__name__}: {type(e).__name__}: {str(e)[:120]}")
 
 
+def _hc_bytes(kind, T, H):
+    """The fewest bytes of a case: R once and fp32 fn once (mixes); R, R', y, x and fn (the write-back + mixes)."""
+    return T * 4 * H * 2 + 24 * 4 * H * 4 if kind == "mix" else _post_mix_bytes(T, 4, H)
+
+
+def _hc_case_err(kind, got, s):
+    """(relative error of R' / x, largest absolute error of the mixes) against the twins."""
+    if kind == "mix":
+        ref = hc_mix.hc_mixes_torch(*s)
+        return 0.0, max(float((u - v).abs().max()) for u, v in ((got.pre, ref.pre), (got.post, ref.post),
+                                                               (got.comb, ref.comb)))
+    return post_mix_err(got, s)
+
+
 def _sweep_hc(bw, l2, one):
-    """The write-back + next mixes variants (POST_MIX_VARIANTS) at decode sizes beside the two launches they
-    replace; `read floor` is one launch streaming the same bytes. (The mixes kernel's register variants, session 8
-    round 1, are in kernels/hc_mix.py _fused_tiles.)"""
-    M, H = 4, S(5120, 64)
-    for T, share in zip(S((8, 16), (5,)), (0.5, 1.0)):
-        nb = _post_mix_bytes(T, M, H)
-        floor = one if DRY else read_floor(nb)
-        emit(f"  sweep post+mix T={T}: read floor (one launch streaming {nb / 1e6:.1f} MB) {floor * 1e3:.1f} us")
-        nxt = rotating(lambda: (lambda s: (s, hc_mix.split_fn_bf16(s[5])))(_post_mix_inputs(T, M, H)), nb * 1.5, l2)
-        base = [("public entry", lambda s, p: hc_mix.hc_post_mix_apply(*s)),
-                ("two launches (post + pre, then mixes)", lambda s, p: _two_launches(s))]
-        for label, run in base + [(lb, _post_mix_runner(v)) for lb, v in POST_MIX_VARIANTS]:
-            if _left() < SWEEP_S * (1 - share * (1 - HC_SHARE_LEFT)):
-                emit("  sweep post+mix: stopped (time)")
-                break
-            try:
-                s, parts = nxt()
-                rel, err = post_mix_err(run(s, parts), s) if "no mixing" not in label else (0.0, 0.0)
-                for _ in range(16):
-                    run(*nxt())
-                t = time_ms(lambda: run(*nxt()))
-            except Exception as e:                      # noqa: BLE001 - one variant must not end the sweep
-                emit(f"  sweep post+mix T={T} {label}: FAILED {type(e).__name__}: {str(e)[:300]}")
-                continue
-            row("  sweep post+mix", f"T={T} {label}", t, None, nb, bw,
-                f"err {rel:.0e} / {err:.0e}; {floor / t:.0%} of the read floor")
-        nxt = None
+    """The mHC cases (_hc_cases) at decode sizes; `read floor`: one launch streaming the same bytes."""
+    floors = {}
+    for label, kind, T, H, kw in _hc_final_cases() if FINAL else _hc_cases():
+        if _left() < SWEEP_S * HC_SHARE_LEFT:
+            emit("  sweep hc: stopped (time)")
+            break
+        try:
+            nb = _hc_bytes(kind, T, H)
+            if nb not in floors:
+                floors[nb] = one if DRY else read_floor(nb)
+            run = _hc_runner(kind, T, kw)
+            nxt = rotating(lambda: _hc_inputs_for(kind, T, H), nb * 1.5, l2)
+            s, parts = nxt()
+            rel, err = _hc_case_err(kind, run(s, parts), s) if not kw.get("only_partial") else (0.0, 0.0)
+            for _ in range(16):
+                run(*nxt())
+            t = time_ms(lambda: run(*nxt()))
+        except Exception as e:                      # noqa: BLE001 - one variant must not end the sweep
+            emit(f"  sweep hc {label}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            continue
+        row("  sweep hc", label, t, None, nb, bw,
+            f"err {rel:.0e} / {err:.0e}; {floors[nb] / t:.0%} of the read floor ({floors[nb] * 1e3:.1f} us)")
+        nxt = s = parts = None
     if not DRY:
         report_builds()
 
@@ -575,7 +659,7 @@ POST_MIX_BUILDS = (("bt16 s64 k64", 16, 64, 64, 1, 4), ("bt16 s128 k64", 16, 128
 def compile_cases():
     """(name, kernel, extra pointer types, constexprs, warps) for kernels.py --compile-check."""
     desc_t = dict(w1_desc="constexpr", w3_desc="constexpr", w2_desc="constexpr")
-    fused = dict(M=4, NZP=32, PRECISION="ieee", UPCAST=False, ITERS=20, FAST=True, TAIL=True, PF=True)
+    fused = dict(M=4, NZP=32, PRECISION="ieee", UPCAST=False, ITERS=20, FAST=True, TAIL=True, PF=True, FORM=7)
     fz = dict(r_ptr="*bf16", cnt_ptr="*i32", norm_eps="fp32", hc_eps="fp32", post_mult="fp32")
     cases = [
         ("moe align", moe._align_kernel, dict(ids_ptr="*i64", slot_pair_ptr="*i32", block_expert_ptr="*i32"),
@@ -625,7 +709,7 @@ def compile_cases():
         ("hc post + pre", hc_mix._hc_post_kernel, dict(r_ptr="*bf16", y_ptr="*bf16", out_ptr="*bf16", x_ptr="*bf16"),
          dict(M=4, BH=256, PRE=True), 1),
     ]
-    pm = dict(NZP=32, UPCAST=False, ITERS=20, FAST=True, SPC=32, TAIL=True)
+    pm = dict(NZP=32, UPCAST=False, ITERS=20, FAST=True, SPC=32, TAIL=True, FORM=7)
     pz = dict(r_ptr="*bf16", y_ptr="*bf16", out_ptr="*bf16", x_ptr="*bf16", cnt_ptr="*i32", norm_eps="fp32",
               hc_eps="fp32", post_mult="fp32")
     for label, bt, sp, bk, mode, w in POST_MIX_BUILDS:

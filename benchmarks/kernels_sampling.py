@@ -127,6 +127,34 @@ H200 numbers (torch 2.11 / Triton 3.6; copy 4,250-4,275 GB/s; us, fraction of co
     default rows                T=1 11.0 / 34.4; T=0.7 +mask 13.4 / 41.0; greedy 10.6 / 33.4; top-k50 p0.9 28.9 /
                                 75.0; top-k50 +mask 34.6 / 83.8; top-p0.95 peak 25.8 / 63.1; top-p0.9 flat 32.8 /
                                 85.4 (session 7: 33.0 / 136)
+  session 9 round 1 (2026-11-30; copy 4,252 GB/s; the compiled tests beside it), top-k merge redesign tried: the
+  candidates read column by column, one lane per thread (counted in-thread, placed by one scan, all pairs one
+  candidate per thread), B=64 flat / peaked: 34.4 / 38.0 at 16 warps, 34.8 / 41.3 at 8, 51.0 / 58.4 at 4, against
+  the [LCAP, 16] block's 29.9 / 31.8 (B=256: 88.0 / 90.3 against 75.3 / 76.7); stages at 4 warps: fixed 6.5,
+  bound 4.1, tau 20.0 (the extra column sweep, and 192 B of spills), draw 3.9. Deleted.
+  session 9 round 2 (copy 4,249 GB/s; the compiled tests beside it: 88 / 88 passed), B=64:
+    programmatic dependent launch (off -> on, twice each; threshold.PDL, now on): T=1 11.0 / 11.8 -> 10.7 / 10.7;
+                                T=0.7 +mask 13.4 / 14.5 -> 13.2 / 14.4; top-k50 p0.9 28.7 / 28.0 -> 27.5 / 27.5;
+                                top-p0.95 peak 24.6 / 26.0 -> 23.7 / 24.6; B=256 T=1 34.5 -> 33.5, top-k 74.5 ->
+                                74.6; speculative step 48.7 / 49.9 -> 49.4 / 49.8 (kept off there); with top-k50
+                                p0.9 151.0 / 151.0 (the lane path's two launches and a second read of every row)
+    merge all-pairs block       JB 32 / 64 / 128: flat 29.4 / 32.3 / 32.3, peaked 35.3 / 32.2 / 32.5; B=256 flat
+                                74.5 / 75.7 / 82.2, peaked 75.2 / 78.8 / 80.3 (32 kept)
+    what a mask costs           T=1 11.0, T=0.7 11.0 (the temperature is free), T=1 at the masked shape (64 lanes x
+                                2 warps: one lane per thread, 4-byte loads) 11.9, T=0.7 + a mask of all ones 14.6,
+                                random 50% masks 13.6 (128x4 14.5, 128x2 17.1, 256x2 17.9, 32x1 15.4), grammar-like
+                                masks 14.4 dense, 12.0 MASK_FIRST; T=1 again at the end 11.7. B=256: T=1 34.6,
+                                T=0.7 + mask 41.1. So the mask costs ~2.6 us at B=64 beyond the lane-per-thread
+                                shape's 0.9: the SASS of the masked pass has ~23 instructions per token against
+                                ~17 unmasked (a word load, its address and the bit test per token), at B=64 the
+                                pass issues ~6M warp instructions (~6.5 us of issue at 4 per SM per cycle) beside
+                                the ~8 us read: instruction-bound, not bytes (the mask is 3% of them).
+  session 9 round 3 (final defaults, PDL on; copy 4,273 GB/s; compiled tests 88 / 88 beside it), B=64 / 256: T=1
+                                10.7 / 34.0 (72% / 91%); T=0.7 +mask 13.2 / 41.1 (60% / 78%); greedy 10.3 / 33.3
+                                (75% / 93%); top-k50 p0.9 27.4 / 74.0 (28% / 42%); top-k50 +mask 31.0 / 80.7;
+                                top-p0.95 peak 23.8 / 63.2; top-p0.9 flat 31.0 / 86.3; speculative accept 51.9
+                                (64%), with top-k50 p0.9 152.7. PDL off / on at B=64 (twice): T=1 11.8 / 11.1 (both
+                                pairs), +mask 14.4-14.5 / 14.3-14.4, top-k 28.5 / 27.2, top-p peak 25.9 & 24.4 / 23.6
   Floor of the histogram path: its histogram pass is instruction-bound (1,832 SASS instructions per thread, x 8
   warps x 2,048 programs at B=64 = 30M warp instructions: 32 us at 4 per SM per cycle, 55 us measured), so top-p
   alone on flat rows cannot approach one read (8.7 us) this way; a sampling rule that needs no tau (proposals from
@@ -139,7 +167,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_sg.kernels import sampling, speculative, threshold
-from kbench import DEV, V, W, emit, rand_bitmask, rotating, row, S, time_ms
+from kbench import DEV, DRY, V, W, emit, rand_bitmask, rotating, row, S, time_ms
 
 
 # what the host tells sample_triton when every row is a top-k row (sample_from_logits' host_flags): the merge
@@ -300,7 +328,7 @@ def sweep(bw, l2):
     batches = S([64, 256], [3])
     floors(bw, l2, batches)
     SWEPT.append(True)
-    parts = dict(final=sweep_final, topk=sweep_topk, threshold=sweep_threshold, reject=sweep_reject, spec_one=sweep_spec_one,
+    parts = dict(pdl=sweep_pdl, final=sweep_final, threshold=sweep_threshold, reject=sweep_reject, spec_one=sweep_spec_one,
                  plain=sweep_plain, top_p_tune=sweep_top_p_tune, top_p=sweep_top_p, shapes=sweep_shapes,
                  spec=sweep_speculative)
     chosen = os.environ.get("K1_SWEEP")                    # a comma list of the parts to run (default: all)
@@ -313,27 +341,83 @@ def sweep(bw, l2):
             emit(f"  sweep part FAILED {type(e).__name__}: {str(e)[:600]}")
 
 
+def sweep_pdl(bw, l2, batches=None):
+    """Programmatic dependent launch (threshold.PDL: the per-row kernel after a pass is scheduled while the pass's
+    last programs run, and waits on the pass's completion inside): T=1 and T=0.7 + mask (pass + finish), top-k50
+    p0.9 (lane maxima + merge) and top-p0.95 peaked rows (the rejection chain) at B=64, off / on twice each (B=256:
+    T=1 and top-k once each); with PDL on, whether a CUDA graph captures the launches (time_ms falls back to plain
+    launches when not)."""
+    keep = threshold.PDL
+    try:
+        for B in batches or S([64, 256], [3]):
+            for label, kw, masked, flags in (("T=1", dict(temperature=1.0, top_k=0, top_p=1.0), False,
+                                              dict(filters=False, reject=False)),
+                                             ("T=0.7 +mask", dict(temperature=0.7, top_k=0, top_p=1.0), True,
+                                              dict(filters=False, reject=False)),
+                                             ("top-k50 p0.9", dict(temperature=1.0, top_k=50, top_p=0.9), False,
+                                              LANE_ONLY),
+                                             ("top-p0.95 peak", dict(temperature=1.0, top_k=0, top_p=0.95), False,
+                                              TOP_P_ONLY)):
+                p = sampling.row_params(B, DEV, seed=torch.arange(B, device=DEV), position=0, **kw)
+                gen_rows = peaked_logits if "peak" in label else flat_logits
+                nxt = rotating(lambda: (gen_rows(B), rand_bitmask(B) if masked else None), B * V * 4, l2)
+                x, m = nxt()
+                want = sampling.sample_torch(x, p, m)
+                if B > S(64, 3) and label in ("T=0.7 +mask", "top-p0.95 peak"):
+                    continue                                         # B=256: two cases, once each
+                for on in (False, True, False, True)[:4 if B == S(64, 3) else 2]:
+                    threshold.PDL = on
+                    same = float((sampling.sample_triton(x, p, m, **flags) == want).float().mean())
+                    note = f"tokens = twin {same:.1%}"
+                    if on and not DRY:
+                        try:
+                            g = torch.cuda.CUDAGraph()
+                            with torch.cuda.graph(g):
+                                sampling.sample_triton(x, p, m, **flags)
+                            g.replay()
+                            torch.cuda.synchronize()
+                            note += "; graph capture ok"
+                        except Exception as e:                       # noqa: BLE001
+                            note += f"; graph capture FAILED {type(e).__name__}: {str(e)[:120]}"
+                            torch.cuda.synchronize()
+                    t = time_ms(lambda: (lambda s: sampling.sample_triton(s[0], p, s[1], **flags))(nxt()))
+                    row("  sweep pdl", f"B={B} {label} pdl={int(on)}", t, None,
+                        B * V * 4 + (B * W * 4 if masked else 0), bw, note)
+    finally:
+        threshold.PDL = keep
+
+
 def sweep_plain(bw, l2):
-    """Plain rows at B=64 (T=1, T=0.7 with random 50% masks, T=0.7 with grammar-like masks: 2% allowed in runs of
-    512; B=256: T=1), for masked rows both mask modes (dense, MASK_FIRST), each variant twice at B=64 (the
-    run-to-run spread)."""
-    for B in S([64, 256], [3]):
-        cases = (("T=1", 1.0, None), ("T=0.7 +mask", 0.7, dict()),
-                 ("T=0.7 grammar mask", 0.7, dict(density=0.02, span=512)))[:1 if B > S(64, 3) else 3]
-        for label, temp, mask_kw in cases:
-            p = sampling.row_params(B, DEV, temp, 0, 1.0, seed=torch.arange(B, device=DEV), position=0)
-            nxt = rotating(lambda: (flat_logits(B), rand_bitmask(B, **mask_kw) if mask_kw is not None else None),
-                           B * V * 4, l2)
-            x, m = nxt()
-            want = sampling.sample_torch(x, p, m)
-            modes = (False,) if mask_kw is None else (False, True)
-            for mf in modes + (modes if B == S(64, 3) else ()):
-                run = lambda s: sampling.sample_triton(s[0], p, s[1], filters=False, reject=False,  # noqa: E731
-                                                       mask_first=mf)
-                same = float((run((x, m)) == want).float().mean())
-                t = time_ms(lambda: run(nxt()))
-                row("  sweep plain", f"B={B} {label}{'' if mask_kw is None else ' mask first ' + str(mf)}", t, None,
-                    B * V * 4 + (B * W * 4 if mask_kw is not None else 0), bw, f"tokens = twin {same:.1%}")
+    """Plain rows at B=64, to see what a grammar mask costs (T=0.7 + random 50% masks sits at 59% of the copy
+    bandwidth against 66-71% for T=1): T=1 and T=0.7 without a mask at the unmasked default shape and at the
+    masked one (64 lanes x 2 warps: one lane per thread, 4-byte loads), a mask of all ones (every word loaded,
+    every token kept), random masks at several program shapes (lanes x warps: 2 or 4 lanes per thread take the
+    packed word loads), grammar-like masks (2% allowed in runs of 512) dense and MASK_FIRST; T=1 is timed at the
+    start and at the end (run-to-run spread); B=256: T=1 and T=0.7 + mask."""
+    B = S(64, 3)
+    ones = lambda rows: torch.full((rows, W), -1, dtype=torch.int32, device=DEV)    # noqa: E731
+    cases = [("T=1", 1.0, None, None, False), ("T=0.7", 0.7, None, None, False),
+             ("T=1 one lane/thread", 1.0, None, sampling.MASKED_SMALL_SHAPE, False),
+             ("T=0.7 mask of ones", 0.7, ones, None, False),
+             ("T=0.7 +mask", 0.7, lambda rows: rand_bitmask(rows), None, False)]
+    cases += [(f"T=0.7 +mask {sh[0]}x{sh[1]}", 0.7, lambda rows: rand_bitmask(rows), sh, False)
+              for sh in ((128, 4), (128, 2), (256, 2), (32, 1))]
+    grammar = lambda rows: rand_bitmask(rows, density=0.02, span=512)                  # noqa: E731
+    cases += [("T=0.7 grammar mask", 0.7, grammar, None, False), ("T=0.7 grammar mask first", 0.7, grammar, None, True),
+              ("T=1 again", 1.0, None, None, False)]
+    cases = [(B, *c) for c in cases] + [(S(256, 3), "T=1", 1.0, None, None, False),
+                                        (S(256, 3), "T=0.7 +mask", 0.7, lambda rows: rand_bitmask(rows), None, False)]
+    for B, label, temp, make_mask, shape, mf in cases:
+        p = sampling.row_params(B, DEV, temp, 0, 1.0, seed=torch.arange(B, device=DEV), position=0)
+        nxt = rotating(lambda: (flat_logits(B), make_mask(B) if make_mask else None), B * V * 4, l2)
+        x, m = nxt()
+        want = sampling.sample_torch(x, p, m)
+        run = lambda s: sampling.sample_triton(s[0], p, s[1], filters=False, reject=False,  # noqa: E731
+                                               mask_first=mf, shape=shape)
+        same = float((run((x, m)) == want).float().mean())
+        t = time_ms(lambda: run(nxt()))
+        row("  sweep plain", f"B={B} {label}", t, None, B * V * 4 + (B * W * 4 if make_mask else 0), bw,
+            f"tokens = twin {same:.1%}")
 
 
 def top_p_cases(l2):
@@ -365,46 +449,9 @@ def sweep_spec_one(bw, l2):
     speculative.ONE_LAUNCH_RESIDUAL = False
 
 
-def sweep_topk(bw, l2):
-    """Top-k sampling (top-k50 p0.9 on flat rows; top-k50 on peaked rows) at B=64 and 256, whole lane-path call
-    (lane maxima + merge, which draws): the merge's lane bound by the histogram rounds alone (groups=0) or by the
-    maxima of groups of 8, 16 (the default) or 32 lanes first (B=256: 0 and the default)."""
-    for B in S([64, 256], [3]):
-        for label, gen_rows, k, top_p in (("top-k50 p0.9 flat", flat_logits, 50, 0.9),
-                                          ("top-k50 peak", peaked_logits, 50, 1.0)):
-            p = sampling.row_params(B, DEV, 1.0, k, top_p, seed=torch.arange(B, device=DEV), position=0)
-            nxt = rotating(lambda: gen_rows(B), B * V * 4, l2)
-            x = nxt()
-            want = sampling.sample_torch(x, p)
-            keep = threshold.GROUP_SIZE
-            for gs in ((0, 8, 16, 32) if B == S(64, 3) else (0, keep)):
-                threshold.GROUP_BOUND, threshold.GROUP_SIZE = gs > 0, max(gs, 1)
-                same = float((sampling.sample_triton(x, p, **LANE_ONLY) == want).float().mean())
-                cands = threshold.thresholds_and_paths(x, p, None, None, histogram=False)[1].float().mean()
-                t = time_ms(lambda: sampling.sample_triton(nxt(), p, **LANE_ONLY))
-                row("  sweep topk", f"B={B} {label} groups of {gs}", t, None, B * V * 4, bw,
-                    f"tokens = twin {same:.1%}; {float(cands):.0f} candidates")
-            threshold.GROUP_BOUND, threshold.GROUP_SIZE = True, keep
-
-
 def sweep_final(bw, l2):
-    """Round 3's short check of this session's two switches at B=64, each pair twice: the top-k merge's group
-    bound (GROUP_BOUND) on flat and peaked rows, and the mass-above pass's hot lanes (HOT_LANES) on top-p-alone
-    peaked and flat rows."""
-    from deepinfer_sg.kernels import rejection
-    B = S(64, 3)
-    for label, gen_rows, k, top_p, mod, knob, call in (
-            ("top-k50 p0.9 flat", flat_logits, 50, 0.9, threshold, "GROUP_BOUND", LANE_ONLY),
-            ("top-k50 peak", peaked_logits, 50, 1.0, threshold, "GROUP_BOUND", LANE_ONLY),
-            ("top-p0.95 peak", peaked_logits, 0, 0.95, rejection, "HOT_LANES", TOP_P_ONLY),
-            ("top-p0.9 flat", flat_logits, 0, 0.9, rejection, "HOT_LANES", TOP_P_ONLY)):
-        p = sampling.row_params(B, DEV, 1.0, k, top_p, seed=torch.arange(B, device=DEV), position=0)
-        nxt = rotating(lambda: gen_rows(B), B * V * 4, l2)
-        for on in (True, False, True, False):
-            setattr(mod, knob, on)
-            t = time_ms(lambda: sampling.sample_triton(nxt(), p, **call))
-            row("  sweep final", f"B={B} {label} {knob}={int(on)}", t, None, B * V * 4, bw)
-        setattr(mod, knob, True)
+    """Round 3's short check of this session's switch at B=64: programmatic dependent launch off / on (sweep_pdl)."""
+    sweep_pdl(bw, l2, batches=[S(64, 3)])
 
 
 def sweep_reject(bw, l2):
@@ -611,7 +658,7 @@ def compile_cases():
     """(name, kernel, extra pointer types, constexprs, warps) for kernels.py --compile-check."""
     seg_types = {"greedy_ptr": "*i1", "out_ptr": "*i64", "count_ptr": "*i32"}
     # constexprs (an unlisted one would build as a run-time int)
-    seg_flags = dict(DONE=False, MASK_FIRST=False, NP=1, REJECT=False, DEFER=False)
+    seg_flags = dict(DONE=False, MASK_FIRST=False, NP=1, REJECT=False)
     from deepinfer_sg.kernels import rejection
     rej_types = {"packed_ptr": "*i64", "part_ptr": "*fp64", "out_ptr": "*i64", "done_ptr": "*i64", "keys_ptr": "*i64"}
     return [
@@ -624,8 +671,16 @@ def compile_cases():
                                                            "greedy_ptr": "*i8"},
          dict(HAS_MASK=True, NG=8192, LCAP=128, KMAX=64, KP=128, JB=32, HB=64, ROUNDS=3, BLOCK=1024, DRAW=True,
               LANES=256, LW=16, FAST=True, GROUPS=True, GS=16), 16),
+        ("topk lane max pdl", threshold._lane_max_kernel, {"greedy_ptr": "*i8"},
+         dict(HAS_MASK=False, LANES=256, LW=16, PL=128, VEC=1, KMAX=64, FAST=True, PDL=True), 4),
+        ("topk lane merge pdl", threshold._lane_merge_kernel, {"path_ptr": "*i32", "tok_ptr": "*i64",
+                                                               "lane_ptr": "*i32", "greedy_ptr": "*i8"},
+         dict(HAS_MASK=False, NG=8192, LCAP=128, KMAX=64, KP=128, JB=32, HB=64, ROUNDS=3, BLOCK=1024, DRAW=True,
+              LANES=256, LW=16, FAST=True, GROUPS=True, GS=16, PDL=True), 16),
         ("sample finish", sampling._finish_kernel, {"done_ptr": "*i64", "NEG_INF_KEY": "i64"},
          dict(BLOCK=32, DONE=True), 1),
+        ("sample finish pdl", sampling._finish_kernel, {"done_ptr": "*i64", "NEG_INF_KEY": "i64"},
+         dict(BLOCK=32, DONE=False, PDL=True), 1),
         ("threshold hist", threshold._hist_kernel, {}, dict(HAS_MASK=True, CHUNK=4096, NB=512, INV_W=32.0,
                                                             BIN_LIMIT=1 << 24), 8),
         ("threshold select", threshold._select_kernel, {}, dict(NCP=32, NB=512, INV_W=32.0, BIN_LIMIT=1 << 24,
@@ -642,13 +697,13 @@ def compile_cases():
                                                                            **seg_flags), 4),
         ("sample segment +mask 1st", sampling._segment_kernel, seg_types,
          dict(HAS_MASK=True, HAS_TAU=True, LANES=256, LW=16, PL=128, VEC=1, FAST=True, DONE=False, MASK_FIRST=True,
-              NP=1, REJECT=False, DEFER=False), 4),
+              NP=1, REJECT=False), 4),
         ("sample segment +mask v4", sampling._segment_kernel, seg_types, dict(HAS_MASK=True, HAS_TAU=True,
                                                                               LANES=256, LW=16, PL=256, VEC=4,
                                                                               FAST=True, **seg_flags), 2),
         ("sample segment np4", sampling._segment_kernel, seg_types,
          dict(HAS_MASK=False, HAS_TAU=False, LANES=256, LW=16, PL=128, VEC=2, FAST=True, DONE=False, MASK_FIRST=False,
-              NP=4, REJECT=True, DEFER=True, HOT=True), 2),
+              NP=4, REJECT=True, HOT=True), 2),
         ("reject tokens", rejection._tokens_kernel, dict(rej_types, tok_ptr="*i64"),
          dict(DONE=True, HAS_MASK=True, HAS_TAU=True, NP=4, NPP=64, NPQ=8, LANES=256, LW=16, FAST=True), 1),
         ("reject mass above", rejection._above_kernel, dict(rej_types, tok_ptr="*i64", lane_ptr="*fp32",

@@ -12,7 +12,8 @@ Per batch size: one prefill step (every sequence's random prompt), then `--decod
 engine/step_graphs.py; the first warm-up step at a batch size runs eager, the second captures) compared with the
 eager fast path (max |diff|: "exact" when bit for bit equal); "ahead": the graphs path with each step planned while
 the device runs the previous one (Model.plan_step / launch, as engine/step_pipeline.py does; step time = the period
-between two steps' ends; printed with the host ms of launch, split at the graph run, and of the overlapped plan),
+between two steps' ends; printed with the host ms of launch, split at the graph run, and of the overlapped plan, and
+the device time of the last step's graphs replayed back to back: the step without its host gaps),
 "exact" vs eager; "unstacked": the graphs path with one GEMM per attention-norm projection
 (model.stack_projections = False, engine/projections.py), vs the fast path; "rope-apart": the graphs path with RoPE
 in launches of its own (model.fused_rope = False), vs the fast path; "routes" (only when named, after "reference"):
@@ -37,7 +38,8 @@ stays, and a CUDA-graph launch then costs the host ~0.3-1 ms instead of ~0.01-0.
 launch look like ~1 ms of host time in session 5):
 host time (until forward_step returns) vs the whole step (after a device sync), the device's kernel busy time, the
 number of kernel launches, graph launches, host->device copies and synchronizations (torch.profiler, CPU + CUDA
-activity; tables sorted by self CPU time in $OUT/profile_B<batch>.txt), the synchronizing calls that
+activity; tables sorted by self CPU time in $OUT/profile_B<batch>.txt), where the device waited inside the step
+(gaps between its kernels: `device_gaps`), the synchronizing calls that
 `torch.cuda.set_sync_debug_mode("warn")` reports (with the Python line), and a cProfile of 3 steps
 ($OUT/cprofile_B<batch>.txt), and the device time per torch op and input shapes of one eager step
 ($OUT/ops_<mode>_B<batch>.txt: graph replays hide the ops).
@@ -201,10 +203,13 @@ def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, wa
         g = model._graphs
         real_run = g.run
 
+        keys = []      # the segments the last step ran (graphs_back_to_back replays them)
+
         def run(*a, **k):
             t = time.perf_counter()
             out = real_run(*a, **k)
             marks.append((t, time.perf_counter()))
+            keys.append(a[0])
             return out
         g.run = run
         split = []
@@ -232,6 +237,8 @@ def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, wa
                     split.append(((marks[0][0] - t0) * 1e3, (marks[-1][1] - marks[0][0]) * 1e3,
                                   (t1 - marks[-1][1]) * 1e3))
             marks.clear()
+            if s + 1 < len(toks_per_step):
+                keys.clear()
         else:
             _sync(dev)
             t = time.perf_counter()
@@ -253,6 +260,7 @@ def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, wa
     decode_run.warm_ms = [round(t * 1e3, 1) for t in all_times[:warmup]]   # first steps: compiles, graph capture
     decode_run.host_ms = None
     if ahead:
+        decode_run.replay_ms = graphs_back_to_back(model, sum(r.n for r in rows), dev, keys)
         del model._graphs.run
         restore()
         n = max(1, len(toks_per_step))
@@ -260,6 +268,30 @@ def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, wa
         decode_run.host_ms = (statistics.median(launch_ms), statistics.median(plan_ms),
                               *(statistics.median(x[k] for x in split) if split else float("nan") for k in range(3)))
     return statistics.median(times), sum(bytes_) / len(bytes_), logits   # median: robust to a stray slow step
+
+
+def graphs_back_to_back(model, T: int, dev, keys: list, reps: int = 5) -> float:
+    """Device ms of the last step's CUDA-graph segments (`keys`, in order) replayed back to back (no host work
+    between them: the step's device time with its host gaps taken out), median of `reps`; nan when the step ran
+    no graphs. The replays redo the last step on its captured inputs, writing the same values to the same cache
+    rows."""
+    size = getattr(model._graphs, "_sizes", {}).get(T)
+    if dev.type != "cuda" or size is None or not keys or any(k not in size.segments for k in keys):
+        return float("nan")
+    times = []
+    try:
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for k in keys:
+                size.segments[k].graph.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+    except Exception as e:      # (a diagnostic: never the reason a path fails)
+        say(f"graphs back to back: {e!r}")
+        return float("nan")
+    return statistics.median(times)
 
 
 def _gate_by(kind: str):
@@ -469,7 +501,8 @@ def run(args):
             if path == "routes":
                 speed = f"{flips[0]} flips"
             host = "" if not (path == "ahead" or path in ABLATIONS) else \
-                (f"   host ms: launch {decode_run.host_ms[0]:.2f} (before the graph run {decode_run.host_ms[2]:.2f}, "
+                (f"   graphs back to back {decode_run.replay_ms:.2f} ms; "
+                 f"host ms: launch {decode_run.host_ms[0]:.2f} (before the graph run {decode_run.host_ms[2]:.2f}, "
                  f"in it {decode_run.host_ms[3]:.2f}, after {decode_run.host_ms[4]:.2f}) + plan "
                  f"{decode_run.host_ms[1]:.2f} (overlapped); launch parts ms: " +
                  ", ".join(f"{k} {v:.3f}" for k, v in getattr(decode_run, "launch_parts", {}).items()))
@@ -635,9 +668,11 @@ def profile_device(model: Model, state: dict, args, dev: torch.device) -> None:
             count["sync"] += e.count
         elif not e.key.startswith("aten::") and e.device_type.name == "CPU":
             pass
+    spans = []
     for e in prof.events():
         if e.device_type.name == "CUDA":
             kernel_us += e.device_time   # per-event device time
+            spans.append((e.time_range.start, e.time_range.end))
     n_aten = sum(1 for e in prof.events() if e.name.startswith("aten::")
                  and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))   # top-level ops
     tables = [f"batch {B}: one fast decode step, torch.profiler, sorted by self CPU time",
@@ -661,6 +696,8 @@ def profile_device(model: Model, state: dict, args, dev: torch.device) -> None:
                                                      max_shapes_column_width=70) + "\n")
     if dev.type == "cuda":
         profile_parts(model, step, acts, B, label)
+    if spans:     # where the device waited inside the step (between its first and last kernel)
+        say(f"idle {label} batch {B}: " + device_gaps(spans))
     say(f"profile {label} batch {B}: step {statistics.median(whole) * 1e3:.2f} ms, host returns after "
         f"{statistics.median(host) * 1e3:.2f} ms; device kernel time {kernel_us / 1e3:.2f} ms; "
         f"{count['launch']} kernel launches + {count['graph']} graph launches, {count['memcpy']} memcpy, "
@@ -671,6 +708,27 @@ def profile_device(model: Model, state: dict, args, dev: torch.device) -> None:
     start = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("ncalls")), 0)
     for ln in lines[start:start + 9]:
         say("  " + ln.rstrip()[:150])
+
+
+def device_gaps(spans: list, over_us: float = 5.0) -> str:
+    """From the device's activity intervals (us; kernels and copies, overlapping ones merged): the span from the
+    first start to the last end, the busy time, and the gaps longer than over_us (count, total, the 4 largest with
+    their offset from the first start): where the device waited for the host inside one step."""
+    spans = sorted(spans)
+    first, busy, gaps = spans[0][0], 0.0, []
+    cur_s, cur_e = spans[0]
+    for a, b in spans[1:]:
+        if a > cur_e:
+            busy += cur_e - cur_s
+            if a - cur_e > over_us:
+                gaps.append((a - cur_e, cur_e - first))
+            cur_s, cur_e = a, b
+        else:
+            cur_e = max(cur_e, b)
+    busy += cur_e - cur_s
+    top = ", ".join(f"{g:.0f} us at +{at:.0f}" for g, at in sorted(gaps, reverse=True)[:4])
+    return (f"device span {(cur_e - first) / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms; {len(gaps)} gaps > {over_us:g} us "
+            f"= {sum(g for g, _ in gaps) / 1e3:.2f} ms (largest: {top})")
 
 
 # the step's parts for `profile_parts`: (label, owner object, attribute); each is wrapped in a profiler range while one
@@ -813,17 +871,21 @@ def gemm_table(model: Model, batches: list[int], bw: float, dev, names: list[str
     E, K = c.n_routed_experts, c.num_experts_per_tok
     bias = torch.randn(E, device=dev) * 0.1
     gws = [torch.randn(E, H, device=dev, dtype=dt) * H ** -0.5 for _ in range(16)]
-    say(f"{'gate + route':20} {'T':>3} {'torch':>8} {'tail k.':>8} {'fused':>8}  (us; GEMM + torch tail, GEMM + "
-        f"kernels.router tail, kernels.router.gate_route)")
+    say(f"{'gate + route':20} {'T':>3} {'torch':>8} {'tail k.':>8} {'fused':>8} {'fused16':>8}  (us; GEMM + torch "
+        f"tail, GEMM + kernels.router tail, kernels.router.gate_route, the same in row blocks of 16)")
     F_ = torch.nn.functional
     for T in batches:
         x = torch.randn(T, H, device=dev, dtype=dt)
         t_lib = _graph_us([lambda w=w: route_torch(F_.linear(x, w), bias, K, 1.5) for w in gws])
         t_k = _graph_us([lambda w=w: route_triton(F_.linear(x, w), bias, K, 1.5) for w in gws])
         t_f = _graph_us([lambda w=w: gate_route_triton(x, w, bias, K, 1.5) for w in gws])
+        t_16 = _graph_us([lambda w=w: gate_route_triton(x, w, bias, K, 1.5, config={"BM": 16}) for w in gws])
         a, b = route_torch(F_.linear(x, gws[0]), bias, K, 1.5), gate_route_triton(x, gws[0], bias, K, 1.5)
+        b16 = gate_route_triton(x, gws[0], bias, K, 1.5, config={"BM": 16})
         same = bool((a[1].sort(1).values == b[1].sort(1).values).all())
-        say(f"{'gate + route':20} {T:3d} {t_lib:8.2f} {t_k:8.2f} {t_f:8.2f}  same experts (fused vs torch): {same}")
+        same16 = bool((b16[1] == b[1]).all() and (b16[0] == b[0]).all())
+        say(f"{'gate + route':20} {T:3d} {t_lib:8.2f} {t_k:8.2f} {t_f:8.2f} {t_16:8.2f}  same experts (fused vs "
+            f"torch): {same}; fused16 bit-equal to fused: {same16}")
     say("gemms: us per call at T rows (CUDA graph, cold weights); 'lib' = F.linear / one bmm (+ the clamps, silu "
         "and product for glu), 'skinny' = kernels.skinny default config, 'unsplit' = the same without split-K, "
         "'best' = the best of its sweep")

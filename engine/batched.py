@@ -35,6 +35,7 @@ into a slot when a sequence arrives from the reference path or its window reache
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -527,13 +528,36 @@ def eager_layers(model) -> list[int]:
 BOUNDARY = "layer boundary"
 
 
+class Handoff(NamedTuple):
+    """What a segment ending at a BOUNDARY hands the next one (V4.1: the cuts before Engram layers). It travels in
+    the first five slots of the layer chain (R, pre, post, comb, q: the graph runner takes tensors in order), so
+    `span` names them on both sides. turns: the step's rotations made once by its first segment, stacked [4, ...]
+    (main cos + i sin and its inverse, then the compressors'); win_idx: the window indices when one list serves
+    every layer of the step, else None."""
+    R: torch.Tensor
+    a: torch.Tensor
+    x: torch.Tensor
+    turns: torch.Tensor
+    win_idx: torch.Tensor | None
+
+
+def engram_layers(model) -> list[int]:
+    """The layers with an Engram module (fixed by the model's structure: computed once; asked on every step's
+    host path, where a hasattr per layer costs a failed nn.Module attribute lookup each)."""
+    got = model.__dict__.get("_engram_layers")
+    if got is None or got[0] is not model.layers:
+        got = model.__dict__["_engram_layers"] = (
+            model.layers, [i for i, blk in enumerate(model.layers) if hasattr(blk, "engram")])
+    return got[1]
+
+
 def engram_splits(model) -> list[int]:
     """Layers before which a V4.1 step's graph is cut (each Engram layer but the first layer): the host looks a
     segment's Engram rows up while the device runs the segments before it, so only the first segment waits for the
     host after the token ids are known (Model._layers_fast). None ([]) when the model has eager layers (V4)."""
     if eager_layers(model):
         return []
-    return [blk.layer_id for blk in model.layers if hasattr(blk, "engram") and blk.layer_id > 0]
+    return [i for i in engram_layers(model) if i > 0]
 
 
 def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv, iq, w, token_ids, positions,
@@ -544,21 +568,22 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
     segment before), every layer of `full` whole, then `pre_attention` of layer `next_e` (None: the final
     collapse, norm and, with every_row, the head; BOUNDARY: nothing). meta[k] = (core kind, index G) and
     per[k] = LAYER_INPUTS of each layer with a core here ([prev_e] + full), then next_e's engram rows.
-    -> (pre_attention's outputs of next_e, (hidden, logits or None), or at a BOUNDARY (R, a, x, the step's
-    rotations, its window rows or None), which the next segment takes as (R, pre, post, comb, q)), then per core
-    layer its DSpark features (None for prev_e), its selected ids and candidate blocks (None where it has none)."""
+    -> (pre_attention's outputs of next_e, (hidden, logits or None), or at a BOUNDARY a `Handoff`, which the next
+    segment takes in its (R, pre, post, comb, q) slots), then per core layer its DSpark features (None for prev_e),
+    its selected ids and candidate blocks (None where it has none)."""
     layers = model.layers
     c = model.config
     n = len(LAYER_INPUTS)
     n0 = len(ENTRY_INPUTS)
     ids_of, cand_of, extra, win_of, rows_of = {}, {}, [], {}, {}
     # the step's rotations and window rows: made by the step's first segment, handed on at a BOUNDARY instead of
-    # being made again by every segment (comb / q
-    # carry them there; one_window: every layer of the step reads one window list, so it is handed on too)
-    if prev_e == BOUNDARY and comb is not None:
-        rope = {"main": (Turns(comb[0], comb[1]), None), "compress": (Turns(comb[2], comb[3]), None)}
+    # being made again by every segment (one_window: every layer of the step reads one window list)
+    handed = Handoff(R, pre, post, comb, q) if prev_e == BOUNDARY else None
+    if handed is not None and handed.turns is not None:
+        t = handed.turns
+        rope = {"main": (Turns(t[0], t[1]), None), "compress": (Turns(t[2], t[3]), None)}
         if one_window and meta:
-            win_of[per[1].data_ptr()] = q
+            win_of[per[1].data_ptr()] = handed.win_idx
     else:
         rope = {k: (turns(*rope_cos_sin(model._freqs(k), positions)), None) for k in ("main", "compress")}
 
@@ -612,8 +637,8 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
     if prev_e is None:
         R, a = model.embed_streams(token_ids)
         x = None
-    elif prev_e == BOUNDARY:
-        a, x = pre, post
+    elif handed is not None:
+        R, a, x = handed.R, handed.a, handed.x
     else:
         blk = layers[prev_e]
         o = core(0, prev_e, q, kv, iq, w)
@@ -634,9 +659,9 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
         o = core(k, j, q, kv, iq, w)
         R, a, x = post_attention(model, blk, o, R, pre, post, comb, *cs, token_ids)
     tail = [t for f, i2, c2 in zip(feats, extra[0::2], extra[1::2]) for t in (f, i2, c2)]
-    if next_e == BOUNDARY:     # (+ the step's rotations and, when one list serves every layer, window rows)
-        handed = torch.stack([*rope["main"][0], *rope["compress"][0]])
-        return (R, a, x, handed, next(iter(win_of.values())) if one_window and win_of else None, *tail)
+    if next_e == BOUNDARY:
+        turns_now = torch.stack([*rope["main"][0], *rope["compress"][0]])
+        return (*Handoff(R, a, x, turns_now, next(iter(win_of.values())) if one_window and win_of else None), *tail)
     if next_e is None:
         hfin = x if x is not None else model.collapse_streams(R, a)    # (shifted mHC: the last read-out)
         return (hfin, model.head(model.norm(hfin)).float() if every_row else None, *tail)

@@ -564,11 +564,11 @@ class Model(nn.Module):
                 for kind in ("main", "compress"):
                     ctx.rope[kind] = rope_cos_sin(self._freqs(kind), ctx.positions)
             if c.engram_layer_ids:
-                ctx.windows = self._token_windows(ctx)
-                if ctx.plan is not None:     # (read on the host, segment by segment: _layers_fast)
-                    ctx.windows = ctx.windows.cpu()
-                    missing = [i for i, blk in enumerate(self.layers)
-                               if hasattr(blk, "engram") and blk.engram.table is None]
+                if ctx.plan is None:
+                    ctx.windows = self._token_windows(ctx)
+                else:     # (made on the host when the first Engram rows are read, `_engram_rows`: after the
+                    # first segment is launched when it has no Engram layer, so the device starts sooner)
+                    missing = [i for i in batched.engram_layers(self) if self.layers[i].engram.table is None]
                     if missing:
                         raise RuntimeError(f"engram layers {missing}: no table loaded (set `.table`, see EngramTable)")
         except BaseException:
@@ -702,12 +702,12 @@ class Model(nn.Module):
         g = ctx.graphs
         plan = ctx.plan
         layers = self.layers
-        chain = [None] * 8          # R, pre, post, comb, q, kv, iq, w of the layer updated last (or R, a, x)
+        chain = [None] * 8          # R, pre, post, comb, q, kv, iq, w of the layer updated last (or a Handoff)
         if batched.engram_splits(self):      # V4.1: every segment prepared, cut between layers
             for k, seg in enumerate(ready):
                 head = self._run_and_record(ctx, seg, chain)
-                if k + 1 < len(ready):     # (R, a, x, the step's rotations, window rows)
-                    chain = [*head] + [None] * (8 - len(head))
+                if k + 1 < len(ready):     # (a batched.Handoff in the chain's first slots)
+                    chain = [*batched.Handoff(*head)] + [None] * (8 - len(batched.Handoff._fields))
             hfin, logits = head
         else:
             prev = None
@@ -753,10 +753,13 @@ class Model(nn.Module):
         """The Engram table rows of these layers (those not read yet this step) for the fast path: hashed and read
         on the host (ctx.windows, there), written straight into the pinned buffer of their upload and sent."""
         g, dev = ctx.graphs, self.device
+        has = batched.engram_layers(self)
         for i in layer_ids:
-            blk = self.layers[i]
-            if not hasattr(blk, "engram") or i in ctx.engram_rows:
+            if i not in has or i in ctx.engram_rows:
                 continue
+            blk = self.layers[i]
+            if ctx.windows is None:     # (the step's token windows, on the host: once, before the first lookup)
+                ctx.windows = self._token_windows(ctx).cpu()
             shape = blk.engram.packed_shape(ctx.windows.shape[0])
             out = None if shape is None else g.host_buffer(f"engram{i}", shape, torch.uint8, dev)
             e = blk.engram.packed_values(ctx.windows, "cpu", out=out)

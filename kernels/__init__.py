@@ -54,6 +54,17 @@ Gumbel-max over lane masses, then the token inside it by inverse CDF (exact; sam
 speculative_accept's Triton path is up to 11 launches (5 when the host says no row filters); sparse_attention runs
 all 64 heads per program (unchained: Q.K^T split over the two warpgroups, window keys then compressed keys in 64-key
 blocks) with SM-count // N key splits combined inside the launch; fewer heads run 16-head programs.
+On Hopper the sampling finish, the top-k merge and the top-p rejection chain are launched early with programmatic
+dependent launch and wait on the device for the pass before them (threshold.PDL; CUDA graphs capture them).
+
+Decode-step kernels the engine calls from their modules (each with its torch twin in the same file):
+    router.gate_route (MoE gate GEMM + scores + top-k + weights, one split-K launch in row blocks of 16),
+    skinny (few-row products such as the shared expert's w1/w3 + clamped SwiGLU in one launch), hc_mix.hc_post_mix
+    (mHC write-back plus the next sub-layer's mixes, up to 16 tokens), rope, rmsnorm, index_rows, engram_gate,
+    ring_pool.
+Split launches (attention key splits, the indexer's one-launch select, mHC mixes, split-K products) count their
+programs on int32 tickets from backend.tickets(device, n, site): zeroed once per (device, site) and left zero by
+every launch; launches that may overlap on two streams use different sites.
 """
 from .bitmask import apply_token_bitmask_by_step_inplace, apply_token_bitmask_inplace, by_step_mask_rows
 from .hc_mix import HcMixes, hc_mixes

@@ -54,3 +54,38 @@ def empty(shape, dtype, device) -> torch.Tensor:
     if os.environ.get("DEEPINFER_SG_POISON") == "1":
         t.fill_(float("nan") if t.is_floating_point() else -123456789)
     return t
+
+
+_TICKETS: dict = {}     # (device, site) -> int32 zeros, shared by the split launches of one site
+
+
+def tickets(device, n: int, site: str = "main") -> torch.Tensor | None:
+    """n zeroed int32 ticket counters for a split launch: the programs of one output tile take a ticket each, and
+    the last to arrive merges the partials and puts its counter back to 0, so every launch leaves them zero.
+
+    Kept per device and site, grown when a launch needs more. Launches that run in turn (one stream) may share a
+    site's counters; launches that may overlap (two streams, e.g. the shared expert beside the routed experts) must
+    name different sites. While a CUDA graph is being captured the counters cannot be made or grown (an allocation
+    made during capture belongs to the graph's private pool), so then the answer is None and the caller takes its
+    unsplit path; the warm-up step before a capture makes them."""
+    key = (torch.device(device), site)
+    t = _TICKETS.get(key)
+    if t is None or t.numel() < n:
+        if key[0].type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        t = _TICKETS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=key[0])
+    return t[:n]
+
+
+_SMS: dict = {}     # device -> multiprocessor count
+
+
+def sm_count(device) -> int:
+    """Multiprocessors of a CUDA device, asked once (132 on an H200; 132 for the interpreter and the CPU, so that
+    launch shapes under test are the H200's)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 132
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]

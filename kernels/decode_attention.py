@@ -62,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import empty, INTERPRETING, check, use_triton
+from .backend import empty, INTERPRETING, check, sm_count, tickets, use_triton
 
 
 def _check(q, win_kv, win_idx, cmp_kv, cmp_idx, sink):
@@ -276,19 +276,6 @@ def _sparse_attention_kernel(q_ptr, out_ptr, sink_ptr, win_kv_ptr, win_idx_ptr, 
                  mask=hok[:, None])
 
 
-_COUNTERS: dict = {}    # device -> int32 zeros: the fused split launch's tickets (each launch leaves them at 0)
-
-
-def _counters(device, n: int) -> torch.Tensor:
-    """Zeroed ticket counters, made once per device and grown when needed (outside CUDA-graph capture: the first
-    call at a size allocates). One stream at a time: concurrent fused launches on two streams would share them."""
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < n:
-        c = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = c
-    return c
-
-
 def default_config(N: int, H: int, D: int, n_keys: int, elem_bytes: int = 2, sms: int = 132) -> dict:
     """Launch parameters at a shape, from the H200 sweeps (H = 64, D = 512, 128 + 512 keys, bf16; us at N = 64 /
     256 rows): all heads per program, unchained, per-column denominators (lazy_sum: 41.5 / 108.0 against 43.0 /
@@ -305,18 +292,6 @@ def default_config(N: int, H: int, D: int, n_keys: int, elem_bytes: int = 2, sms
         return dict(block_h=64, block_k=64 if elem_bytes == 2 else 32, num_warps=8, num_stages=2,
                     splits=max(1, min(8, sms // max(N, 1))), unchain=True, lazy_sum=True)
     return dict(block_h=16, block_k=64, num_warps=4, num_stages=2, splits=1)
-
-
-_SMS: dict = {}     # device -> multiprocessor count
-
-
-def _sm_count(device) -> int:
-    """Multiprocessors of a CUDA device (132 on an H200; 132 elsewhere, e.g. the interpreter)."""
-    if device.type != "cuda":
-        return 132
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device]
 
 
 def sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None, scale=None,
@@ -341,7 +316,7 @@ def sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None,
         cmp_kv, cmp_idx = cmp_kv.contiguous(), cmp_idx.to(torch.int32).contiguous()
     n_win, n_cmp = win_idx.shape[1], cmp_idx.shape[1] if has_cmp else 0
     n_keys = n_win + n_cmp
-    cfg = default_config(N, H, D, n_keys, win_kv.element_size(), _sm_count(q.device))
+    cfg = default_config(N, H, D, n_keys, win_kv.element_size(), sm_count(q.device))
     block_h = block_h or cfg["block_h"]
     block_k = block_k or cfg["block_k"]
     splits = splits or cfg["splits"]
@@ -352,11 +327,14 @@ def sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None,
     splits = max(1, triton.cdiv(n_keys, per_split))
     out = empty(q.shape, q.dtype, q.device)
     n_hb = triton.cdiv(H, block_h)
+    cnt = tickets(q.device, N * n_hb, site="attention") if splits > 1 else None
+    if cnt is None:      # one split, or a CUDA graph capture before any warm-up made the counters: unsplit
+        splits = 1
+        per_split = max(per_split, triton.cdiv(max(n_keys, 1), block_k) * block_k)
     if splits > 1:
         part_m = torch.empty((N, H, splits), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty((N, H, splits, D), dtype=torch.float32, device=q.device)
-        cnt = _counters(q.device, N * n_hb)
     else:
         part_m = part_l = part_acc = cnt = out
     grid = (n_hb, N, splits)   # head blocks of one row launch together: its keys are read once

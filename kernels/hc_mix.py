@@ -33,9 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import INTERPRETING, check, empty, use_triton
+from .backend import INTERPRETING, check, empty, sm_count, tickets, use_triton
 
 _CAN_RCP = not INTERPRETING      # hardware reciprocals (rcp.approx) need compiled kernels
+_PTX = tl.constexpr(not INTERPRETING)     # inline PTX runs in compiled kernels only
 
 
 @dataclass
@@ -112,17 +113,12 @@ def _store4(p, a, b, c, d, ok):
 
 
 @triton.jit
-def _sinkhorn4(comb_ptr, toks, tok_ok, hc_eps, ITERS: tl.constexpr, FAST: tl.constexpr):
-    """M = 4: each token's 16 logits (just written to comb) reloaded as 16 [BT] tensors, so a token's whole
-    softmax + Sinkhorn runs inside one thread with explicit sums: no cross-lane traffic in the 2 * ITERS serial
-    steps (a [BT, 4, 4] block spends shuffles on every step; [BT, 4] row tensors too, unless BT * 4 exceeds
-    the program's threads). Same arithmetic as the twin up to the reciprocal (one per row / column, then
-    products)."""
-    o = comb_ptr + toks * 16
-    c00, c01, c02, c03 = _load4(o, tok_ok)
-    c10, c11, c12, c13 = _load4(o + 4, tok_ok)
-    c20, c21, c22, c23 = _load4(o + 8, tok_ok)
-    c30, c31, c32, c33 = _load4(o + 12, tok_ok)
+def _sinkhorn4(c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, hc_eps,
+               ITERS: tl.constexpr, FAST: tl.constexpr):
+    """M = 4: a token's 16 comb logits as 16 tensors (one value per token), so its whole softmax + Sinkhorn runs
+    inside one thread with explicit sums: no cross-lane traffic in the 2 * ITERS serial steps (a [BT, 4, 4] block
+    spends shuffles on every step; [BT, 4] row tensors too, unless BT * 4 exceeds the program's threads). Same
+    arithmetic as the twin up to the reciprocal (one per row / column, then products)."""
     c00, c01, c02, c03 = _softmax4(c00, c01, c02, c03, hc_eps, FAST)
     c10, c11, c12, c13 = _softmax4(c10, c11, c12, c13, hc_eps, FAST)
     c20, c21, c22, c23 = _softmax4(c20, c21, c22, c23, hc_eps, FAST)
@@ -138,6 +134,42 @@ def _sinkhorn4(comb_ptr, toks, tok_ok, hc_eps, ITERS: tl.constexpr, FAST: tl.con
             c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, hc_eps, FAST)
             c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, hc_eps, FAST)
             c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, hc_eps, FAST)
+    return c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33
+
+
+@triton.jit
+def _sinkhorn4_reload(comb_ptr, toks, tok_ok, hc_eps, ITERS: tl.constexpr, FAST: tl.constexpr):
+    """_sinkhorn4 on the logits just written to comb (reloaded per token: other threads stored them)."""
+    o = comb_ptr + toks * 16
+    c00, c01, c02, c03 = _load4(o, tok_ok)
+    c10, c11, c12, c13 = _load4(o + 4, tok_ok)
+    c20, c21, c22, c23 = _load4(o + 8, tok_ok)
+    c30, c31, c32, c33 = _load4(o + 12, tok_ok)
+    c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33 = _sinkhorn4(
+        c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, hc_eps, ITERS, FAST)
+    _store4(o, c00, c01, c02, c03, tok_ok)
+    _store4(o + 4, c10, c11, c12, c13, tok_ok)
+    _store4(o + 8, c20, c21, c22, c23, tok_ok)
+    _store4(o + 12, c30, c31, c32, c33, tok_ok)
+
+
+@triton.jit
+def _col(x, n, i):
+    """Column i of x [tokens, NZP] (n: the column indices) as one value per token (a sum across lanes)."""
+    return tl.sum(tl.where(n[None, :] == i, x, 0.0), 1)
+
+
+@triton.jit
+def _sinkhorn4_regs(x, n, comb_ptr, toks, tok_ok, hc_eps, ITERS: tl.constexpr, FAST: tl.constexpr):
+    """_sinkhorn4 on the comb logits (columns 8..23 of x [tokens, NZP]) taken out of x in registers: 16 lane sums
+    instead of a store, a barrier and a reload through L2."""
+    c00, c01, c02, c03 = _col(x, n, 8), _col(x, n, 9), _col(x, n, 10), _col(x, n, 11)
+    c10, c11, c12, c13 = _col(x, n, 12), _col(x, n, 13), _col(x, n, 14), _col(x, n, 15)
+    c20, c21, c22, c23 = _col(x, n, 16), _col(x, n, 17), _col(x, n, 18), _col(x, n, 19)
+    c30, c31, c32, c33 = _col(x, n, 20), _col(x, n, 21), _col(x, n, 22), _col(x, n, 23)
+    c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33 = _sinkhorn4(
+        c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, hc_eps, ITERS, FAST)
+    o = comb_ptr + toks * 16
     _store4(o, c00, c01, c02, c03, tok_ok)
     _store4(o + 4, c10, c11, c12, c13, tok_ok)
     _store4(o + 8, c20, c21, c22, c23, tok_ok)
@@ -161,10 +193,11 @@ def _sinkhorn_block(comb_ptr, toks, tok_ok, hc_eps, M: tl.constexpr, ITERS: tl.c
 
 @triton.jit
 def _mix_rows(acc, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, K, NZ, norm_eps, hc_eps, post_mult, toks, tok_ok,
-              M: tl.constexpr, NZP: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr):
+              M: tl.constexpr, NZP: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr, REG: tl.constexpr):
     """The summed z rows acc [tokens, NZP] (sum of squares in column NZ) of the tokens `toks` -> pre, post and the
-    Sinkhorn-projected comb: sigmoids on the whole block; the comb logits go to the output and come back per
-    token for the Sinkhorn loop (a CTA barrier between: other threads of this program stored them)."""
+    Sinkhorn-projected comb: sigmoids on the whole block; for the Sinkhorn loop the comb logits either go to the
+    output and come back per token (a CTA barrier between: other threads of this program stored them) or, with
+    REG (M = 4), are taken out of the block in registers."""
     n = tl.arange(0, NZP)
     sq = tl.sum(tl.where(n[None, :] == NZ, acc, 0.0), 1)
     inv_rms = 1.0 / tl.sqrt(sq / K + norm_eps)
@@ -175,12 +208,15 @@ def _mix_rows(acc, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, K, NZ, norm
     col = n[None, :]
     tl.store(pre_ptr + row * M + col, sig + hc_eps, mask=tok_ok[:, None] & (col < M))
     tl.store(post_ptr + row * M + (col - M), sig * post_mult, mask=tok_ok[:, None] & (col >= M) & (col < 2 * M))
-    tl.store(comb_ptr + row * (M * M) + (col - 2 * M), x, mask=tok_ok[:, None] & (col >= 2 * M) & (col < NZ))
-    tl.debug_barrier()                  # the logits other threads stored are read back below
-    if M == 4:
-        _sinkhorn4(comb_ptr, toks, tok_ok, hc_eps, ITERS, FAST)
+    if M == 4 and REG:
+        _sinkhorn4_regs(x, n, comb_ptr, toks, tok_ok, hc_eps, ITERS, FAST)
     else:
-        _sinkhorn_block(comb_ptr, toks, tok_ok, hc_eps, M, ITERS, FAST)
+        tl.store(comb_ptr + row * (M * M) + (col - 2 * M), x, mask=tok_ok[:, None] & (col >= 2 * M) & (col < NZ))
+        tl.debug_barrier()              # the logits other threads stored are read back below
+        if M == 4:
+            _sinkhorn4_reload(comb_ptr, toks, tok_ok, hc_eps, ITERS, FAST)
+        else:
+            _sinkhorn_block(comb_ptr, toks, tok_ok, hc_eps, M, ITERS, FAST)
 
 
 @triton.jit
@@ -237,14 +273,56 @@ def _add_products(acc, r, a, b, c, MODE: tl.constexpr, PRECISION: tl.constexpr, 
 
 
 @triton.jit
+def _load_acquire(p, PTX: tl.constexpr):
+    """The int32 at p, read with acquire semantics (gpu scope): a plain load in the PTX form (ld.acquire; no
+    read-modify-write at the L2 for the counter the other programs are adding to), an atomic add of 0 in the
+    interpreter."""
+    if PTX:
+        return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [p.to(tl.int64, bitcast=True)],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        return tl.atomic_add(p, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
+def _leave(start_ptr, last, PTX: tl.constexpr):
+    """A waiter's leaving ticket on its token block's start counter (start_ptr; the store counter follows it):
+    the last waiter out (the counter at `last` before its add) puts both back to 0. PTX: thread 0 alone does it in
+    one asm block that nothing waits for (Triton's scalar atomics broadcast the result through shared memory
+    behind a CTA barrier, so every thread would wait for the round trip); the interpreter: Triton's atomics."""
+    if PTX:
+        tl.inline_asm_elementwise("""{
+        .reg .pred p, q;
+        .reg .u32 t, o;
+        mov.u32 t, %tid.x;
+        setp.eq.u32 p, t, 0;
+        setp.ne.u32 q, t, t;
+        @p atom.global.gpu.relaxed.add.u32 o, [$1], 1;
+        @p setp.eq.u32 q, o, $2;
+        @q st.relaxed.gpu.global.b32 [$1], 0;
+        @q st.relaxed.gpu.global.b32 [$1+4], 0;
+        mov.u32 $0, 0;
+        }""", "=r,l,r", [start_ptr.to(tl.int64, bitcast=True), last], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        if tl.atomic_add(start_ptr, 1, sem="relaxed", scope="gpu") == last:
+            tl.atomic_xchg(start_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(start_ptr + 1, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _finish_block(acc, sq, ticket, z_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, NZ, n_split,
                   norm_eps, hc_eps, post_mult, tb, sp, toks, M: tl.constexpr, NZP: tl.constexpr, BT: tl.constexpr,
                   NW: tl.constexpr, TPW: tl.constexpr, SPC: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr,
-                  TAIL: tl.constexpr):
+                  TAIL: tl.constexpr, FORM: tl.constexpr):
     """A program's partial z acc [BT, NZP] of the tokens `toks` (sq: their sums of squares, put in column NZ)
     stored as split sp of z [T, n_split, NZP]; then, with TAIL, the store counted and, for the last NW starters
     of token block tb (ticket: this program's start ticket), the wait for the block's partials and the mixing of
-    TPW tokens each (module docstring; _hc_fused_kernel says why it cannot deadlock)."""
+    TPW tokens each (module docstring; _hc_fused_kernel says why it cannot deadlock).
+    FORM (bits, the tail's form): 1: a waiter takes its leaving ticket (the last one out resets the counters) as
+    soon as its partials' loads are issued, one thread in PTX that nothing waits for (_leave), instead of after
+    the mixing through a scalar atomic that ends the kernel with a CTA-wide wait for its round trip; 2: the
+    Sinkhorn loop's logits taken out in registers (_mix_rows REG); 4: the wait polls with acquire loads, not
+    atomic adds (compiled kernels only: _tail_form clears it for the interpreter)."""
     zs = tl.arange(0, NZP)
     acc = tl.where(zs[None, :] == NZ, sq[:, None], acc)
     tl.store(z_ptr + (toks[:, None].to(tl.int64) * n_split + sp) * NZP + zs[None, :], acc,
@@ -254,9 +332,9 @@ def _finish_block(acc, sq, ticket, z_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr,
         tl.atomic_add(cnt_ptr + 2 * tb + 1, 1, sem="release", scope="gpu")
         w = ticket - (n_split - NW)
         if w >= 0:
-            done = tl.atomic_add(cnt_ptr + 2 * tb + 1, 0, sem="acquire", scope="gpu")
+            done = _load_acquire(cnt_ptr + 2 * tb + 1, (FORM & 4) != 0)
             while done < n_split:
-                done = tl.atomic_add(cnt_ptr + 2 * tb + 1, 0, sem="acquire", scope="gpu")
+                done = _load_acquire(cnt_ptr + 2 * tb + 1, (FORM & 4) != 0)
             tl.debug_barrier()
             j = w + tl.arange(0, TPW) * NW                  # this waiter's tokens in the block
             mt = tb * BT + j
@@ -269,12 +347,14 @@ def _finish_block(acc, sq, ticket, z_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr,
                                      + n[None, None, :]),
                             mask=ok[:, None, None] & (s[None, :, None] < n_split) & (n[None, None, :] <= NZ),
                             other=0.0, cache_modifier=".cg")
+                if FORM & 1:            # leave now: the round trip overlaps the partials' loads just issued
+                    if s0 == 0:
+                        _leave(cnt_ptr + 2 * tb, n_split + NW - 1, _PTX)
                 z += tl.sum(v, 1)
             _mix_rows(z, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, K, NZ, norm_eps, hc_eps, post_mult, mt,
-                      ok, M, NZP, ITERS, FAST)
-            if tl.atomic_add(cnt_ptr + 2 * tb, 1, sem="relaxed", scope="gpu") == n_split + NW - 1:
-                tl.atomic_xchg(cnt_ptr + 2 * tb, 0, sem="relaxed", scope="gpu")     # the last waiter out
-                tl.atomic_xchg(cnt_ptr + 2 * tb + 1, 0, sem="relaxed", scope="gpu")
+                      ok, M, NZP, ITERS, FAST, (FORM & 2) != 0)
+            if not FORM & 1:
+                _leave(cnt_ptr + 2 * tb, n_split + NW - 1, False)
 
 
 @triton.jit
@@ -282,7 +362,8 @@ def _hc_fused_kernel(r_ptr, fn_ptr, z_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr
                      n_split, norm_eps, hc_eps, post_mult, M: tl.constexpr, NZP: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr,
                      UPCAST: tl.constexpr, NW: tl.constexpr, TPW: tl.constexpr, SPC: tl.constexpr,
-                     ITERS: tl.constexpr, FAST: tl.constexpr, TAIL: tl.constexpr, PF: tl.constexpr):
+                     ITERS: tl.constexpr, FAST: tl.constexpr, TAIL: tl.constexpr, PF: tl.constexpr,
+                     FORM: tl.constexpr):
     """One launch. Program (token block tb, split sp of the M*H columns): partial z of its BT tokens over its
     columns (sum of squares in column NZ), stored token-major in z [T, n_split, NZP]. The LAST NW programs of a
     token block to START (a ticket taken after the first tiles' loads are issued) then wait until all n_split
@@ -313,7 +394,8 @@ def _hc_fused_kernel(r_ptr, fn_ptr, z_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr
         rf = rc.to(tl.float32)
         sq += tl.sum(rf * rf, 1)
     _finish_block(acc, sq, ticket, z_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, NZ,
-                  n_split, norm_eps, hc_eps, post_mult, tb, sp, toks, M, NZP, BT, NW, TPW, SPC, ITERS, FAST, TAIL)
+                  n_split, norm_eps, hc_eps, post_mult, tb, sp, toks, M, NZP, BT, NW, TPW, SPC, ITERS, FAST, TAIL,
+                  FORM)
 
 
 def _one_wave(programs: int, warps: int, dev) -> bool:
@@ -322,25 +404,54 @@ def _one_wave(programs: int, warps: int, dev) -> bool:
     counted: the kernels' shared memory, <= 74 KB a program at the tiles measured, allows 2 of the 228 KB)."""
     if INTERPRETING or dev.type != "cuda":
         return False
-    return programs <= torch.cuda.get_device_properties(dev).multi_processor_count * max(1, min(2, 8 // warps))
+    return programs <= sm_count(dev) * max(1, min(2, 8 // warps))
 
 
-_COUNTER_RING = 1 << 16
-_COUNTERS: dict = {}     # device -> [int32 zeros [_COUNTER_RING], next free offset]
+@dataclass
+class _SplitLaunch:
+    """Launch shape of a split kernel with a mixing tail (_hc_fused_kernel, _hc_post_mix_kernel)."""
+    split: int          # columns a program covers (clamped to the columns there are)
+    block_k: int        # columns a loop step covers (<= split)
+    n_split: int        # programs per token block
+    n_tb: int           # token blocks
+    nw: int             # waiters per token block (programs that mix its tokens)
+    tpw: int            # tokens each waiter mixes (power of two)
+    spc: int            # splits' partials a waiter loads at once per token
+    cnt: torch.Tensor   # 2 ticket counters per token block (starts, stores), zero on entry and on exit
 
 
-def _counters(dev, n: int) -> torch.Tensor:
-    """n zero counters of a per-device ring (the fused kernel leaves them zero). Successive calls take successive
-    slices, so kernels in flight on different streams rarely share one; within a stream they run in turn."""
-    ring = _COUNTERS.get(dev)
-    if ring is None:
-        ring = _COUNTERS[dev] = [torch.zeros(_COUNTER_RING, dtype=torch.int32, device=dev), 0]
-    check(n <= _COUNTER_RING, f"too many token blocks for the mHC counters ({n // 2})")
-    if ring[1] + n > _COUNTER_RING:
-        ring[1] = 0
-    view = ring[0][ring[1]:ring[1] + n]
-    ring[1] += n
-    return view
+# One ticket site for every mHC mixing launch: they run in turn on the main stream (kernels.backend.tickets).
+TICKET_SITE = "hc_mix"
+
+
+# The mixing tail's form (_finish_block FORM bits)
+# H200 session 9 round 1 (us, form 0 -> 7): mixes T=64 10.9 -> 9.9 (1: 10.5, 3: 10.5), write-back then mixes
+# T=64 14.8 -> 13.8; but T=256 16.4 -> 17.0 and T=4096 89.3 -> 93.6, where waiters mix 2 / 128 tokens each (the
+# register logits spilled 8 registers in the T=256 build); round 2: form 5 there 17.1 / 89.4 against 16.4 /
+# 89.6. So 7 where each waiter mixes one token, else 0. Measured and deleted (round 2): the write-back letting
+# the mixes launch start early (programmatic dependent launch, gdc_wait in the mixes kernel): T=64 / 32 15.1 /
+# 14.0 against 13.8 / 12.9 for the two plain launches.
+def _tail_form(form: int | None, tpw: int) -> int:
+    form = (7 if tpw == 1 else 0) if form is None else form
+    return form & ~4 if INTERPRETING else form        # (the acquire-load poll is PTX)
+
+
+def _split_launch(T: int, K: int, block_t: int, split: int, block_k: int, warps: int, waiters, spc, dev):
+    """The launch shape for T tokens over K columns (module docstring). Waiting is safe for the last starter of
+    a token block (every other program of the block has started and waits for nothing); several waiters wait for
+    programs that may not have started, so they are used only while the whole grid is resident at once (spinning
+    programs would otherwise hold the slots the missing ones need: seen on the H200 at T=4096, 1280 programs);
+    the interpreter runs programs one after another."""
+    split = min(split, max(block_k, triton.next_power_of_2(K)))
+    block_k = min(block_k, split)
+    n_split, n_tb = triton.cdiv(K, split), triton.cdiv(T, block_t)
+    nw = min(waiters or block_t, block_t, n_split) if _one_wave(n_tb * n_split, warps, dev) else 1
+    tpw = triton.next_power_of_2(-(-block_t // nw))
+    spc = spc or min(triton.next_power_of_2(n_split), max(1, 256 // tpw))     # <= 8192 partial values at once
+    cnt = tickets(dev, 2 * n_tb, site=TICKET_SITE)
+    check(cnt is not None, f"mHC mixes: no ticket counters for {n_tb} token blocks while a CUDA graph is being "
+          "captured; run the step once before capturing it (warm-up)")
+    return _SplitLaunch(split, block_k, n_split, n_tb, nw, tpw, spc, cnt)
 
 
 def split_fn_bf16(fn: torch.Tensor) -> torch.Tensor:
@@ -368,7 +479,8 @@ FAST_RCP_DEFAULT = True
 def _fused_tiles(T: int) -> dict:
     """The one-launch kernel's tiles at T tokens (H200 session 7 round 2, us; the read floor is one launch that
     only streams the same bytes: 2.9 / 4.6 / 38.4 us):
-      T <= 128: 64-token blocks, 256-wide splits, 128-wide steps (80 programs, fn split in registers): T=64
+      T <= 128: 64-token blocks, 256-wide splits, 128-wide steps (80 programs, fn split in registers; parts from
+                64 tokens since session 9, parts_pay): T=64
                 10.9 (128-wide splits 11.8, 32-token blocks 12.8, 16-token 13.1; first pass alone 6.4)
       T <= 256: 64 x 512 x 128 with fn's cached bf16 parts: 16.4 (fn split in registers 18.7, 128-token blocks
                 19.2, 1024-wide splits 22.7)
@@ -385,8 +497,9 @@ def _fused_tiles(T: int) -> dict:
 
 
 def parts_pay(T: int) -> bool:
-    """Whether fn's cached bf16 parts beat splitting fp32 fn in registers at T tokens (_fused_tiles)."""
-    return T > 128
+    """Whether fn's cached bf16 parts beat splitting fp32 fn in registers at T tokens (_fused_tiles; session 9
+    round 2, T=64 with tail form 7: 9.6 us against 9.9)."""
+    return T >= 64
 
 
 def _precision() -> str:
@@ -400,7 +513,8 @@ def hc_mixes_triton(residual, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iter
                     block_t: int | None = None, block_k: int | None = None, split: int | None = None,
                     only_partial: bool = False, precision: str | None = None, fn_parts: torch.Tensor | None = None,
                     num_warps: int | None = None, num_stages: int | None = None, prefetch: bool | None = None,
-                    fast_rcp: bool | None = None, waiters: int | None = None, spc: int | None = None) -> HcMixes:
+                    fast_rcp: bool | None = None, waiters: int | None = None, spc: int | None = None,
+                    tail_form: int | None = None) -> HcMixes:
     """One launch (_hc_fused_kernel). precision: None picks "bf16x3" for bf16 residuals (three bf16 tensor-core
     products against a hi/mid/lo split of fn made in registers from the fp32 fn; with fn_parts =
     split_fn_bf16(fn) given, the parts are read instead) and "ieee" otherwise; "ieee"/"tf32x3"/"tf32" force the
@@ -426,13 +540,10 @@ def hc_mixes_triton(residual, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iter
     warps = num_warps or tiles["num_warps"]
     prefetch = tiles.get("prefetch", True) if prefetch is None else prefetch
     num_stages = num_stages or tiles.get("num_stages")
-    split = min(split, max(block_k, triton.next_power_of_2(K)))
-    block_k = min(block_k, split)
-    n_split = triton.cdiv(K, split)
-    n_tb = triton.cdiv(T, block_t)
     dev = residual.device
+    L = _split_launch(T, K, block_t, split, block_k, warps, waiters, spc, dev)
     r = residual.reshape(T, K).contiguous()
-    z = empty((T, n_split, NZP), torch.float32, dev)
+    z = empty((T, L.n_split, NZP), torch.float32, dev)
     mode = 0
     if split_fn:
         mode, w = (2, fn_parts) if fn_parts is not None else (1, fn.float().contiguous())
@@ -443,20 +554,13 @@ def hc_mixes_triton(residual, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iter
     comb = empty((T, M, M), torch.float32, dev)
     base, scale = base.float().contiguous(), scale.float().contiguous()
     fast = (FAST_RCP_DEFAULT if fast_rcp is None else fast_rcp) and _CAN_RCP
-    # Waiting is safe for the last starter of a token block (every other program of the block has started and
-    # waits for nothing). Several waiters wait for programs that may not have started: safe only while the whole
-    # grid is resident at once (spinning programs would otherwise hold the slots the missing ones need: seen on
-    # the H200 at T=4096, 1280 programs). The interpreter runs programs one after another.
-    nw = min(waiters or block_t, block_t, n_split) if _one_wave(n_tb * n_split, warps, dev) else 1
-    tpw = triton.next_power_of_2(-(-block_t // nw))
-    spc = spc or min(triton.next_power_of_2(n_split), max(1, 256 // tpw))     # <= 8192 partial values at once
-    cnt = _counters(dev, 2 * n_tb)
-    _hc_fused_kernel[(n_tb, n_split)](r, w, z, cnt, base, scale, pre, post, comb, T, K, NZ, n_split, norm_eps,
-                                      hc_eps, post_mult, M=M, NZP=NZP, BT=block_t, BK=block_k, SPLIT=split,
-                                      MODE=mode, PRECISION="ieee" if split_fn else precision, UPCAST=INTERPRETING,
-                                      NW=nw, TPW=tpw, SPC=spc, ITERS=iters, FAST=fast, TAIL=not only_partial,
-                                      PF=prefetch, num_warps=warps,
-                                      **({} if num_stages is None else dict(num_stages=num_stages)))
+    _hc_fused_kernel[(L.n_tb, L.n_split)](r, w, z, L.cnt, base, scale, pre, post, comb, T, K, NZ, L.n_split,
+                                          norm_eps, hc_eps, post_mult, M=M, NZP=NZP, BT=block_t, BK=L.block_k,
+                                          SPLIT=L.split, MODE=mode, PRECISION="ieee" if split_fn else precision,
+                                          UPCAST=INTERPRETING, NW=L.nw, TPW=L.tpw, SPC=L.spc, ITERS=iters,
+                                          FAST=fast, TAIL=not only_partial, PF=prefetch,
+                                          FORM=_tail_form(tail_form, L.tpw), num_warps=warps,
+                                          **({} if num_stages is None else dict(num_stages=num_stages)))
     return None if only_partial else HcMixes(pre, post, comb)
 
 
@@ -478,8 +582,8 @@ def fn_parts_cached(fn: torch.Tensor) -> torch.Tensor:
 def hc_mixes(residual: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
              norm_eps: float = 1e-20, hc_eps: float = 1e-6, iters: int = 20, post_mult: float = 2.0) -> HcMixes:
     """(pre, post, comb) mixes of one mHC sub-layer for every token (module docstring). On CUDA: one launch;
-    with a bf16 residual fn's bf16 hi/mid/lo split is made in registers up to 128 tokens (fn read at 4 bytes),
-    and read as cached parts (3 bf16 copies of fn, ~3 MB per sub-layer for V4.1) above (parts_pay)."""
+    with a bf16 residual fn's bf16 hi/mid/lo split is made in registers below 64 tokens (fn read at 4 bytes),
+    and read as cached parts (3 bf16 copies of fn, ~3 MB per sub-layer for V4.1) from 64 (parts_pay)."""
     if use_triton(residual):
         big = residual.dtype == torch.bfloat16 and parts_pay(residual.shape[0])
         return hc_mixes_triton(residual, fn, base, scale, norm_eps, hc_eps, iters, post_mult,
@@ -628,7 +732,8 @@ def _hc_post_mix_kernel(r_ptr, y_ptr, post_ptr, comb_ptr, a_ptr, out_ptr, x_ptr,
                         scale_ptr, pre2_ptr, post2_ptr, comb2_ptr, T, H, NZ, n_split, norm_eps, hc_eps, post_mult,
                         NZP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                         MODE: tl.constexpr, UPCAST: tl.constexpr, NW: tl.constexpr, TPW: tl.constexpr,
-                        SPC: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr, TAIL: tl.constexpr):
+                        SPC: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr, TAIL: tl.constexpr,
+                        FORM: tl.constexpr):
     """The write-back R' = post y + comb^T R (M = 4), the next read-out x = sum_k a_k R'_k, and the NEXT
     sub-layer's mixes of R' in one launch. Program (token block tb, split sp of the H hidden columns): for each
     BK-wide step it reads R's 4 streams and y, forms the 4 streams of R' (rounded to R's dtype: what a separate
@@ -665,7 +770,8 @@ def _hc_post_mix_kernel(r_ptr, y_ptr, post_ptr, comb_ptr, a_ptr, out_ptr, x_ptr,
                                           h, hok, zs, acc, x, sq, k, H, K, NZ, MODE, UPCAST)
         tl.store(x_ptr + row * H + h[None, :], x.to(x_ptr.dtype.element_ty), mask=m)
     _finish_block(acc, sq, ticket, z_ptr, cnt_ptr, base_ptr, scale_ptr, pre2_ptr, post2_ptr, comb2_ptr, T, K, NZ,
-                  n_split, norm_eps, hc_eps, post_mult, tb, sp, toks, 4, NZP, BT, NW, TPW, SPC, ITERS, FAST, TAIL)
+                  n_split, norm_eps, hc_eps, post_mult, tb, sp, toks, 4, NZP, BT, NW, TPW, SPC, ITERS, FAST, TAIL,
+                  FORM)
 
 
 def _post_mix_tiles(T: int) -> dict:
@@ -696,7 +802,7 @@ def hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-
                        post_mult=2.0, block_t: int | None = None, split: int | None = None,
                        block_k: int | None = None, num_warps: int | None = None,
                        fn_parts: torch.Tensor | None = None, waiters: int | None = None, spc: int | None = None,
-                       fast_rcp: bool | None = None, only_partial: bool = False):
+                       fast_rcp: bool | None = None, only_partial: bool = False, tail_form: int | None = None):
     """One launch (_hc_post_mix_kernel, M = 4): (R', x, the next sub-layer's HcMixes of R'), equal to
     hc_post_mix_torch up to fp32 summation order. split / block_k count hidden columns (each covers the 4
     streams); fn_parts: split_fn_bf16(fn) read instead of splitting fp32 fn in registers (bf16 R only); waiters /
@@ -714,31 +820,26 @@ def hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-
     tiles = _post_mix_tiles(T)
     block_t, split, block_k = block_t or tiles["block_t"], split or tiles["split"], block_k or tiles["block_k"]
     warps = num_warps or tiles["num_warps"]
-    split = min(split, max(block_k, triton.next_power_of_2(H)))
-    block_k = min(block_k, split)
-    n_split = triton.cdiv(H, split)
-    n_tb = triton.cdiv(T, block_t)
     dev = R.device
+    L = _split_launch(T, H, block_t, split, block_k, warps, waiters, spc, dev)
     R = R.contiguous()
     bf16 = R.dtype == torch.bfloat16
     check(fn_parts is None or bf16, "fn parts need a bf16 residual")
     mode, w = (2, fn_parts) if fn_parts is not None else (1 if bf16 else 0, fn.float().contiguous())
     out = empty((T, M, H), R.dtype, dev)
     x = empty((T, H), R.dtype, dev)
-    z = empty((T, n_split, NZP), torch.float32, dev)
+    z = empty((T, L.n_split, NZP), torch.float32, dev)
     mixes = HcMixes(empty((T, M), torch.float32, dev), empty((T, M), torch.float32, dev),
                     empty((T, M, M), torch.float32, dev))
     fast = (FAST_RCP_DEFAULT if fast_rcp is None else fast_rcp) and _CAN_RCP
-    nw = min(waiters or block_t, block_t, n_split) if _one_wave(n_tb * n_split, warps, dev) else 1
-    tpw = triton.next_power_of_2(-(-block_t // nw))
-    spc = spc or min(triton.next_power_of_2(n_split), max(1, 256 // tpw))
     if T:
-        _hc_post_mix_kernel[(n_tb, n_split)](
+        _hc_post_mix_kernel[(L.n_tb, L.n_split)](
             R, y.contiguous(), post.float().contiguous(), comb.float().contiguous(), next_pre.float().contiguous(),
-            out, x, w, z, _counters(dev, 2 * n_tb), base.float().contiguous(), scale.float().contiguous(),
-            mixes.pre, mixes.post, mixes.comb, T, H, NZ, n_split, norm_eps, hc_eps, post_mult, NZP=NZP,
-            BT=block_t, BK=block_k, SPLIT=split, MODE=mode, UPCAST=INTERPRETING, NW=nw, TPW=tpw, SPC=spc,
-            ITERS=iters, FAST=fast, TAIL=not only_partial, num_warps=warps)
+            out, x, w, z, L.cnt, base.float().contiguous(), scale.float().contiguous(),
+            mixes.pre, mixes.post, mixes.comb, T, H, NZ, L.n_split, norm_eps, hc_eps, post_mult, NZP=NZP,
+            BT=block_t, BK=L.block_k, SPLIT=L.split, MODE=mode, UPCAST=INTERPRETING, NW=L.nw, TPW=L.tpw,
+            SPC=L.spc, ITERS=iters, FAST=fast, TAIL=not only_partial, FORM=_tail_form(tail_form, L.tpw),
+            num_warps=warps)
     return out, x, mixes
 
 

@@ -13,15 +13,33 @@ Triton, two launches:
     [Hi, Di] x [Di, BLOCK_G] product, relu and the head-weighted sum in registers; the row's queries loaded once
     per program, the key loads pipelined) writes scores [N, max_len] (fp32: 64 KB a row at 16384 entries,
     L2-resident): 68 us at N=64, L=16384 on an H200 = 94% of copy bandwidth;
-  * `topk_select_triton`, exact, the same selection as a stable sort: each chunk of a row (`default_chunks`)
-    picks its own exact top-k, then one program per row picks the top-k of those chunks * k candidates (the row's
-    top-k is among them: an entry beaten by k entries of its own chunk is beaten by k in the row), in the same
-    launch for unsorted output (each row's last chunk program to take its ticket merges); unsorted winners are
-    written straight from registers. Each pick finds its cut by an interpolation search
-    (`_cut_key`): three counting thresholds per CTA-wide reduction, the first from a normal fit of the scores,
-    then at the interpolated key of rank k in the bracket, and a top-4 reduction once at most 4 ranks are left:
+  * `topk_select_triton`, exact, the same selection as a stable sort: each chunk of a row (`default_chunks`:
+    2 chunks of 8 warps at L=16384, k=512) picks its own exact top-k, then one program per row picks the top-k of
+    those chunks * k candidates (the row's top-k is among them: an entry beaten by k entries of its own chunk is
+    beaten by k in the row), in the same launch for unsorted output (each row's last chunk program to take its
+    ticket merges; rows of more than 4 chunks through a tree: the last of each group of 4 merges the group, the
+    last group the row); unsorted winners are written straight from registers. Each pick finds its cut by an
+    interpolation search (`_cut_key`): three counting thresholds per CTA-wide reduction, the first from a normal
+    fit of the scores, then at the interpolated key of rank k in the bracket, and a top-4 reduction once at most 4
+    ranks are left above the bracket's upper end or at most 3 above its lower end (then of the smallest keys):
     ~3-4 dependent reductions on random scores (the slowest of 256 chunks ~6), against ~10 (12-15) for the
-    two-bit radix search of sessions 3-7. H200, N=64, L=16384, k=512 (session 8 round 1): select alone (scores
+    two-bit radix search of sessions 3-7 (the search replayed in float64 on the score kernel's rows, L=16384,
+    k=512: the slowest chunk's reductions plus the merge's, 4 chunks 7.1, with the lower-end end game 6.6; 2
+    chunks 7.0 / 6.7).
+    Session 9 (H200, N=64, L=16384, k=512, R1-R2): 2 chunks of 8 warps 17.9-18.3 us alone against 18.5-18.7
+    for 4 of 4 warps, on the score kernel's rows 19.5 against 20.4, behind the scores 88.2 against 89.4-90.9;
+    one row alone 13.3-13.6 (its chunk stage alone 8.0-8.8, the merge alone 5.5-6.2). Longer rows (R2, the tree
+    against one flat merge of 16 chunks' 8192 candidates, which spilled): N=8, L=131072 select alone 33.1 us,
+    scores + select 123.5 against 162.6 (51%); N=64, L=65536 323.1 against 348.7 (78%); N=64, L=131072 629.4
+    (80%); N=8, L=65536 74.4 (42%; scores alone 36.9): at 8 rows the select's latency (~30 us: a chunk, a group
+    merge, a final merge of 4096) is what is left. Measured and removed (session 9 R1): scores and select in one
+    launch of the score kernel (the last score program of each 4096-entry chunk selects it, the row's last chunk
+    merges): 95.2 us against 90.3 for the two launches (212 registers: 2 score programs per SM instead of 3);
+    capped at 168 registers 91.3; the chunk's last piece in launch order selecting once the others counted in
+    (no reply awaited by the others) 93.4, capped 90.1; rows together 93.1; 2048-entry chunks 98.1; sorted 99.5;
+    a running top-k per row (each chunk keeps only its entries above the running k-th and merges) 110.4-126.6;
+    at N=8, L=131072 the one launch 150.0 against 162.6 (before the tree), at N=64, L=131072 706.9 against 656.7.
+    Session 8 round 1: select alone (scores
     in L2) 19.2 us unsorted / 21.8 sorted against 25.1 / 27.7 for the two-bit search; one row alone 12.5 (two-bit
     19.0), 8 rows 15.6 (21.1); behind the score kernel 91.1 unsorted / 93.8 sorted (69% / 67%) against 94.2 /
     96.8. The same search without the top-4 end game: 25.1 (the slowest chunks' last passes are the latency).
@@ -54,8 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import empty, INTERPRETING, check, use_triton
-from .decode_attention import _COUNTERS, _counters
+from .backend import empty, INTERPRETING, check, tickets, use_triton
 
 
 def _check(iq, w, keys, key_start, key_len, k):
@@ -271,10 +288,11 @@ def _top4(a0, a1, a2, a3, b0, b1, b2, b3):
 
 
 @triton.jit
-def _top4_between(base, n, keys, lo, top, offs, BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
-    """The 4 largest order keys in [lo, top] (lo >= 1), descending, 0 where there are fewer, in ONE reduction."""
+def _top4_between(base, n, keys, lo, top, flip, offs, BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
+    """The 4 largest order keys in [lo, top] (lo >= 1), descending, 0 where there are fewer, in ONE reduction;
+    flip: of top + 1 - key instead (>= 1), i.e. the 4 smallest keys."""
     if RESIDENT:
-        v = tl.where((keys >= lo) & (keys <= top), keys, 0)
+        v = tl.where((keys >= lo) & (keys <= top), tl.where(flip, top + 1 - keys, keys), 0)
         z = tl.zeros_like(v)
         a0, a1, a2, a3 = tl.reduce((v, z, z, z), 0, _top4)
     else:
@@ -284,7 +302,7 @@ def _top4_between(base, n, keys, lo, top, offs, BLOCK: tl.constexpr, RESIDENT: t
         a3 = tl.zeros([], tl.uint32)
         for start in range(0, n, BLOCK):
             kb = _load_keys(base, 0, start + offs, n)
-            v = tl.where((kb >= lo) & (kb <= top), kb, 0)
+            v = tl.where((kb >= lo) & (kb <= top), tl.where(flip, top + 1 - kb, kb), 0)
             z = tl.zeros_like(v)
             b0, b1, b2, b3 = tl.reduce((v, z, z, z), 0, _top4)
             a0, a1, a2, a3 = _top4(a0, a1, a2, a3, b0, b1, b2, b3)
@@ -321,7 +339,7 @@ def _cut_key(base, n, keys, need, n_sel, mx, mn, sx, sxx, offs, BLOCK: tl.conste
     done = ((n_sel <= need) | (hi - lo <= 1)).to(tl.int32)
     prev = (hi - lo) * 8                         # the first pass never counts as "did not shrink"
     first = tl.full([], 1, tl.int32)
-    while (done == 0) & (need - chi > TOPR):
+    while (done == 0) & (need - chi > TOPR) & (clo - need >= TOPR - 1):
         rng = hi - lo
         m = (clo - chi).to(tl.float32)
         j = (need - chi).to(tl.float32)
@@ -359,14 +377,29 @@ def _cut_key(base, n, keys, need, n_sel, mx, mn, sx, sxx, offs, BLOCK: tl.conste
         rem = tl.where(ex >= 0, need, need - chi)
         done = ((ex >= 0) | (hi - lo <= 1)).to(tl.int32)
     if TOPR > 0:
-        if done == 0:                                # the answer is the (need - chi)-th largest key in [lo, hi)
-            a0, a1, a2, a3 = _top4_between(base, n, keys, lo.to(tl.uint32), (hi - 1).to(tl.uint32), offs,
-                                           BLOCK, RESIDENT)
+        if done == 0:
+            # the answer is the j-th largest key in [lo, hi), or (bottom) the jb-th smallest, jb <= TOPR - 1
             j = need - chi
-            a = tl.where(j == 1, a0, tl.where(j == 2, a1, tl.where(j == 3, a2, a3)))
-            above = chi + (a0 > a).to(tl.int32) + (a1 > a).to(tl.int32) + (a2 > a).to(tl.int32)
-            cut = a.to(tl.int64)
-            rem = need - above
+            bottom = j > TOPR
+            top = (hi - 1).to(tl.uint32)
+            a0, a1, a2, a3 = _top4_between(base, n, keys, lo.to(tl.uint32), top, bottom, offs, BLOCK, RESIDENT)
+            jj = tl.where(bottom, clo - need + 1, j)
+            a = tl.where(jj == 1, a0, tl.where(jj == 2, a1, tl.where(jj == 3, a2, a3)))
+            before = (a0 > a).to(tl.int32) + (a1 > a).to(tl.int32) + (a2 > a).to(tl.int32)   # ranked ahead of a
+            if bottom:
+                # cut = the key a stands for; the keys ahead of a are the bracket's keys below it, so clo - before
+                # keys are >= cut; those equal to it all show among a0..a3 unless a3 ties with a (then count)
+                cut = (top + 1 - a).to(tl.int64)
+                ties = ((a0 == a).to(tl.int32) + (a1 == a).to(tl.int32) + (a2 == a).to(tl.int32)
+                        + (a3 == a).to(tl.int32))
+                rem = need - (clo - before - ties)
+                if a3 == a:
+                    c1, c2, c3 = _count3(base, 0, n, keys, (cut + 1).to(tl.uint32), (cut + 1).to(tl.uint32),
+                                         (cut + 1).to(tl.uint32), offs, BLOCK, RESIDENT)
+                    rem = need - tl.where(cut >= 0xFFFFFFFF, 0, c1.to(tl.int32))   # no key is above the top key
+            else:
+                cut = a.to(tl.int64)
+                rem = need - (chi + before)
     return cut.to(tl.uint32), rem
 
 
@@ -448,13 +481,16 @@ def _select_chunk(base, n, k, idx_ptr, val_ptr, out, map_base, seg0, BLOCK: tl.c
 def _topk_select_kernel(scores_ptr, L, CL, k, idx_ptr, val_ptr, map_ptr, fin_idx_ptr, fin_val_ptr, cnt_ptr,
                         BLOCK: tl.constexpr, RESIDENT: tl.constexpr, SORTED: tl.constexpr, KP: tl.constexpr,
                         MAP: tl.constexpr, FW: tl.constexpr, WIDTH: tl.constexpr, TOPR: tl.constexpr,
-                        FUSE: tl.constexpr = False, MBLOCK: tl.constexpr = 16, MSORTED: tl.constexpr = False):
+                        FUSE: tl.constexpr = False, MBLOCK: tl.constexpr = 16, MSORTED: tl.constexpr = False,
+                        FAN: tl.constexpr = 0, GBLOCK: tl.constexpr = 16, grp_idx_ptr=None, grp_val_ptr=None):
     """Program (row, chunk): `_select_chunk` over entries [c * CL, c * CL + CL) of row `row` of scores [N, L],
     written to output slots (row * chunks + c) * k... With MAP (the second stage of the chunked select) the row
     holds the first stage's candidates, whose positions increase with the original ids (so position ties are id
     ties), and map [N, L] their ids. FUSE: the row's last chunk program to finish (an atomic ticket, reset to 0
     after) also runs the second stage over the row's chunks * k candidates (MBLOCK slots, sorted when MSORTED)
-    into fin_idx / fin_val [N, k]: one launch."""
+    into fin_idx / fin_val [N, k]: one launch. FAN > 0 (rows of many chunks): the last chunk of each group of
+    FAN merges the group's candidates (GBLOCK slots) into grp_idx / grp_val [N, groups * k], and the last group of
+    the row merges those (MBLOCK slots): each merge holds at most FAN * k or groups * k candidates in registers."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     seg0 = c * CL
@@ -462,13 +498,37 @@ def _topk_select_kernel(scores_ptr, L, CL, k, idx_ptr, val_ptr, map_ptr, fin_idx
                   (row * tl.num_programs(1) + c) * k, map_ptr + row * L + seg0, seg0, BLOCK, RESIDENT, SORTED, KP,
                   MAP, FW, WIDTH, TOPR)
     if FUSE:
-        tl.debug_barrier()                       # every thread's candidate stores precede the release below
-        ticket = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu")
-        if ticket == tl.num_programs(1) - 1:
-            tl.atomic_xchg(cnt_ptr + row, 0, sem="relaxed", scope="gpu")
-            C = tl.num_programs(1) * k
-            _select_chunk(val_ptr + row * C, C, k, fin_idx_ptr, fin_val_ptr, row * k, idx_ptr + row * C, 0, MBLOCK,
-                          True, MSORTED, KP, True, FW, WIDTH, TOPR)
+        chunks = tl.num_programs(1)
+        C = chunks * k
+        if FAN == 0:
+            _merge_row(cnt_ptr + row, chunks, k, idx_ptr + row * C, val_ptr + row * C, fin_idx_ptr, fin_val_ptr,
+                       row * k, KP, FW, WIDTH, TOPR, MBLOCK, MSORTED)
+        else:     # a tree: the last chunk of each FAN merges the group, the last group the row
+            G = tl.cdiv(chunks, FAN)
+            g = c // FAN
+            at = row * C + g * FAN * k
+            if _merge_row(cnt_ptr + row * (G + 1) + 1 + g, tl.minimum(FAN, chunks - g * FAN), k, idx_ptr + at,
+                          val_ptr + at, grp_idx_ptr, grp_val_ptr, (row * G + g) * k, KP, FW, WIDTH, TOPR, GBLOCK,
+                          False):
+                _merge_row(cnt_ptr + row * (G + 1), G, k, grp_idx_ptr + row * G * k, grp_val_ptr + row * G * k,
+                           fin_idx_ptr, fin_val_ptr, row * k, KP, FW, WIDTH, TOPR, MBLOCK, MSORTED)
+
+
+@triton.jit
+def _merge_row(ticket_ptr, n_in, k, cand_idx_ptr, cand_val_ptr, out_idx_ptr, out_val_ptr, out, KP: tl.constexpr,
+               FW: tl.constexpr, WIDTH: tl.constexpr, TOPR: tl.constexpr, MBLOCK: tl.constexpr,
+               MSORTED: tl.constexpr):
+    """Called by each of n_in programs once its k candidates are stored (at cand_*_ptr, in entry order, program
+    after program): the last to take a ticket (reset to 0 after) selects the k best of the n_in * k candidates
+    (MBLOCK slots, in registers; sorted when MSORTED) into out_idx / out_val[out...], ids through the candidates'
+    ids; returns whether this program did."""
+    tl.debug_barrier()                           # every thread's candidate stores precede the release below
+    go = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == n_in - 1
+    if go:
+        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
+        _select_chunk(cand_val_ptr, n_in * k, k, out_idx_ptr, out_val_ptr, out, cand_idx_ptr, 0, MBLOCK, True,
+                      MSORTED, KP, True, FW, WIDTH, TOPR)
+    return go
 
 
 SELECT_BLOCK = 4096      # entries per streamed block; rows up to RESIDENT_MAX stay in registers
@@ -488,47 +548,53 @@ def _select_launch(scores, k, chunks, sorted, block, num_warps, id_map=None, sea
     block = block or (max(16, triton.next_power_of_2(cl)) if resident else SELECT_BLOCK)
     kp = max(16, triton.next_power_of_2(k))
     in_kernel_sort = sorted and kp <= SORT_MAX
+    search = search or SEARCH
     _topk_select_kernel[(N, chunks)](scores, L, cl, k, idx, val, scores if id_map is None else id_map, idx, val,
                                      idx, BLOCK=block, RESIDENT=resident, SORTED=in_kernel_sort, KP=kp,
                                      MAP=id_map is not None, FW=search[0], WIDTH=search[1], TOPR=search[2],
-                                     num_warps=num_warps or (16 if block >= 8192 else 8 if block >= 2048 else 4))
+                                     num_warps=num_warps or (16 if block > 8192 else 8 if block >= 2048 else 4))
     return _sort_after(idx, val, sorted, in_kernel_sort)
 
 
-def _tickets(device, n: int):
-    """decode_attention's zeroed ticket counters (shared: every launch leaves them at 0, and launches on one stream
-    never overlap), or None while a CUDA graph is being captured and they do not exist yet (an allocation made
-    during capture belongs to the graph's pool and must not outlive it)."""
-    c = _COUNTERS.get(device)
-    if (c is None or c.numel() < n) and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    return _counters(device, n)
+FAN = 4                  # chunks merged per group in the fused select's tree (rows of more than FAN chunks)
 
 
-def _fused_launch(scores, k, chunks, sorted, num_warps, search, tickets):
-    """Both stages in one launch of `_topk_select_kernel` (FUSE: each row's last chunk program merges) -> (idx,
-    val) [N, k]. Rows of at most chunks * RESIDENT_MAX entries, chunks * k candidates at most RESIDENT_MAX."""
+def _fused_launch(scores, k, chunks, sorted, num_warps, search, cnt, fan=FAN):
+    """Both stages in one launch of `_topk_select_kernel` (FUSE: each row's last chunk program merges; more than
+    `fan` chunks: a two-level tree, each group of `fan` chunks merged by its last, then the groups by the row's
+    last) -> (idx, val) [N, k]. Chunks of at most RESIDENT_MAX entries; every merge at most RESIDENT_MAX slots.
+    cnt: N * (groups + 1) zeroed tickets."""
     N, L = scores.shape
     cl = triton.cdiv(L, chunks)
+    tree = chunks > fan
+    groups = triton.cdiv(chunks, fan) if tree else 1
     cand_idx = empty((N, chunks * k), torch.int64, scores.device)
     cand_val = empty((N, chunks * k), torch.float32, scores.device)
+    grp_idx = empty((N, groups * k), torch.int64, scores.device) if tree else None
+    grp_val = empty((N, groups * k), torch.float32, scores.device) if tree else None
     idx = empty((N, k), torch.int64, scores.device)
     val = empty((N, k), torch.float32, scores.device)
     kp = max(16, triton.next_power_of_2(k))
     in_kernel_sort = sorted and kp <= SORT_MAX
     _topk_select_kernel[(N, chunks)](scores, L, cl, k, cand_idx, cand_val, scores, idx, val,
-                                     tickets, BLOCK=max(16, triton.next_power_of_2(cl)),
+                                     cnt, BLOCK=max(16, triton.next_power_of_2(cl)),
                                      RESIDENT=True, SORTED=False, KP=kp, MAP=False, FW=search[0], WIDTH=search[1],
-                                     TOPR=search[2], FUSE=True, MBLOCK=max(16, triton.next_power_of_2(chunks * k)),
-                                     MSORTED=in_kernel_sort, num_warps=num_warps or 4)
+                                     TOPR=search[2], FUSE=True,
+                                     MBLOCK=max(16, triton.next_power_of_2((groups if tree else chunks) * k)),
+                                     MSORTED=in_kernel_sort, FAN=fan if tree else 0,
+                                     GBLOCK=max(16, triton.next_power_of_2(fan * k)), grp_idx_ptr=grp_idx,
+                                     grp_val_ptr=grp_val, num_warps=num_warps or 4)
     return _sort_after(idx, val, sorted, in_kernel_sort)
 
 
 def default_chunks(L: int, k: int) -> int:
     """Chunks per row for the first select stage: rows much longer than k are split so that many programs share
-    the row (H200, N=64, L=16384, k=512: 4 chunks 27.5 us, 8 chunks 31-32, 2 chunks 29-34, one program per row
-    36-41)."""
-    return max(1, min(16, L // (8 * k)))
+    the row: up to 4 chunks of at most 16k entries (8 warps each: 2 chunks at L=16384, k=512, see
+    `topk_select_triton`), longer rows chunks of about 8k (4 warps each; at most 32, so the fused select's tree
+    merges at most 8 groups' candidates: 4096 at k = 512)."""
+    if L <= 4 * 16 * k:
+        return triton.cdiv(L, 16 * k)
+    return min(8 * FAN, L // (8 * k))
 
 
 # `_cut_key`'s (first-guess spread FW, rank spread WIDTH, top-4 end game TOPR: 4 or 0). H200, N=64, L=16384,
@@ -569,17 +635,24 @@ def topk_select_triton(scores: torch.Tensor, k: int, sorted: bool = True, block:
     chunks = default_chunks(L, k) if chunks is None else max(1, min(chunks, triton.cdiv(L, k)))
     if chunks == 1:
         return _select_launch(scores, k, 1, sorted, block, num_warps, search=search)
-    fits = block is None and triton.cdiv(L, chunks) <= RESIDENT_MAX and chunks * k <= RESIDENT_MAX
+    groups = triton.cdiv(chunks, FAN) if chunks > FAN else 1
+    fits = (block is None and triton.cdiv(L, chunks) <= RESIDENT_MAX
+            and max(min(chunks, FAN), groups) * k <= RESIDENT_MAX)
     if fused:
-        check(fits, f"the fused select holds a chunk and a row's candidates in registers: chunks of at most "
-              f"{RESIDENT_MAX} entries, chunks * k at most {RESIDENT_MAX}; got {L} entries in {chunks} chunks, k={k}")
-    tickets = _tickets(scores.device, N) if (fused or (fused is None and fits and not sorted)) else None
-    if tickets is not None:
-        return _fused_launch(scores, k, chunks, sorted, num_warps, search, tickets)
-    # first stage: 4 warps per chunk program (H200, N=64, L=16384, k=512, scores in L2, session 8 round 1: 19.2 us
-    # for both stages against 22.4 with 8 warps, 19.5 with a 4-warp merge; 2 chunks of 8 warps 19.2, 8 chunks
-    # 21.0-21.6, one program per row 24.0-24.5)
-    cand_idx, cand_val = _select_launch(scores, k, chunks, False, block, num_warps or 4, search=search)
+        check(fits, f"the fused select holds a chunk and each merge's candidates in registers: chunks of at most "
+              f"{RESIDENT_MAX} entries, min(chunks, {FAN}) * k and ceil(chunks / {FAN}) * k at most {RESIDENT_MAX}; "
+              f"got {L} entries in {chunks} chunks, k={k}")
+    # the fused launch's tickets; None while a CUDA graph is captured before any warm-up made them: two launches
+    one_launch = fused or (fused is None and fits and not sorted)
+    cnt = tickets(scores.device, N * (groups + 1), site="indexer") if one_launch else None
+    # chunk programs of 32 entries a thread: 4 warps up to 4096 entries, 8 above (H200, N=64, L=16384, k=512,
+    # scores in L2: 4 chunks of 8 warps 22.4 us, of 4 warps 19.2; 2 chunks of 8 warps 17.9-18.3 against 18.5-18.7
+    # for 4 of 4 warps (session 9 R1-R2), on the score kernel's rows 19.5 against 20.4 and behind the scores
+    # 88.2 against 90.9 (R2); 8 chunks 21.0-21.6, one program per row 23.4-24.5)
+    num_warps = num_warps or (8 if triton.cdiv(L, chunks) > 4096 else 4)
+    if cnt is not None:
+        return _fused_launch(scores, k, chunks, sorted, num_warps, search, cnt)
+    cand_idx, cand_val = _select_launch(scores, k, chunks, False, block, num_warps, search=search)
     return _select_launch(cand_val, k, 1, sorted, None, num_warps2, id_map=cand_idx, search=search)
 
 

@@ -541,6 +541,13 @@ PREFETCH_SHIFTED = True
 # Session 8 round 2 (V4.1, T = 64 / 8 / 256, us): the shifts folded into the decoded weights (one mul.f16x2 per
 # two weights, exact for shifts <= 23) so the dot accumulates in place: 3322 / 695 / 4955 against 2228 / 480 /
 # 3363 for the kept form (fp8 rows 2143 / 438 / 3259) -> deleted.
+# Session 9 (V4.1, T = 64 / 8, us; this form 2145-2188 / 472, fp8 rows 2033-2078 / 432): ncu put it at 75-78% of
+# the L2's throughput with DRAM at 37-42% (each step's word tiles are 16 bytes wide per row, half a sector), the
+# top stall the shift loads' use. Measured and deleted: the shifts through tensor descriptors, pipelined like the
+# weights, 3502 / 780; the shifts asked of the L2 8 groups ahead (prefetch.global.L2) 2293 / 489; two groups a
+# step as two word tiles each (174 registers) 2868 / 652; four groups a step from one 64-byte-wide word tile
+# (L2 55%, DRAM 45%, but 255 registers: 2 programs an SM, stalls on issue, wgmma waits and the activation
+# tile's shared-memory staging) 2168 / 481, with 4 stages 2176 / 484, 8 warps 2711 / 595, 64 rows 2796 / 593.
 W4_TILES = dict(block_n=128, num_warps=4, num_stages=3)
 
 # Tensor-descriptor weight loads by default (when the shapes allow). H200 round 1: as fast as the pointer loads

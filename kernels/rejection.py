@@ -45,6 +45,7 @@ import triton.language as tl
 from . import rng
 from .backend import empty
 from .threshold import (NEG_INF_KEY, _below, _bisect_tau, _kept_column, exp2_w, lane_block, lane_score, load_z,
+                        pdl_kw, pdl_trigger, pdl_wait,
                         pack_lanes, row_block_z, segment_pack)
 
 NMAX = 8              # proposals of the rule (part of the contract: it decides the token)
@@ -194,12 +195,15 @@ def lane_token(logits_ptr, row, g, ok, V, inv_t, tau, key, bitmask_ptr, mrow, bi
 def _tokens_kernel(packed_ptr, tok_ptr, logits_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, keys_ptr, tau_ptr,
                    bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, done_ptr, DONE: tl.constexpr,
                    HAS_MASK: tl.constexpr, HAS_TAU: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr,
-                   NPQ: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, FAST: tl.constexpr):
+                   NPQ: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, FAST: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """Program (row): tok[row, j] = the token of proposal j (the best packed lane over the row's programs, its
     token drawn inside it by `lane_token`; greedy rows: the packed argmax), -1 where the best score is -inf (nothing
     allowed); only proposal 0 for rows that are not top-p alone. Once per row, so the mass-above programs and the
     finish only load the tokens (each (row, segment) program drawing them itself cost more than the pass saved:
     session 8 R1, the mass-above pass 19.4 / 72.8 us against 16.6 / 46.3 at B=64 / 256)."""
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
     skip = False
     if DONE:
@@ -245,13 +249,15 @@ def _above_kernel(logits_ptr, tok_ptr, pmax_ptr, part_ptr, inv_t_ptr, greedy_ptr
                   bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, n_seg, lane_ptr, n_lanes, hot_ptr,
                   HAS_MASK: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr,
                   VEC: tl.constexpr, FAST: tl.constexpr, NPQ: tl.constexpr = 8, HOT: tl.constexpr = False,
-                  HOTCAP: tl.constexpr = 32):
+                  HOTCAP: tl.constexpr = 32, PDL: tl.constexpr = False):
     """Program (row, segment) of a top-p-alone row: part[row, segment, j] = the mass above proposal j, as sum
     exp(z - m) (m: the row max from the pass's program maxima): fp32 inside a lane (LW terms), fp64 across lanes
     (`_above_sums`). The proposals' tokens (`_tokens_kernel`) and z in one load each. HOT: only the lanes whose
     max (stored by the pass) exceeds the smallest proposal's z can hold a token above a proposal; when at most
     HOTCAP of the segment's lanes do, only those are gathered (a lane list through a small scratch), else the
     whole segment is read. Other rows return at once."""
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
     if is_p_alone(row, V, greedy_ptr, top_k_ptr, top_p_ptr):
@@ -277,13 +283,12 @@ def _above_kernel(logits_ptr, tok_ptr, pmax_ptr, part_ptr, inv_t_ptr, greedy_ptr
                     h = tl.arange(0, HOTCAP)
                     hl = tl.load(hp + h, mask=h < n_hot, other=0)
                     t = start + hl[:, None] + tl.arange(0, LW)[None, :] * LANES
-                    ok = (h < n_hot)[:, None] & (t < V)
-                    x = tl.load(logits_ptr + row * V + t, mask=ok, other=float("-inf")).to(tl.float32)
+                    mrow = -1
                     if HAS_MASK:
                         mrow = tl.load(mask_rows_ptr + row)
-                        w = tl.load(bitmask_ptr + mrow * bitmask_stride + t // 32, mask=ok & (mrow >= 0), other=-1)
-                        x = tl.where(((w >> (t % 32)) & 1) != 0, x, float("-inf"))
-                    zh = x * inv_t
+                    # padding lanes point past V: load_z's one bounds check masks them
+                    zh = load_z(logits_ptr, row, tl.where((h < n_hot)[:, None], t, V), V, inv_t, bitmask_ptr, mrow,
+                                bitmask_stride, HAS_MASK)
                     eh = tl.where(zh > float("-inf"), tl.exp(zh - m), 0.0)
                     tl.store(part_ptr + o + jj, _above_sums(zh, eh, zs, jj, NP, NPQ), mask=jj < NP)
             if n_hot > HOTCAP:
@@ -395,8 +400,10 @@ def _reject_finish_kernel(logits_ptr, tok_ptr, pmax_ptr, pmass_ptr, part_ptr, ou
                           top_p_ptr, keys_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, n_seg,
                           done_ptr, DONE: tl.constexpr, HAS_MASK: tl.constexpr, NP: tl.constexpr,
                           NPP: tl.constexpr, NPQ: tl.constexpr, NSP: tl.constexpr, NMAX: tl.constexpr,
-                          LANES: tl.constexpr, LW: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):
+                          LANES: tl.constexpr, LW: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr,
+                          PDL: tl.constexpr = False):
     """Program (row): the row's token (`_row_token`)."""
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     tl.store(out_ptr + row, _row_token(logits_ptr, tok_ptr, pmax_ptr, pmass_ptr, part_ptr, row, inv_t_ptr, greedy_ptr,
                                        top_k_ptr, top_p_ptr, keys_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V,
@@ -429,18 +436,19 @@ def reject_finish(logits, params, bitmask, mrows, packed, pmax, pmass, lane_max,
     flags = dict(HAS_MASK=has_mask, NP=np_, NPP=npp, NPQ=npq, LANES=lanes, LW=seg // lanes, FAST=not interpreting)
     _tokens_kernel[(R,)](packed, toks, logits, params.inv_temperature, params.greedy, params.top_k, params.top_p,
                          params.keys, tau if tau is not None else pmax, bm, mr, stride, V, n_prog, drawn,
-                         DONE=drawn is not None, HAS_TAU=tau is not None, num_warps=1, **flags)
+                         DONE=drawn is not None, HAS_TAU=tau is not None, num_warps=1, **flags, **pdl_kw())
     hot = lane_max is not None
     hotcap = min(HOTCAP, lanes)
     hot_buf = torch.empty((R, n_seg, hotcap) if hot else (1,), dtype=torch.int32, device=dev)
     _above_kernel[(R, n_seg)](logits, toks, pmax, part, params.inv_temperature, params.greedy, params.top_k,
                               params.top_p, bm, mr, stride, V, n_prog, n_seg, lane_max if hot else pmax,
                               lane_max.shape[1] if hot else 0, hot_buf, VEC=max(1, lanes // (32 * warps)), HOT=hot,
-                              HOTCAP=hotcap, num_warps=warps, **flags)
+                              HOTCAP=hotcap, num_warps=warps, **flags, **pdl_kw())
     if STAGES < 2:
         return out
     _reject_finish_kernel[(R,)](logits, toks, pmax, pmass, part, out, params.inv_temperature, params.greedy, params.top_k,
                                 params.top_p, params.keys, bm, mr, stride, V, n_prog, n_seg, drawn,
                                 DONE=drawn is not None, NSP=max(16, triton.next_power_of_2(n_seg)), NMAX=NMAX,
-                                BLOCK=min(1024, triton.next_power_of_2(V)), num_warps=FINISH_WARPS, **flags)
+                                BLOCK=min(1024, triton.next_power_of_2(V)), num_warps=FINISH_WARPS, **flags,
+                                **pdl_kw())
     return out

@@ -11,6 +11,10 @@ and the compressors' entries of every layer (~100 calls per step of the mid-size
 device time for a few KB). One launch reads x once and writes the result once.
 Cost: T * D elements read and written; grid T x ceil(heads / BLOCK_H). Measured in the mid-size V4.1 decode step
 (H200, batch 8, R1 of session 6): 73 calls of 1.6 us each, where the torch form took ~0.6 ms of device time.
+Measured and dropped (session 9 R1, fp8 experts): an in-place form that reads and writes only the rotated channels
+(q, the attention output and the index queries: 1/8 of q's bytes), one program per row: the step's graphs back to
+back 4.17 / 5.12 ms at batch 8 / 64 against 4.13 / 5.15 out of place; the rope launches' eager device time 114 us
+at batch 8 (fewer programs) against 86 (session 8).
 """
 from __future__ import annotations
 

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .backend import INTERPRETING, check, empty, use_triton
-from .skinny import product_tile, tickets_for
+from .backend import INTERPRETING, check, empty, tickets, use_triton
+from .skinny import product_tile
 
 
 def scores_torch(logits: torch.Tensor) -> torch.Tensor:
@@ -130,7 +130,8 @@ def gate_route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                       config: dict | None = None):
     """The gate GEMM x [T, H] @ weight [E, H]^T and the contract's tail in one launch: kernels.skinny's split-K
     product tile (K = H cut into SPLIT slices; the last slice's program of a row block adds them in order and runs
-    the tail on the logits rounded to x's dtype, as the GEMM library would store them). config: BM, BK, SPLIT."""
+    the tail on the logits rounded to x's dtype, as the GEMM library would store them). config: BM (rows per block,
+    default 16), BK, SPLIT."""
     check(x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1] and weight.dtype == x.dtype,
           f"gate_route: x {x.dtype} {tuple(x.shape)} with gate weight {weight.dtype} {tuple(weight.shape)}")
     T, H = x.shape
@@ -143,15 +144,18 @@ def gate_route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     if T == 0:
         return w, idx
     BE = max(16, triton.next_power_of_2(E))
-    cfg = {"BM": 16 if T <= 16 else 32 if T <= 32 else 64, "BK": 128, **(config or {})}
+    cfg = {"BM": 16, "BK": 128, **(config or {})}     # (row blocks of 16: FUSED_MAX_ROWS says why)
     cfg.setdefault("SPLIT", max(1, min(16, H // (2 * cfg["BK"]))))
     k_split = triton.cdiv(triton.cdiv(H, cfg["SPLIT"]), cfg["BK"]) * cfg["BK"]
     split = triton.cdiv(H, k_split)
     m_tiles = triton.cdiv(T, cfg["BM"])
     part = tk = w
     if split > 1:
+        tk = tickets(x.device, m_tiles, site="router")
+        if tk is None:   # captured before a warm-up made the counters: the unsplit launch needs none
+            k_split, split = triton.cdiv(H, cfg["BK"]) * cfg["BK"], 1
+    if split > 1:
         part = empty((2 * split - 1, T, E), torch.float32, x.device)
-        tk = tickets_for(x.device, m_tiles, site="router")
     _gate_route_kernel[(1, 1, m_tiles * split)](xs, weight.contiguous(), bias.contiguous(), w, idx, part, tk, T, E,
                                                 H, xs.stride(0), k_split, float(scaling), K=top_k,
                                                 KP=triton.next_power_of_2(top_k), UPCAST=INTERPRETING, SPLIT=split,
@@ -166,11 +170,12 @@ def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
     return route_torch(logits, bias, top_k, scaling)
 
 
-# rows up to which `gate_route` runs the GEMM inside the kernel. H200, session 8 R2, mid-size V4.1 gate (64 experts,
-# hidden 2048, top 6; us at 8 / 16 / 32 / 64 rows): one launch 5.4 / 5.6 / 8.5 / 10.5, the GEMM library + `route`'s
-# kernel 7.1 / 7.3 / 7.7 / 7.7, the GEMM + the torch tail 25.4 / 25.0 / 26.8 / 28.1 (above 16 rows one program's
-# tail over a whole row block is the longer part)
-FUSED_MAX_ROWS = 16
+# rows up to which `gate_route` runs the GEMM inside the kernel, in row blocks of 16. H200, mid-size V4.1 gate (64
+# experts, hidden 2048, top 6; us at 8 / 16 / 32 / 64 rows), session 9 R1: one launch in row blocks of 16 5.4 / 5.5 /
+# 5.7 / 5.8 (the same bits as one block), in one block of all rows 5.5 / 5.6 / 8.8 / 10.9 (one program's tail over
+# 64 rows is the longer part), the GEMM library + `route`'s kernel 7.2 / 7.5 / 7.8 / 8.0, the GEMM + the torch tail
+# 25.6 / 25.9 / 27.2 / 28.4
+FUSED_MAX_ROWS = 64
 
 
 def gate_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):

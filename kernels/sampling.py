@@ -72,7 +72,8 @@ from . import rejection, rng, threshold
 from .backend import INTERPRETING, check, empty, use_triton
 from .rejection import is_p_alone, p_alone_rows, proposal_keys, store_proposals
 from .threshold import (_below, _ordered, exp2_w, lane_block, lane_pick, lane_score, needs_histogram_path,
-                        needs_lane_path, pack_lanes, segment_pack, thresholds_and_paths, thresholds_triton)
+                        needs_lane_path, pack_lanes, pdl_kw, pdl_trigger, pdl_wait, segment_pack, thresholds_and_paths,
+                        thresholds_triton)
 
 NEG_INF = float("-inf")
 
@@ -303,8 +304,7 @@ def segment_block(logits_ptr, tau_ptr, bitmask_ptr, row, seg, inv_t, mrow, bitma
 def _segment_body(logits_ptr, packed_ptr, tau_ptr, row, prog, n_prog, inv_t, greedy, key, bitmask_ptr, mrow,
                   bitmask_stride, V, HAS_MASK: tl.constexpr, HAS_TAU: tl.constexpr, FULL: tl.constexpr,
                   LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr, VEC: tl.constexpr, FAST: tl.constexpr,
-                  MASK_FIRST: tl.constexpr, NP: tl.constexpr, REJECT: tl.constexpr, pmax_ptr, DEFER: tl.constexpr,
-                  pmass_ptr, lane_ptr, n_lanes, alone, HOT: tl.constexpr):
+                  MASK_FIRST: tl.constexpr, NP: tl.constexpr, REJECT: tl.constexpr, pmax_ptr, pmass_ptr, lane_ptr, n_lanes, alone, HOT: tl.constexpr):
     seg = prog // (LANES // PL)
     start, lane, pos, x = segment_block(logits_ptr, tau_ptr, bitmask_ptr, row, seg, inv_t, mrow, bitmask_stride, V,
                                        HAS_MASK, HAS_TAU, FULL, LANES, LW, PL, prog % (LANES // PL), VEC, FAST,
@@ -316,7 +316,7 @@ def _segment_body(logits_ptr, packed_ptr, tau_ptr, row, prog, n_prog, inv_t, gre
         # top-p-alone rows by rejection (kernels/rejection.py): NP proposals, and the program's max z for the row max
         o = row * n_prog + prog
         store_proposals(x, lane, pos, start, seg, inv_t, greedy, key, packed_ptr + o * NP, HAS_TAU, LANES, LW, FAST,
-                        NP, DEFER, pmass_ptr + o, lane_ptr + row * n_lanes, alone, True, HOT)
+                        NP, True, pmass_ptr + o, lane_ptr + row * n_lanes, alone, True, HOT)
         xmax = tl.max(tl.max(x, 1), 0)
         if not HAS_TAU:
             xmax = xmax * inv_t
@@ -329,8 +329,8 @@ def _segment_kernel(logits_ptr, packed_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys
                     HAS_TAU: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr,
                     VEC: tl.constexpr, FAST: tl.constexpr, done_ptr=None, DONE: tl.constexpr = False,
                     MASK_FIRST: tl.constexpr = False, NP: tl.constexpr = 1, REJECT: tl.constexpr = False,
-                    pmax_ptr=None, DEFER: tl.constexpr = False, pmass_ptr=None, lane_ptr=None, n_lanes=0,
-                    top_k_ptr=None, top_p_ptr=None, HOT: tl.constexpr = False):
+                    pmax_ptr=None, pmass_ptr=None, lane_ptr=None, n_lanes=0,
+                    top_k_ptr=None, top_p_ptr=None, HOT: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (row, part): PL lanes of one segment (LANES // PL parts per segment) as [PL, LW] in registers (lane
     l: tokens start + k * LANES + l, held by one thread). Every lane computes in-thread its max, weights, running
     sum and inverse-CDF candidate, then its score M_g + ln S_g + G_g (greedy rows: max z and its first id); one
@@ -338,6 +338,7 @@ def _segment_kernel(logits_ptr, packed_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys
     DONE: rows whose done entry is not -2 are drawn by the finish (from the top-k merge's kept set): their
     programs return at once. MASK_FIRST: masked rows read only their allowed tokens' logits (threshold.lane_block).
     """
+    pdl_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
     prog = tl.program_id(1)
     if DONE:
@@ -356,11 +357,11 @@ def _segment_kernel(logits_ptr, packed_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys
     if (prog // (LANES // PL) + 1) * (LANES * LW) <= V:
         _segment_body(logits_ptr, packed_ptr, tau_ptr, row, prog, n_prog, inv_t, greedy, key, bitmask_ptr, mrow,
                       bitmask_stride, V, HAS_MASK, HAS_TAU, True, LANES, LW, PL, VEC, FAST, MASK_FIRST, NP, REJECT,
-                      pmax_ptr, DEFER, pmass_ptr, lane_ptr, n_lanes, alone, HOT)
+                      pmax_ptr, pmass_ptr, lane_ptr, n_lanes, alone, HOT)
     else:
         _segment_body(logits_ptr, packed_ptr, tau_ptr, row, prog, n_prog, inv_t, greedy, key, bitmask_ptr, mrow,
                       bitmask_stride, V, HAS_MASK, HAS_TAU, False, LANES, LW, PL, VEC, FAST, MASK_FIRST, NP,
-                      REJECT, pmax_ptr, DEFER, pmass_ptr, lane_ptr, n_lanes, alone, HOT)
+                      REJECT, pmax_ptr, pmass_ptr, lane_ptr, n_lanes, alone, HOT)
 
 
 @triton.jit
@@ -373,9 +374,10 @@ def _packed_token(packed_ptr, row, n_chunks, NEG_INF_KEY, BLOCK: tl.constexpr):
 
 @triton.jit
 def _finish_kernel(packed_ptr, out_ptr, n_chunks, NEG_INF_KEY, BLOCK: tl.constexpr, done_ptr=None,
-                   DONE: tl.constexpr = False):
+                   DONE: tl.constexpr = False, PDL: tl.constexpr = False):
     """Per row: max over the chunk winners, then unpack to a token id (-1 if the best score is -inf). DONE: rows
     whose token the top-k merge drew already (done != -2) keep it (the pass skipped them)."""
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     drawn = -2
     if DONE:
@@ -412,7 +414,7 @@ def finish_packed(packed: torch.Tensor, drawn: torch.Tensor | None = None) -> to
     out = empty((R,), torch.int64, packed.device)
     if R:
         _finish_kernel[(R,)](packed, out, n, NEG_INF_KEY, BLOCK=max(16, triton.next_power_of_2(n)), done_ptr=drawn,
-                             DONE=drawn is not None, num_warps=1)
+                             DONE=drawn is not None, num_warps=1, **pdl_kw())
     return out
 
 
@@ -517,9 +519,10 @@ def sample_triton(logits, params: RowParams, bitmask=None, mask_rows=None, seg: 
         V, n_prog, HAS_MASK=has_mask, HAS_TAU=has_tau, LANES=lanes, LW=seg // lanes, PL=pl, VEC=vec,
         FAST=not INTERPRETING, done_ptr=drawn, DONE=drawn is not None,
         MASK_FIRST=has_mask and vec == 1 and bool(MASK_FIRST if mask_first is None else mask_first), NP=np_,
-        REJECT=rejecting, pmax_ptr=pmax, DEFER=rejecting, pmass_ptr=pmass,
+        REJECT=rejecting, pmax_ptr=pmax, pmass_ptr=pmass,
         lane_ptr=lane_max if lane_max is not None else pmax, n_lanes=n_l,
-        top_k_ptr=params.top_k, top_p_ptr=params.top_p, HOT=lane_max is not None, num_warps=warps)
+        top_k_ptr=params.top_k, top_p_ptr=params.top_p, HOT=lane_max is not None, PDL=pdl_kw()["PDL"],
+        num_warps=warps)
     if rejecting:
         return rejection.reject_finish(logits, params, bitmask, mrows, packed, pmax, pmass, lane_max, drawn, seg,
                                        lanes, np_, INTERPRETING, tau if has_tau else None)

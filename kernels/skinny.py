@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import INTERPRETING, check, empty, use_triton
+from .backend import INTERPRETING, check, empty, tickets as shared_tickets, use_triton
 
 
 def skinny_linear_torch(x: torch.Tensor, w: torch.Tensor, groups: int = 1, glu: tuple | None = None) -> torch.Tensor:
@@ -148,26 +148,12 @@ def launch_config(T: int, N: int, K: int, groups: int, elsize: int = 2) -> dict:
     return dict(BM=BM, BN=BN, BK=BK, SPLIT=split, num_warps=4, num_stages=4)
 
 
-_TICKETS: dict = {}
-
-
-def tickets_for(device, n: int, site: str = "skinny") -> torch.Tensor:
-    """A zeroed int32 counter per output tile for split-K launches (`product_tile`), kept per device, size and
-    site (each launch leaves them zero again: its last program per tile resets its counter). Launches that may
-    run at the same time on two streams need different ones: another site, or `skinny_linear_triton`'s
-    `tickets=`."""
-    key = (str(device), n, site)
-    t = _TICKETS.get(key)
-    if t is None:
-        t = _TICKETS[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return t
-
-
 def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, groups: int = 1, glu: tuple | None = None,
                          config: dict | None = None, tickets: torch.Tensor | None = None,
                          site: str = "skinny") -> torch.Tensor:
     """The kernel: same contract as `skinny_linear_torch`. config: launch_config's keys (benchmarks sweep it).
-    tickets: int32 zeros, one per output tile, for a split-K launch (default: `tickets_for` this site's)."""
+    tickets: int32 zeros, one per output tile, for a split-K launch (default: `backend.tickets` of this site; while
+    a CUDA graph is captured before they exist, the launch runs unsplit)."""
     check(x.dim() == 2 and w.dim() == 2, f"skinny_linear: x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-d")
     T, GK = x.shape
     check(GK % groups == 0 and w.shape[0] % groups == 0 and w.shape[1] == GK // groups,
@@ -190,10 +176,14 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, groups: int = 1, glu:
     tiles = (triton.cdiv(N, cfg["BN"]), groups, triton.cdiv(T, cfg["BM"]))
     part = tk = out
     if split > 1:
+        n_tiles = tiles[0] * tiles[1] * tiles[2]
+        tk = tickets if tickets is not None else shared_tickets(x.device, n_tiles, site)
+        if tk is None:   # captured before a warm-up made the counters: the unsplit launch needs none
+            split, k_split = 1, triton.cdiv(K, cfg["BK"]) * cfg["BK"]
+    if split > 1:
         part = empty((2 * split if glu is not None else 2 * split - 1, T, groups * N), torch.float32, x.device)
-        tk = tickets if tickets is not None else tickets_for(x.device, tiles[0] * tiles[1] * tiles[2], site)
-        check(tk.dtype == torch.int32 and tk.numel() >= tiles[0] * tiles[1] * tiles[2],
-              f"skinny_linear: tickets {tk.dtype} [{tk.numel()}] for {tiles[0] * tiles[1] * tiles[2]} tiles")
+        check(tk.dtype == torch.int32 and tk.numel() >= n_tiles,
+              f"skinny_linear: tickets {tk.dtype} [{tk.numel()}] for {n_tiles} tiles")
     _skinny_kernel[(tiles[0], tiles[1], tiles[2] * split)](
         xs, wc, out, glu[0].contiguous() if glu is not None else wc, part, tk,
         float(glu[1]) if glu is not None else 0.0, T, N, K, xs.stride(0), k_split, GLU=glu is not None,
@@ -209,7 +199,7 @@ MAX_ROWS = 64
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, groups: int = 1, glu: tuple | None = None,
                   site: str = "skinny") -> torch.Tensor:
     """Dispatch: the kernel on CUDA for up to MAX_ROWS rows of a 16-bit dtype, the twin elsewhere. site: whose
-    split-K tickets (`tickets_for`): launches that may overlap on two streams name different sites."""
+    split-K tickets (`backend.tickets`): launches that may overlap on two streams name different sites."""
     if use_triton(x) and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
         return skinny_linear_triton(x, w, groups, glu, site=site)
     return skinny_linear_torch(x, w, groups, glu)

@@ -57,6 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 from . import rng
 from .backend import INTERPRETING, empty
 
@@ -78,6 +80,38 @@ KMAX = 64             # rows with 0 < top_k <= KMAX take the candidate path (two
 KP = 128              # top-k sets up to this size get top-p by all pairs (larger: a bisection)
 HB = 64               # bins of the merge's top-slice histogram (many candidates: one histogram, not halvings)
 HB_CUT = 512          # bins of the tau pass's histogram narrowing a top-p-alone row's candidates to <= KP
+
+
+# Programmatic dependent launch (Hopper) of the per-row kernel after a pass (`pdl_kw`): the sampling finish after
+# the sampling pass, the top-k merge after the lane maxima, the top-p rejection chain. Session 9's R2 (H200, B=64,
+# each twice, us, off -> on): T=1 11.0 / 11.8 -> 10.7 / 10.7; T=0.7 + mask 13.4 / 14.5 -> 13.2 / 14.4; top-k50
+# p0.9 28.7 / 28.0 -> 27.5 / 27.5; top-p0.95 peaked 24.6 / 26.0 -> 23.7 / 24.6; B=256: T=1 34.5 -> 33.5, top-k
+# 74.5 -> 74.6. CUDA graphs capture the launches. The speculative step's chain measured no gain (48.7 / 49.9 ->
+# 49.4 / 49.8), so it keeps plain launches.
+PDL = True
+
+
+def pdl_kw() -> dict:
+    """Launch keywords of a kernel that may start before the one launched before it ends (programmatic dependent
+    launch, Hopper): the kernel waits (`pdl_wait`) before it touches memory, so only its launch and scheduling
+    overlap the previous kernel's tail. Off in the interpreter (no griddepcontrol there)."""
+    on = PDL and not INTERPRETING
+    return dict(PDL=on, launch_pdl=True) if on else dict(PDL=False)
+
+
+@triton.jit
+def pdl_trigger(PDL: tl.constexpr):
+    """(a pass followed by a PDL launch) let the next kernel's programs be scheduled once every program of this
+    one has started."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """(a PDL-launched kernel) wait until the previous kernel has finished and its writes are visible."""
+    if PDL:
+        gdc_wait()
 
 
 @triton.jit
@@ -771,7 +805,37 @@ def _kth_largest(z, k, lo_v, VSTEPS: tl.constexpr):
 
 
 @triton.jit
-def _block_tau(z, n_live, top_k, top_p, p_only, lim_row, V, scratch_ptr, KP: tl.constexpr, JB: tl.constexpr,
+def _keep_from_pairs(zi, cnt_gt, mass, m, top_k, top_p, p_only, lim_row, path):
+    """(tau, path) from candidates zi (-inf padding) holding the whole top-k set K, with each one's count and
+    mass sum exp(z - m) of strictly larger candidates: K = count < k; kept = in K and mass < p * mass(K), top-p
+    relative to K's mass or, p_only (top-p alone, k = KMAX tried), to the row's mass lim_row: then path -3 when K
+    carries less than p of it (the kept set may reach below K). tau = the smallest kept candidate."""
+    in_k = (zi > float("-inf")) & (cnt_gt < top_k)
+    sk = tl.sum(tl.where(in_k, tl.exp(zi - m), 0.0), 0)
+    lim_mass = sk
+    if p_only:
+        lim_mass = lim_row
+        if sk < top_p * lim_mass * 1.0001:              # (margin for the sums' rounding)
+            path = -3
+    keep = in_k & (mass < _p_limit(top_p, lim_mass))
+    return tl.min(tl.where(keep, zi, float("inf")), 0), path
+
+
+@triton.jit
+def _mmc_combine(a_max, a_min, a_n, b_max, b_min, b_n):
+    return tl.maximum(a_max, b_max), tl.minimum(a_min, b_min), a_n + b_n
+
+
+@triton.jit
+def _max_min_count(x):
+    """(max, smallest entry > -inf (+inf if none), count of entries > -inf) of a block in ONE reduction: one
+    shared-memory round and barrier where three separate reductions take three."""
+    live = x > float("-inf")
+    return tl.reduce((x, tl.where(live, x, float("inf")), live.to(tl.int32)), 0, _mmc_combine)
+
+
+@triton.jit
+def _block_tau(z, n_live, m, top_k, top_p, p_only, lim_row, V, scratch_ptr, KP: tl.constexpr, JB: tl.constexpr,
                HB: tl.constexpr, HIST: tl.constexpr):
     """(tau, path) from a block z of candidates (-inf padding; n_live > 0 of them) that holds every token of its row
     above some bound with at least k tokens above it (so K, the top-k set, is inside): t_k = their k-th largest,
@@ -779,14 +843,15 @@ def _block_tau(z, n_live, top_k, top_p, p_only, lim_row, V, scratch_ptr, KP: tl.
     larger ones: K = count < k, kept = in K and mass < p * mass(K)), a bisection otherwise. Top-p alone (p_only:
     k = KMAX tried) is relative to the row's mass lim_row: path -3 when K carries less than p of it (the kept set
     may reach below K). path: n_live, or -3. scratch_ptr: KP floats of this row's scratch. HIST: the block is
-    large enough for a histogram top slice (smaller blocks are replicated over the warps: halvings instead)."""
+    large enough for a histogram top slice (smaller blocks are replicated over the warps: halvings instead). m: the
+    largest candidate (the row max)."""
     path = n_live
-    m = tl.max(z, 0)
     live = z > float("-inf")
-    t_k = tl.min(tl.where(live, z, float("inf")), 0)
+    t_k = m
     sel = live
     n_sel = n_live
     if n_live > KP:              # many candidates: keep a top slice holding >= k of them
+        t_k = tl.min(tl.where(live, z, float("inf")), 0)
         if HIST:
             sel, n_sel = _top_slice(z, live, m, t_k, top_k, HB)
         if n_sel > KP:           # a slice too dense (ties): t_k by halving, then K alone
@@ -796,15 +861,7 @@ def _block_tau(z, n_live, top_k, top_p, p_only, lim_row, V, scratch_ptr, KP: tl.
     if n_sel <= KP:
         # the usual case: the selected candidates compacted, then all pairs (no serial search)
         zi, cnt_gt, mass = _compact_pairs(z, sel, n_sel, m, scratch_ptr, KP, JB)
-        in_k = (zi > float("-inf")) & (cnt_gt < top_k)
-        sk = tl.sum(tl.where(in_k, tl.exp(zi - m), 0.0), 0)
-        lim_mass = sk                # top-p is relative to the top-k set's mass ...
-        if p_only:                   # ... or to the whole row's: K must then carry >= p of it
-            lim_mass = lim_row
-            if sk < top_p * lim_mass * 1.0001:          # (margin for the sums' rounding)
-                path = -3
-        keep = in_k & (mass < _p_limit(top_p, lim_mass))
-        tau = tl.min(tl.where(keep, zi, float("inf")), 0)
+        tau, path = _keep_from_pairs(zi, cnt_gt, mass, m, top_k, top_p, p_only, lim_row, path)
         tl.debug_barrier()                              # every load of the scratch before a later reuse
     else:                            # |K| > KP (massive ties): top-p on K by a bisection
         e = tl.where(sel, tl.exp(z - m), 0.0)
@@ -826,10 +883,11 @@ def _block_tau(z, n_live, top_k, top_p, p_only, lim_row, V, scratch_ptr, KP: tl.
 def _lane_max_kernel(logits_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, bitmask_ptr, mask_rows_ptr,
                      bitmask_stride, V, n_lanes, lmax_ptr, lmass_ptr, HAS_MASK: tl.constexpr, LANES: tl.constexpr,
                      LW: tl.constexpr, PL: tl.constexpr, VEC: tl.constexpr, KMAX: tl.constexpr, FAST: tl.constexpr,
-                     P_LANES: tl.constexpr = True):
+                     P_LANES: tl.constexpr = True, PDL: tl.constexpr = False):
     """Program (row, PL lanes of a segment) of a candidate-path row: every lane's max z stored (-inf: nothing
     allowed), and for top-p-alone rows its mass sum exp(z - max) (the row's mass for the merge). No block
     reduction: a lane's LW tokens sit in one thread (the sampling pass's lanes, so the merge can draw)."""
+    pdl_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
     prog = tl.program_id(1)
     is_c, top_k, p_only = _is_cand_row(row, V, greedy_ptr, top_k_ptr, top_p_ptr, KMAX, P_LANES)
@@ -858,9 +916,7 @@ def _group_bound(lm, top_k, NG: tl.constexpr, GS: tl.constexpr, HB: tl.constexpr
     top tokens cluster in consecutive ids: a few groups hold them)."""
     gm = tl.max(tl.reshape(lm, [NG // GS, GS]), 1)
     live_g = gm > float("-inf")
-    n_g = tl.sum(live_g.to(tl.int32), 0)
-    hi = tl.max(gm, 0)
-    glo = tl.min(tl.where(live_g, gm, float("inf")), 0)
+    hi, glo, n_g = _max_min_count(gm)
     scale = HB / tl.where(hi > glo, hi - glo, 1.0)
     b = tl.where(live_g, tl.minimum(tl.floor((hi - tl.where(live_g, gm, hi)) * scale), HB - 1.0), HB - 1.0)
     b = b.to(tl.int32)
@@ -903,27 +959,37 @@ def _lane_bound(lm, live, n_live, top_k, LCAP: tl.constexpr, HB: tl.constexpr, R
 def _kept_column(logits_ptr, row, t, ok, V, inv_t, tau, bitmask_ptr, mrow, bitmask_stride, HAS_MASK: tl.constexpr):
     """z of the tokens t (one per lane) as the sampling pass sees them with tau: -inf where banned, padding (ok
     false or t >= V) or below tau."""
-    ok = ok & (t < V)
-    x = tl.load(logits_ptr + row * V + t, mask=ok, other=float("-inf")).to(tl.float32)
-    if HAS_MASK:
-        w = tl.load(bitmask_ptr + mrow * bitmask_stride + t // 32, mask=ok & (mrow >= 0), other=-1)
-        x = tl.where(((w >> (t % 32)) & 1) != 0, x, float("-inf"))
-    z = x * inv_t
+    z = load_z(logits_ptr, row, tl.where(ok, t, V), V, inv_t, bitmask_ptr, mrow, bitmask_stride, HAS_MASK)
     return tl.where(z >= tau, z, float("-inf"))
 
 
 @triton.jit
-def _draw_lanes(logits_ptr, row, gl, ok, V, inv_t, tau, key, bitmask_ptr, mrow, bitmask_stride,
+def _block_candidates_tau(logits_ptr, row, gl, ok_l, V, inv_t, lo, m, top_k, top_p, p_only, lim_row, bitmask_ptr,
+                          mrow, bitmask_stride, scratch_ptr, HAS_MASK: tl.constexpr, LCAP: tl.constexpr,
+                          KP: tl.constexpr, JB: tl.constexpr, HB: tl.constexpr, LANES: tl.constexpr,
+                          LW: tl.constexpr):
+    """(tau, path) from the candidate lanes gl gathered as one [LCAP, LW] block: the tokens >= lo (every token >= lo
+    is there, at least k of them, so the top-k set is inside), then `_block_tau` (a histogram top slice first
+    when they are more than KP)."""
+    k = tl.arange(0, LW)
+    t = ((gl // LANES) * (LANES * LW) + gl % LANES)[:, None] + k[None, :] * LANES           # token ids
+    zf = tl.reshape(_kept_column(logits_ptr, row, t, ok_l[:, None], V, inv_t, lo, bitmask_ptr, mrow, bitmask_stride,
+                                 HAS_MASK), [LCAP * LW])
+    n_c = tl.sum((zf > float("-inf")).to(tl.int32), 0)
+    return _block_tau(zf, n_c, m, top_k, top_p, p_only, lim_row, V, scratch_ptr, KP, JB, HB, LCAP * LW >= 1024)
+
+
+@triton.jit
+def _draw_lanes(logits_ptr, row, gl, ok, lml, V, inv_t, tau, key, bitmask_ptr, mrow, bitmask_stride,
                 HAS_MASK: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, FAST: tl.constexpr):
-    """The packed best of the lanes gl (ok: real lanes) by the sampling pass's rule with tau (`segment_pack`), one
-    token column k at a time: three unrolled sweeps over the LW columns (loads from L1/L2) make every per-lane
-    step elementwise, in the pass's own order (the max, then the running sum over k = 0 .. LW-1), so the draw is
-    the pass's bit for bit and threads do not communicate until the final packed max."""
+    """The packed best of the lanes gl (ok: real lanes; lml: their maxima from the lane-maxima pass) by the
+    sampling pass's rule with tau (`segment_pack`), one token column k at a time: two unrolled sweeps over the LW
+    columns (loads from L1/L2) make every per-lane step elementwise, in the pass's own order (the running sum
+    over k = 0 .. LW-1), so the draw is the pass's bit for bit and threads do not communicate until the final
+    packed max. The max of a lane's kept tokens is its max when that is >= tau (kept), else there is none: no
+    sweep for it (session 8 had a third)."""
     base = (gl // LANES) * (LANES * LW) + gl % LANES                 # the lane's first token
-    m = tl.where(ok, float("-inf"), float("-inf"))
-    for k in tl.static_range(LW):
-        m = tl.maximum(m, _kept_column(logits_ptr, row, base + k * LANES, ok, V, inv_t, tau, bitmask_ptr, mrow,
-                                       bitmask_stride, HAS_MASK))
+    m = tl.where(ok & (lml >= tau), lml, float("-inf"))
     ref = tl.where(m > float("-inf"), m, 0.0) * 1.4426950408889634
     s = tl.zeros_like(m)
     for k in tl.static_range(LW):
@@ -946,7 +1012,7 @@ def _lane_merge_kernel(logits_ptr, tau_ptr, path_ptr, tok_ptr, inv_t_ptr, greedy
                        KMAX: tl.constexpr, KP: tl.constexpr, JB: tl.constexpr, HB: tl.constexpr,
                        ROUNDS: tl.constexpr, BLOCK: tl.constexpr, DRAW: tl.constexpr, LANES: tl.constexpr,
                        LW: tl.constexpr, FAST: tl.constexpr, UPTO: tl.constexpr = 4, P_LANES: tl.constexpr = True,
-                       GROUPS: tl.constexpr = True, GS: tl.constexpr = 16):
+                       GROUPS: tl.constexpr = True, GS: tl.constexpr = 16, PDL: tl.constexpr = False):
     """Program (row) of a candidate-path row: the lanes that may hold top-k tokens (GROUPS: `_group_bound` on
     the maxima of GS-lane groups; `_lane_bound` on the stored lane maxima when that leaves more than LCAP lanes,
     or without GROUPS), their
@@ -958,6 +1024,7 @@ def _lane_merge_kernel(logits_ptr, tau_ptr, path_ptr, tok_ptr, inv_t_ptr, greedy
     path: tau and the draw come later). tok[row]: the drawn token, -2 where the sampling pass must draw.
     UPTO < 4 (benchmarks, to time the stages by differences; the result is then wrong): 1 gathers the top lane
     only, 2 adds the lane bound, 3 adds tau, 4 the draw."""
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     is_c, top_k, p_only = _is_cand_row(row, V, greedy_ptr, top_k_ptr, top_p_ptr, KMAX, P_LANES)
     top_p = tl.load(top_p_ptr + row)
@@ -972,10 +1039,9 @@ def _lane_merge_kernel(logits_ptr, tau_ptr, path_ptr, tok_ptr, inv_t_ptr, greedy
         g = tl.arange(0, NG)
         lm = tl.load(lmax_ptr + row * n_lanes + g, mask=g < n_lanes, other=float("-inf"))
         live = lm > float("-inf")
-        n_live = tl.sum(live.to(tl.int32), 0)
+        m, _, n_live = _max_min_count(lm)
         tok = -1                                                    # nothing allowed
         if n_live > 0:
-            m = tl.max(lm, 0)
             lim_row = 0.0
             if p_only:
                 lms = tl.load(lmass_ptr + row * n_lanes + g, mask=live, other=0.0)
@@ -1003,30 +1069,17 @@ def _lane_merge_kernel(logits_ptr, tau_ptr, path_ptr, tok_ptr, inv_t_ptr, greedy
                 tl.store(lane_ptr + row * LCAP + at, g, mask=sel)
                 tl.debug_barrier()                                  # the lane list's stores before its loads
                 i = tl.arange(0, LCAP)
-                gl = tl.load(lane_ptr + row * LCAP + i, mask=i < n_sel, other=0)
-                seg = gl // LANES
-                lane = gl % LANES
-                k = tl.arange(0, LW)
-                pos = lane[:, None] + k[None, :] * LANES              # from the segment's start
-                t = seg[:, None] * (LANES * LW) + pos                 # token ids
-                ok = (i < n_sel)[:, None] & (t < V)
-                x = tl.load(logits_ptr + row * V + t, mask=ok, other=float("-inf")).to(tl.float32)
-                if HAS_MASK:
-                    w = tl.load(bitmask_ptr + mrow * bitmask_stride + t // 32, mask=ok & (mrow >= 0), other=-1)
-                    x = tl.where(((w >> (t % 32)) & 1) != 0, x, float("-inf"))
-                z = x * inv_t
-                # the candidates: the gathered tokens >= lo (every token >= lo is here, at least k of them, so the
-                # top-k set is inside; usually ~k + a few, so the all-pairs block takes them without a top slice)
-                zf = tl.reshape(z, [LCAP * LW])
-                zf = tl.where(zf >= lo, zf, float("-inf"))
-                n_c = tl.sum((zf > float("-inf")).to(tl.int32), 0)
+                ok_l = i < n_sel
+                gl = tl.load(lane_ptr + row * LCAP + i, mask=ok_l, other=0)
+                lml = tl.load(lmax_ptr + row * n_lanes + gl, mask=ok_l, other=float("-inf"))
                 if UPTO >= 3:
-                    tau, path = _block_tau(zf, n_c, top_k, top_p, p_only, lim_row, V, scratch_ptr + row * KP, KP,
-                                           JB, HB, LCAP * LW >= 1024)
+                    tau, path = _block_candidates_tau(logits_ptr, row, gl, ok_l, V, inv_t, lo, m, top_k, top_p,
+                                                      p_only, lim_row, bitmask_ptr, mrow, bitmask_stride,
+                                                      scratch_ptr + row * KP, HAS_MASK, LCAP, KP, JB, HB, LANES, LW)
                 else:
-                    tau = tl.max(zf, 0) + n_c
+                    tau = tl.max(lml, 0)
                 if DRAW & (path != -3) & (UPTO >= 4):
-                    best = _draw_lanes(logits_ptr, row, gl, i < n_sel, V, inv_t, tau, key, bitmask_ptr, mrow,
+                    best = _draw_lanes(logits_ptr, row, gl, ok_l, lml, V, inv_t, tau, key, bitmask_ptr, mrow,
                                        bitmask_stride, HAS_MASK, LANES, LW, FAST)
                     tok = tl.where((best >> 32) > NEG_INF_KEY_C, 4294967295 - (best & 4294967295), -1).to(tl.int32)
             else:
@@ -1068,8 +1121,15 @@ GROUP_SIZE = 16        # lanes per group of `_group_bound` (consecutive lanes: t
 P_ONLY_LANES = True    # top-p-alone rows try the lane path (k = KMAX) before the histogram path
 LANE_SHAPE = (128, 4)  # lane-maxima pass: (lanes per program, warps); R1: top-k50 sampling 34.8 / 86.4 us at
                       # B=64 / 256 vs 38.3 / 92.4 at 256x2, 35.8 / 91.1 at 256x8
+# The merge's all-pairs comparison runs [KP, 32] blocks (JB). Session 9's R2, top-k50 p0.9 flat / peaked, us at
+# B=64; B=256: JB 32 29.4 / 35.3; 74.5 / 75.2, 64 32.3 / 32.2; 75.7 / 78.8, 128 32.3 / 32.5; 82.2 / 80.3.
 MERGE_WARPS = 16      # warps of the lane path's merge (R1: 31.4 / 81.0 us at 16 vs 38.3 / 92.4 at 8; R2: 32 warps
                       # 34.2 / 85.9, 4 warps 67.2 / 102.8; R3: 8 warps at B=256, two programs per SM, 82.7 vs 77.8)
+# Deleted after session 9's R1 (top-k50 p0.9 flat / peaked, us at B=64; B=256): the candidates read column by
+# column, one lane per thread (counted in-thread, placed by one scan, then all pairs): 34.4 / 38.0; 88.0 / 90.3 at
+# 16 warps, 34.8 / 41.3 at 8, 51.0 / 58.4 at 4 (its tau stage 20.0 us at 4 warps: the extra 16-column sweep and
+# the 8192 lane maxima held to the end spilled, 192 B of stack) against the [LCAP, 16] block's 29.9 / 31.8; 75.3 /
+# 76.7 at 16 warps.
 
 
 def lane_path(logits, params, bitmask, mrows, tau, path, tok, seg, lanes, kmax=KMAX, lcap=LCAP, rounds=3,
@@ -1093,7 +1153,7 @@ def lane_path(logits, params, bitmask, mrows, tau, path, tok, seg, lanes, kmax=K
     _lane_max_kernel[(R, n_seg * (lanes // pl))](
         logits, params.inv_temperature, params.greedy, params.top_k, params.top_p, bm, mr, stride, V, n_l, lmax, lmass,
         HAS_MASK=has_mask, LANES=lanes, LW=seg // lanes, PL=pl, VEC=vec, KMAX=kmax, FAST=not INTERPRETING,
-        P_LANES=P_ONLY_LANES if p_lanes is None else p_lanes, num_warps=warps)
+        P_LANES=P_ONLY_LANES if p_lanes is None else p_lanes, PDL=pdl_kw()["PDL"], num_warps=warps)
     if stages < 2:
         return
     lane_buf = torch.empty((R, lcap), dtype=torch.int32, device=dev)
@@ -1105,7 +1165,8 @@ def lane_path(logits, params, bitmask, mrows, tau, path, tok, seg, lanes, kmax=K
         NG=max(16, triton.next_power_of_2(n_l)), LCAP=lcap, KMAX=kmax, KP=KP, JB=32, HB=HB, ROUNDS=rounds,
         BLOCK=min(block, triton.next_power_of_2(V)), DRAW=draw, LANES=lanes, LW=seg // lanes,
         FAST=not INTERPRETING, UPTO=upto, P_LANES=P_ONLY_LANES if p_lanes is None else p_lanes,
-        GROUPS=GROUP_BOUND, GS=min(GROUP_SIZE, max(16, triton.next_power_of_2(n_l))), num_warps=MERGE_WARPS)
+        GROUPS=GROUP_BOUND, GS=min(GROUP_SIZE, max(16, triton.next_power_of_2(n_l))),
+        num_warps=MERGE_WARPS, **pdl_kw())
 
 
 def needs_histogram_path(params, V: int, kmax: int = KMAX) -> bool | None:

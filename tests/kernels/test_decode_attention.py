@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from deepinfer_sg.kernels.decode_attention import sparse_attention, sparse_attention_torch, sparse_attention_triton
+from deepinfer_sg.kernels.backend import tickets
 from helpers import DEVICE, on_dev
 
 
@@ -105,6 +106,7 @@ def test_default_launch_and_repeat_calls():
     for _ in range(2):
         out = sparse_attention_triton(*args, block_k=16, splits=2).cpu()
         assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
+        assert int(tickets(DEVICE, 5, site="attention").abs().sum()) == 0    # kernels.backend's shared counters
 
 
 def test_all_heads_program_matches_formula():

@@ -231,8 +231,35 @@ def test_fused_launch_matches_formula_and_repeats(T, block_t, split, block_k, wa
     for u, v, w in zip((a.pre, a.post, a.comb), (b.pre, b.post, b.comb), ref):
         assert torch.equal(u, v)
         assert torch.allclose(u.cpu().double(), w, atol=2e-5, rtol=1e-4), (u.cpu().double() - w).abs().max()
-    ring = hc_mix._COUNTERS[a.pre.device][0]
-    assert int(ring.abs().sum()) == 0
+    assert int(_tickets_left(a.pre.device).abs().sum()) == 0
+
+
+def _tickets_left(dev):
+    """The mHC launches' shared ticket counters (kernels.backend.tickets at their site): a launch must leave every
+    one of them zero, or the next launch's programs would take wrong tickets."""
+    from deepinfer_sg.kernels import backend, hc_mix
+    return backend.tickets(dev, 512, site=hc_mix.TICKET_SITE)
+
+
+@pytest.mark.parametrize("form", [1, 2, 3, 7])
+def test_tail_forms_match_formula_and_leave_counters_zero(form):
+    """Every form of the mixing tail (_finish_block FORM bits: early leaving ticket, logits in registers, acquire
+    polls) in both launches, against the float64 formula, with the ticket counters left zero; waiters with two
+    tokens each and a partial last token block."""
+    from deepinfer_sg.kernels import hc_mix
+    gen = torch.Generator().manual_seed(50 + form)
+    x = _params(gen, 21, 4, 48, torch.bfloat16)
+    ref = _naive(x[0].double(), x[1].double(), x[2].double(), x[3].double(), 20)
+    out = hc_mixes_triton(*on_dev(x), block_t=16, block_k=32, split=64, waiters=8, tail_form=form)
+    for a, b in zip((out.pre, out.post, out.comb), ref):
+        assert torch.allclose(a.cpu().double(), b, atol=2e-5, rtol=1e-4), (a.cpu().double() - b).abs().max()
+    R, y, post, comb, a = _apply_inputs(gen, 21, 4, 48, torch.bfloat16)
+    o, _, m = hc_mix.hc_post_mix_triton(*on_dev((R, y, post, comb, a) + x[1:]), block_t=16, split=32, block_k=32,
+                                        waiters=4, tail_form=form)
+    mix_ref = _naive(o.cpu().double(), x[1].double(), x[2].double(), x[3].double(), 20)
+    for u, w in zip((m.pre, m.post, m.comb), mix_ref):
+        assert torch.allclose(u.cpu().double(), w, atol=2e-5, rtol=1e-4), (u.cpu().double() - w).abs().max()
+    assert int(_tickets_left(out.pre.device).abs().sum()) == 0
 
 
 def test_fused_launch_beyond_one_wave():
@@ -275,7 +302,7 @@ def test_post_mix_matches_twin_and_repeats(T, H, dtype, block_t, split, block_k,
         assert torch.equal(u, v)
         assert torch.allclose(u.cpu().double(), w, atol=2e-5, rtol=1e-4), (u.cpu().double() - w).abs().max()
     assert torch.equal(to_cpu(out2), out) and torch.equal(to_cpu(x2), x)
-    assert int(hc_mix._COUNTERS[m.pre.device][0].abs().sum()) == 0
+    assert int(_tickets_left(m.pre.device).abs().sum()) == 0
 
 
 def test_post_mix_apply_is_post_then_mixes():

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from deepinfer_sg.kernels.indexer import indexer_scores_torch, indexer_topk, indexer_topk_torch, indexer_topk_triton
-from helpers import on_dev, to_cpu
+from deepinfer_sg.kernels.backend import tickets
+from helpers import DEVICE, on_dev, to_cpu
 
 
 def _inputs(gen, N=4, Hi=5, Di=32, lens=(0, 7, 70, 33), dtype=torch.float32):
@@ -209,17 +210,37 @@ def test_select_search_on_hostile_rows(search):
     s[5, ::2] = float("-inf")
     for sorted_ in (True, False):                     # two chunks: the chunk stage, then the merge over its ids
         _check_select(s, k, sorted_, chunks=2, search=search)
+        _check_select(_bottom_end_rows(), k, sorted_, chunks=1, search=search)
 
 
-@pytest.mark.parametrize("sorted_", [True, False])
-def test_fused_select_matches_stable_sort(sorted_):
-    """The one-launch select (each row's last chunk program to take its ticket merges the row's candidates) picks
+def _bottom_end_rows():
+    """Two rows of 96 on which the default search ends 1-3 ranks above its bracket's lower end (the end game
+    then takes the bracket's smallest keys), the second with a run of ties at the cut longer than the end game
+    sees (its rank is counted once more): numbers 1 and 21 of a stream of tie-heavy rows (found by replaying the
+    search's arithmetic, and checked to take that branch in the interpreter)."""
+    import numpy as np
+    rng = np.random.default_rng(1)
+    rows = []
+    for trial in range(22):
+        kind = trial % 3
+        rows.append(rng.integers(0, 12, 96).astype(np.float32) if kind == 0 else
+                    rng.standard_normal(96).astype(np.float32).round(1) if kind == 1 else
+                    rng.standard_normal(96).astype(np.float32))
+    return torch.tensor(np.stack([rows[1], rows[21]]))
+
+
+@pytest.mark.parametrize("sorted_,chunks", [(True, 3), (False, 3), (False, 7)])
+def test_fused_select_matches_stable_sort(sorted_, chunks):
+    """The one-launch select (each row's last chunk program to take its ticket merges the row's candidates; with
+    more than 4 chunks a tree: the last chunk of each group of 4 merges the group, the last group the row) picks
     exactly what a stable sort picks: ties across chunks, a constant row whose selectable entries sit in its last
-    chunk, a row with nothing selectable; run twice, so the tickets left at 0 by the first launch serve the second."""
+    chunks, a row with nothing selectable; and leaves its tickets (kernels.backend's shared counters) at 0 for
+    the next launch (the sorted case runs twice on them)."""
     gen = torch.Generator().manual_seed(12)
     s = torch.randn(4, 300, generator=gen).round()
     s[1] = 2.0
     s[1, :200] = float("-inf")
     s[2] = float("-inf")
-    for _ in range(2):
-        _check_select(s, 24, sorted_, chunks=3, fused=True)
+    for _ in range(2 if sorted_ else 1):
+        _check_select(s, 24, sorted_, chunks=chunks, fused=True)
+        assert int(tickets(DEVICE, 12, site="indexer").abs().sum()) == 0

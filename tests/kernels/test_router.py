@@ -110,6 +110,22 @@ def test_gate_route_matches_twin(case, dtype):
         assert torch.allclose(got_w.double(), s / s.sum(1, keepdim=True) * 1.5, rtol=2e-2)
 
 
+def test_gate_route_without_tickets_runs_unsplit(monkeypatch):
+    """When kernels.backend.tickets has none to give (a CUDA graph captured before a warm-up made them), the gate
+    is the unsplit launch, bit for bit; with them, the split launch leaves the router's counters zero."""
+    from deepinfer_sg.kernels import backend, router
+    g = torch.Generator().manual_seed(3)
+    x = on_dev(torch.randn(5, 512, generator=g).to(torch.bfloat16))
+    gw = on_dev((torch.randn(16, 512, generator=g) * 0.1).to(torch.bfloat16))
+    bias = on_dev(torch.randn(16, generator=g) * 0.3)
+    gate_route_triton(x, gw, bias, 4, 1.0, config={"SPLIT": 4, "BK": 64})
+    assert not to_cpu(backend.tickets(x.device, 4, site="router")).any()
+    unsplit = to_cpu(gate_route_triton(x, gw, bias, 4, 1.0, config={"SPLIT": 1, "BK": 64}))
+    monkeypatch.setattr(router, "tickets", lambda *a, **k: None)
+    got = to_cpu(gate_route_triton(x, gw, bias, 4, 1.0, config={"SPLIT": 4, "BK": 64}))
+    assert torch.equal(got[0], unsplit[0]) and torch.equal(got[1], unsplit[1])
+
+
 def test_gate_route_refuses_what_it_cannot_hold():
     with pytest.raises(ValueError, match="gate weight"):
         gate_route_triton(torch.randn(3, 8), torch.randn(4, 9), torch.zeros(4), 2, 1.0)

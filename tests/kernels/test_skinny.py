@@ -110,6 +110,23 @@ def test_split_k_matches_twin_and_leaves_the_tickets_zero(case):
         assert torch.allclose(got, one, atol=1e-2 * scale, rtol=1e-2)
 
 
+def test_shared_tickets_are_left_zero_and_a_capture_without_them_runs_unsplit(monkeypatch):
+    """Default tickets come from kernels.backend.tickets (per device and site) and are zero again after a split
+    launch; when none can be had (a CUDA graph captured before a warm-up made them) the launch is the unsplit one,
+    bit for bit."""
+    from deepinfer_sg.kernels import backend, skinny
+    g = torch.Generator().manual_seed(11)
+    x = on_dev((torch.randn(3, 1024, generator=g) * 0.2).to(torch.bfloat16))
+    w = on_dev((torch.randn(40, 1024, generator=g) * 0.2).to(torch.bfloat16))
+    cfg = {"SPLIT": 4, "BK": 64}
+    split = to_cpu(skinny_linear_triton(x, w, config=cfg, site="test-skinny"))
+    assert not to_cpu(backend.tickets(x.device, 8, site="test-skinny")).any()
+    unsplit = to_cpu(skinny_linear_triton(x, w, config=dict(cfg, SPLIT=1)))
+    monkeypatch.setattr(skinny, "shared_tickets", lambda *a, **k: None)
+    assert torch.equal(to_cpu(skinny_linear_triton(x, w, config=cfg, site="test-skinny")), unsplit)
+    assert torch.allclose(split.float(), unsplit.float(), atol=2e-2 * unsplit.float().abs().max())
+
+
 def test_bad_shapes_are_refused_with_the_shapes():
     with pytest.raises(ValueError, match="in 2 groups"):
         skinny_linear_triton(torch.randn(3, 10), torch.randn(4, 4), groups=2)
