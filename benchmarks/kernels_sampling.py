@@ -136,7 +136,8 @@ H200 numbers (torch 2.11 / Triton 3.6; copy 4,250-4,275 GB/s; us, fraction of co
     programmatic dependent launch (off -> on, twice each; threshold.PDL, now on): T=1 11.0 / 11.8 -> 10.7 / 10.7;
                                 T=0.7 +mask 13.4 / 14.5 -> 13.2 / 14.4; top-k50 p0.9 28.7 / 28.0 -> 27.5 / 27.5;
                                 top-p0.95 peak 24.6 / 26.0 -> 23.7 / 24.6; B=256 T=1 34.5 -> 33.5, top-k 74.5 ->
-                                74.6; speculative step 48.7 / 49.9 -> 49.4 / 49.8 (kept off there); with top-k50
+                                74.6; speculative step 48.7 / 49.9 -> 49.4 / 49.8 (its own kernels keep plain
+                                launches; its lane path uses PDL); with top-k50
                                 p0.9 151.0 / 151.0 (the lane path's two launches and a second read of every row)
     merge all-pairs block       JB 32 / 64 / 128: flat 29.4 / 32.3 / 32.3, peaked 35.3 / 32.2 / 32.5; B=256 flat
                                 74.5 / 75.7 / 82.2, peaked 75.2 / 78.8 / 80.3 (32 kept)
@@ -328,7 +329,7 @@ def sweep(bw, l2):
     batches = S([64, 256], [3])
     floors(bw, l2, batches)
     SWEPT.append(True)
-    parts = dict(pdl=sweep_pdl, final=sweep_final, threshold=sweep_threshold, reject=sweep_reject, spec_one=sweep_spec_one,
+    parts = dict(pdl=sweep_pdl, threshold=sweep_threshold, reject=sweep_reject, spec_one=sweep_spec_one,
                  plain=sweep_plain, top_p_tune=sweep_top_p_tune, top_p=sweep_top_p, shapes=sweep_shapes,
                  spec=sweep_speculative)
     chosen = os.environ.get("K1_SWEEP")                    # a comma list of the parts to run (default: all)
@@ -447,11 +448,6 @@ def sweep_spec_one(bw, l2):
         row("  sweep spec", f"B={B}x{L} residual finish {'folded' if one else 'apart'}", t, None, R * V * 4, bw,
             f"equal to twin {same:.1%}")
     speculative.ONE_LAUNCH_RESIDUAL = False
-
-
-def sweep_final(bw, l2):
-    """Round 3's short check of this session's switch at B=64: programmatic dependent launch off / on (sweep_pdl)."""
-    sweep_pdl(bw, l2, batches=[S(64, 3)])
 
 
 def sweep_reject(bw, l2):
@@ -631,7 +627,8 @@ def sweep_shapes(bw, l2):
 
 def sweep_threshold(bw, l2):
     """Top-k sampling (top-k50 p0.9, flat rows) at B=64 and 256 on the lane path: the lane-maxima pass alone, then
-    the merge's stages timed by differences (1: the top lane gathered only, 2: + the lane bound, 3: + tau, 4: + the
+    the merge's stages timed by differences (1: the lane maxima read only, 2: + the lane bound, 3: + the candidates'
+    gather and tau, 4: + the
     draw = the whole two-launch call), and the sampling call when the host cannot promise every row is a lane-path
     row (the pass then runs and skips them)."""
     for B in S([64, 256], [3]):

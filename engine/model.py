@@ -25,7 +25,8 @@ truncation of the decoder layers: "off" (default), "mask", "compact").
 Cost of a step: dense work O(T * active params); attention over <= W + index_topk keys per query (the reference
 path builds a dense [n, window + entries] bias per sequence, queries in blocks of 256). Host syncs per step: none
 when the token ids come from the host (their range check and the recent-token bookkeeping for Engram n-grams then
-stay there); with device ids, the range check and the Engram windows' copy to the host, at the start of the step.
+stay there); with device ids, the range check and the Engram windows' copy to the host, at the start of the step
+(with host ids the fast path makes the windows after the first segment is launched).
 
 state_dict keys are DeepSeek's tensor names without the `model.` prefix.
 """
@@ -566,8 +567,11 @@ class Model(nn.Module):
             if c.engram_layer_ids:
                 if ctx.plan is None:
                     ctx.windows = self._token_windows(ctx)
-                else:     # (made on the host when the first Engram rows are read, `_engram_rows`: after the
-                    # first segment is launched when it has no Engram layer, so the device starts sooner)
+                else:     # (on the host. From host ids: made when the first Engram rows are read, `_engram_rows`,
+                    # after the first segment is launched when it has no Engram layer, so the device starts sooner;
+                    # from device ids the copy syncs, so it is made here, before any segment is queued)
+                    if ctx.host_ids is None:
+                        ctx.windows = self._token_windows(ctx).cpu()
                     missing = [i for i in batched.engram_layers(self) if self.layers[i].engram.table is None]
                     if missing:
                         raise RuntimeError(f"engram layers {missing}: no table loaded (set `.table`, see EngramTable)")

@@ -68,13 +68,26 @@ def tickets(device, n: int, site: str = "main") -> torch.Tensor | None:
     name different sites. While a CUDA graph is being captured the counters cannot be made or grown (an allocation
     made during capture belongs to the graph's private pool), so then the answer is None and the caller takes its
     unsplit path; the warm-up step before a capture makes them."""
-    key = (torch.device(device), site)
+    key = (_indexed(device), site)
     t = _TICKETS.get(key)
     if t is None or t.numel() < n:
         if key[0].type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
+        if t is not None:     # (kept alive: a CUDA graph captured earlier may hold its address)
+            _RETIRED.append(t)
         t = _TICKETS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=key[0])
     return t[:n]
+
+
+_RETIRED: list = []     # ticket buffers that a bigger one replaced
+
+
+def _indexed(device) -> torch.device:
+    """The device with its index ("cuda" -> "cuda:<current>"), so that one device is one key."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 _SMS: dict = {}     # device -> multiprocessor count
@@ -83,7 +96,7 @@ _SMS: dict = {}     # device -> multiprocessor count
 def sm_count(device) -> int:
     """Multiprocessors of a CUDA device, asked once (132 on an H200; 132 for the interpreter and the CPU, so that
     launch shapes under test are the H200's)."""
-    device = torch.device(device)
+    device = _indexed(device)
     if device.type != "cuda":
         return 132
     if device not in _SMS:

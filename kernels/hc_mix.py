@@ -14,7 +14,7 @@ of R once and store a partial z with the sum of squares in its padding column; t
 block to start then wait for the block's partials and mix its tokens, one or a few each: every split's partial
 of a token loaded at once and added in a fixed order (deterministic), sigmoids, and the softmax + 20 Sinkhorn
 steps inside one thread per token (M = 4; no cross-lane sums), the tokens in parallel programs.
-Cost: T*M*H*bytes(R) + |fn| (fp32 fn, or its 6-byte bf16 parts above 128 tokens; L2 hits after the first token
+Cost: T*M*H*bytes(R) + |fn| (fp32 fn, or its 6-byte bf16 parts from 64 tokens; L2 hits after the first token
 block) + the partials (T*n_split*32*4 B, written and read back through L2). H200 (session 7): 10.9 / 16.4 / 89.6
 us at T = 64 / 256 / 4096 against 2.9 / 4.6 / 38.4 for one launch that only streams the same bytes; at T=64 the
 streaming pass alone takes 6.4 us and the 20 Sinkhorn steps 1.8 (_fused_tiles has the sweep).

@@ -321,7 +321,8 @@ def _cut_key(base, n, keys, need, n_sel, mx, mn, sx, sxx, offs, BLOCK: tl.conste
     4x is followed by one that quarters it, so the search ends within 32 passes on any input (ties, constant
     rows); it stops at an exact cut (count(keys >= t) == need: every key >= t wins) or at hi == lo + 1 (the
     answer is lo; count(keys > lo) = chi). TOPR = 4: once need - chi <= 4 the answer is among the 4 largest keys
-    of the bracket, which one reduction finds (`_top4_between`). Random scores need ~3-4 reductions (the two-bit
+    of the bracket, and once clo - need <= TOPR - 2 it is among the bracket's smallest keys (the flipped search);
+    one reduction finds either (`_top4_between`). Random scores need ~3-4 reductions (the two-bit
     search ~9-10; the slowest of 256 chunks ~6 against 12-15)."""
     lo = mn.to(tl.int64)
     hi = mx.to(tl.int64) + 1

@@ -87,16 +87,28 @@ HB_CUT = 512          # bins of the tau pass's histogram narrowing a top-p-alone
 # each twice, us, off -> on): T=1 11.0 / 11.8 -> 10.7 / 10.7; T=0.7 + mask 13.4 / 14.5 -> 13.2 / 14.4; top-k50
 # p0.9 28.7 / 28.0 -> 27.5 / 27.5; top-p0.95 peaked 24.6 / 26.0 -> 23.7 / 24.6; B=256: T=1 34.5 -> 33.5, top-k
 # 74.5 -> 74.6. CUDA graphs capture the launches. The speculative step's chain measured no gain (48.7 / 49.9 ->
-# 49.4 / 49.8), so it keeps plain launches.
+# 49.4 / 49.8), so its own kernels (stats, accept) keep plain launches; its filtered rows' lane path uses PDL.
 PDL = True
 
 
 def pdl_kw() -> dict:
     """Launch keywords of a kernel that may start before the one launched before it ends (programmatic dependent
     launch, Hopper): the kernel waits (`pdl_wait`) before it touches memory, so only its launch and scheduling
-    overlap the previous kernel's tail. Off in the interpreter (no griddepcontrol there)."""
-    on = PDL and not INTERPRETING
+    overlap the previous kernel's tail. Off in the interpreter (no griddepcontrol there) and before Hopper
+    (griddepcontrol needs sm_90)."""
+    on = PDL and not INTERPRETING and _has_griddepcontrol()
     return dict(PDL=on, launch_pdl=True) if on else dict(PDL=False)
+
+
+_SM90: dict = {}     # CUDA device index -> whether it is sm_90 or newer
+
+
+def _has_griddepcontrol() -> bool:
+    """Whether the current CUDA device can run programmatic dependent launch (sm_90+), asked once per device."""
+    d = torch.cuda.current_device()
+    if d not in _SM90:
+        _SM90[d] = torch.cuda.get_device_capability(d)[0] >= 9
+    return _SM90[d]
 
 
 @triton.jit
@@ -1022,8 +1034,9 @@ def _lane_merge_kernel(logits_ptr, tau_ptr, path_ptr, tok_ptr, inv_t_ptr, greedy
     gathered candidates (>= 1), -1 (more than LCAP lanes tie at the bound: exact row bisection, and the draw by a
     loop over the row here), -2 (nothing to filter or nothing allowed: tau = -inf), -3 (left to the histogram
     path: tau and the draw come later). tok[row]: the drawn token, -2 where the sampling pass must draw.
-    UPTO < 4 (benchmarks, to time the stages by differences; the result is then wrong): 1 gathers the top lane
-    only, 2 adds the lane bound, 3 adds tau, 4 the draw."""
+    UPTO < 4 (benchmarks, to time the stages by differences; the result is then wrong): 1 reads the lane maxima
+    only, 2 adds the lane bound, 3 adds the candidates' gather and tau, 4 the draw (before session 9, stages 1-2
+    also gathered the top / candidate lanes' tokens, so their numbers do not compare)."""
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     is_c, top_k, p_only = _is_cand_row(row, V, greedy_ptr, top_k_ptr, top_p_ptr, KMAX, P_LANES)

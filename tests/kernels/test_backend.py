@@ -25,3 +25,9 @@ def test_tickets_grow_when_a_launch_needs_more():
 
 def test_sm_count_off_gpu_is_the_h200s():
     assert backend.sm_count("cpu") == 132
+
+
+def test_a_grown_buffer_stays_alive_for_graphs_captured_before():
+    old = backend.tickets("cpu", 16, site="test-retire")
+    backend.tickets("cpu", 100_000, site="test-retire")
+    assert any(t.data_ptr() == old.data_ptr() for t in backend._RETIRED)
