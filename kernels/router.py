@@ -24,8 +24,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .backend import INTERPRETING, check, empty, tickets, use_triton
-from .skinny import product_tile
+from .backend import INTERPRETING, check, empty, use_triton
+from .skinny import product_tile, split_k
 
 
 def scores_torch(logits: torch.Tensor) -> torch.Tensor:
@@ -146,18 +146,14 @@ def gate_route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     BE = max(16, triton.next_power_of_2(E))
     cfg = {"BM": 16, "BK": 128, **(config or {})}     # (row blocks of 16: FUSED_MAX_ROWS says why)
     cfg.setdefault("SPLIT", max(1, min(16, H // (2 * cfg["BK"]))))
-    k_split = triton.cdiv(triton.cdiv(H, cfg["SPLIT"]), cfg["BK"]) * cfg["BK"]
-    split = triton.cdiv(H, k_split)
     m_tiles = triton.cdiv(T, cfg["BM"])
-    part = tk = w
-    if split > 1:
-        tk = tickets(x.device, m_tiles, site="router")
-        if tk is None:   # captured before a warm-up made the counters: the unsplit launch needs none
-            k_split, split = triton.cdiv(H, cfg["BK"]) * cfg["BK"], 1
+    k_split, split, tk = split_k(H, cfg["BK"], cfg["SPLIT"], m_tiles, x.device, site="router")
+    part = w
     if split > 1:
         part = empty((2 * split - 1, T, E), torch.float32, x.device)
-    _gate_route_kernel[(1, 1, m_tiles * split)](xs, weight.contiguous(), bias.contiguous(), w, idx, part, tk, T, E,
-                                                H, xs.stride(0), k_split, float(scaling), K=top_k,
+    _gate_route_kernel[(1, 1, m_tiles * split)](xs, weight.contiguous(), bias.contiguous(), w, idx, part,
+                                                w if tk is None else tk, T, E, H, xs.stride(0), k_split,
+                                                float(scaling), K=top_k,
                                                 KP=triton.next_power_of_2(top_k), UPCAST=INTERPRETING, SPLIT=split,
                                                 BM=cfg["BM"], BLOCK_E=BE, BK=cfg["BK"], num_warps=4, num_stages=3)
     return w, idx

@@ -148,6 +148,20 @@ def launch_config(T: int, N: int, K: int, groups: int, elsize: int = 2) -> dict:
     return dict(BM=BM, BN=BN, BK=BK, SPLIT=split, num_warps=4, num_stages=4)
 
 
+def split_k(K: int, BK: int, SPLIT: int, n_tiles: int, device, site: str, given: torch.Tensor | None = None):
+    """-> (k_split, split, tickets) of a split-K launch over n_tiles output tiles: whole BK steps per slice, at
+    most SPLIT slices; tickets (`given`, else `backend.tickets` of this site) when split > 1, else None. While a
+    CUDA graph is captured before the counters exist, the launch runs unsplit (it needs none)."""
+    k_split = triton.cdiv(triton.cdiv(K, SPLIT), BK) * BK
+    split = triton.cdiv(K, k_split)
+    if split == 1:
+        return k_split, 1, None
+    tk = given if given is not None else shared_tickets(device, n_tiles, site)
+    if tk is None:
+        return triton.cdiv(K, BK) * BK, 1, None
+    return k_split, split, tk
+
+
 def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, groups: int = 1, glu: tuple | None = None,
                          config: dict | None = None, tickets: torch.Tensor | None = None,
                          site: str = "skinny") -> torch.Tensor:
@@ -170,22 +184,16 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, groups: int = 1, glu:
     if T == 0 or N == 0:
         return out
     cfg = dict(launch_config(T, N, K, groups, x.element_size()), **(config or {}))
-    split = cfg["SPLIT"]
-    k_split = triton.cdiv(triton.cdiv(K, split), cfg["BK"]) * cfg["BK"]       # whole BK steps per slice
-    split = triton.cdiv(K, k_split)
     tiles = (triton.cdiv(N, cfg["BN"]), groups, triton.cdiv(T, cfg["BM"]))
-    part = tk = out
-    if split > 1:
-        n_tiles = tiles[0] * tiles[1] * tiles[2]
-        tk = tickets if tickets is not None else shared_tickets(x.device, n_tiles, site)
-        if tk is None:   # captured before a warm-up made the counters: the unsplit launch needs none
-            split, k_split = 1, triton.cdiv(K, cfg["BK"]) * cfg["BK"]
+    n_tiles = tiles[0] * tiles[1] * tiles[2]
+    k_split, split, tk = split_k(K, cfg["BK"], cfg["SPLIT"], n_tiles, x.device, site, tickets)
+    part = out
     if split > 1:
         part = empty((2 * split if glu is not None else 2 * split - 1, T, groups * N), torch.float32, x.device)
         check(tk.dtype == torch.int32 and tk.numel() >= n_tiles,
               f"skinny_linear: tickets {tk.dtype} [{tk.numel()}] for {n_tiles} tiles")
     _skinny_kernel[(tiles[0], tiles[1], tiles[2] * split)](
-        xs, wc, out, glu[0].contiguous() if glu is not None else wc, part, tk,
+        xs, wc, out, glu[0].contiguous() if glu is not None else wc, part, out if tk is None else tk,
         float(glu[1]) if glu is not None else 0.0, T, N, K, xs.stride(0), k_split, GLU=glu is not None,
         UPCAST=INTERPRETING, SPLIT=split, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])

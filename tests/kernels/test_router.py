@@ -113,7 +113,7 @@ def test_gate_route_matches_twin(case, dtype):
 def test_gate_route_without_tickets_runs_unsplit(monkeypatch):
     """When kernels.backend.tickets has none to give (a CUDA graph captured before a warm-up made them), the gate
     is the unsplit launch, bit for bit; with them, the split launch leaves the router's counters zero."""
-    from deepinfer_sg.kernels import backend, router
+    from deepinfer_sg.kernels import backend, skinny
     g = torch.Generator().manual_seed(3)
     x = on_dev(torch.randn(5, 512, generator=g).to(torch.bfloat16))
     gw = on_dev((torch.randn(16, 512, generator=g) * 0.1).to(torch.bfloat16))
@@ -121,7 +121,7 @@ def test_gate_route_without_tickets_runs_unsplit(monkeypatch):
     gate_route_triton(x, gw, bias, 4, 1.0, config={"SPLIT": 4, "BK": 64})
     assert not to_cpu(backend.tickets(x.device, 4, site="router")).any()
     unsplit = to_cpu(gate_route_triton(x, gw, bias, 4, 1.0, config={"SPLIT": 1, "BK": 64}))
-    monkeypatch.setattr(router, "tickets", lambda *a, **k: None)
+    monkeypatch.setattr(skinny, "shared_tickets", lambda *a, **k: None)     # (kernels.skinny.split_k asks it)
     got = to_cpu(gate_route_triton(x, gw, bias, 4, 1.0, config={"SPLIT": 4, "BK": 64}))
     assert torch.equal(got[0], unsplit[0]) and torch.equal(got[1], unsplit[1])
 
