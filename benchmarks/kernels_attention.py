@@ -144,6 +144,24 @@ Measured (H200, copy ~4,250 GB/s, bf16 matmul 700-790 TFLOP/s; launch floor 0.7 
                          alone 63.8 against 57.5 for two launches), N=64, L=131072 629.4 (80%). 2 chunks of 8
                          warps on the score kernel's rows 19.5 against 20.4 (4 of 4 warps), behind the scores 88.2
                          (72%) against 90.9: the new default. Attention 41.3 / 108.0.
+  session 10 round 1 (K2) attention against a copy of the session-9 file (each twice; the round's own script, the
+                         kernel's docstring has the ncu breakdown): session 9 41.9-42.2 / 108.4-108.6 us, exp2 (log2
+                         units) 41.1-41.4 / 105.9, + an L2 prefetch of the next block each iteration 43.3-43.4 /
+                         110.1, + P stored from registers 49.4-49.5 / 145.2, transposed 32-head programs 46.0 /
+                         139.5 (4 warps), 51.3 / 215.5 (8 warps): the last three removed.
+  session 10 round 2 (K2) session 9 41.5-41.7 / 107.2, exp2 40.7-41.4 / 104.7, + the split combine's next chunk
+                         loaded before this one is stored 40.1-40.2 / 104.7 (the default; 128 dims a step
+                         40.9-41.1), + one prefetch of the compressed loop's first block 40.5-41.0 / 109.7-109.9
+                         (removed). Indexer scores + select (unsorted) at long rows by chunks per row: N=64,
+                         L=65536 16 (tree) 327.6-330.5, 8 (tree) 327.1-327.5, 8 in two launches 318.4-319.5, 4
+                         339.0; N=64, L=131072 32 (tree) 646.3-648.0, 16 (tree) 633.6-637.9, 8 657.6-658.3, 16 in
+                         two launches 627.1-627.2; N=8, L=131072 32 (tree) 121.6-121.9, 16 (tree) 100.0-100.2;
+                         N=8, L=65536 16 (tree) 76.9-77.0, 32 80.4-80.6: chunks of 16k entries, and more than 16
+                         rows merge in a second launch (`default_chunks`, `TREE_ROWS`).
+  session 10 round 3 (K2) against session 9's files: attention 41.3-41.8 -> 40.3-40.4 / 107.9-108.0 -> 104.1 us
+                         (29-30% / 46%); indexer scores + select N=8, L=65536 76.4 -> 63.1, N=64, L=65536 323.3-323.5
+                         -> 309.4-309.7 (82%), N=8, L=131072 119.9 -> 99.6-99.7 (63%), N=64, L=131072 631.8-632.0 ->
+                         611.7-612.5 (83%). Compiled attention + indexer tests: 69 passed.
 """
 import os
 import sys

@@ -127,6 +127,24 @@ Round 3 (final tree, copy 4273 GB/s; session 8's form beside each default in the
   14.6 -> 13.6; write-back + mixes T=8 / 16 9.2 / 9.8 -> 8.5 / 9.0 (bench 8.2 / 8.8; H=2048 T=8 7.7).
   T=256 / 4096 mixes 16.3 / 90.1 (unchanged form). Experts V4.1 T=64 / 8 / 256: fp8 2118 / 448 / 3406 (94 / 85
   / 91%), packed FP4 2142 / 469 / 3403 (49 / 43 / 49% of its bytes).
+
+Session 10 (the write-backs take the MoE output as two addends, y2, and RMSNorm the read-out inside, x_norm;
+H200, H=5120; .round scripts timing the HEAD hc_mix beside this tree in the same run, CUDA graphs, us):
+Round 1: y2 alone (the add launch + write-back before): write-back + mixes T=8 / 16 9.8 / 10.8 -> 8.6 / 9.2;
+  write-back then mixes T=64 / 256 15.6 / 28.8 -> 13.8 / 25.4; write-back + read-out alone T=64 6.0 -> 4.2.
+  The y2 read costs the one-addend kernel nothing measurable (T=8 8.5 against 8.6 for HEAD's).
+  The norm launch after the write-back + mixes at T=8: +2.0 us; fused (every program its own columns) +1.2;
+  norm form 1 (the waiters' whole rows in turn) 26.6 / 41.2 at T=8 / 64.
+Round 2 (old: the add, the write-back (+ mixes), the norm; new: one launch up to hc_mix.POST_MIX_NORM_MAX_T):
+  MoE write-back T=8 / 16 / 32 / 64 / 256   12.9 / 13.4 / 17.3 / 18.6 / 31.9 -> 9.3 / 10.0 / 13.8 / 15.2 / 28.8
+                                             (norm form 2, every program its own columns: 10.1 / 10.6 / 15.4 / 16.1)
+  attention write-back T=8 / 32 / 64         11.3 / 15.1 / 16.7 -> 9.4 / 13.8 / 15.1 (fused norm: +0.6 at T=8)
+  plain write-back + mixes (no y2, no norm)  T=8 / 64 HEAD 8.9 / 13.6, this tree 8.8 / 13.6
+  Packed FP4 laid out by K block: lost, deleted (kernels/moe.py's W4_TILES notes). Compiled mHC tests: 52 pass.
+Round 3 (final tree, copy 4248 GB/s; bench_moe_write_back's rows, the old launches in the same run):
+  MoE write-back T=8 / 16 / 32 / 64 / 256        12.1 / 13.6 / 17.6 / 18.5 / 31.8 -> 9.0 / 9.8 / 13.8 / 15.2 / 28.8
+  attention write-back T=8 / 16 / 32 / 64 / 256  10.4 / 11.6 / 15.8 / 16.6 / 28.7 -> 9.0 / 9.7 / 13.7 / 15.1 / 28.7
+  (22-30% of one launch streaming the bytes: the mixing tail); compiled mHC tests: 51 of 51 pass.
 """
 import math
 import os
@@ -136,7 +154,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_sg.kernels import hc_mix, moe
+from deepinfer_sg.kernels import hc_mix, moe, rmsnorm
 from kbench import DEV, DRY, emit, rotating, row, S, time_ms
 
 T_START = [time.time()]     # the sweep's start (sweep() resets it: the ceilings before it are not its time)
@@ -294,6 +312,7 @@ def bench_hc(bw, l2, batches):
             f"err/max {err:.1e} (bf16 ulps); {achievable / t:.0%} of max(launch floor, bytes/bw); twin ~9 launches")
     bench_post_mix(bw, l2, S((8, 16, 64, 256), (5,)), one)
     bench_post_mix(bw, l2, S((8, 64), (5,)), one, H=S(2048, 32))        # the mid-size decode step's shape
+    bench_moe_write_back(bw, l2, S((8, 16, 32, 64, 256), (5,)), one)
 
 
 def _post_mix_inputs(T, M, H):
@@ -347,6 +366,46 @@ def bench_post_mix(bw, l2, batches, one, H=S(5120, 64)):
         row("hc post + next mixes", f"T={T} M={M} H={H}", t, None, nb, bw,
             f"two launches {t2 * 1e3:.1f} us; err R'/x {rel:.0e} (bf16 ulps), mixes {err:.0e}; "
             f"{rf / t:.0%} of one launch streaming the bytes ({rf * 1e3:.1f} us)")
+
+
+def _moe_write_back_inputs(T, M, H):
+    """_post_mix_inputs plus the shared expert's output y2 and the next sub-layer's norm (fp32 weight, eps)."""
+    return _post_mix_inputs(T, M, H) + (torch.randn(T, H, device=DEV, dtype=torch.bfloat16),
+                                         (torch.rand(H, device=DEV) + 0.5, 1e-6))
+
+
+def _write_back(s, fused=True, moe=True):
+    """The write-back (+ next mixes) as the engine runs it after the MoE (moe: routed y + shared y2) or the
+    attention, with the read-out normalised inside (hc_post_mix_apply's y2 and x_norm), or (fused=False) the
+    launches that replaces: the add (moe), the write-back (+ mixes), then kernels.rmsnorm."""
+    y2 = s[8] if moe else None
+    if fused:
+        return hc_mix.hc_post_mix_apply(*s[:8], y2=y2, x_norm=s[9])
+    out, x, m = hc_mix.hc_post_mix_apply(s[0], s[1] if y2 is None else s[1] + y2, *s[2:8])
+    return out, rmsnorm.rms_norm(x, *s[9]), m
+
+
+def bench_moe_write_back(bw, l2, batches, one, H=S(5120, 64)):
+    """The write-backs with the next input's RMSNorm inside (x_norm) and, after the MoE, its two addends (y2):
+    one launch up to hc_mix.POST_MIX_NORM_MAX_T tokens, against the (add +) write-back + norm launches."""
+    M = 4
+    for T in batches:
+        nb = _post_mix_bytes(T, M, H) + T * H * 2
+        nxt = rotating(lambda: _moe_write_back_inputs(T, M, H), nb, l2)
+        s = nxt()
+        rf = one if DRY else read_floor(nb)
+        for moe_ in (True, False):
+            out, x, _ = _write_back(s, moe=moe_)
+            ro, rx, _ = hc_mix.hc_post_mix_torch(*s[:8], y2=s[8] if moe_ else None, x_norm=s[9])
+            rel = max(float((u.float() - v.float()).abs().max() / v.float().abs().max())
+                      for u, v in ((out, ro), (x, rx)))
+            for _ in range(16):             # fn parts cached per rotating input set before the graph
+                _write_back(nxt(), moe=moe_)
+            t = time_ms(lambda: _write_back(nxt(), moe=moe_))
+            t3 = time_ms(lambda: _write_back(nxt(), fused=False, moe=moe_))
+            row(f"hc {'moe' if moe_ else 'attn'} write-back", f"T={T} M={M} H={H}", t, None, nb, bw,
+                f"{'add + ' if moe_ else ''}write-back + norm {t3 * 1e3:.1f} us; err R'/xn {rel:.0e} (bf16 "
+                f"ulps); {rf / t:.0%} of one launch streaming the bytes ({rf * 1e3:.1f} us)")
 
 
 def _left():
@@ -650,10 +709,13 @@ def _apply_inputs(T, M, H):
             torch.rand(T, M, device=DEV) * 2, torch.rand(T, M, M, device=DEV), torch.rand(T, M, device=DEV))
 
 
-# (label, block_t, split, block_k, mode (1: fn split in registers, 2: bf16 parts), warps) built by --compile-check
-# (its builds lack the launches' integer specialisations: report_builds prints the real ones)
-POST_MIX_BUILDS = (("bt16 s64 k64", 16, 64, 64, 1, 4), ("bt16 s128 k64", 16, 128, 64, 1, 4),
-                   ("bt16 s128 k64 parts", 16, 128, 64, 2, 4))
+# (label, block_t, split, block_k, mode (1: fn split in registers, 2: bf16 parts), warps, y2, read-out norm form)
+# built by --compile-check (its builds lack the launches' integer specialisations: report_builds prints the real
+# ones)
+POST_MIX_BUILDS = (("bt16 s64 k64", 16, 64, 64, 1, 4, False, 0), ("bt16 s128 k64", 16, 128, 64, 1, 4, False, 0),
+                   ("bt16 s128 k64 parts", 16, 128, 64, 2, 4, False, 0),
+                   ("bt16 s64 k64 y2 norm", 16, 64, 64, 1, 4, True, 2),
+                   ("bt16 s128 k64 parts y2 norm1", 16, 128, 64, 2, 4, True, 1))
 
 
 def compile_cases():
@@ -706,16 +768,16 @@ def compile_cases():
          dict(fused, BT=64, BK=128, SPLIT=512, MODE=2, NW=40, TPW=2, SPC=64), 4),
         ("hc prefill parts", hc_mix._hc_fused_kernel, dict(fz, fn_ptr="*bf16"),
          dict(fused, BT=128, BK=64, SPLIT=2048, MODE=2, NW=1, TPW=128, SPC=2, PF=False), 8),
-        ("hc post + pre", hc_mix._hc_post_kernel, dict(r_ptr="*bf16", y_ptr="*bf16", out_ptr="*bf16", x_ptr="*bf16"),
-         dict(M=4, BH=256, PRE=True), 1),
+        ("hc post + pre", hc_mix._hc_post_kernel, dict(r_ptr="*bf16", y_ptr="*bf16", y2_ptr="*bf16", out_ptr="*bf16",
+                                                       x_ptr="*bf16"), dict(M=4, BH=256, PRE=True, Y2=True), 1),
     ]
     pm = dict(NZP=32, UPCAST=False, ITERS=20, FAST=True, SPC=32, TAIL=True, FORM=7)
-    pz = dict(r_ptr="*bf16", y_ptr="*bf16", out_ptr="*bf16", x_ptr="*bf16", cnt_ptr="*i32", norm_eps="fp32",
-              hc_eps="fp32", post_mult="fp32")
-    for label, bt, sp, bk, mode, w in POST_MIX_BUILDS:
+    pz = dict(r_ptr="*bf16", y_ptr="*bf16", y2_ptr="*bf16", out_ptr="*bf16", x_ptr="*bf16", cnt_ptr="*i32",
+              norm_eps="fp32", hc_eps="fp32", post_mult="fp32", x_eps="fp32")
+    for label, bt, sp, bk, mode, w, y2, norm in POST_MIX_BUILDS:
         cases.append((f"hc post+mix {label}", hc_mix._hc_post_mix_kernel,
                       dict(pz, fn_ptr="*bf16") if mode == 2 else pz,
-                      dict(pm, BT=bt, BK=bk, SPLIT=sp, MODE=mode, NW=bt, TPW=1), w))
+                      dict(pm, BT=bt, BK=bk, SPLIT=sp, MODE=mode, NW=bt, TPW=1, Y2=y2, NORM=norm, NSP=128), w))
     # the grouped kernels' defaulted constexprs (block scales, packed FP4) must be given, or they become run-time
     plain = dict(GS=False, GR=1, PF=False)
     grouped = (moe._gate_up_kernel, moe._down_kernel)

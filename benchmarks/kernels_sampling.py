@@ -156,6 +156,20 @@ H200 numbers (torch 2.11 / Triton 3.6; copy 4,250-4,275 GB/s; us, fraction of co
                                 top-p0.95 peak 23.8 / 63.2; top-p0.9 flat 31.0 / 86.3; speculative accept 51.9
                                 (64%), with top-k50 p0.9 152.7. PDL off / on at B=64 (twice): T=1 11.8 / 11.1 (both
                                 pairs), +mask 14.4-14.5 / 14.3-14.4, top-k 28.5 / 27.2, top-p peak 25.9 & 24.4 / 23.6
+  session 10 round 1 (2026-11-30), top-k50 p0.9, B=64, the lane path alone (sample_from_logits' two launches),
+  twice each, against HEAD in the same run: flat rows 28.4 / 28.3 -> 21.1 / 21.6 us (28% -> 37% of copy
+  bandwidth), peaked rows 30.3 / 30.3 -> 21.0 / 20.9 (the merge holds its lane groups in-thread, strided, and its
+  rare branches' loops are no longer unrolled: kernels/threshold.py beside GROUP_BOUND); candidates per row
+  (peaked) 102 -> 55. ncu of the new merge alone (B=64, flat): 16.9 us, 2.57M warp instructions (~2.5K per warp; one
+  program of 16 warps per SM), stall samples: instruction fetch 20%, long scoreboard 13%, short scoreboard 11%,
+  wait 11%, barrier 10%, issue (selected / not selected) 19%; the draw's unrolled sweeps held 22% of the
+  samples, 72% of those instruction fetch (every SM runs the code once, cold).
+  session 10 round 2 (copy 4,248 GB/s), same rows, twice each, us, flat; peaked: HEAD 27.3 / 27.2; 30.1 / 30.3,
+  the merge with the draw's sweeps unrolled (kept) 21.4 / 21.3; 20.6 / 20.6 (36-38%), as loops 22.3 / 22.7; 21.5 /
+  21.5, 8 merge warps (loops) 21.9 / 21.9; 20.5 / 20.5, parameters loaded after the PDL wait (loops) 22.9 / 22.9;
+  21.6 / 21.6, all-pairs blocks of 128 columns 24.5 / 24.4; 23.2 / 23.2; B=256 flat (loops) 62.7 / 63.0 against
+  HEAD 74.0 / 73.9 (50% / 42%). Speculative accept, 64 requests x 4 rows + draft probabilities, top-k50 p0.9:
+  152.2 / 152.4 -> 101.9 / 102.0 (the top-k merge writes its rows' statistics; the statistics pass skips them).
   Floor of the histogram path: its histogram pass is instruction-bound (1,832 SASS instructions per thread, x 8
   warps x 2,048 programs at B=64 = 30M warp instructions: 32 us at 4 per SM per cycle, 55 us measured), so top-p
   alone on flat rows cannot approach one read (8.7 us) this way; a sampling rule that needs no tau (proposals from
@@ -658,22 +672,25 @@ def compile_cases():
     seg_flags = dict(DONE=False, MASK_FIRST=False, NP=1, REJECT=False)
     from deepinfer_sg.kernels import rejection
     rej_types = {"packed_ptr": "*i64", "part_ptr": "*fp64", "out_ptr": "*i64", "done_ptr": "*i64", "keys_ptr": "*i64"}
+    merge_types = {"path_ptr": "*i32", "tok_ptr": "*i64", "lane_ptr": "*i32", "greedy_ptr": "*i8", "pack_ptr": "*i64",
+                   "solved_ptr": "*i8"}
     return [
         ("sample segment w8", sampling._segment_kernel, seg_types, dict(HAS_MASK=False, HAS_TAU=False, LANES=256,
                                                                         LW=16, PL=256, VEC=1, FAST=True, **seg_flags),
          8),
         ("topk lane max pass", threshold._lane_max_kernel, {"greedy_ptr": "*i8"},
          dict(HAS_MASK=True, LANES=256, LW=16, PL=128, VEC=1, KMAX=64, FAST=True), 4),
-        ("topk lane merge", threshold._lane_merge_kernel, {"path_ptr": "*i32", "tok_ptr": "*i64", "lane_ptr": "*i32",
-                                                           "greedy_ptr": "*i8"},
+        ("topk lane merge", threshold._lane_merge_kernel, merge_types,
          dict(HAS_MASK=True, NG=8192, LCAP=128, KMAX=64, KP=128, JB=32, HB=64, ROUNDS=3, BLOCK=1024, DRAW=True,
               LANES=256, LW=16, FAST=True, GROUPS=True, GS=16), 16),
         ("topk lane max pdl", threshold._lane_max_kernel, {"greedy_ptr": "*i8"},
          dict(HAS_MASK=False, LANES=256, LW=16, PL=128, VEC=1, KMAX=64, FAST=True, PDL=True), 4),
-        ("topk lane merge pdl", threshold._lane_merge_kernel, {"path_ptr": "*i32", "tok_ptr": "*i64",
-                                                               "lane_ptr": "*i32", "greedy_ptr": "*i8"},
+        ("topk lane merge pdl", threshold._lane_merge_kernel, merge_types,
          dict(HAS_MASK=False, NG=8192, LCAP=128, KMAX=64, KP=128, JB=32, HB=64, ROUNDS=3, BLOCK=1024, DRAW=True,
               LANES=256, LW=16, FAST=True, GROUPS=True, GS=16, PDL=True), 16),
+        ("topk merge spec stats", threshold._lane_merge_kernel, merge_types,
+         dict(HAS_MASK=False, NG=8192, LCAP=128, KMAX=64, KP=128, JB=32, HB=64, ROUNDS=3, BLOCK=1024, DRAW=True,
+              LANES=256, LW=16, FAST=True, GROUPS=True, GS=16, PDL=True, STATS=True, NP=4), 16),
         ("sample finish", sampling._finish_kernel, {"done_ptr": "*i64", "NEG_INF_KEY": "i64"},
          dict(BLOCK=32, DONE=True), 1),
         ("sample finish pdl", sampling._finish_kernel, {"done_ptr": "*i64", "NEG_INF_KEY": "i64"},
@@ -711,7 +728,7 @@ def compile_cases():
               FAST=True), 4),
         ("spec stats pass", speculative._stats_kernel, {"pack_ptr": "*i64"},
          dict(HAS_MASK=True, HAS_TAU=False, LANES=256, LW=16, PL=256, VEC=4, NB=64, FAST=True, NP=1), 2),
-        ("spec stats pass np4", speculative._stats_kernel, {"pack_ptr": "*i64"},
+        ("spec stats pass np4", speculative._stats_kernel, {"pack_ptr": "*i64", "solved_ptr": "*i8"},
          dict(HAS_MASK=True, HAS_TAU=True, LANES=256, LW=16, PL=256, VEC=4, NB=64, FAST=True, NP=4), 2),
         ("spec accept", speculative._accept_kernel, {"final_ptr": "*i64", "pack_ptr": "*i64"},
          dict(HAS_MASK=True, HAS_PROBS=True, HAS_TAU=False, NCP=32, NR=8, NP=1, NMAX=8, LANES=256, LW=16,

@@ -13,7 +13,8 @@ engine/step_graphs.py; the first warm-up step at a batch size runs eager, the se
 eager fast path (max |diff|: "exact" when bit for bit equal); "ahead": the graphs path with each step planned while
 the device runs the previous one (Model.plan_step / launch, as engine/step_pipeline.py does; step time = the period
 between two steps' ends; printed with the host ms of launch, split at the graph run, and of the overlapped plan, and
-the device time of the last step's graphs replayed back to back: the step without its host gaps),
+the device time of the last step's graphs replayed back to back: the step without its host gaps; the caches are
+copied before those replays and put back after, and the line says whether the replays changed them),
 "exact" vs eager; "unstacked": the graphs path with one GEMM per attention-norm projection
 (model.stack_projections = False, engine/projections.py), vs the fast path; "rope-apart": the graphs path with RoPE
 in launches of its own (model.fused_rope = False), vs the fast path; "routes" (only when named, after "reference"):
@@ -23,7 +24,10 @@ when named; `ABLATIONS`): the ahead path with one engine choice changed for its 
 "torch-gate" (the MoE gates' GEMM, then their tail as torch ops, instead of kernels.router.gate_route),
 "gemm-gate" (the GEMM, then kernels.router's tail), "torch-shared" (the shared experts' front half as torch ops
 instead of kernels.skinny), "serial-shared" (the shared experts after the routed ones on one stream, not beside
-them on a second: engine/streams.py), "control" (nothing changed: the drift between paths of one run); with
+them on a second: engine/streams.py), "host-engram" (the Engram rows looked up on the host, the graph cut before
+each Engram layer, instead of gathered by the device from the pinned tables), "control" (nothing changed: the
+drift between paths of one run), "cprofile" (the same under cProfile: the host functions of the timed steps'
+launch + plan by own time, $OUT/cprofile_ahead_B<batch>.txt; its times are the profiler's, not the engine's); with
 --fused-mhc also the graphs path with the other mHC setting than the engine's default (model.fused_mhc;
 "unfused" or "fused", vs the reference).
 Printed per path: step time, tokens/s, the bytes one step must read (dense weights + the routed experts hit in that
@@ -188,13 +192,13 @@ def weight_bytes(model: Model) -> tuple[int, list[int]]:
     return dense, per_expert
 
 
-def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, warmup, ahead=False):
+def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, warmup, ahead=False, prof=None):
     """Run the given token steps; -> (median timed step s, mean bytes per step, logits of every step).
     ahead: plan each step while the device runs the one before (Model.plan_step / launch), as an engine loop
     would: launch(n) -> plan(n+1) -> wait for step n; the step time is then the period between two steps' ends
     (the planning of a step overlaps its predecessor; the benchmark's own bookkeeping between steps, ~13 ms at
     batch 64, is left out), and `decode_run.host_ms` holds the median host time of launch (the token-dependent
-    half) and of plan_step (overlapped)."""
+    half) and of plan_step (overlapped). prof: a cProfile.Profile enabled around the timed steps' launch + plan."""
     times, bytes_, logits, all_times, experts = [], [], [], [], []
     if ahead:
         from deepinfer_sg.engine.model import StepRows
@@ -222,12 +226,18 @@ def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, wa
     for s, toks in enumerate(toks_per_step):
         counter.ids.clear()
         if ahead:
+            if s == warmup:     # (the parts' times of the timed steps only: capture and growth left out)
+                parts_ms.clear()
             t = free
+            if prof is not None and s >= warmup:
+                prof.enable()
             t0 = time.perf_counter()
             out = model.launch(plan, toks)
             t1 = time.perf_counter()
             plan = model.plan_step(rows) if s + 1 < len(toks_per_step) else None
             t2 = time.perf_counter()
+            if prof is not None:
+                prof.disable()
             _sync(dev)
             end = time.perf_counter()
             if s >= warmup:
@@ -263,7 +273,7 @@ def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, wa
         decode_run.replay_ms = graphs_back_to_back(model, sum(r.n for r in rows), dev, keys)
         del model._graphs.run
         restore()
-        n = max(1, len(toks_per_step))
+        n = max(1, len(toks_per_step) - warmup)
         decode_run.launch_parts = {k: v / n for k, v in parts_ms.items()}
         decode_run.host_ms = (statistics.median(launch_ms), statistics.median(plan_ms),
                               *(statistics.median(x[k] for x in split) if split else float("nan") for k in range(3)))
@@ -273,11 +283,17 @@ def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, wa
 def graphs_back_to_back(model, T: int, dev, keys: list, reps: int = 5) -> float:
     """Device ms of the last step's CUDA-graph segments (`keys`, in order) replayed back to back (no host work
     between them: the step's device time with its host gaps taken out), median of `reps`; nan when the step ran
-    no graphs. The replays redo the last step on its captured inputs, writing the same values to the same cache
-    rows."""
+    no graphs. The replays redo the last step on its captured inputs. Safe by construction for the paths that run
+    later on these caches: every cache storage the graphs write (the window slabs and row arenas, engine/arena.py)
+    is copied before and put back after; `graphs_back_to_back.kept` says whether the replays left it as it was
+    (True: each segment writes what the step wrote, from inputs it does not itself change)."""
+    graphs_back_to_back.kept = None
     size = getattr(model._graphs, "_sizes", {}).get(T)
     if dev.type != "cuda" or size is None or not keys or any(k not in size.segments for k in keys):
         return float("nan")
+    stores = [s.data for s in model.__dict__.get("_window_slabs", {}).values()] + \
+        [a.flat for a in model.__dict__.get("_row_arenas", {}).values()]
+    saved = [t.clone() for t in stores]
     times = []
     try:
         for _ in range(reps):
@@ -291,6 +307,11 @@ def graphs_back_to_back(model, T: int, dev, keys: list, reps: int = 5) -> float:
     except Exception as e:      # (a diagnostic: never the reason a path fails)
         say(f"graphs back to back: {e!r}")
         return float("nan")
+    finally:
+        graphs_back_to_back.kept = all(torch.equal(t, c) for t, c in zip(stores, saved))
+        for t, c in zip(stores, saved):
+            t.copy_(c)
+        del saved
     return statistics.median(times)
 
 
@@ -328,6 +349,14 @@ def _serial_shared(model):
     return _patched(model, lambda: setattr(streams, "ENABLED", False), lambda: setattr(streams, "ENABLED", orig))
 
 
+def _host_engram(model):
+    """The "host-engram" path: the Engram rows looked up on the host and uploaded, the graph cut before each Engram
+    layer (model.engram_device_reads off: the path of memory-mapped tables and of sessions up to 9), instead of row
+    ids gathered by the device from the pinned table inside the one graph. -> undo()."""
+    return _patched(model, lambda: setattr(model, "engram_device_reads", False),
+                    lambda: setattr(model, "engram_device_reads", True))
+
+
 def _control(model):
     """The "control" path: nothing changed, the graphs captured again, measured after the other paths (how far the
     same code drifts between paths of one run). -> undo()."""
@@ -337,7 +366,8 @@ def _control(model):
 # paths that change one engine choice for their duration (only when named in --paths): graphs + plan-ahead steps,
 # compared with the fast path (a changed rounding can flip MoE routes: the difference is then not rounding)
 ABLATIONS = {"torch-gate": _gate_by("torch"), "gemm-gate": _gate_by("gemm"), "torch-shared": _shared_by_torch,
-             "serial-shared": _serial_shared, "control": _control}
+             "serial-shared": _serial_shared, "host-engram": _host_engram, "control": _control,
+             "cprofile": _control}
 
 
 def _patched(model, apply, restore):
@@ -373,11 +403,15 @@ def _routes_for(model, path: str, paths: list, results: dict):
 
 
 def _time_launch_parts(model, acc: dict):
-    """Host ms spent in the named parts of Model.launch (accumulated into acc while steps run); -> undo()."""
-    from deepinfer_sg.engine import batched, model as M, step_graphs
-    parts = [("token windows", M.Model, "_token_windows"), ("advance tokens", M.Model, "_advance_tokens"),
+    """Host ms spent in the named parts of Model.launch and Model.plan_step (accumulated into acc while steps run;
+    "plan:" parts run in plan_step); -> undo()."""
+    from deepinfer_sg.engine import batched, compress_step, model as M, step_graphs
+    parts = [("token windows", M.Model, "_token_windows"), ("advance", M.Model, "_advance"),
              ("commit windows", batched, "commit_windows"), ("upload", step_graphs.SegmentGraphs, "upload"),
-             ("plan send", batched.BatchPlan, "send"), ("segment inputs (at plan)", M.Model, "_segment")]
+             ("plan send", batched.BatchPlan, "send"), ("engram rows / ids", M.Model, "_engram_rows"),
+             ("plan: segment inputs", M.Model, "_segment"), ("plan: windows", batched, "prepare_windows"),
+             ("plan: engram windows", M.Model, "_windows_prep"), ("plan: compressors", compress_step, "plan_layer"),
+             ("plan: snapshot", M, "_compress_snapshot"), ("plan: span inputs", batched, "span_inputs")]
     try:
         from deepinfer_sg.engine.engram import Engram
         parts.append(("engram lookup", Engram, "packed_values"))
@@ -386,17 +420,18 @@ def _time_launch_parts(model, acc: dict):
     saved = []
     for label, owner, name in parts:
         fn = owner.__dict__.get(name)
-        if fn is None or isinstance(fn, (staticmethod, classmethod)):
+        if fn is None or isinstance(fn, classmethod):
             continue
+        static = isinstance(fn, staticmethod)
 
-        def timed(*a, _fn=fn, _label=label, **k):
+        def timed(*a, _fn=fn.__func__ if static else fn, _label=label, **k):
             t = time.perf_counter()
             try:
                 return _fn(*a, **k)
             finally:
                 acc[_label] += (time.perf_counter() - t) * 1e3
         saved.append((owner, name, fn))
-        setattr(owner, name, timed)
+        setattr(owner, name, staticmethod(timed) if static else timed)
 
     def undo():
         for owner, name, fn in saved:
@@ -466,8 +501,14 @@ def run(args):
             undo = ABLATIONS.get(path, lambda m: None)(model)
             try:
                 with _routes_for(model, path, paths, results) as flips:
+                    prof = cProfile.Profile() if path == "cprofile" else None
                     step_s, sb, logits = decode_run(model, caches, toks, dev, counter, dense, per_expert, args.warmup,
-                                                    ahead=path == "ahead" or path in ABLATIONS)
+                                                    ahead=path == "ahead" or path in ABLATIONS, prof=prof)
+                    if prof is not None:     # (the host's own functions first: where launch + plan spend it)
+                        text = io.StringIO()
+                        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(60)
+                        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(60)
+                        _out_file(f"cprofile_ahead_B{B}.txt", text.getvalue())
             except Exception as e:   # (the graphs path is last: report, then go on eager)
                 import traceback
                 say(f"{'decode':8} {path:12} {B:5d} FAILED: {e!r}")
@@ -488,6 +529,9 @@ def run(args):
             # fast vs reference: relative (bf16 round-off can flip MoE routes); graphs vs fast: must be exactly 0
             against = {"fast": "reference", "graphs": "fast", "ahead": "fast", "unstacked": "fast", "rope-apart": "fast",
                        "routes": "reference", other_mhc: "reference", **{p: "fast" for p in ABLATIONS}}.get(path)
+            if against == "fast" and "fast" not in results:     # (--paths without fast: against the plan-ahead path
+                # that ran first, the engine's or an ablation)
+                against = next((p for p in ("ahead", *ABLATIONS) if p in results and p != path), None)
             if against in results:
                 ref_s, ref_logits, _ = results[against]
                 if path in ("graphs", "ahead"):
@@ -497,14 +541,15 @@ def run(args):
                     d = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
                             for a, b in zip(logits, ref_logits))
                     diff = f"{d:12.2e}"
-                speed = f"{results.get('reference', results['fast'])[0] / step_s:7.1f}x"
+                speed = f"{results.get('reference', results[against])[0] / step_s:7.1f}x"
             if path == "routes":
                 speed = f"{flips[0]} flips"
             host = "" if not (path == "ahead" or path in ABLATIONS) else \
-                (f"   graphs back to back {decode_run.replay_ms:.2f} ms; "
+                (f"   graphs back to back {decode_run.replay_ms:.2f} ms (caches "
+                 f"{ {True: 'unchanged', False: 'CHANGED, restored', None: '-'}[graphs_back_to_back.kept]}); "
                  f"host ms: launch {decode_run.host_ms[0]:.2f} (before the graph run {decode_run.host_ms[2]:.2f}, "
                  f"in it {decode_run.host_ms[3]:.2f}, after {decode_run.host_ms[4]:.2f}) + plan "
-                 f"{decode_run.host_ms[1]:.2f} (overlapped); launch parts ms: " +
+                 f"{decode_run.host_ms[1]:.2f} (overlapped); parts ms: " +
                  ", ".join(f"{k} {v:.3f}" for k, v in getattr(decode_run, "launch_parts", {}).items()))
             say(f"{'decode':8} {path:12} {B:5d} {step_s * 1e3:9.2f} {B / step_s:9.1f} {sb / 1e6:9.1f} {roof:11.1f} "
                 f"{B / step_s / roof:8.1%} {speed:>8} {diff:>12}   warm-up steps ms {decode_run.warm_ms}{host}")

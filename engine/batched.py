@@ -43,10 +43,12 @@ import torch
 import deepinfer_sg.kernels.index_rows as _index_rows
 import deepinfer_sg.kernels.indexer as _kindexer
 from deepinfer_sg.kernels import sparse_attention
+from deepinfer_sg.kernels.backend import use_triton
 
-from . import compress_step, projections
+from . import compress_step, projections, streams
 from .arena import arena_for
 from .compressor import Sources
+from .engram import WindowSource
 from .indexer import candidate_block_mask, topk_mask
 from .mhc import ReadOut, hc_post, hc_post_and_mixes, hc_pre
 from .rope import Turns, apply_rope, rope_cos_sin, turns
@@ -123,10 +125,17 @@ class BatchPlan:
         flat, at = self.laid[d.k]
         flat[at:at + a.size] = a.reshape(-1)
 
+    @property
+    def row_index(self) -> np.ndarray:
+        """row_seq as an int64 array (made once per step)."""
+        got = self.__dict__.get("_row_index")
+        if got is None:
+            got = self.__dict__["_row_index"] = np.asarray(self.row_seq, dtype=np.int64)
+        return got
+
     def per_row(self, per_seq: list[list[int]], device=None) -> list[Deferred]:
         """Per-sequence host lists spread to per-row int64 arrays (device views after the next layout)."""
-        rs = np.asarray(self.row_seq, dtype=np.int64)
-        return [self.defer(np.asarray(ps, dtype=np.int64)[rs]) for ps in per_seq]
+        return [self.defer(np.asarray(ps, dtype=np.int64)[self.row_index]) for ps in per_seq]
 
     def upload(self, parts: list, device=None) -> list[Deferred]:
         """Host int64 arrays for the next layout."""
@@ -178,22 +187,24 @@ def usable(model, chunks_rows: list[int]) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ index tensors
-def window_index(plan: BatchPlan, past_lens: list[int], W: int, decoder: bool) -> Deferred:
+def window_index(plan: BatchPlan, past_lens, W: int, decoder: bool) -> Deferred:
     """Each row's (base, lo) for `window_idx` (host arithmetic, uploaded with the step's other index lists).
 
     Sequence s's key at position kp sits at row slot_s * cap + win_end[s] + (kp - start_s) of the flat window pool
     win_all[layer].view(slots * cap, D): base = slot_s * cap + win_end[s] - start_s. A row at position p sees key
     positions p-W+1 .. p that still exist (>= lo = start - past_lens[s]) and, for YOCO decoder layers, are
-    >= rect_lo."""
-    key = (tuple(past_lens), decoder)
+    >= rect_lo. past_lens: per sequence, or None for plan.win_m (every layer of every sequence alike: the key of
+    the step's one list, without hashing a tuple per layer)."""
+    key = (None if past_lens is None else tuple(past_lens), decoder)
     if key in plan.windows:
         return plan.windows[key]
     cap = plan.win_all.shape[2]
-    base = [plan.win_slot[s] * cap + plan.win_end[s] - plan.starts[s] for s in range(len(past_lens))]
-    lo = [plan.starts[s] - past_lens[s] for s in range(len(past_lens))]
+    starts = np.asarray(plan.starts, dtype=np.int64)
+    base = np.asarray(plan.win_slot, dtype=np.int64) * cap + np.asarray(plan.win_end, dtype=np.int64) - starts
+    lo = starts - np.asarray(plan.win_m if past_lens is None else past_lens, dtype=np.int64)
     if decoder:
-        lo = [max(x, r) for x, r in zip(lo, plan.rect_lo)]
-    plan.windows[key] = rows = plan.defer([[base[s], lo[s]] for s in plan.row_seq])
+        lo = np.maximum(lo, np.asarray(plan.rect_lo, dtype=np.int64))
+    plan.windows[key] = rows = plan.defer(np.stack([base, lo], axis=1)[plan.row_index])
     return rows
 
 
@@ -247,8 +258,9 @@ def prepare_windows(model, ctx, plan: BatchPlan, like: torch.Tensor) -> None:
         ms.append(m)
     plan.win_all, plan.win_slot, plan.win_end, plan.win_m, plan.win_lens = data, slots, ends, ms, lens
     plan.win_uniform = all(ls is None for ls in lens)
-    plan.win_new_rows = plan.defer([slot * cap + e + j for slot, e, s in zip(slots, ends, ctx.seqs)
-                                    for j in range(s.n)])
+    ns = np.asarray(plan.ns, dtype=np.int64)    # (row j of sequence s at its slot's row ends[s] + j)
+    first = np.asarray(slots, dtype=np.int64) * cap + np.asarray(ends, dtype=np.int64)
+    plan.win_new_rows = plan.defer(first[plan.row_index] + np.arange(int(ns.sum())) - np.repeat(np.cumsum(ns) - ns, ns))
 
 
 _POOL_STATES = {   # pool kind -> (the arena's part name, the row attribute, the state holding it)
@@ -433,16 +445,17 @@ def pre_attention(model, block, R: torch.Tensor, a, cos: torch.Tensor, sin: torc
     c = model.config
     i = block.layer_id
     attn = block.attn
-    mixes = None
-    if isinstance(x, ReadOut):
-        x, mixes = x.x, x[1:]
+    mixes = xn = None
+    if isinstance(x, ReadOut):      # (its x is this layer's attn_norm input, normalised by the write-back)
+        xn, mixes, x = x.x, x[1:], None
     if e is not None:
         R = block.engram.mix(R, e)
-        x = mixes = None     # (the streams changed)
+        x = xn = mixes = None     # (the streams changed)
     # (the mean accumulated in fp32 without an fp32 copy of R: 2 launches instead of 3)
     feat = R.mean(dim=1, dtype=torch.float32).to(R.dtype) if i in c.dspark_target_layer_ids else None
     pre, post, comb = mixes if mixes is not None else block.mixes(R, "attn", True)
-    xn = block.attn_norm(x if x is not None else hc_pre(R, a if c.hc_shifted else pre, fast=model.fused_mhc))
+    if xn is None:
+        xn = block.attn_norm(x if x is not None else hc_pre(R, a if c.hc_shifted else pre, fast=model.fused_mhc))
     parts = (None if model.quant_sim or not model.stack_projections   # [q_a, kv, (w), (the compressor's)]
              else projections.xn_products(model, attn, xn))
     fused = model.fused_rope and not model.quant_sim
@@ -481,16 +494,16 @@ def post_attention(model, block, o: torch.Tensor, R: torch.Tensor, pre: torch.Te
     if not (model.fused_mhc and model.config.hc_shifted):
         R = hc_post(R, y, post, comb)
         return (*block.ffn_sublayer(R, pre, token_ids, fast=True, fast_moe=fast_moe), None)
-    R, (x, pre_f, post_f, comb_f) = hc_post_and_mixes(block, "ffn", R, y, post, comb, pre)
-    xn = block.ffn_norm(x)
-    y = block.ffn.forward_grouped(xn, token_ids) if fast_moe else block.ffn(xn, token_ids)
+    R, (xn, pre_f, post_f, comb_f) = hc_post_and_mixes(block, "ffn", R, y, post, comb, pre, norm=block.ffn_norm)
+    y, y2 = block.ffn.forward_grouped(xn, token_ids, parts=True) if fast_moe else (block.ffn(xn, token_ids), None)
     j = block.layer_id + 1
     # the next layer's attention mixes from this write-back unless an Engram mix changes R first (the step's graph
     # is cut only before Engram layers, so the ReadOut always reaches the next layer's pre_attention in this span)
     if j < len(model.layers) and not hasattr(model.layers[j], "engram"):
-        R, x = hc_post_and_mixes(model.layers[j], "attn", R, y, post_f, comb_f, pre_f)
+        R, x = hc_post_and_mixes(model.layers[j], "attn", R, y, post_f, comb_f, pre_f, y2=y2,
+                                 norm=model.layers[j].attn_norm)
     else:
-        R, x = hc_post(R, y, post_f, comb_f, fast=True, next_pre=pre_f)
+        R, x = hc_post(R, y, post_f, comb_f, fast=True, next_pre=pre_f, y2=y2)
     return R, pre_f, x
 
 
@@ -551,13 +564,28 @@ def engram_layers(model) -> list[int]:
     return got[1]
 
 
+def engram_on_device(model) -> list[int]:
+    """The Engram layers whose table rows the device reads inside the step's graph (EngramTable.device_arrays: an
+    in-memory FP8 table, pinned on CUDA; model.engram_device_reads on): the token windows go up with the step's
+    upload and the device hashes them (Model._plan_fast; with the caches' recent tokens on the device, the host
+    hashes them into row ids at launch instead). The others' rows are looked up on the host (Model._engram_rows).
+    None on CUDA with the kernels forced to their twins (DEEPINFER_SG_KERNELS=torch: the twin gathers on the host)."""
+    if not getattr(model, "engram_device_reads", False) or (model.device.type == "cuda"
+                                                            and not use_triton(model.embed.weight)):
+        return []
+    return [i for i in engram_layers(model) if model.layers[i].engram.table is not None
+            and model.layers[i].engram.table.device_arrays(model.device) is not None]
+
+
 def engram_splits(model) -> list[int]:
-    """Layers before which a V4.1 step's graph is cut (each Engram layer but the first layer): the host looks a
-    segment's Engram rows up while the device runs the segments before it, so only the first segment waits for the
-    host after the token ids are known (Model._layers_fast). None ([]) when the model has eager layers (V4)."""
+    """Layers before which a V4.1 step's graph is cut (each Engram layer but the first layer whose rows the host
+    looks up, `engram_on_device`): the host looks a segment's Engram rows up while the device runs the segments
+    before it, so only the first segment waits for the host after the token ids are known (Model._layers_fast).
+    None ([]) when the model has eager layers (V4)."""
     if eager_layers(model):
         return []
-    return [i for i in engram_layers(model) if i > 0]
+    device = engram_on_device(model)
+    return [i for i in engram_layers(model) if i > 0 and i not in device]
 
 
 def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv, iq, w, token_ids, positions,
@@ -634,6 +662,8 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
         return by_ratio[(spec.rope, r)]
 
     feats = []
+    first = 0 if prev_e is None or prev_e == BOUNDARY else 1
+    ahead = _engram_ahead(model, full, first, per, n, token_ids)
     if prev_e is None:
         R, a = model.embed_streams(token_ids)
         x = None
@@ -644,12 +674,15 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
         o = core(0, prev_e, q, kv, iq, w)
         feats.append(None)
         R, a, x = post_attention(model, blk, o, R, pre, post, comb, *rope[blk.attn.spec.rope], token_ids)
-    first = 0 if prev_e is None or prev_e == BOUNDARY else 1
     for k, j in enumerate(full, start=first):
         blk = layers[j]
         cs = rope[blk.attn.spec.rope]
         side = {}
-        R, pre, post, comb, xn, q, kv, iq, w, feat = pre_attention(model, blk, R, a, *cs, per[n * k], side,
+        e = _engram_input(per[n * k], token_ids)
+        if k in ahead:      # (read on the Engram lane at the segment's start: wait for it here)
+            e, done, _ = ahead[k]
+            streams.wait(done)
+        R, pre, post, comb, xn, q, kv, iq, w, feat = pre_attention(model, blk, R, a, *cs, e, side,
                                                                    (win_all, new_rows), x)
         feats.append(feat)
         cmp = per[n * k + n0:n * k + n]
@@ -659,6 +692,8 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
         o = core(k, j, q, kv, iq, w)
         R, a, x = post_attention(model, blk, o, R, pre, post, comb, *cs, token_ids)
     tail = [t for f, i2, c2 in zip(feats, extra[0::2], extra[1::2]) for t in (f, i2, c2)]
+    if ahead:
+        streams.join(next(iter(ahead.values()))[2])
     if next_e == BOUNDARY:
         turns_now = torch.stack([*rope["main"][0], *rope["compress"][0]])
         return (*Handoff(R, a, x, turns_now, next(iter(win_of.values())) if one_window and win_of else None), *tail)
@@ -666,8 +701,35 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
         hfin = x if x is not None else model.collapse_streams(R, a)    # (shifted mHC: the last read-out)
         return (hfin, model.head(model.norm(hfin)).float() if every_row else None, *tail)
     blk = layers[next_e]
-    return (*pre_attention(model, blk, R, a, *rope[blk.attn.spec.rope], per[-1], None, (win_all, new_rows), x),
-            *tail)
+    return (*pre_attention(model, blk, R, a, *rope[blk.attn.spec.rope], _engram_input(per[-1], token_ids), None,
+                           (win_all, new_rows), x), *tail)
+
+
+def _engram_ahead(model, full, first: int, per, n: int, token_ids) -> dict:
+    """The Engram rows of the segment's layers that the device reads from the windows (a window source input), read
+    on a lane of their own (engine/streams.py) as the segment starts, so that their reads over PCIe overlap the
+    layers before them instead of stalling the layer that needs them: {k: (rows, event after them, the lane)}
+    ({} on the CPU: the layers read them in turn)."""
+    got = {}
+    lane = None
+    for k, j in enumerate(full, start=first):
+        e = _engram_input(per[n * k], token_ids)
+        if not isinstance(e, WindowSource):
+            continue
+        if lane is None:
+            lane = streams.fork(token_ids, "engram")
+            if lane is None:
+                return {}
+        with streams.on(lane):
+            rows = model.layers[j].engram.device_rows(e)
+        got[k] = (rows, streams.mark(lane), lane)
+    return got
+
+
+def _engram_input(e, token_ids):
+    """A layer's Engram input as `pre_attention` takes it: the step's window source (int64 [2, T, N], made by
+    Model._plan_fast for the layers the device hashes) with the step's token ids, or e as it is (rows / row ids)."""
+    return WindowSource(e, token_ids) if e is not None and e.dim() == 3 and e.dtype == torch.int64 else e
 
 
 # a layer's inputs to `span`: engram rows, window rows, kv pool + each row's start / count in it, the ids of an
@@ -727,7 +789,7 @@ def window_rows(model, attn, plan: BatchPlan) -> Deferred:
     c = model.config
     i = attn.layer_id
     if plan.win_uniform:      # every sequence's layers hold win_m rows: the same list for all layers
-        past_lens = plan.win_m
+        past_lens = None
     else:
         past_lens = [m if ls is None else ls[i] for m, ls in zip(plan.win_m, plan.win_lens)]
     decoder = model.yoco_mode != "off" and c.n_prefill_layer is not None and i >= c.n_prefill_layer

@@ -18,6 +18,9 @@ The pieces, in the order the model uses them:
   (pad before the sequence start). This is what the caller (the model) builds per sequence.
 * `EngramTable`: FP8 E4M3 rows with per-32 UE8M0 scales. `from_safetensors` memory-maps the file and
   reads only the looked-up rows (real tables have ~384M rows x 256); `from_tensors` wraps in-memory rows.
+  `device_arrays(device)` hands an in-memory table to kernels that read rows by id (pinned on CUDA, read over
+  PCIe inside the step's graph: the model's fast path then uploads the token windows, not rows, and the device
+  hashes them; Engram.mix takes rows, row ids or a `WindowSource`).
 * `Engram(nn.Module)`: `forward(residual [T, M, H], windows [T, N]) -> residual [T, M, H]`.
 
 Contract with the model (helper B1): for every layer in `engram_layer_ids`, before the layer (and before
@@ -40,13 +43,13 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from deepinfer_sg.kernels.engram_gate import engram_gate
+from deepinfer_sg.kernels.engram_gate import engram_gate, gather_rows, hashed_rows
 from deepinfer_sg.kernels.engram_gate import unpack_rows as unpack_packed
 
 from .quant import dequantize_fp8_groups, float_to_ue8m0
@@ -414,6 +417,7 @@ class EngramTable:
     def __init__(self, weight, weight_dtype: str, scale=None, scale_dtype: str | None = None):
         self._weight, self._weight_dtype = weight, weight_dtype
         self._scale, self._scale_dtype = scale, scale_dtype
+        self._pinned = None     # (weight, scale) in pinned host memory once a CUDA step reads rows by id
         self.rows, self.head_dim = int(weight.shape[0]), int(weight.shape[1])
         if scale is not None:
             groups = -(-self.head_dim // SCALE_GROUP)
@@ -521,6 +525,26 @@ class EngramTable:
         np.take(self._scale, flat, axis=0, out=packed[:, W:], mode="clip")
         return out
 
+    def device_arrays(self, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(weight [rows, W], scale [rows, W/32]) uint8 tensors that kernels on `device` read rows from by id
+        (kernels.engram_gate.gather_rows), or None when the device must be handed looked-up rows instead (a table
+        that does not pack; a memory-mapped table: pinning it would read the whole file into page-locked memory,
+        ~100 GB for V4.1-Flash). On CUDA the in-memory table is moved into pinned host memory once (mapped into
+        the device's address space; the host lookups read the same memory from then on: no second copy)."""
+        if not self.packs or isinstance(self._weight, np.memmap):
+            return None
+        if torch.device(device).type == "cuda":
+            if self._pinned is None:
+                pinned = []
+                for a in (self._weight, self._scale):
+                    t = torch.empty(a.shape, dtype=torch.uint8, pin_memory=True)
+                    t.numpy()[...] = a
+                    pinned.append(t)
+                self._pinned = tuple(pinned)
+                self._weight, self._scale = (t.numpy() for t in pinned)
+            return self._pinned
+        return torch.from_numpy(self._weight), torch.from_numpy(self._scale)
+
     def full(self) -> torch.Tensor:
         """All rows as float32 (only for small tables / tests)."""
         return self.lookup(torch.arange(self.rows))
@@ -543,6 +567,14 @@ def quantize_rows_fp8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 # ----------------------------------------------------------------------------------------------
 # The module
 # ----------------------------------------------------------------------------------------------
+
+
+class WindowSource(NamedTuple):
+    """A step's token windows as the device reads them (`Engram.mix` hashes them there:
+    kernels.engram_gate.hashed_rows): src int64 [2, T, N] = each token's window as indices into ids (this step's
+    tokens [T]), or -1 for the earlier token src[1] gives (-1: before a sequence start)."""
+    src: torch.Tensor
+    ids: torch.Tensor
 
 
 class Engram(nn.Module):
@@ -605,6 +637,19 @@ class Engram(nn.Module):
         classes = self.token_classes.numpy()[np.where(w < 0, self.spec.pad_token_id, w)]
         return _hash_np(classes, *self._layout)
 
+    def hash_consts(self, device) -> tuple:
+        """The hash's tables on `device` for kernels.engram_gate.hashed_rows: (token classes [V], multipliers [N],
+        primes [(N-1) heads], offsets [(N-1) heads]) int64 (made once per device: before a CUDA graph captures
+        their use)."""
+        device = torch.device(device)
+        got = self.__dict__.setdefault("_hash_on", {})
+        if device not in got:
+            m, prime, offset = self._layout
+            with torch.inference_mode(False):
+                got[device] = tuple(torch.from_numpy(np.ascontiguousarray(a).reshape(-1)).to(device) for a in
+                                    (self.token_classes.numpy().astype(np.int64), m, prime, offset))
+        return got[device]
+
     def forward(self, residual: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
         return self.mix(residual, self.values(windows))
 
@@ -642,18 +687,35 @@ class Engram(nn.Module):
         return e.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else e.to(device)
 
     def mix(self, residual: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        """The device part: project the rows e (from `values`, or `packed_values`' bytes, decoded here first) to
-        keys / value and gate them into the streams: decode, GEMM and gate are three launches on CUDA
+        """The device part: project the rows e (from `values`, or `packed_values`' bytes, decoded here first, or
+        int64 row ids [T, rows_per_token] (`row_ids`) or the token windows (a `WindowSource`) from which the device
+        reads the rows of the table itself, EngramTable.device_arrays) to keys / value and gate them into the
+        streams: decode (or hash / gather + decode), GEMM and gate are three launches on CUDA
         (kernels.engram_gate; the torch twins elsewhere, the formulas of the class docstring)."""
         t = residual.shape[0]
-        e = e.to(residual.device)
         dtype = self.wkv.weight.dtype
         # FP8-table values are exact in bf16, so the GEMM runs in the weight dtype (fp32 accumulation)
         # without materialising an fp32 copy of wkv (25600 x 6144 in the real model)
-        if e.dtype == torch.uint8:   # packed_values: the table's bytes, decoded here (on the device)
-            e = unpack_packed(e, self.spec.head_dim, dtype).reshape(t, -1)
+        if isinstance(e, WindowSource) or e.dtype == torch.int64:   # read from the table on the device
+            e = self.device_rows(e)
+        else:
+            e = e.to(residual.device)
+            if e.dtype == torch.uint8:   # packed_values: the table's bytes, decoded here (on the device)
+                e = unpack_packed(e, self.spec.head_dim, dtype).reshape(t, -1)
         kv = torch.nn.functional.linear(e.to(dtype), self.wkv.weight)  # [T, (M+1)*H]
         return engram_gate(residual, kv, self.gate_weight(), self.eps)
+
+    def device_rows(self, e) -> torch.Tensor:
+        """The rows of row ids [T, rows_per_token] or of a WindowSource (hashed there), read from the table by the
+        device and decoded: [T, rows_per_token * head_dim] in the weight dtype (what `mix` projects)."""
+        dtype = self.wkv.weight.dtype
+        if isinstance(e, WindowSource):
+            dev = e.ids.device
+            rows = hashed_rows(e.src, e.ids, self.hash_consts(dev), self.spec.pad_token_id,
+                               *self._table.device_arrays(dev), dtype)
+        else:
+            rows = gather_rows(e, *self._table.device_arrays(e.device), dtype)
+        return rows.reshape(rows.shape[0], -1)
 
     def gate_weight(self) -> torch.Tensor:
         """q_weight * k_weight in fp32 [M, H] (only their product matters), made once per weight version."""

@@ -44,15 +44,17 @@ def hc_pre(R: torch.Tensor, pre: torch.Tensor, fast: bool = False) -> torch.Tens
 
 
 def hc_post(R: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fast: bool = False,
-            next_pre: torch.Tensor | None = None):
+            next_pre: torch.Tensor | None = None, y2: torch.Tensor | None = None):
     """R'[:, k] = post[:, k] * y + sum_j comb[:, j, k] * R[:, j]  (fp32 math, stored in R's dtype).
     next_pre [T, M]: return (R', hc_pre(R', next_pre)), the next sub-layer's read-out (shifted mHC knows it).
-    fast: deepinfer_sg.kernels.hc_mix.hc_post_apply (one Triton launch on CUDA, read-out included, instead of
-    ~6 + 3; same math up to fp32 summation order)."""
+    y2: a second addend of y, summed with it in fp32 (MoE.forward_grouped(parts=True)'s shared expert output:
+    no add launch, one rounding). fast: deepinfer_sg.kernels.hc_mix.hc_post_apply (one Triton launch on CUDA,
+    read-out included, instead of ~6 + 3; same math up to fp32 summation order)."""
     if fast:
         from deepinfer_sg.kernels.hc_mix import hc_post_apply
-        return hc_post_apply(R, y, post, comb, next_pre)
-    out = (post.unsqueeze(-1) * y.float().unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), R.float())).to(R.dtype)
+        return hc_post_apply(R, y, post, comb, next_pre, y2)
+    yf = y.float() if y2 is None else y.float() + y2.float()
+    out = (post.unsqueeze(-1) * yf.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), R.float())).to(R.dtype)
     return out if next_pre is None else (out, hc_pre(out, next_pre))
 
 
@@ -66,17 +68,19 @@ class ReadOut(NamedTuple):
 
 
 def hc_post_and_mixes(block, which: str, R: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                      next_pre: torch.Tensor) -> ReadOut:
-    """R' = hc_post(R, y, post, comb), its read-out with next_pre, and the mixes of `block`'s sub-layer `which`
-    ("attn" / "ffn") of R': (R', ReadOut(x, pre, post, comb)). One launch on CUDA instead of two
+                      next_pre: torch.Tensor, y2: torch.Tensor | None = None, norm=None) -> ReadOut:
+    """R' = hc_post(R, y, post, comb, y2=y2), its read-out with next_pre, and the mixes of `block`'s sub-layer
+    `which` ("attn" / "ffn") of R': (R', ReadOut(x, pre, post, comb)). One launch on CUDA instead of two
     (deepinfer_sg.kernels.hc_mix.hc_post_mix_apply: R' is not read back); elsewhere exactly hc_post(fast=True)
-    followed by block.mixes(R', which, fast=True)."""
+    followed by block.mixes(R', which, fast=True). norm (the next sub-layer's input RMSNorm module): x is then
+    norm(x), normalised in the same launch on CUDA where it fits (hc_post_mix_apply's x_norm), else by norm."""
     from deepinfer_sg.kernels.hc_mix import hc_post_mix_apply
     c = block.config
     out, x, m = hc_post_mix_apply(R, y, post, comb, next_pre, getattr(block, f"hc_{which}_fn"),
                                   getattr(block, f"hc_{which}_base"), getattr(block, f"hc_{which}_scale"),
                                   norm_eps=c.rms_norm_eps, hc_eps=c.hc_eps, iters=c.hc_sinkhorn_iters,
-                                  post_mult=c.hc_post_mult)
+                                  post_mult=c.hc_post_mult, y2=y2,
+                                  x_norm=None if norm is None else (norm.weight_fp32(), norm.eps))
     return out, ReadOut(x, m.pre, m.post, m.comb)
 
 

@@ -10,9 +10,12 @@ One code path serves both entry points:
         `kernels.sparse_attention` call over gathered window + selected compressed keys, batched compressors
         and index scores, `kernels.hc_mixes` for the mHC mixes, `kernels.moe_experts` for the routed experts
         (Triton on CUDA, the torch twins on CPU); caches at fixed addresses (engine/arena.py); a V4.1 step is one
-        CUDA graph per token count, its compressors' cache updates included (engine/compress_step.py), cut only
-        before Engram layers so their host table reads overlap the device (batched.engram_splits; V4's
-        overlapping compressors update eagerly between segments), fed by one upload of the step's index lists
+        CUDA graph per token count, its compressors' cache updates included (engine/compress_step.py) and its
+        Engram rows hashed from the token windows and read from the pinned tables by the device
+        (`engram_device_reads`); tables the device cannot read (memory-mapped) are looked up on the host, the graph
+        cut before their layers so the lookups overlap the device (batched.engram_splits; V4's overlapping
+        compressors update eagerly between segments); fed by one upload of the step's index lists, the Engram
+        windows included
         (engine/step_graphs.py; `cuda_graphs`, on by default, bit-identical to eager).
   * `forward_logits(ids [B, S])`: fresh caches, one chunk per row (the full-sequence reference).
 
@@ -122,6 +125,7 @@ class StepPlan:
     fast: bool                     # the batched path (else the reference path, all of it at launch)
     saved: list | None = None      # the compressor states as they were (cancel restores them)
     segments: list = field(default_factory=list)   # graph segments prepared at plan time (V4: the first one)
+    every_row: bool = False        # every chunk returns a logit row for each of its tokens (decode, verify)
     state: str = "planned"         # planned | launched | cancelled
 
 
@@ -154,6 +158,12 @@ class StepContext:
     compress: dict = field(default_factory=dict)   # fast path: layer -> compress_step inputs (updates in the graph)
     host_ids: torch.Tensor | None = None       # the token ids on the host, when they were given there
     window_prep: tuple | None = None           # fast path, Engram: `_windows_prep` made at plan time
+    engram_ids: dict = field(default_factory=dict)    # fast path: engram layer -> its row ids' upload slot, to fill
+
+
+def _on_host(t: torch.Tensor) -> bool:
+    """Whether t is in host memory (the Engram windows' tail: then it goes up with the step's upload)."""
+    return t.device.type == "cpu"
 
 
 def _compress_snapshot(model, seqs) -> list:
@@ -248,6 +258,14 @@ class Model(nn.Module):
         # 8: 11.01 ms per step vs 13.83 unfused; logits vs the reference path 2.0e-1 vs 2.1e-1 unfused: bf16 MoE
         # route flips either way)
         self._fused_mhc = True
+        # fast path: Engram layers whose table can be read by the device (an in-memory FP8 table, pinned on CUDA)
+        # get the token windows in the step's upload and hash them and read their rows inside the graph
+        # (batched.engram_on_device), so the step is one graph with no host Engram work; False: the host hashes and
+        # looks the rows up (the path for memory-mapped tables), the graph cut before each Engram layer. Session 10
+        # R2 (mid-size V4.1, fp8 experts, H200, plan-ahead, median of 13 steps): 4.33 / 5.62 / 8.45 ms per step at
+        # batch 8 / 64 / 256 against 4.36 / 5.94 / 9.89 off in the same run (the base code: 4.33-4.36 / 5.89-5.99 /
+        # 10.65-13.43); the graphs alone 4.08 / 5.16 / 7.75 against 4.09 / 5.15 / 7.48 ms
+        self.engram_device_reads = True
         self._stack_projections = True
         self._fused_rope = True
         self._stacked_at = -1       # SegmentGraphs.generation when projections.fuse last checked the weights
@@ -466,7 +484,7 @@ class Model(nn.Module):
             raise ValueError("forward_step needs at least one StepChunk")
         if len({id(r.cache) for r in rows}) != len(rows):
             raise ValueError("the same SequenceCache appears in two chunks of one step")
-        seqs, pos, off = [], [], 0
+        seqs, pos, off, every_row = [], [], 0, True
         for k, r in enumerate(rows):
             n = int(r.n)
             if n <= 0:
@@ -479,7 +497,9 @@ class Model(nn.Module):
             seqs.append(_Seq(r.cache, L, n, off, L + n - self.yoco_keep if self.yoco_mode != "off" else None))
             pos.extend(range(L, L + n))   # host-side: one copy later
             off += n
-        plan = StepPlan(rows, StepContext(seqs, None, None), pos, off, batched.usable(self, [s.n for s in seqs]))
+            every_row = every_row and r.logit_rows == n
+        plan = StepPlan(rows, StepContext(seqs, None, None), pos, off, batched.usable(self, [s.n for s in seqs]),
+                        every_row=every_row)
         if not plan.fast:
             return plan
         ctx = plan.ctx
@@ -567,10 +587,11 @@ class Model(nn.Module):
             if c.engram_layer_ids:
                 if ctx.plan is None:
                     ctx.windows = self._token_windows(ctx)
-                else:     # (on the host. From host ids: made when the first Engram rows are read, `_engram_rows`,
+                else:     # (on the host, for the layers whose rows the device does not hash itself (those already
+                    # in ctx.engram_rows). From host ids: made when the first Engram rows are read, `_engram_rows`,
                     # after the first segment is launched when it has no Engram layer, so the device starts sooner;
                     # from device ids the copy syncs, so it is made here, before any segment is queued)
-                    if ctx.host_ids is None:
+                    if ctx.host_ids is None and len(ctx.engram_rows) < len(batched.engram_layers(self)):
                         ctx.windows = self._token_windows(ctx).cpu()
                     missing = [i for i in batched.engram_layers(self) if self.layers[i].engram.table is None]
                     if missing:
@@ -582,7 +603,7 @@ class Model(nn.Module):
                 self._graphs.abort_step()
             raise
         chunks = plan.rows
-        every_row = all(ch.logit_rows == s.n for s, ch in zip(ctx.seqs, chunks))   # decode, verify
+        every_row = plan.every_row
         logits = None
         try:
             if ctx.plan is not None:
@@ -607,12 +628,7 @@ class Model(nn.Module):
             rows = to_device(torch.cat([torch.arange(s.off + s.n - ch.logit_rows, s.off + s.n)
                                         for s, ch in zip(ctx.seqs, chunks)]), dev)
             logits = self.head(self.norm(hfin[rows])).float()
-        # advance the sequences
-        self._advance_tokens(full_ctx)
-        for s in full_ctx.seqs:
-            cache = s.cache
-            cache.length += s.n
-            cache.floor = max(cache.floor, cache.length - cache.max_rollback)
+        self._advance(full_ctx)
         feats = None
         if ctx.captures:   # (after compaction: kept rows only, spec §3.3)
             feats = torch.cat([ctx.captures[i] if ctx.rows is None or ctx.captures[i].shape[0] == ctx.rows.shape[0]
@@ -671,9 +687,23 @@ class Model(nn.Module):
         batched.prepare_windows(self, ctx, bp, self.embed.weight.new_empty((0, self.config.head_dim)))
         if self.config.engram_layer_ids:     # (the Engram windows' index, from lengths: the launch only gathers)
             ctx.window_prep = self._windows_prep(ctx)
+            idx, tail = ctx.window_prep
+            src = None
+            for i in batched.engram_on_device(self):
+                eng = self.layers[i].engram
+                if _on_host(tail):      # the windows go up with the upload, the device hashes them (mix)
+                    eng.hash_consts(bp.device)
+                    if src is None:    # [2, T, N]: an index into this step's ids, else (-1) the earlier token
+                        T = idx.shape[0]
+                        now = idx < T
+                        src = bp.defer(np.stack([np.where(now, idx, -1),
+                                                 np.where(now, -1, tail.numpy()[np.where(now, 0, idx - T)])]))
+                    ctx.engram_rows[i] = src
+                else:     # (the caches' recent tokens on the device: row ids hashed on the host at launch, a sync)
+                    ctx.engram_ids[i] = bp.defer(np.zeros((len(bp.row_seq), eng.spec.rows_per_token), dtype=np.int64))
         ctx.compress = {i: compress_step.plan_layer(self, layers[i].attn, ctx, bp)
                         for i in compress_step.graph_layers(self)}
-        every_row = all(r.logit_rows == r.n for r in plan.rows)
+        every_row = plan.every_row
         splits = batched.engram_splits(self)
         if splits:
             cuts = list(zip([0] + splits, splits + [len(layers)]))
@@ -700,9 +730,9 @@ class Model(nn.Module):
         the index tensors a segment reads are made before it from host-side lengths (at plan time by `_plan_fast`:
         `ready`). Segments run through ctx.graphs: CUDA graphs on CUDA once the token count is warm, else eager.
         The first segment starts at the embedding, the last one ends with the head; outputs that outlive the step
-        are copied out of the graph's buffers. A segment's Engram rows are read from the host tables right before
-        it is launched, so with V4.1's cuts at the Engram layers (batched.engram_splits) the device runs the
-        segments before while the host reads them."""
+        are copied out of the graph's buffers. Engram rows the device does not read itself (batched.engram_on_device)
+        are read from the host tables right before their segment is launched, so with V4.1's cuts at those Engram
+        layers (batched.engram_splits) the device runs the segments before while the host reads them."""
         g = ctx.graphs
         plan = ctx.plan
         layers = self.layers
@@ -755,8 +785,20 @@ class Model(nn.Module):
 
     def _engram_rows(self, ctx: StepContext, layer_ids: list) -> None:
         """The Engram table rows of these layers (those not read yet this step) for the fast path: hashed and read
-        on the host (ctx.windows, there), written straight into the pinned buffer of their upload and sent."""
+        on the host (ctx.windows, there), written straight into the pinned buffer of their upload and sent. Layers
+        whose rows the device reads (ctx.engram_ids, batched.engram_on_device) only get their row ids, hashed on
+        the host into their slots of the step's upload (all of them at the first call, before it is sent)."""
         g, dev = ctx.graphs, self.device
+        if ctx.engram_ids:    # (every layer read on the device at once: before the step's upload is first sent)
+            if ctx.windows is None:
+                ctx.windows = self._token_windows(ctx).cpu()
+            for i, slot in ctx.engram_ids.items():
+                eng = self.layers[i].engram
+                rows = eng._rows_np(ctx.windows)
+                eng.table._check_ids(rows.reshape(-1))
+                ctx.plan.fill(slot, rows)
+                ctx.engram_rows[i] = slot
+            ctx.engram_ids = {}
         has = batched.engram_layers(self)
         for i in layer_ids:
             if i not in has or i in ctx.engram_rows:
@@ -819,7 +861,7 @@ class Model(nn.Module):
             ctx.graph_ids = ctx.token_ids = plan.resolve(ctx.graph_ids)
         per, shapes = list(seg.per), list(seg.shapes)
         for at, j in seg.engram:
-            e = per[at] = ctx.engram_rows.get(j)
+            e = per[at] = plan.resolve(ctx.engram_rows.get(j))
             shapes[at] = None if e is None else tuple(e.shape)
         common = [ctx.graph_ids, plan.positions, g.fixed(plan.win_all), plan.resolve(plan.win_new_rows)]
         key = seg.key + (tuple(shapes),)
@@ -898,29 +940,32 @@ class Model(nn.Module):
         return ctx.token_ids
 
     @staticmethod
-    def _advance_tokens(ctx: StepContext) -> None:
-        """cache.tokens += this step's ids (last keep_tokens kept) for every sequence with one gather; each cache
-        then points at its rows of the result (no per-sequence tensor operations; the row list by numpy). On the
-        host when the ids are (`_token_source`)."""
+    def _advance(ctx: StepContext) -> None:
+        """Advance the step's sequences: cache.tokens += this step's ids (last keep_tokens kept) for every sequence
+        with one gather (each cache then points at its rows of the result; the row list by numpy, no per-sequence
+        tensor operations; on the host when the ids are, `_token_source`), cache.length += its rows (and the
+        rollback floor with it). One pass over the sequences reads, one writes."""
         ids = Model._token_source(ctx)
         srcs = Sources(ids.shape[0])
-        per = []      # per sequence: first kept old row, kept old rows, first kept new row, kept new rows
+        per = []      # per sequence: rows, offset, kept ids, the first kept id's row in the sources, keep_tokens
         for s in ctx.seqs:
             cache = s.cache
             tb = cache._tokens
             m = 0 if tb is None else tb[2]
-            keep_old = min(m, max(0, cache.keep_tokens - s.n))
-            old = srcs.base(tb[0], None) + tb[1] + m - keep_old if keep_old else 0
-            new = min(s.n, cache.keep_tokens)
-            per.append((old, keep_old, s.off + s.n - new, new))
-        p = np.asarray(per, dtype=np.int64).reshape(-1, 4)
-        starts, lens = p[:, [0, 2]].reshape(-1), p[:, [1, 3]].reshape(-1)    # old part, new part of each
+            per.append((s.n, s.off, m, srcs.base(tb[0], None) + tb[1] if m else 0, cache.keep_tokens))
+        n, off, m, first, keep = np.asarray(per, dtype=np.int64).reshape(-1, 5).T
+        keep_old = np.minimum(m, np.maximum(0, keep - n))
+        new = np.minimum(n, keep)
+        starts = np.stack([first + m - keep_old, off + n - new], 1).reshape(-1)   # old part, new part of each
+        lens = np.stack([keep_old, new], 1).reshape(-1)
         ends = np.cumsum(lens)
         idx = np.repeat(starts - (ends - lens), lens) + np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64)
         out = srcs.cat(ids, 0)[to_device(torch.from_numpy(idx), ids.device)]
-        firsts = (ends - lens)[0::2].tolist()
-        for s, b0, k in zip(ctx.seqs, firsts, (p[:, 1] + p[:, 3]).tolist()):
-            s.cache.set_rows("tokens", out, b0, k)
+        for s, b0, k in zip(ctx.seqs, (ends - lens)[0::2].tolist(), (keep_old + new).tolist()):
+            cache = s.cache
+            cache._tokens = (out, b0, k)
+            cache.length += s.n
+            cache.floor = max(cache.floor, cache.length - cache.max_rollback)
 
     def _qdq(self, x: torch.Tensor, kind: str) -> torch.Tensor:
         if not self.quant_sim:

@@ -255,11 +255,12 @@ class MoE(nn.Module):
         self._stacks = tuple(stacks)
         return self._stacks
 
-    def forward_grouped(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_grouped(self, x: torch.Tensor, token_ids: torch.Tensor | None = None, parts: bool = False):
         """Same as forward, with the routed experts in one grouped kernel call (no per-expert Python loop, no
         host sync on CUDA): deepinfer_sg.kernels.moe_experts (Triton on CUDA, its torch twin on CPU). On CUDA the
         shared expert runs on a second stream beside the gate and the routed experts (engine/streams.py: the
-        same kernels on the same inputs, so the same bits)."""
+        same kernels on the same inputs, so the same bits). parts: return (routed, shared or None) instead of
+        their sum, for a consumer that adds them itself (mhc.hc_post's y2: no add launch, one rounding)."""
         from deepinfer_sg.kernels import moe_experts
         shared = self.shared_experts
         side = streams.fork(x) if shared is not None else None
@@ -276,11 +277,11 @@ class MoE(nn.Module):
             w1, w3, w2 = self.stacked_weights()
             out = moe_experts(x, idx, weights, w1, w3, w2, swiglu_limit=self.experts[0].limit)
         if shared is None:
-            return out
+            return (out, None) if parts else out
         if y_shared is None:
             y_shared = shared.forward_fast(x)
         streams.join(side)
-        return out + y_shared
+        return (out, y_shared) if parts else out + y_shared
 
 
 @torch.no_grad()

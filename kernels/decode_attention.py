@@ -23,24 +23,24 @@ partials (L2); 4 x H x D flops per key (tensor cores), 128 flops per key byte at
 H200's ridge (~165), so the matrix work is ~0.6x the byte time and must overlap the loads.
 
 H200 (N = 64 / 256 rows, H = 64, D = 512, 128 + 512 keys; floors: bytes 11.8 / 47.1 us, flops 7.2 / 28.7 us):
-`default_config`'s choices run 41.5-41.8 / 108.0-108.5 us, 28-29% / 44% (session 7: the denominators kept per
-column, `lazy_sum`, one cross-warpgroup reduction less per block; session 6's kernel 42.7-43.0 / 111.1-111.6 in
-the same runs; session 4: 44.1 / 146.3). Per program (N = 256, two
-waves of 128-132 programs): no keys 10.9 us for both waves, the 128 window keys 33.9, all 640 keys 110.6, from
-L2 90.6: ~75 ns per key per program, latency-bound (a 64-key block is ~900 instructions per thread against ~9,500
-cycles: the Q K^T wait, the cross-warpgroup softmax reductions, the P round trip and barrier, the P@V wait run
-one after another in the single 8-warp program an SM holds). Measured and removed: register-prefetched gathers
-(98-160 us), bf16 partials (48.9 at N=64), a second launch for the split combine, lazy rescaling (153.7 at
-N=256), masking missing keys through a bias dot instead of a select (49.6 / 150.7), D split over two programs
-for P@V (1.5x the QK work; 58.6-91.7 at N=64, 188-297 at N=256), 3 pipeline stages (49.3-56.9 at N=64, 150.2
-unchained at N=256), one loop over window + compressed keys (45.9 / 122.9 unchained), a "lookahead" loop (each
-block's Q K^T an iteration before its softmax and P@V, keys gathered twice: 63.1 at N=64 S2, 185.9 at N=256);
-session 6: the waits for the gathers are not the limit. With the key indices loaded in the loop Triton issues
-the next block's gather after this block's P@V and waits for it at the next iteration's top (no overlap); with
-every index of a split loaded before the loop (each block's picked from registers) it keeps 1-2 gathers in flight
-across iterations (32-key blocks, 3-4 stages), and that runs 46.6-49.0 at N=64 / 120.3-140.3 at N=256 (one loop
-over both pools, so the pipeline never drains between them: 42.1 / 125.8-133.2; chained 51.3 / 137.6); 16 warps
-51.7-73.7 / 140.2-236.9.
+`default_config`'s choices run 40.1-40.2 / 104.7 us, 30% / 45% (session 10 R2, session 9's file in the same run
+41.5-41.7 / 107.2); before session 10, 41.5-41.8 / 108.0-108.5 us, 28-29% / 44% (session 7: the denominators kept
+per column, `lazy_sum`, one cross-warpgroup reduction less per block; session 6's kernel 42.7-43.0 / 111.1-111.6 in
+the same runs; session 4: 44.1 / 146.3). Per program (N = 256, two waves of 128-132 programs): no keys 10.9 us for
+both waves, the 128 window keys 33.9, all 640 keys 110.6, from L2 90.6: ~75 ns per key per program, latency-bound (a
+64-key block is ~900 instructions per thread against ~9,500 cycles: the Q K^T wait, the cross-warpgroup softmax
+reductions, the P round trip and barrier, the P@V wait run one after another in the single 8-warp program an SM
+holds). Measured and removed: register-prefetched gathers (98-160 us), bf16 partials (48.9 at N=64), a second launch
+for the split combine, lazy rescaling (153.7 at N=256), masking missing keys through a bias dot instead of a select
+(49.6 / 150.7), D split over two programs for P@V (1.5x the QK work; 58.6-91.7 at N=64, 188-297 at N=256), 3
+pipeline stages (49.3-56.9 at N=64, 150.2 unchained at N=256), one loop over window + compressed keys (45.9 / 122.9
+unchained), a "lookahead" loop (each block's Q K^T an iteration before its softmax and P@V, keys gathered twice:
+63.1 at N=64 S2, 185.9 at N=256); session 6: the waits for the gathers are not the limit. With the key indices
+loaded in the loop Triton issues the next block's gather after this block's P@V and waits for it at the next
+iteration's top (no overlap); with every index of a split loaded before the loop (each block's picked from
+registers) it keeps 1-2 gathers in flight across iterations (32-key blocks, 3-4 stages), and that runs 46.6-49.0 at
+N=64 / 120.3-140.3 at N=256 (one loop over both pools, so the pipeline never drains between them: 42.1 /
+125.8-133.2; chained 51.3 / 137.6); 16 warps 51.7-73.7 / 140.2-236.9.
 Session 7, ncu on the keys-from-L2 launch at N = 256 (256 programs of 8 warps, 1.94 waves, 255 registers): 22.1 M
 warp instructions = ~1,000 per warp per 64-key block, one issued every 7.5 cycles per warp (IPC 1.05 per SM, 2
 warps per scheduler, 0.35 of them eligible): ~7,500 cycles per block against ~2,000 of tensor-core work (Q K^T and
@@ -57,6 +57,30 @@ has no warpgroup roles on Hopper, so the forms it can express are the two measur
 all of S (chained, 2x the Q K^T work: 54.6 / 146.8) or S split by keys with cross-warpgroup reductions and P
 through a scratch (unchained, the default); two independent online softmaxes per program would need two
 [64, 512] fp32 accumulators, the whole register file.
+Session 10 (R1-R2: rounds of that session, each against a copy of the session-9 file in the same run). ncu of the
+session-9 kernel (R1; N=64 two splits, N=256 one; warp-stall sampling per SASS instruction): stalls per issued
+instruction long scoreboard 2.5-3.7, barrier 1.7-2.0, wait 1.1-1.4; gmma pipe 2-3% of peak; one 8-warp program per
+SM (255 registers, 200 KB of shared memory). Where the samples fall at N=64: the two loops 56%, the split epilogue
+(partials stored, release, the last program's combine) 28%, the prologue (q, the first gather) 10%, between the pool
+loops (the compressed loop's first gather) 6%; at N=256 the loops 81%, and in the compressed loop: the wait for the
+block's gather at the loop's top 14% (Triton issues it after the previous block's P@V), Q K^T 10% (barrier and
+shared-memory throttle: each warpgroup reads all of Q), the row max 11% (barriers), exp 6%, P and the rescales
+through the scratch 5%, P staged for the wgmma 6%, P@V and its wait 10%, the next gather's addresses and issue 5%.
+Changes kept: exp2 with the scores, maxima and sink in log2 units (the log2(e) multiply folded into the scale, no
+range fix-up: 795 -> 723 instructions per block), R1 41.9-42.2 -> 41.1-41.4 / 108.4-108.6 -> 105.9 us; the combine's
+next chunk loaded before this chunk is stored (the 8 chunks' L2 round trips had run one after another), R2 40.1-40.2
+against 40.7-41.4 with exp2 alone (128 dims a step 40.9-41.1). Measured and removed: an L2 prefetch
+(prefetch.global.L2 per 128-byte line) of the next block's keys at each iteration's top, indices loaded an iteration
+ahead: 43.3-43.4 / 110.1 against 41.1-41.4 / 105.9 (R1; with the register stores below, the loop-top wait fell from
+10% to 6% of the samples, the rest of the loop grew); one prefetch of the compressed loop's first block at the
+program's start: 40.5-41.0 / 109.7-109.9 against 40.1-40.2 / 104.7 (R2); P and the rescales stored from their
+registers (a st.global per element: 7 barriers a block instead of 11) 49.4-49.5 / 145.2 (R1: Triton then reloads P
+in 16-bit loads); the transposed form (keys as the M of both dots, S^T = K Q^T, O^T += K^T P^T with P^T through
+shared memory as the B operand), 32-head programs sharing each row's keys through L2, two programs per SM: 4 warps
+46.0 / 139.5, 8 warps 51.3 / 215.5 (R1; 32-key tiles take mma.sync for Q K^T and need 1.9-2.2x the instructions per
+key and head, and with 64 keys and 8 warps Triton gives both warpgroups the whole S^T tile). Compile-only: the
+gather's indices carried from the previous iteration (so that it could be issued early) stop Triton from pipelining
+it (loads through registers, 480 bytes of spills); tl.range(warp_specialize=True) builds the same code on sm_90.
 """
 import torch
 import triton
@@ -98,6 +122,7 @@ def sparse_attention_torch(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None, 
 
 
 # ---------------------------------------------------------------------------------------------- Triton
+LOG2E = tl.constexpr(1.4426950408889634)      # scores, maxima and the sink in log2 units: exp2, no multiply
 _COMPILED = tl.constexpr(not INTERPRETING)    # the interpreter runs a program's tensor ops in order: no barrier
 
 
@@ -131,8 +156,8 @@ def _accumulate(m, l, acc, s, k, it, scr_p, scr_a, IEEE: tl.constexpr, UNCHAIN: 
     without a data path from the Q K^T dot to the P@V dot, Triton does not treat them as a chain and lays Q K^T
     out with the warpgroups splitting keys (each computes half) instead of both computing all of it."""
     new_m = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp(m - new_m)
-    p = tl.exp(s - new_m[:, None])
+    alpha = tl.exp2(m - new_m)
+    p = tl.exp2(s - new_m[:, None])
     if LAZY_SUM:
         l = l * alpha[:, None] + p
     else:
@@ -188,29 +213,30 @@ def _attend_pool(q, m, l, acc, it, kv_ptr, idx_ptr, n_keys, k0, k1, row, scale, 
 def _combine_splits(out_ptr, sink_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, row, heads, hok, H, n_split,
                     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, DC: tl.constexpr):
     """o_h = sum_s exp(m_s - M) acc_s / (exp(sink_h - M) + sum_s exp(m_s - M) l_s) for a block of heads, in split
-    order (deterministic), DC output dims at a time; the splits' loads are unrolled (BLOCK_S of them, the ones past
-    n_split masked off) so they are in flight together: this runs on the critical path of the row's last
-    program. Partials are read with .cg (from L2, never a stale L1 line: other programs of this launch wrote
+    order (deterministic), DC output dims at a time. This runs on the critical path of the row's last program, so
+    each chunk's partials (all splits in one load, the ones past n_split masked off) are loaded before the
+    previous chunk is stored: a store between them would keep the compiler from issuing the next loads early
+    (it cannot tell that out and the partials do not overlap), and the chunks' L2 round trips would run one after
+    another. Partials are read with .cg (from L2, never a stale L1 line: other programs of this launch wrote
     them)."""
     sp = tl.arange(0, BLOCK_S)
     base = (row * H + heads) * n_split                                          # [BLOCK_H]
     ok = hok[:, None] & (sp[None, :] < n_split)
     ms = tl.load(part_m_ptr + base[:, None] + sp[None, :], mask=ok, other=-1e30, cache_modifier=".cg")
     ls = tl.load(part_l_ptr + base[:, None] + sp[None, :], mask=ok, other=0.0, cache_modifier=".cg")
-    sink = tl.load(sink_ptr + heads, mask=hok, other=0.0).to(tl.float32)
+    sink = tl.load(sink_ptr + heads, mask=hok, other=0.0).to(tl.float32) * LOG2E
     big = tl.maximum(tl.max(ms, 1), sink)
-    w = tl.exp(ms - big[:, None])
-    w = w / (tl.exp(sink - big) + tl.sum(w * ls, 1))[:, None]                    # [BLOCK_H, BLOCK_S]
+    w = tl.exp2(ms - big[:, None])
+    w = w / (tl.exp2(sink - big) + tl.sum(w * ls, 1))[:, None]                    # [BLOCK_H, BLOCK_S]
+    parts = part_acc_ptr + ((base[:, None] + sp[None, :]) * D)[:, :, None] + tl.arange(0, DC)[None, None, :]
+    a = tl.load(parts, mask=ok[:, :, None], other=0.0, cache_modifier=".cg")     # [BLOCK_H, BLOCK_S, DC]
     for dc in tl.static_range(0, D, DC):
-        dims = dc + tl.arange(0, DC)
-        o = tl.zeros([BLOCK_H, DC], tl.float32)
-        for s in tl.static_range(BLOCK_S):
-            ws = tl.sum(tl.where(sp[None, :] == s, w, 0.0), 1)
-            a = tl.load(part_acc_ptr + (base + s)[:, None] * D + dims[None, :], mask=hok[:, None] & (s < n_split),
-                        other=0.0, cache_modifier=".cg")
-            o += ws[:, None] * a
-        tl.store(out_ptr + (row * H + heads[:, None]) * D + dims[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=hok[:, None])
+        cur = a
+        if dc + DC < D:
+            a = tl.load(parts + dc + DC, mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+        o = tl.sum(w[:, :, None] * cur, 1)
+        tl.store(out_ptr + (row * H + heads[:, None]) * D + dc + tl.arange(0, DC)[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=hok[:, None])
 
 
 @triton.jit
@@ -236,7 +262,7 @@ def _sparse_attention_kernel(q_ptr, out_ptr, sink_ptr, win_kv_ptr, win_idx_ptr, 
         l0 = 0.0
     else:
         # the sink is a key with logit sink_h and value 0: start the online softmax from it
-        m = tl.load(sink_ptr + heads, mask=hok, other=0.0).to(tl.float32)
+        m = tl.load(sink_ptr + heads, mask=hok, other=0.0).to(tl.float32) * LOG2E
         l0 = 1.0
     if LAZY_SUM:   # per-column partial sums, the sink's 1 in column 0
         l = tl.where(tl.arange(0, BLOCK_K)[None, :] == 0, l0, tl.zeros([BLOCK_H, BLOCK_K], tl.float32))
@@ -346,8 +372,8 @@ def sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None,
         scr_p = scr_a = out
     _sparse_attention_kernel[grid](
         q, out, sink.float().contiguous(), win_kv, win_idx, n_win, cmp_kv if has_cmp else win_kv,
-        cmp_idx if has_cmp else win_idx, n_cmp, H, float(scale), per_split, part_m, part_l, part_acc, cnt, scr_p,
-        scr_a, D=D,
+        cmp_idx if has_cmp else win_idx, n_cmp, H, float(scale) * LOG2E, per_split, part_m, part_l, part_acc, cnt,
+        scr_p, scr_a, D=D,
         BLOCK_H=block_h, BLOCK_K=block_k, HAS_CMP=has_cmp, IEEE=ieee,
         SPLIT=splits > 1, BLOCK_S=max(2, triton.next_power_of_2(splits)), DC=min(D, 64),
         UNCHAIN=unchain, LAZY_SUM=cfg.get("lazy_sum", False) if lazy_sum is None else lazy_sum,

@@ -22,6 +22,11 @@ The write-back of a sub-layer and the mixes of the NEXT one in one launch (_hc_p
 (token block, split of the hidden columns) form R' = post y + comb^T R from R and y, store it and the next
 read-out x, and add R' times fn's columns to their partial z (R' in R's dtype: what a separate mixes launch would
 read); the same tickets and tail then mix the tokens. It saves the mixes launch and its read of R'.
+Both write-back kernels take the sub-layer output as two addends (y2: the MoE's shared expert output beside its
+routed one, summed with y in fp32, so no add launch and one rounding), and the write-back + mixes kernel can
+RMSNorm the read-out in place (x_norm: the next sub-layer's input norm, so no norm launch): each program stores
+its rows' partial sums of squares of x as rounded; once a token block's partials are in, every program
+normalises its own columns (the grid resident at once), or else the waiters whole rows.
 The product r . fn^T needs fp32 accuracy: bf16 residuals (the model's) take three bf16 tensor-core products
 against a hi/mid/lo bf16 split of fn (exact products, fp32 accumulation); fp32 residuals use Triton's "ieee" dot
 (FMAs: D measured it arithmetic-bound, 1-3% of bandwidth on an H200).
@@ -34,6 +39,7 @@ import triton
 import triton.language as tl
 
 from .backend import INTERPRETING, check, empty, sm_count, tickets, use_triton
+from .rmsnorm import rms_norm, rms_norm_torch
 
 _CAN_RCP = not INTERPRETING      # hardware reciprocals (rcp.approx) need compiled kernels
 _PTX = tl.constexpr(not INTERPRETING)     # inline PTX runs in compiled kernels only
@@ -310,10 +316,39 @@ def _leave(start_ptr, last, PTX: tl.constexpr):
 
 
 @triton.jit
+def _norm_rows(x_ptr, w_ptr, xsq_ptr, toks, ok, c0, c1, H, n_split, eps, BK: tl.constexpr, NSP: tl.constexpr):
+    """RMSNorm in place of the read-out rows `toks` (x [T, H], x's dtype, as stored) over the columns c0 .. c1:
+    each row's sum of squares from its n_split partials in xsq [T, n_split] (added in one fixed order), then
+    x * rsqrt(mean + eps) * w (fp32 w [H]) rounded once to x's dtype, as kernels/rmsnorm.py computes it."""
+    s = tl.arange(0, NSP)
+    q = tl.load(xsq_ptr + toks[:, None].to(tl.int64) * n_split + s[None, :], mask=ok[:, None] & (s[None, :] < n_split),
+                other=0.0, cache_modifier=".cg")
+    r = 1.0 / tl.sqrt(tl.sum(q, 1) / H + eps)
+    row = toks[:, None].to(tl.int64) * H
+    for c in range(c0, c1, BK):
+        h = c + tl.arange(0, BK)
+        hm = (h < c1) & (h < H)
+        m = ok[:, None] & hm[None, :]
+        x = tl.load(x_ptr + row + h[None, :], mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+        w = tl.load(w_ptr + h, mask=hm, other=0.0)
+        tl.store(x_ptr + row + h[None, :], (x * r[:, None] * w[None, :]).to(x_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _wait_stores(p, n, FORM: tl.constexpr):
+    """Wait until the store counter at p reaches n (acquire), then a CTA barrier."""
+    done = _load_acquire(p, (FORM & 4) != 0)
+    while done < n:
+        done = _load_acquire(p, (FORM & 4) != 0)
+    tl.debug_barrier()
+
+
+@triton.jit
 def _finish_block(acc, sq, ticket, z_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, NZ, n_split,
-                  norm_eps, hc_eps, post_mult, tb, sp, toks, M: tl.constexpr, NZP: tl.constexpr, BT: tl.constexpr,
-                  NW: tl.constexpr, TPW: tl.constexpr, SPC: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr,
-                  TAIL: tl.constexpr, FORM: tl.constexpr):
+                  norm_eps, hc_eps, post_mult, tb, sp, toks, x_ptr, w_ptr, xsq_ptr, H, x_eps, c0, c1,
+                  M: tl.constexpr, NZP: tl.constexpr, BT: tl.constexpr, NW: tl.constexpr, TPW: tl.constexpr,
+                  SPC: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr, TAIL: tl.constexpr, FORM: tl.constexpr,
+                  NORM: tl.constexpr, BKN: tl.constexpr, NSP: tl.constexpr):
     """A program's partial z acc [BT, NZP] of the tokens `toks` (sq: their sums of squares, put in column NZ)
     stored as split sp of z [T, n_split, NZP]; then, with TAIL, the store counted and, for the last NW starters
     of token block tb (ticket: this program's start ticket), the wait for the block's partials and the mixing of
@@ -322,7 +357,15 @@ def _finish_block(acc, sq, ticket, z_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr,
     soon as its partials' loads are issued, one thread in PTX that nothing waits for (_leave), instead of after
     the mixing through a scalar atomic that ends the kernel with a CTA-wide wait for its round trip; 2: the
     Sinkhorn loop's logits taken out in registers (_mix_rows REG); 4: the wait polls with acquire loads, not
-    atomic adds (compiled kernels only: _tail_form clears it for the interpreter)."""
+    atomic adds (compiled kernels only: _tail_form clears it for the interpreter).
+    NORM (the write-back's read-out x [T, H] normalised in place, _norm_rows, its sums of squares' partials already
+    in xsq): 1: the waiters, after the wait, each its tokens' whole rows (from memory); 2 (the grid resident at
+    once): every program waits for the block's stores, so every program takes a leaving ticket, and the
+    non-waiters normalise the block's tokens in every program's columns (blocks of c1 - c0, dealt by start
+    ticket), the waiters none (or, when every program is a waiter, each its own columns while its partials'
+    loads are in flight). H200 session 10 round 2 (us, H = 5120, T = 8 / 16 / 32 / 64, the MoE write-back with
+    y2): 9.3 / 10.0 / 13.8 / 15.2; every program its own columns (the waiters beside their partials' loads)
+    10.1 / 10.6 / 15.4 / 16.1 (deleted); round 1, form 1 at T = 8 / 64 26.6 / 41.2 (a waiter's rows in turn)."""
     zs = tl.arange(0, NZP)
     acc = tl.where(zs[None, :] == NZ, sq[:, None], acc)
     tl.store(z_ptr + (toks[:, None].to(tl.int64) * n_split + sp) * NZP + zs[None, :], acc,
@@ -331,11 +374,18 @@ def _finish_block(acc, sq, ticket, z_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr,
         tl.debug_barrier()              # every thread's partial stores precede the release below
         tl.atomic_add(cnt_ptr + 2 * tb + 1, 1, sem="release", scope="gpu")
         w = ticket - (n_split - NW)
+        last = n_split + NW - 1         # the start counter's value before the last leaving ticket
+        if NORM == 2:
+            last = 2 * n_split - 1
+            _wait_stores(cnt_ptr + 2 * tb + 1, n_split, FORM)
+            if w < 0:
+                _leave(cnt_ptr + 2 * tb, last, _PTX)
+                for c in range(ticket, n_split, n_split - NW):      # every program's columns, dealt by ticket
+                    _norm_rows(x_ptr, w_ptr, xsq_ptr, toks, toks < T, c * (c1 - c0), (c + 1) * (c1 - c0), H,
+                               n_split, x_eps, BKN, NSP)
         if w >= 0:
-            done = _load_acquire(cnt_ptr + 2 * tb + 1, (FORM & 4) != 0)
-            while done < n_split:
-                done = _load_acquire(cnt_ptr + 2 * tb + 1, (FORM & 4) != 0)
-            tl.debug_barrier()
+            if NORM != 2:
+                _wait_stores(cnt_ptr + 2 * tb + 1, n_split, FORM)
             j = w + tl.arange(0, TPW) * NW                  # this waiter's tokens in the block
             mt = tb * BT + j
             ok = (j < BT) & (mt < T)
@@ -347,14 +397,18 @@ def _finish_block(acc, sq, ticket, z_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr,
                                      + n[None, None, :]),
                             mask=ok[:, None, None] & (s[None, :, None] < n_split) & (n[None, None, :] <= NZ),
                             other=0.0, cache_modifier=".cg")
-                if FORM & 1:            # leave now: the round trip overlaps the partials' loads just issued
-                    if s0 == 0:
-                        _leave(cnt_ptr + 2 * tb, n_split + NW - 1, _PTX)
+                if s0 == 0:
+                    if FORM & 1:        # leave now: the round trip overlaps the partials' loads just issued
+                        _leave(cnt_ptr + 2 * tb, last, _PTX)
+                    if NORM == 2 and NW == n_split:     # no non-waiters: its own columns, beside the partials' loads
+                        _norm_rows(x_ptr, w_ptr, xsq_ptr, toks, toks < T, c0, c1, H, n_split, x_eps, BKN, NSP)
                 z += tl.sum(v, 1)
             _mix_rows(z, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, K, NZ, norm_eps, hc_eps, post_mult, mt,
                       ok, M, NZP, ITERS, FAST, (FORM & 2) != 0)
             if not FORM & 1:
-                _leave(cnt_ptr + 2 * tb, n_split + NW - 1, False)
+                _leave(cnt_ptr + 2 * tb, last, False)
+            if NORM == 1:
+                _norm_rows(x_ptr, w_ptr, xsq_ptr, mt, ok, 0, H, H, n_split, x_eps, BKN, NSP)
 
 
 @triton.jit
@@ -394,8 +448,8 @@ def _hc_fused_kernel(r_ptr, fn_ptr, z_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr
         rf = rc.to(tl.float32)
         sq += tl.sum(rf * rf, 1)
     _finish_block(acc, sq, ticket, z_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, NZ,
-                  n_split, norm_eps, hc_eps, post_mult, tb, sp, toks, M, NZP, BT, NW, TPW, SPC, ITERS, FAST, TAIL,
-                  FORM)
+                  n_split, norm_eps, hc_eps, post_mult, tb, sp, toks, z_ptr, z_ptr, z_ptr, K, norm_eps, 0, 0, M, NZP,
+                  BT, NW, TPW, SPC, ITERS, FAST, TAIL, FORM, 0, BK, 1)
 
 
 def _one_wave(programs: int, warps: int, dev) -> bool:
@@ -602,16 +656,18 @@ def hc_pre_torch(R: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     return (a.float().unsqueeze(-1) * R.float()).sum(dim=1).to(R.dtype)
 
 
-def hc_post_torch(R, y, post, comb, next_pre=None):
+def hc_post_torch(R, y, post, comb, next_pre=None, y2=None):
     """R'[t, k] = post[t, k] * y[t] + sum_j comb[t, j, k] * R[t, j] (fp32 math, R's dtype out); with next_pre
-    also (R', hc_pre_torch(R', next_pre))."""
-    _check_apply(R, y, post, comb, next_pre)
-    out = (post.float().unsqueeze(-1) * y.float().unsqueeze(-2) +
+    also (R', hc_pre_torch(R', next_pre)). y2 [T, H]: a second addend of the sub-layer output (the MoE's shared
+    expert beside its routed experts): y + y2 summed in fp32, so R' is rounded once."""
+    _check_apply(R, y, post, comb, next_pre, y2=y2)
+    yf = y.float() if y2 is None else y.float() + y2.float()
+    out = (post.float().unsqueeze(-1) * yf.unsqueeze(-2) +
            torch.matmul(comb.float().transpose(-1, -2), R.float())).to(R.dtype)
     return out if next_pre is None else (out, hc_pre_torch(out, next_pre))
 
 
-def _check_apply(R, y=None, post=None, comb=None, a=None, triton_path=False):
+def _check_apply(R, y=None, post=None, comb=None, a=None, triton_path=False, y2=None):
     check(R.dim() == 3, f"residual must be [tokens, streams, hidden], got {tuple(R.shape)}")
     T, M, H = R.shape
     check(not triton_path or M & (M - 1) == 0, f"the Triton path needs a power-of-two stream count, got {M}")
@@ -619,6 +675,8 @@ def _check_apply(R, y=None, post=None, comb=None, a=None, triton_path=False):
         check(y.shape == (T, H), f"sub-layer output must be [{T}, {H}], got {tuple(y.shape)}")
         check(post.shape == (T, M), f"post mix must be [{T}, {M}], got {tuple(post.shape)}")
         check(comb.shape == (T, M, M), f"comb mix must be [{T}, {M}, {M}], got {tuple(comb.shape)}")
+        if y2 is not None:
+            check(y2.shape == (T, H), f"second addend must be [{T}, {H}], got {tuple(y2.shape)}")
     if a is not None:
         check(a.shape == (T, M), f"pre mix must be [{T}, {M}], got {tuple(a.shape)}")
 
@@ -634,16 +692,25 @@ def _hc_pre_kernel(r_ptr, a_ptr, x_ptr, H, M: tl.constexpr, BH: tl.constexpr):
 
 
 @triton.jit
-def _hc_post_kernel(r_ptr, y_ptr, post_ptr, comb_ptr, a_ptr, out_ptr, x_ptr, H, M: tl.constexpr, BH: tl.constexpr,
-                    PRE: tl.constexpr):
+def _load_y(y_ptr, y2_ptr, offs, mask, Y2: tl.constexpr):
+    """The sub-layer output at offs in fp32; Y2: plus the second addend's (one fp32 sum, no rounding between)."""
+    y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if Y2:
+        y += tl.load(y2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _hc_post_kernel(r_ptr, y_ptr, y2_ptr, post_ptr, comb_ptr, a_ptr, out_ptr, x_ptr, H, M: tl.constexpr,
+                    BH: tl.constexpr, PRE: tl.constexpr, Y2: tl.constexpr):
     """Program (token, hidden block): R'[k] = post[k] y + sum_j comb[j, k] R[j]; PRE: also x = sum_k a[k] R'[k]
-    from the rounded R' (what a separate read-out would see)."""
+    from the rounded R' (what a separate read-out would see); Y2: y is y + y2 (_load_y)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     hm = h < H
     j = tl.arange(0, M)
     r = tl.load(r_ptr + (t * M + j[:, None]) * H + h[None, :], mask=hm[None, :], other=0.0).to(tl.float32)
-    y = tl.load(y_ptr + t * H + h, mask=hm, other=0.0).to(tl.float32)
+    y = _load_y(y_ptr, y2_ptr, t * H + h, hm, Y2)
     post = tl.load(post_ptr + t * M + j)
     comb = tl.load(comb_ptr + t * M * M + j[:, None] * M + j[None, :])               # [j, k]
     mixed = tl.sum(comb[:, :, None] * r[:, None, :], 0)                               # [k, BH]
@@ -669,11 +736,11 @@ def hc_pre_triton(R, a):
     return x
 
 
-def hc_post_triton(R, y, post, comb, next_pre=None, block_h=256, num_warps=1):
+def hc_post_triton(R, y, post, comb, next_pre=None, block_h=256, num_warps=1, y2=None):
     """block_h / num_warps: H200 session 7 round 2 (T=64 / 256): 256 / 1 warp 4.0 / 9.3 us, 256 / 2 4.1 / 10.1,
     128 / 1 4.4 / 9.6, 512 / 2 4.3 / 9.7, 1024 / 4 4.3 / 10.0, 64 / 1 5.5 / 14.8; one launch that only reads
-    the same bytes takes 3.4 / 7.6 us."""
-    _check_apply(R, y, post, comb, next_pre, triton_path=True)
+    the same bytes takes 3.4 / 7.6 us. y2: hc_post_torch's second addend."""
+    _check_apply(R, y, post, comb, next_pre, triton_path=True, y2=y2)
     T, M, H = R.shape
     R = R.contiguous()
     out = empty((T, M, H), R.dtype, R.device)
@@ -681,9 +748,11 @@ def hc_post_triton(R, y, post, comb, next_pre=None, block_h=256, num_warps=1):
     a = next_pre.float().contiguous() if next_pre is not None else post
     bh = block_h or _block_h(H)
     if T:
-        _hc_post_kernel[(T, triton.cdiv(H, bh))](R, y.contiguous(), post.float().contiguous(),
-                                                 comb.float().contiguous(), a, out, x, H, M=M, BH=bh,
-                                                 PRE=next_pre is not None, num_warps=num_warps)
+        y = y.contiguous()
+        _hc_post_kernel[(T, triton.cdiv(H, bh))](R, y, y if y2 is None else y2.contiguous(),
+                                                 post.float().contiguous(), comb.float().contiguous(), a, out, x, H,
+                                                 M=M, BH=bh, PRE=next_pre is not None, Y2=y2 is not None,
+                                                 num_warps=num_warps)
     return out if next_pre is None else (out, x)
 
 
@@ -728,19 +797,21 @@ def _post_mix_stream(r0, r1, r2, r3, yv, post_ptr, comb_ptr, a_ptr, op, fn_ptr, 
 
 
 @triton.jit
-def _hc_post_mix_kernel(r_ptr, y_ptr, post_ptr, comb_ptr, a_ptr, out_ptr, x_ptr, fn_ptr, z_ptr, cnt_ptr, base_ptr,
-                        scale_ptr, pre2_ptr, post2_ptr, comb2_ptr, T, H, NZ, n_split, norm_eps, hc_eps, post_mult,
-                        NZP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-                        MODE: tl.constexpr, UPCAST: tl.constexpr, NW: tl.constexpr, TPW: tl.constexpr,
-                        SPC: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr, TAIL: tl.constexpr,
-                        FORM: tl.constexpr):
+def _hc_post_mix_kernel(r_ptr, y_ptr, y2_ptr, post_ptr, comb_ptr, a_ptr, out_ptr, x_ptr, fn_ptr, z_ptr, cnt_ptr,
+                        base_ptr, scale_ptr, pre2_ptr, post2_ptr, comb2_ptr, w_ptr, xsq_ptr, T, H, NZ, n_split,
+                        norm_eps, hc_eps, post_mult, x_eps, NZP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                        SPLIT: tl.constexpr, MODE: tl.constexpr, UPCAST: tl.constexpr, NW: tl.constexpr,
+                        TPW: tl.constexpr, SPC: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr,
+                        TAIL: tl.constexpr, FORM: tl.constexpr, Y2: tl.constexpr, NORM: tl.constexpr,
+                        NSP: tl.constexpr):
     """The write-back R' = post y + comb^T R (M = 4), the next read-out x = sum_k a_k R'_k, and the NEXT
     sub-layer's mixes of R' in one launch. Program (token block tb, split sp of the H hidden columns): for each
-    BK-wide step it reads R's 4 streams and y, forms the 4 streams of R' (rounded to R's dtype: what a separate
-    mixes launch would read), stores them and x, and adds their products with fn's columns k*H + h to its partial
-    z (as _hc_fused_kernel's first pass, on R' instead of a loaded R); _finish_block then stores the partial and
-    the last NW starters of the token block mix its tokens into pre2 / post2 / comb2. TAIL=False: no mixing
-    (benchmark breakdown)."""
+    BK-wide step it reads R's 4 streams and y (Y2: y + y2, _load_y), forms the 4 streams of R' (rounded to R's
+    dtype: what a separate mixes launch would read), stores them and x, and adds their products with fn's columns
+    k*H + h to its partial z (as _hc_fused_kernel's first pass, on R' instead of a loaded R); _finish_block then
+    stores the partial and the last NW starters of the token block mix its tokens into pre2 / post2 / comb2.
+    NORM (1 / 2, _finish_block): x then RMSNorm-ed in place with the weight w (its rows' sums of squares, of x as
+    rounded, stored per split in xsq [T, n_split]). TAIL=False: no mixing (benchmark breakdown)."""
     tb = tl.program_id(0)
     sp = tl.program_id(1)
     toks = tb * BT + tl.arange(0, BT)
@@ -748,6 +819,7 @@ def _hc_post_mix_kernel(r_ptr, y_ptr, post_ptr, comb_ptr, a_ptr, out_ptr, x_ptr,
     zs = tl.arange(0, NZP)
     acc = tl.zeros([BT, NZP], tl.float32)
     sq = tl.zeros([BT], tl.float32)
+    xsq = tl.zeros([BT], tl.float32)
     ticket = 0
     if TAIL:
         ticket = tl.atomic_add(cnt_ptr + 2 * tb, 1, sem="relaxed", scope="gpu")
@@ -762,16 +834,23 @@ def _hc_post_mix_kernel(r_ptr, y_ptr, post_ptr, comb_ptr, a_ptr, out_ptr, x_ptr,
         r1 = tl.load(rp + H, mask=m, other=0.0).to(tl.float32)
         r2 = tl.load(rp + 2 * H, mask=m, other=0.0).to(tl.float32)
         r3 = tl.load(rp + 3 * H, mask=m, other=0.0).to(tl.float32)
-        yv = tl.load(y_ptr + row * H + h[None, :], mask=m, other=0.0).to(tl.float32)
+        yv = _load_y(y_ptr, y2_ptr, row * H + h[None, :], m, Y2)
         op = out_ptr + row * K + h[None, :]
         x = tl.zeros([BT, BK], tl.float32)
         for k in range(0, 4):           # a loop, not unrolled: one stream's fn tiles live at a time
             acc, x, sq = _post_mix_stream(r0, r1, r2, r3, yv, post_ptr, comb_ptr, a_ptr, op, fn_ptr, toks, tok_ok, m,
                                           h, hok, zs, acc, x, sq, k, H, K, NZ, MODE, UPCAST)
-        tl.store(x_ptr + row * H + h[None, :], x.to(x_ptr.dtype.element_ty), mask=m)
+        xr = x.to(x_ptr.dtype.element_ty)
+        tl.store(x_ptr + row * H + h[None, :], xr, mask=m)
+        if NORM:
+            xf = xr.to(tl.float32)
+            xsq += tl.sum(xf * xf, 1)
+    if NORM:                            # (stored before _finish_block's release, like the partial z)
+        tl.store(xsq_ptr + toks.to(tl.int64) * n_split + sp, xsq, mask=tok_ok)
     _finish_block(acc, sq, ticket, z_ptr, cnt_ptr, base_ptr, scale_ptr, pre2_ptr, post2_ptr, comb2_ptr, T, K, NZ,
-                  n_split, norm_eps, hc_eps, post_mult, tb, sp, toks, 4, NZP, BT, NW, TPW, SPC, ITERS, FAST, TAIL,
-                  FORM)
+                  n_split, norm_eps, hc_eps, post_mult, tb, sp, toks, x_ptr, w_ptr, xsq_ptr, H, x_eps, sp * SPLIT,
+                  sp * SPLIT + SPLIT, 4, NZP, BT, NW, TPW, SPC, ITERS, FAST, TAIL, FORM, NORM if TAIL else 0, BK,
+                  NSP)
 
 
 def _post_mix_tiles(T: int) -> dict:
@@ -789,12 +868,20 @@ def _post_mix_tiles(T: int) -> dict:
 # The write-back + mixes kernel replaces the two launches up to this many tokens (session 8 rounds 1-2: it wins at
 # T = 8, ties or loses at 64, loses at 256)
 POST_MIX_MAX_T = 16
+# With the read-out's RMSNorm in it too (x_norm) the one launch also saves the norm launch: up to this many tokens
+# (session 10 round 2, us, H = 5120, T = 32 / 64: 13.8 / 15.1 against 15.1 / 16.7 for the write-back, mixes and
+# norm launches; at 128 tokens the grid no longer fits one wave, and norm form 1 is slow)
+POST_MIX_NORM_MAX_T = 64
 
 
 def hc_post_mix_torch(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iters=20,
-                      post_mult=2.0):
-    """Twin of hc_post_mix_triton: (R', x, HcMixes of R') from hc_post_torch and hc_mixes_torch."""
-    out, x = hc_post_torch(R, y, post, comb, next_pre)
+                      post_mult=2.0, y2=None, x_norm=None):
+    """Twin of hc_post_mix_triton: (R', x, HcMixes of R') from hc_post_torch (y2: its second addend) and
+    hc_mixes_torch; x_norm = (fp32 weight [H], eps): x is then RMSNorm-ed (kernels.rmsnorm's twin on x as
+    rounded)."""
+    out, x = hc_post_torch(R, y, post, comb, next_pre, y2)
+    if x_norm is not None:
+        x = rms_norm_torch(x, *x_norm)
     return out, x, hc_mixes_torch(out, fn, base, scale, norm_eps, hc_eps, iters, post_mult)
 
 
@@ -802,14 +889,17 @@ def hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-
                        post_mult=2.0, block_t: int | None = None, split: int | None = None,
                        block_k: int | None = None, num_warps: int | None = None,
                        fn_parts: torch.Tensor | None = None, waiters: int | None = None, spc: int | None = None,
-                       fast_rcp: bool | None = None, only_partial: bool = False, tail_form: int | None = None):
+                       fast_rcp: bool | None = None, only_partial: bool = False, tail_form: int | None = None,
+                       y2: torch.Tensor | None = None, x_norm: tuple | None = None, norm_form: int | None = None):
     """One launch (_hc_post_mix_kernel, M = 4): (R', x, the next sub-layer's HcMixes of R'), equal to
     hc_post_mix_torch up to fp32 summation order. split / block_k count hidden columns (each covers the 4
     streams); fn_parts: split_fn_bf16(fn) read instead of splitting fp32 fn in registers (bf16 R only); waiters /
-    spc / fast_rcp as hc_mixes_triton. Cost: R read once, R' written once, y read, x written, fn read once per
-    token block (L2 hits after the first), the partials through L2. only_partial: no mixing (benchmark: the
-    mixes' outputs are left unwritten)."""
-    _check_apply(R, y, post, comb, next_pre, triton_path=True)
+    spc / fast_rcp as hc_mixes_triton; y2: hc_post_torch's second addend; x_norm = (fp32 weight [H], eps): x
+    RMSNorm-ed in the same launch (_finish_block's NORM; norm_form 1 / 2 forces a form, default 2 while the grid
+    is resident at once, else 1). Cost: R read once, R' written once, y read, x written, fn read once per token
+    block (L2 hits after the first), the partials through L2. only_partial: no mixing (benchmark: the mixes'
+    outputs are left unwritten)."""
+    _check_apply(R, y, post, comb, next_pre, triton_path=True, y2=y2)
     check(next_pre is not None, "the write-back + mixes pass needs the next pre-mix")
     T, M, H = R.shape
     check(M == 4, f"the write-back + mixes kernel is written for 4 streams, got {M}")
@@ -832,14 +922,24 @@ def hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-
     mixes = HcMixes(empty((T, M), torch.float32, dev), empty((T, M), torch.float32, dev),
                     empty((T, M, M), torch.float32, dev))
     fast = (FAST_RCP_DEFAULT if fast_rcp is None else fast_rcp) and _CAN_RCP
+    nw, xsq, x_eps, form = x, x, 0.0, 0
+    if x_norm is not None:
+        nw, x_eps = x_norm
+        check(nw.shape == (H,) and nw.dtype == torch.float32, f"the read-out norm's weight must be fp32 [{H}]")
+        xsq = empty((T, L.n_split), torch.float32, dev)
+        resident = _one_wave(L.n_tb * L.n_split, warps, dev)
+        form = norm_form or (2 if resident else 1)
+        check(form == 1 or resident, "read-out norm form 2 needs the whole grid resident at once (a GPU)")
     if T:
+        y = y.contiguous()
         _hc_post_mix_kernel[(L.n_tb, L.n_split)](
-            R, y.contiguous(), post.float().contiguous(), comb.float().contiguous(), next_pre.float().contiguous(),
-            out, x, w, z, L.cnt, base.float().contiguous(), scale.float().contiguous(),
-            mixes.pre, mixes.post, mixes.comb, T, H, NZ, L.n_split, norm_eps, hc_eps, post_mult, NZP=NZP,
-            BT=block_t, BK=L.block_k, SPLIT=L.split, MODE=mode, UPCAST=INTERPRETING, NW=L.nw, TPW=L.tpw,
-            SPC=L.spc, ITERS=iters, FAST=fast, TAIL=not only_partial, FORM=_tail_form(tail_form, L.tpw),
-            num_warps=warps)
+            R, y, y if y2 is None else y2.contiguous(), post.float().contiguous(), comb.float().contiguous(),
+            next_pre.float().contiguous(), out, x, w, z, L.cnt, base.float().contiguous(), scale.float().contiguous(),
+            mixes.pre, mixes.post, mixes.comb, nw.contiguous(), xsq, T, H, NZ, L.n_split, norm_eps, hc_eps,
+            post_mult, x_eps, NZP=NZP, BT=block_t, BK=L.block_k, SPLIT=L.split, MODE=mode, UPCAST=INTERPRETING,
+            NW=L.nw, TPW=L.tpw, SPC=L.spc, ITERS=iters, FAST=fast, TAIL=not only_partial,
+            FORM=_tail_form(tail_form, L.tpw), Y2=y2 is not None, NORM=form,
+            NSP=triton.next_power_of_2(L.n_split), num_warps=warps)
     return out, x, mixes
 
 
@@ -848,21 +948,27 @@ def hc_pre_apply(R: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     return hc_pre_triton(R, a) if use_triton(R) else hc_pre_torch(R, a)
 
 
-def hc_post_apply(R, y, post, comb, next_pre=None):
+def hc_post_apply(R, y, post, comb, next_pre=None, y2=None):
     """R' = post * y + comb^T R per token (one launch on CUDA); next_pre [T, M]: also return the read-out of
-    R' with those weights, (R', x), from the same pass."""
-    return hc_post_triton(R, y, post, comb, next_pre) if use_triton(R) else hc_post_torch(R, y, post, comb, next_pre)
+    R' with those weights, (R', x), from the same pass; y2: a second addend of y (hc_post_torch)."""
+    if use_triton(R):
+        return hc_post_triton(R, y, post, comb, next_pre, y2=y2)
+    return hc_post_torch(R, y, post, comb, next_pre, y2)
 
 
 def hc_post_mix_apply(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iters=20,
-                      post_mult=2.0):
-    """The write-back R' = post * y + comb^T R, the read-out x of R' with next_pre, and the mixes of R' for the
-    sub-layer with parameters (fn, base, scale): (R', x, HcMixes). On CUDA with 4 streams and up to
-    POST_MIX_MAX_T tokens one launch (hc_post_mix_triton; fn as cached bf16 parts where hc_mixes would use them),
-    else hc_post_apply then hc_mixes (the twins on CPU)."""
-    if use_triton(R) and R.shape[1] == 4 and R.shape[0] <= POST_MIX_MAX_T:
+                      post_mult=2.0, y2=None, x_norm=None):
+    """The write-back R' = post * y + comb^T R (y2: a second addend of y, hc_post_torch), the read-out x of R'
+    with next_pre (x_norm = (fp32 weight, eps): RMSNorm-ed), and the mixes of R' for the sub-layer with
+    parameters (fn, base, scale): (R', x, HcMixes). On CUDA with 4 streams and up to POST_MIX_MAX_T tokens
+    (POST_MIX_NORM_MAX_T with x_norm) one launch (hc_post_mix_triton; fn as cached bf16 parts where hc_mixes
+    would use them), else hc_post_apply then hc_mixes (then kernels.rmsnorm.rms_norm; the twins on CPU)."""
+    most = POST_MIX_MAX_T if x_norm is None else POST_MIX_NORM_MAX_T
+    if use_triton(R) and R.shape[1] == 4 and R.shape[0] <= most:
         parts = fn_parts_cached(fn) if R.dtype == torch.bfloat16 and parts_pay(R.shape[0]) else None
         return hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps, hc_eps, iters, post_mult,
-                                  fn_parts=parts)
-    out, x = hc_post_apply(R, y, post, comb, next_pre)
+                                  fn_parts=parts, y2=y2, x_norm=x_norm)
+    out, x = hc_post_apply(R, y, post, comb, next_pre, y2)
+    if x_norm is not None:
+        x = rms_norm(x, *x_norm)
     return out, x, hc_mixes(out, fn, base, scale, norm_eps, hc_eps, iters, post_mult)

@@ -17,15 +17,15 @@ Triton, two launches:
     2 chunks of 8 warps at L=16384, k=512) picks its own exact top-k, then one program per row picks the top-k of
     those chunks * k candidates (the row's top-k is among them: an entry beaten by k entries of its own chunk is
     beaten by k in the row), in the same launch for unsorted output (each row's last chunk program to take its
-    ticket merges; rows of more than 4 chunks through a tree: the last of each group of 4 merges the group, the
-    last group the row); unsorted winners are written straight from registers. Each pick finds its cut by an
-    interpolation search (`_cut_key`): three counting thresholds per CTA-wide reduction, the first from a normal
-    fit of the scores, then at the interpolated key of rank k in the bracket, and a top-4 reduction once at most 4
-    ranks are left above the bracket's upper end or at most 3 above its lower end (then of the smallest keys):
-    ~3-4 dependent reductions on random scores (the slowest of 256 chunks ~6), against ~10 (12-15) for the
-    two-bit radix search of sessions 3-7 (the search replayed in float64 on the score kernel's rows, L=16384,
-    k=512: the slowest chunk's reductions plus the merge's, 4 chunks 7.1, with the lower-end end game 6.6; 2
-    chunks 7.0 / 6.7).
+    ticket merges; for at most TREE_ROWS rows of more than 4 chunks through a tree: the last of each group of 4
+    merges the group, the last group the row; more rows take a second launch); unsorted winners are written straight
+    from registers. Each pick finds its cut by an interpolation search (`_cut_key`): three counting thresholds per
+    CTA-wide reduction, the first from a normal fit of the scores, then at the interpolated key of rank k in the
+    bracket, and a top-4 reduction once at most 4 ranks are left above the bracket's upper end or at most 3 above
+    its lower end (then of the smallest keys): ~3-4 dependent reductions on random scores (the slowest of 256 chunks
+    ~6), against ~10 (12-15) for the two-bit radix search of sessions 3-7 (the search replayed in float64 on the
+    score kernel's rows, L=16384, k=512: the slowest chunk's reductions plus the merge's, 4 chunks 7.1, with the
+    lower-end end game 6.6; 2 chunks 7.0 / 6.7).
     Session 9 (H200, N=64, L=16384, k=512, R1-R2): 2 chunks of 8 warps 17.9-18.3 us alone against 18.5-18.7
     for 4 of 4 warps, on the score kernel's rows 19.5 against 20.4, behind the scores 88.2 against 89.4-90.9;
     one row alone 13.3-13.6 (its chunk stage alone 8.0-8.8, the merge alone 5.5-6.2). Longer rows (R2, the tree
@@ -564,7 +564,7 @@ def _fused_launch(scores, k, chunks, sorted, num_warps, search, cnt, fan=FAN):
     """Both stages in one launch of `_topk_select_kernel` (FUSE: each row's last chunk program merges; more than
     `fan` chunks: a two-level tree, each group of `fan` chunks merged by its last, then the groups by the row's
     last) -> (idx, val) [N, k]. Chunks of at most RESIDENT_MAX entries; every merge at most RESIDENT_MAX slots.
-    cnt: N * (groups + 1) zeroed tickets."""
+    cnt: zeroed tickets, N (one per row) or with the tree N * (groups + 1) (the row's, then one per group)."""
     N, L = scores.shape
     cl = triton.cdiv(L, chunks)
     tree = chunks > fan
@@ -590,12 +590,18 @@ def _fused_launch(scores, k, chunks, sorted, num_warps, search, cnt, fan=FAN):
 
 def default_chunks(L: int, k: int) -> int:
     """Chunks per row for the first select stage: rows much longer than k are split so that many programs share
-    the row: up to 4 chunks of at most 16k entries (8 warps each: 2 chunks at L=16384, k=512, see
-    `topk_select_triton`), longer rows chunks of about 8k (4 warps each; at most 32, so the fused select's tree
-    merges at most 8 groups' candidates: 4096 at k = 512)."""
-    if L <= 4 * 16 * k:
-        return triton.cdiv(L, 16 * k)
-    return min(8 * FAN, L // (8 * k))
+    the row, in chunks of 16 * k entries (8192 at k = 512; 8 warps each): 2 chunks at L=16384, and at most 8 *
+    FAN = 32 (the fused select's tree then merges at most 8 groups' candidates: 4096 at k = 512). Session 10 R2,
+    H200, k=512, scores + select (unsorted), against 4096-entry chunks: N=64, L=65536 8 chunks in two launches
+    318.4-319.5 us against 327.6-330.5 for 16 (4 chunks 339.0); N=64, L=131072 16 chunks in two launches
+    627.1-627.2 against 646.3-648.0 for 32 (8 chunks 657.6-658.3); N=8, L=131072 16 chunks (tree) 100.0-100.2
+    against 121.6-121.9 for 32. R3, against session 9's default in the same run: N=8, L=65536 63.1 us against 76.4
+    (50% / 41% of the bytes); N=64, L=65536 309.4-309.7 against 323.3-323.5 (82% / 78%); N=8, L=131072 99.6-99.7
+    against 119.9 (63% / 53%); N=64, L=131072 611.7-612.5 against 631.8-632.0 (83% / 80%)."""
+    return min(8 * FAN, triton.cdiv(L, 16 * k))
+
+
+TREE_ROWS = 16   # launches of at most this many rows merge more than FAN chunks in the same launch (a tree)
 
 
 # `_cut_key`'s (first-guess spread FW, rank spread WIDTH, top-4 end game TOPR: 4 or 0). H200, N=64, L=16384,
@@ -620,10 +626,11 @@ def topk_select_triton(scores: torch.Tensor, k: int, sorted: bool = True, block:
     exact top-k by its own program, then the top-k of those chunks * k candidates per row (they contain the row's
     top-k: an entry beaten by k entries of its own chunk is beaten by k in the row). Cost: the row read once
     (L2 at decode sizes) + chunks * k * 12 bytes of candidates written and read back, plus k * 12 written.
-    search: `SEARCH`'s parameters (for the benchmark's sweep). fused (default: when not sorted and the chunks and
-    candidates fit in registers): both stages in one launch, each row's last chunk program merging
-    (`_fused_launch`; H200, N=64, L=16384, k=512, scores in L2, session 8 round 2: 18.4 us unsorted against
-    18.9 for two launches, 2 chunks of 8 warps 18.2; sorted 21.6 against 21.3, so sorted stays two launches)."""
+    search: `SEARCH`'s parameters (for the benchmark's sweep). fused (default: when not sorted, the chunks and
+    candidates fit in registers, and there are at most FAN chunks or TREE_ROWS rows): both stages in one launch,
+    each row's last chunk program merging (`_fused_launch`; H200, N=64, L=16384, k=512, scores in L2, session 8
+    round 2: 18.4 us unsorted against 18.9 for two launches, 2 chunks of 8 warps 18.2; sorted 21.6 against 21.3, so
+    sorted stays two launches)."""
     check(scores.dim() == 2 and scores.dtype == torch.float32, f"scores must be fp32 [rows, entries], got "
           f"{scores.dtype} {tuple(scores.shape)}")
     check(k >= 1, f"top-k must be >= 1, got {k}")
@@ -644,8 +651,13 @@ def topk_select_triton(scores: torch.Tensor, k: int, sorted: bool = True, block:
               f"{RESIDENT_MAX} entries, min(chunks, {FAN}) * k and ceil(chunks / {FAN}) * k at most {RESIDENT_MAX}; "
               f"got {L} entries in {chunks} chunks, k={k}")
     # the fused launch's tickets; None while a CUDA graph is captured before any warm-up made them: two launches
-    one_launch = fused or (fused is None and fits and not sorted)
-    cnt = tickets(scores.device, N * (groups + 1), site="indexer") if one_launch else None
+    # (more rows than TREE_ROWS: the tree's group merges cost more than a second launch; session 10 R2, N=64, 8
+    # chunks of L=65536: two launches 318.4-319.5 us against 327.1-327.5, 16 of L=131072: 627.1-627.2 against
+    # 633.6-637.9 with the scores; at N=8 the tree: session 9, select alone 33.1 us against 43.5)
+    one_launch = fused or (fused is None and fits and not sorted and (chunks <= FAN or N <= TREE_ROWS))
+    # (a tree takes a ticket per group and one per row; the flat merge one per row)
+    n_cnt = N * (groups + 1) if chunks > FAN else N
+    cnt = tickets(scores.device, n_cnt, site="indexer") if one_launch else None
     # chunk programs of 32 entries a thread: 4 warps up to 4096 entries, 8 above (H200, N=64, L=16384, k=512,
     # scores in L2: 4 chunks of 8 warps 22.4 us, of 4 warps 19.2; 2 chunks of 8 warps 17.9-18.3 against 18.5-18.7
     # for 4 of 4 warps (session 9 R1-R2), on the score kernel's rows 19.5 against 20.4 and behind the scores

@@ -548,6 +548,9 @@ PREFETCH_SHIFTED = True
 # step as two word tiles each (174 registers) 2868 / 652; four groups a step from one 64-byte-wide word tile
 # (L2 55%, DRAM 45%, but 255 registers: 2 programs an SM, stalls on issue, wgmma waits and the activation
 # tile's shared-memory staging) 2168 / 481, with 4 stages 2176 / 484, 8 warps 2711 / 595, 64 rows 2796 / 593.
+# Session 10 round 2 (V4.1, T = 64 / 8, us, same bits): the packed bytes laid out by K block ([E, K/32, N, 16],
+# each step's word tile one contiguous 2 KB run instead of 16 bytes a row) 2400-2407 / 523 (43 / 38% of the
+# FP4 bytes) against 2085-2093 / 465 (50 / 43%) for this layout -> deleted.
 W4_TILES = dict(block_n=128, num_warps=4, num_stages=3)
 
 # Tensor-descriptor weight loads by default (when the shapes allow). H200 round 1: as fast as the pointer loads

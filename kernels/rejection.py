@@ -99,15 +99,16 @@ def is_p_alone(row, V, greedy_ptr, top_k_ptr, top_p_ptr, FROM_TEMP: tl.constexpr
 def store_proposals(x, lane, pos, start, seg, inv_t, greedy, key, out_ptr, HAS_TAU: tl.constexpr,
                     LANES: tl.constexpr, LW: tl.constexpr, FAST: tl.constexpr, NP: tl.constexpr,
                     DEFER: tl.constexpr = False, pmass_ptr=None, lane_ptr=None, alone=False,
-                    STATS: tl.constexpr = False, HOT: tl.constexpr = False):
+                    HOT: tl.constexpr = False):
     """The sampling pass's per-program work with NP proposals (threshold.segment_pack for each): out_ptr[j] = the
     packed best lane of proposal j (greedy rows: out_ptr[0] only, with the token). The lane weights, running sums
     and masses are computed once; each proposal adds its Gumbel score, one block reduction and (unless DEFER) its
-    in-lane pick. DEFER: the packed entry holds the lane's global id instead of the token (`lane_token` draws the
-    token of the winning lane; ties between lanes go to the lowest id, the twin's rule). STATS: the program's mass
-    sum exp(z - its max z) at pmass_ptr (from the lane masses; the rejection finish's row mass), and with HOT every
-    lane's max z at lane_ptr[g] for rows that are top-p alone (`alone`: the mass-above pass then gathers only the
-    lanes above the smallest proposal)."""
+    in-lane pick. DEFER (the sampling pass; the speculative statistics pass picks in-lane here and needs neither
+    store below): the packed entry holds the lane's global id instead of the token (`lane_token` draws the token
+    of the winning lane; ties between lanes go to the lowest id, the twin's rule); the program's mass sum exp(z -
+    its max z) goes to pmass_ptr (from the lane masses; the rejection finish's row mass), and with HOT every lane's
+    max z to lane_ptr[g] for rows that are top-p alone (`alone`: the mass-above pass then gathers only the lanes
+    above the smallest proposal)."""
     xm = tl.max(x, 1)
     if greedy:
         tl.store(out_ptr, segment_pack(x, lane, pos, start, seg, inv_t, greedy, key, HAS_TAU, LANES, LW, FAST))
@@ -123,7 +124,7 @@ def store_proposals(x, lane, pos, start, seg, inv_t, greedy, key, out_ptr, HAS_T
         cdf = tl.cumsum(w, 1)
         k = tl.arange(0, LW)[None, :]
         s = tl.max(tl.where(k == LW - 1, cdf, float("-inf")), 1)
-        if STATS:
+        if DEFER:
             pm = tl.max(m, 0)
             tl.store(pmass_ptr, tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - pm), 0.0), 0))
             if HOT:

@@ -316,7 +316,7 @@ def _segment_body(logits_ptr, packed_ptr, tau_ptr, row, prog, n_prog, inv_t, gre
         # top-p-alone rows by rejection (kernels/rejection.py): NP proposals, and the program's max z for the row max
         o = row * n_prog + prog
         store_proposals(x, lane, pos, start, seg, inv_t, greedy, key, packed_ptr + o * NP, HAS_TAU, LANES, LW, FAST,
-                        NP, True, pmass_ptr + o, lane_ptr + row * n_lanes, alone, True, HOT)
+                        NP, True, pmass_ptr + o, lane_ptr + row * n_lanes, alone, HOT)
         xmax = tl.max(tl.max(x, 1), 0)
         if not HAS_TAU:
             xmax = xmax * inv_t

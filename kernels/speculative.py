@@ -22,14 +22,18 @@ kernels/sampling.py: the bonus is exactly sample_from_logits' draw for that row 
 runs the same rule on the weights max(q - p, 0), with segment score ln R_c + G_c (RESIDUAL stream).
 
 Work (Triton path, `_accept_triton`, no host synchronisation, no torch ops on the parameters): four launches
-when the host says no request filters, else first a per-row copy of the filter parameters and the top-k/top-p
-threshold launches. ONE statistics pass over all rows, per (row, part of a segment) with the block in registers
-as in kernels/sampling.py (its program shape): the kept max and mass, plus the last rows' bonus candidates and
-the greedy rows' argmax (each program finds its request from cu_rows and derives 1/T and its rng key while its
-logits loads are in flight); the ratio test per request (merges the statistics, writes the final token unless
-the final row rejected a draft); one residual pass over the final rows that rejected (their logits + draft
-probabilities only; other programs exit); a tiny finish. Bytes: every logits row once, plus logits and draft
-probabilities of the rejecting final rows.
+when the host says no request filters, else first a per-row copy of the filter parameters (and each row's FRESH
+key) and the top-k/top-p threshold launches. ONE statistics pass over all rows, per (row, part of a segment)
+with the block in registers as in kernels/sampling.py (its program shape): the kept max and mass, plus the last
+rows' bonus candidates and the greedy rows' argmax (each program finds its request from cu_rows and derives 1/T
+and its rng key while its logits loads are in flight); the ratio test per request (merges the statistics, writes
+the final token unless the final row rejected a draft); one residual pass over the final rows that rejected
+(their logits + draft probabilities only; other programs exit); a tiny finish. Rows with 0 < top_k <= 64 get
+their statistics from the top-k merge instead (kernels/threshold.py's lane path holds their kept set in the
+lanes it gathered, and draws there with the row's FRESH key what the statistics pass would: its STATS), so the
+statistics pass skips them without reading their logits again (session 10 R2, 64 requests x 4 rows with draft
+probabilities, top-k50 p0.9, twice each against HEAD in the same run: 152.2 / 152.4 -> 101.9 / 102.0 us). Bytes:
+every logits row once, plus logits and draft probabilities of the rejecting final rows.
 """
 from dataclasses import dataclass
 
@@ -43,11 +47,10 @@ from .sampling import (LANES, LOG2E, NEG_INF, NEG_INF_KEY, SEG, SPEC_SHAPE, RowP
                        one_launch_workspace,
                        default_mask_rows, exp2_w, kept_z_torch, lane_draw_torch, lane_gumbel_torch, lane_pick,
                        lane_score, lane_scores_torch, lanes_view, masked_z_torch, pack_lanes, pass_shape, pick_lane,
-                       rejection_draw_torch, row_params, segment_block, may_filter, thresholds_torch,
-                       thresholds_triton)
+                       rejection_draw_torch, row_params, segment_block, may_filter, thresholds_torch)
 from . import rejection
 from .rejection import NMAX, is_p_alone, p_alone_rows, rest_of_rule, store_proposals
-from .threshold import lane_keys, needs_histogram_path
+from .threshold import lane_keys, needs_histogram_path, thresholds_and_paths
 
 
 _NEG_INF_KEY = tl.constexpr(NEG_INF_KEY)
@@ -192,15 +195,27 @@ def _request_params(temp_ptr, b):
 def _stats_kernel(logits_ptr, mc_ptr, sc_ptr, pack_ptr, cu_ptr, temp_ptr, seed_ptr, pos_ptr, tau_ptr, bitmask_ptr,
                   mask_rows_ptr, bitmask_stride, V, n_prog, B, C_FRESH, HAS_MASK: tl.constexpr,
                   HAS_TAU: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr, VEC: tl.constexpr,
-                  NB: tl.constexpr, FAST: tl.constexpr, top_k_ptr=None, top_p_ptr=None, NP: tl.constexpr = 1):
+                  NB: tl.constexpr, FAST: tl.constexpr, top_k_ptr=None, top_p_ptr=None, NP: tl.constexpr = 1,
+                  solved_ptr=None):
     """Program (row, part of a segment; the sampling pass's program shape): the kept max M_c and mass
     S_c = sum exp(z - M_c) of its PL lanes, and one packed candidate: greedy rows the first maximum; the last row
     of a non-greedy request its bonus draw (the lane rule, FRESH key at its position); other rows -inf (unused).
     The logits loads are issued first; the row's request and parameters are looked up while they are in flight
     (no per-row parameter arrays, no expand launch). Full segments skip the bounds checks. NP > 1: the last row of
     a top-p-alone request stores NP proposals instead (kernels/rejection.py's rule, on the unrestricted z; pack
-    is [R, n_prog, NP])."""
-    if (tl.program_id(1) // (LANES // PL) + 1) * (LANES * LW) <= V:
+    is [R, n_prog, NP]). HAS_TAU: rows the top-k merge solved (solved[row], threshold.lane_path's stats) already
+    hold their statistics in part 0; their other parts get nothing (max -inf, mass 0, no candidate), and their
+    logits are not read again."""
+    skip = False
+    if HAS_TAU:
+        skip = tl.load(solved_ptr + tl.program_id(0)) != 0
+    if skip:
+        o = tl.program_id(0).to(tl.int64) * n_prog + tl.program_id(1)
+        if tl.program_id(1) != 0:
+            tl.store(mc_ptr + o, float("-inf"))
+            tl.store(sc_ptr + o, 0.0)
+            tl.store(pack_ptr + o * NP, -9223372036854775807)
+    elif (tl.program_id(1) // (LANES // PL) + 1) * (LANES * LW) <= V:
         _stats_body(logits_ptr, mc_ptr, sc_ptr, pack_ptr, cu_ptr, temp_ptr, seed_ptr, pos_ptr, tau_ptr, bitmask_ptr,
                     mask_rows_ptr, bitmask_stride, V, n_prog, B, C_FRESH, HAS_MASK, HAS_TAU, True, LANES, LW, PL, VEC,
                     NB, FAST, top_k_ptr, top_p_ptr, NP)
@@ -338,16 +353,19 @@ def _residual_body(logits_ptr, probs_ptr, rows_ptr, drafts_ptr, residual_ptr, ke
 
 
 @triton.jit
-def _expand_rows_kernel(cu_ptr, temp_ptr, top_k_ptr, top_p_ptr, row_inv_t_ptr, row_greedy_ptr, row_top_k_ptr,
-                        row_top_p_ptr, NR: tl.constexpr):
+def _expand_rows_kernel(cu_ptr, temp_ptr, top_k_ptr, top_p_ptr, seed_ptr, pos_ptr, row_inv_t_ptr, row_greedy_ptr,
+                        row_top_k_ptr, row_top_p_ptr, row_keys_ptr, C_FRESH, NR: tl.constexpr):
     """Program (request): its filter parameters on each of its rows (what the threshold kernels read; only when
-    some request may filter)."""
+    some request may filter), and each row's FRESH key at its position (the top-k merge draws the bonus with it,
+    as the statistics pass would)."""
     b = tl.program_id(0)
     start = tl.load(cu_ptr + b)
     n = tl.load(cu_ptr + b + 1) - start
     greedy, inv_t = _request_params(temp_ptr, b)
     top_k = tl.load(top_k_ptr + b)
     top_p = tl.load(top_p_ptr + b)
+    seed = tl.load(seed_ptr + b)
+    pos0 = tl.load(pos_ptr + b)
     for j0 in range(0, n, NR):
         j = j0 + tl.arange(0, NR)
         ok = j < n
@@ -356,6 +374,7 @@ def _expand_rows_kernel(cu_ptr, temp_ptr, top_k_ptr, top_p_ptr, row_inv_t_ptr, r
         tl.store(row_greedy_ptr + r, greedy.to(tl.int8) + tl.zeros([NR], tl.int8), mask=ok)
         tl.store(row_top_k_ptr + r, top_k + tl.zeros([NR], tl.int64), mask=ok)
         tl.store(row_top_p_ptr + r, top_p + tl.zeros([NR], tl.float32), mask=ok)
+        tl.store(row_keys_ptr + r, rng.row_key_tl(seed, pos0 + j, C_FRESH).to(tl.int64), mask=ok)
 
 
 @triton.jit
@@ -514,7 +533,8 @@ def _accept_triton(logits, cu_rows, draft_tokens, draft_probs, temperature, top_
                    mrows, stages=9, filters=None, histogram=None, shape=None, reject=None):
     """The whole acceptance step in four launches when the host says no request filters (statistics pass with
     the bonus draws, ratio test, residual pass, residual finish), three more otherwise (per-row filter
-    parameters, then the top-k/top-p thresholds: kernels/threshold.py), no host synchronisation, no torch ops
+    parameters, then the top-k/top-p thresholds: kernels/threshold.py, whose top-k merge also writes its rows'
+    statistics for the statistics pass to skip), no host synchronisation, no torch ops
     on the parameters (each kernel derives 1/T, greedy and its rng keys from the per-request tensors).
     temperature, top_k, top_p, seed, position: per-request device tensors [B]. shape: the pass's program shape
     (sampling.pass_shape). stages < 9 stops after that many launches (benchmarks time the stages by
@@ -525,16 +545,6 @@ def _accept_triton(logits, cu_rows, draft_tokens, draft_probs, temperature, top_
     dev = logits.device
     has_tau = filters is not False
     tau = logits
-    if has_tau:
-        rows = RowParams(torch.empty(R, dtype=torch.float32, device=dev),
-                         torch.empty(R, dtype=torch.int8, device=dev),
-                         torch.empty(R, dtype=torch.int64, device=dev), torch.empty(R, dtype=torch.float32, device=dev),
-                         logits)
-        _expand_rows_kernel[(B,)](cu_rows, temperature, top_k, top_p, rows.inv_temperature, rows.greedy, rows.top_k,
-                                  rows.top_p, NR=8, num_warps=1)
-        tau = thresholds_triton(logits, rows, bitmask, mrows, histogram=histogram)
-    if stages < 6:
-        return None
     seg, lanes = LAYOUT
     pl, warps, vec = pass_shape(lanes, shape or SPEC_SHAPE)
     n_prog = triton.cdiv(V, seg) * (lanes // pl)
@@ -542,6 +552,19 @@ def _accept_triton(logits, cu_rows, draft_tokens, draft_probs, temperature, top_
     sc = torch.empty_like(mc)
     np_ = rejection.PROPOSALS if has_tau and sampling.P_REJECT and reject is not False else 1
     pack = torch.empty((R, n_prog, np_), dtype=torch.int64, device=dev)
+    solved = torch.empty(R, dtype=torch.int8, device=dev)      # rows whose statistics the top-k merge wrote
+    if has_tau:
+        rows = RowParams(torch.empty(R, dtype=torch.float32, device=dev),
+                         torch.empty(R, dtype=torch.int8, device=dev),
+                         torch.empty(R, dtype=torch.int64, device=dev), torch.empty(R, dtype=torch.float32, device=dev),
+                         torch.empty(R, dtype=torch.int64, device=dev))
+        _expand_rows_kernel[(B,)](cu_rows, temperature, top_k, top_p, seed, position, rows.inv_temperature,
+                                  rows.greedy, rows.top_k, rows.top_p, rows.keys, rng.stream_constant(rng.FRESH),
+                                  NR=8, num_warps=1)
+        tau = thresholds_and_paths(logits, rows, bitmask, mrows, histogram=histogram, draw=(seg, lanes),
+                                   stats=(mc, sc, pack, solved))[0]
+    if stages < 6:
+        return None
     has_mask, has_probs = bitmask is not None, draft_probs is not None
     bm = bitmask if has_mask else logits
     mr = mrows if has_mask else cu_rows
@@ -550,7 +573,8 @@ def _accept_triton(logits, cu_rows, draft_tokens, draft_probs, temperature, top_
                   FAST=not INTERPRETING)
     _stats_kernel[(R, n_prog)](logits, mc, sc, pack, cu_rows, temperature, seed, position, tau, bm, mr, stride, V,
                                n_prog, B, rng.stream_constant(rng.FRESH), NB=max(16, triton.next_power_of_2(B)),
-                               top_k_ptr=top_k, top_p_ptr=top_p, NP=np_, num_warps=warps, **consts)
+                               top_k_ptr=top_k, top_p_ptr=top_p, NP=np_, solved_ptr=solved, num_warps=warps,
+                               **consts)
     if stages < 7:
         return None
     m = torch.empty(R, dtype=torch.float32, device=dev)

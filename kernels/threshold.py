@@ -785,7 +785,7 @@ def _kth_largest(z, k, lo_v, VSTEPS: tl.constexpr):
     hi_v = tl.max(z, 0)
     found = 0
     res = lo_v
-    for _ in tl.static_range(VSTEPS):
+    for _ in range(VSTEPS):                 # a loop, not unrolled: a rare branch, kept out of the code size
         if found == 0:
             mid = lo_v * 0.5 + hi_v * 0.5
             ge = z >= mid
@@ -823,14 +823,21 @@ def _keep_from_pairs(zi, cnt_gt, mass, m, top_k, top_p, p_only, lim_row, path):
     relative to K's mass or, p_only (top-p alone, k = KMAX tried), to the row's mass lim_row: then path -3 when K
     carries less than p of it (the kept set may reach below K). tau = the smallest kept candidate."""
     in_k = (zi > float("-inf")) & (cnt_gt < top_k)
-    sk = tl.sum(tl.where(in_k, tl.exp(zi - m), 0.0), 0)
+    lim_mass, path = _mass_of_p(tl.sum(tl.where(in_k, tl.exp(zi - m), 0.0), 0), top_p, p_only, lim_row, path)
+    keep = in_k & (mass < _p_limit(top_p, lim_mass))
+    return tl.min(tl.where(keep, zi, float("inf")), 0), path
+
+
+@triton.jit
+def _mass_of_p(sk, top_p, p_only, lim_row, path):
+    """(the mass top-p is relative to, path): K's mass sk, or (p_only: top-p alone, k = KMAX tried) the row's mass
+    lim_row, with path -3 when K carries less than p of it (the kept set may reach below K)."""
     lim_mass = sk
     if p_only:
         lim_mass = lim_row
         if sk < top_p * lim_mass * 1.0001:              # (margin for the sums' rounding)
             path = -3
-    keep = in_k & (mass < _p_limit(top_p, lim_mass))
-    return tl.min(tl.where(keep, zi, float("inf")), 0), path
+    return lim_mass, path
 
 
 @triton.jit
@@ -877,12 +884,7 @@ def _block_tau(z, n_live, m, top_k, top_p, p_only, lim_row, V, scratch_ptr, KP: 
         tl.debug_barrier()                              # every load of the scratch before a later reuse
     else:                            # |K| > KP (massive ties): top-p on K by a bisection
         e = tl.where(sel, tl.exp(z - m), 0.0)
-        sk = tl.sum(e, 0)
-        lim_mass = sk
-        if p_only:
-            lim_mass = lim_row
-            if sk < top_p * lim_mass * 1.0001:
-                path = -3
+        lim_mass, path = _mass_of_p(tl.sum(e, 0), top_p, p_only, lim_row, path)
         tau = t_k
         if (top_p < 1.0) & (path != -3):
             tau = _bisect(tl.where(sel, z, float("-inf")), e, t_k, m, V + 1, top_p, lim_mass, 0.0, scratch_ptr, 0, V,
@@ -917,16 +919,15 @@ def _lane_max_kernel(logits_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, bi
 
 
 @triton.jit
-def _group_bound(lm, top_k, NG: tl.constexpr, GS: tl.constexpr, HB: tl.constexpr):
-    """(lo, ok): ok when at least k groups of GS consecutive lanes hold an allowed token; then lo is a value with
-    at least k group maxima >= lo (each a distinct lane's max, so at least k tokens are >= lo: a valid bound for
-    the top-k set), from ONE HB-bin histogram of the NG / GS group maxima (the k-th largest group max lies in the
-    histogram's bin b*; lo = the smallest group max in the bins down to b*). The group maxima are in-thread or
-    in-warp (a group's lanes are consecutive), so the merge works on NG / GS values instead of NG. Tight: the
-    k largest tokens of a row rarely share groups, so lo lies near the k-th largest token and the lanes with max
-    >= lo are ~k + a few (flat rows) or k + the tail tokens above the (k - clustered)-th group max (rows whose
-    top tokens cluster in consecutive ids: a few groups hold them)."""
-    gm = tl.max(tl.reshape(lm, [NG // GS, GS]), 1)
+def _group_bound(gm, top_k, HB: tl.constexpr):
+    """(lo, ok): ok when at least k groups of lanes hold an allowed token (gm: the groups' maxima, -inf for an
+    empty group); then lo is a value with at least k group maxima >= lo (each a distinct lane's max, so at least k
+    tokens are >= lo: a valid bound for the top-k set), from ONE HB-bin histogram of the group maxima (the k-th
+    largest group max lies in the histogram's bin b*; lo = the smallest group max in the bins down to b*). The
+    merge works on NG / GS values instead of NG. Tight when the k largest tokens of a row rarely share groups:
+    lo then lies near the k-th largest token and the lanes with max >= lo are ~k + a few; a group's lanes are
+    strided (lane i, i + 512, ... at V = 129,280), so leaders in consecutive ids (LLM rows) fall in distinct
+    groups (session 8's groups of consecutive lanes put them in a few: ~100 candidates against ~55)."""
     live_g = gm > float("-inf")
     hi, glo, n_g = _max_min_count(gm)
     scale = HB / tl.where(hi > glo, hi - glo, 1.0)
@@ -950,7 +951,7 @@ def _lane_bound(lm, live, n_live, top_k, LCAP: tl.constexpr, HB: tl.constexpr, R
     hi = tl.max(lm, 0)
     need = top_k
     n = n_live
-    for _ in tl.static_range(ROUNDS):
+    for _ in range(ROUNDS):                 # a loop, not unrolled: a rare branch, kept out of the code size
         if (n > LCAP) & (hi > lo):
             undecided = (lm >= lo) & (lm <= hi)
             scale = HB / (hi - lo)
@@ -999,7 +1000,7 @@ def _draw_lanes(logits_ptr, row, gl, ok, lml, V, inv_t, tau, key, bitmask_ptr, m
     columns (loads from L1/L2) make every per-lane step elementwise, in the pass's own order (the running sum
     over k = 0 .. LW-1), so the draw is the pass's bit for bit and threads do not communicate until the final
     packed max. The max of a lane's kept tokens is its max when that is >= tau (kept), else there is none: no
-    sweep for it (session 8 had a third)."""
+    sweep for it (session 8 had a third). Returns (packed best, each lane's kept max M_g, its mass S_g)."""
     base = (gl // LANES) * (LANES * LW) + gl % LANES                 # the lane's first token
     m = tl.where(ok & (lml >= tau), lml, float("-inf"))
     ref = tl.where(m > float("-inf"), m, 0.0) * 1.4426950408889634
@@ -1014,7 +1015,7 @@ def _draw_lanes(logits_ptr, row, gl, ok, lml, V, inv_t, tau, key, bitmask_ptr, m
         cdf += exp2_w(_kept_column(logits_ptr, row, base + k * LANES, ok, V, inv_t, tau, bitmask_ptr, mrow,
                                    bitmask_stride, HAS_MASK) * 1.4426950408889634 - ref, FAST)
         kk += (cdf <= target).to(kk.dtype)
-    return pack_lanes(lane_score(m, s, key, gl, FAST), base + tl.minimum(kk, LW - 1) * LANES)
+    return pack_lanes(lane_score(m, s, key, gl, FAST), base + tl.minimum(kk, LW - 1) * LANES), m, s
 
 
 @triton.jit
@@ -1024,10 +1025,12 @@ def _lane_merge_kernel(logits_ptr, tau_ptr, path_ptr, tok_ptr, inv_t_ptr, greedy
                        KMAX: tl.constexpr, KP: tl.constexpr, JB: tl.constexpr, HB: tl.constexpr,
                        ROUNDS: tl.constexpr, BLOCK: tl.constexpr, DRAW: tl.constexpr, LANES: tl.constexpr,
                        LW: tl.constexpr, FAST: tl.constexpr, UPTO: tl.constexpr = 4, P_LANES: tl.constexpr = True,
-                       GROUPS: tl.constexpr = True, GS: tl.constexpr = 16, PDL: tl.constexpr = False):
+                       GROUPS: tl.constexpr = True, GS: tl.constexpr = 16, PDL: tl.constexpr = False,
+                       mc_ptr=None, sc_ptr=None, pack_ptr=None, solved_ptr=None, n_prog=1, NP: tl.constexpr = 1,
+                       STATS: tl.constexpr = False):
     """Program (row) of a candidate-path row: the lanes that may hold top-k tokens (GROUPS: `_group_bound` on
-    the maxima of GS-lane groups; `_lane_bound` on the stored lane maxima when that leaves more than LCAP lanes,
-    or without GROUPS), their
+    the maxima of groups of GS lanes; `_lane_bound` on the stored lane maxima when that leaves more than LCAP
+    lanes, or without GROUPS), their
     tokens gathered as a [LCAP, LW] block, tau from them (`_block_tau`), and with DRAW the row's token by the
     sampling rule on those lanes restricted to z >= tau (`segment_pack`, the pass's very operations per lane;
     every other lane holds no kept token, so it would score -inf in the pass). path[row]:
@@ -1036,7 +1039,10 @@ def _lane_merge_kernel(logits_ptr, tau_ptr, path_ptr, tok_ptr, inv_t_ptr, greedy
     path: tau and the draw come later). tok[row]: the drawn token, -2 where the sampling pass must draw.
     UPTO < 4 (benchmarks, to time the stages by differences; the result is then wrong): 1 reads the lane maxima
     only, 2 adds the lane bound, 3 adds the candidates' gather and tau, 4 the draw (before session 9, stages 1-2
-    also gathered the top / candidate lanes' tokens, so their numbers do not compare)."""
+    also gathered the top / candidate lanes' tokens, so their numbers do not compare).
+    STATS (with DRAW; the speculative step, kernels/speculative.py): a drawn row with top-k also gets the
+    statistics pass's outputs for its part 0 (kept max, kept mass, the packed draw: mc, sc, pack of [R, n_prog(,
+    NP)]) and solved[row] = 1, so that pass skips it (solved[row] = 0 on every other row)."""
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     is_c, top_k, p_only = _is_cand_row(row, V, greedy_ptr, top_k_ptr, top_p_ptr, KMAX, P_LANES)
@@ -1044,42 +1050,51 @@ def _lane_merge_kernel(logits_ptr, tau_ptr, path_ptr, tok_ptr, inv_t_ptr, greedy
     path = -2
     tau = float("-inf")
     tok = -2
+    solved = 0
     if is_c:
         mrow = -1
         if HAS_MASK:
             mrow = tl.load(mask_rows_ptr + row)
         inv_t = tl.load(inv_t_ptr + row)
-        g = tl.arange(0, NG)
+        # the lane maxima as [NG / GS, GS]: group i holds the lanes i + j * NG / GS (strided: the leaders of a row
+        # rarely share one), one group per thread (its lanes along dim 1, as the pass holds a lane's tokens), so
+        # the group maxima, the counts and the lane list's placement are in-thread
+        g = tl.arange(0, NG // GS)[:, None] + tl.arange(0, GS)[None, :] * (NG // GS)
+        g = tl.max_contiguous(tl.multiple_of(g, [1, 1]), [1, 1])
         lm = tl.load(lmax_ptr + row * n_lanes + g, mask=g < n_lanes, other=float("-inf"))
         live = lm > float("-inf")
-        m, _, n_live = _max_min_count(lm)
+        gm = tl.max(lm, 1)
+        m, _, n_any = _max_min_count(gm)                            # n_any: groups holding an allowed token
         tok = -1                                                    # nothing allowed
-        if n_live > 0:
+        if n_any > 0:
             lim_row = 0.0
             if p_only:
                 lms = tl.load(lmass_ptr + row * n_lanes + g, mask=live, other=0.0)
-                lim_row = tl.sum(tl.where(live, lms * tl.exp(lm - m), 0.0), 0)
+                lim_row = tl.sum(tl.sum(tl.where(live, lms * tl.exp(lm - m), 0.0), 1), 0)
             lo = m
-            n_sel = n_live * 0 + 1
+            n_sel = n_any * 0 + 1
             if UPTO >= 2:
                 # lo: at least k tokens are >= lo (each of >= k lanes has its max there), or lo = -inf when the
                 # row has fewer than k live lanes (then every token of every live lane is a candidate: with
                 # lo = the smallest lane max, tokens below it that belong to the top-k set would be lost)
-                lo = float("-inf")
-                n_sel = n_live
-                if n_live >= top_k:
-                    ok = n_live < 0
-                    if GROUPS:
-                        lo, ok = _group_bound(lm, top_k, NG, GS, HB)
-                        if ok:
-                            n_sel = tl.sum((lm >= lo).to(tl.int32), 0)
-                    if (not ok) | (n_sel > LCAP):
-                        lo, n_sel = _lane_bound(lm, live, n_live, top_k, LCAP, HB, ROUNDS)
+                ok = n_any < 0
+                if GROUPS:
+                    lo, ok = _group_bound(gm, top_k, HB)
+                    if ok:
+                        n_sel = tl.sum(tl.sum((lm >= lo).to(tl.int32), 1), 0)
+                if (not ok) | (n_sel > LCAP):           # too few live groups, or too many lanes at the bound
+                    n_live = tl.sum(tl.sum(live.to(tl.int32), 1), 0)
+                    lo = float("-inf")
+                    n_sel = n_live
+                    if n_live >= top_k:
+                        lo, n_sel = _lane_bound(tl.reshape(lm, [NG]), tl.reshape(live, [NG]), n_live, top_k, LCAP,
+                                                HB, ROUNDS)
             key = tl.load(keys_ptr + row).to(tl.uint32)
             if n_sel <= LCAP:
-                sel = (lm >= lo) & live
-                at = tl.cumsum(sel.to(tl.int32), 0) - 1
-                tl.store(lane_ptr + row * LCAP + at, g, mask=sel)
+                sel = ((lm >= lo) & live).to(tl.int32)
+                per = tl.sum(sel, 1)                                # in-thread; one scan across the groups
+                at = (tl.cumsum(per, 0) - per)[:, None] + tl.cumsum(sel, 1) - 1
+                tl.store(lane_ptr + row * LCAP + at, g, mask=sel != 0)
                 tl.debug_barrier()                                  # the lane list's stores before its loads
                 i = tl.arange(0, LCAP)
                 ok_l = i < n_sel
@@ -1092,9 +1107,19 @@ def _lane_merge_kernel(logits_ptr, tau_ptr, path_ptr, tok_ptr, inv_t_ptr, greedy
                 else:
                     tau = tl.max(lml, 0)
                 if DRAW & (path != -3) & (UPTO >= 4):
-                    best = _draw_lanes(logits_ptr, row, gl, ok_l, lml, V, inv_t, tau, key, bitmask_ptr, mrow,
-                                       bitmask_stride, HAS_MASK, LANES, LW, FAST)
+                    best, ml, sl = _draw_lanes(logits_ptr, row, gl, ok_l, lml, V, inv_t, tau, key, bitmask_ptr,
+                                               mrow, bitmask_stride, HAS_MASK, LANES, LW, FAST)
                     tok = tl.where((best >> 32) > NEG_INF_KEY_C, 4294967295 - (best & 4294967295), -1).to(tl.int32)
+                    if STATS:
+                        if p_only == 0:
+                            # the speculative statistics of the row (its kept set lies in these lanes): max m (the
+                            # largest token is always kept), mass sum exp(z - m) as the statistics pass sums it
+                            solved = 1
+                            o = row * n_prog
+                            tl.store(mc_ptr + o, m)
+                            tl.store(sc_ptr + o, tl.sum(tl.where(ml > float("-inf"), sl * tl.exp2(
+                                (ml - m) * 1.4426950408889634), 0.0), 0))
+                            tl.store(pack_ptr + o * NP, best)
             else:
                 path = -1
                 real_k = tl.load(top_k_ptr + row)                  # top-p alone tried KMAX: the real k here
@@ -1120,24 +1145,45 @@ def _lane_merge_kernel(logits_ptr, tau_ptr, path_ptr, tok_ptr, inv_t_ptr, greedy
     tl.store(path_ptr + row, path)
     if DRAW:
         tl.store(tok_ptr + row, tok.to(tl.int64))
+    if STATS:
+        tl.store(solved_ptr + row, solved.to(tl.int8))
 
 
 # ordered key of float("-inf") (fp32 bits 0xFF800000, negative: flip the 31 low bits)
 NEG_INF_KEY = (0xFF800000 - (1 << 32)) ^ 0x7FFFFFFF
 NEG_INF_KEY_C = tl.constexpr(NEG_INF_KEY)
 LCAP = 128            # lanes the lane path's merge gathers at most (x LW tokens each)
-# Deleted after session 7's R3: a group bound over strided groups (lanes i, i + 256, ...: the group maxima
-# crossed warps, and one sort of 256 values found the k-th largest) ran 50.7-52.1 us against 45.7-49.6 (top-k50
-# p0.9, B=64). GROUP_BOUND (session 8) groups consecutive lanes (maxima in-warp) and takes one histogram.
+# Deleted after session 7's R3: a group bound over strided groups (lanes i, i + 256, ...: the group maxima crossed
+# warps, and one sort of 256 values found the k-th largest) ran 50.7-52.1 us against 45.7-49.6 (top-k50 p0.9, B=64).
+# GROUP_BOUND (session 8) grouped consecutive lanes (maxima in-warp) and took one histogram. Session 10: strided
+# groups again, but each held by one thread (the merge loads its lane maxima as [512, 16], a group per thread, as
+# the pass holds a lane's tokens), so the group maxima, the lane counts and the lane list's placement are in-thread
+# and one scan over 512 places the list (the [8192] block before had a lane per thread, 16 apart: the group maxima
+# took shuffles and the list a scan of 16 values per thread, 816 SASS instructions for its store alone); with the
+# rare branches' loops no longer unrolled (`_lane_bound`'s rounds, `_kth_largest`'s halvings) the merge shrank from
+# 10,950 to 6,752 SASS instructions (an ncu profile of the merge at B=64: 20% of its warps' stalls were instruction
+# fetch; every SM runs the code once, cold). R1, top-k50 p0.9, B=64, twice each, us: flat 28.4 / 28.3 -> 21.1 /
+# 21.6, peaked 30.3 / 30.3 -> 21.0 / 20.9; candidates per row (R2) peaked 99 -> 55 (its leaders now fall in distinct
+# groups), flat 56 -> 55. Also measured then: the lane list holding the lanes' maxima (no dependent load of them)
+# 21.5 / 21.5 flat, 20.8 / 20.8 peaked: no gain, deleted. R2 (us, B=64, flat; peaked, twice each; HEAD 27.3 / 27.2;
+# 30.1 / 30.3): this merge (then with its parameters loaded before the PDL wait, below) 21.4 / 21.3; 20.6 / 20.6
+# (36-38% of copy bandwidth), B=256 flat 62.7 / 63.0 against 74.0 / 73.9 (42% -> 50%; with the draw's sweeps as
+# loops). Deleted after R2: the draw's two sweeps as loops with a run-time trip count (so not unrolled: a tenth of
+# the code to fetch, but each column's load then waits for the previous one) 22.3 / 22.7; 21.5 / 21.5; the row's
+# parameters loaded before the PDL wait (one dependent load less after it) 22.3 / 22.7 against 22.9 / 22.9; 21.5 /
+# 21.5 against 21.6 / 21.6 (within noise); all-pairs blocks of 128 columns 24.5 / 24.4; 23.2 / 23.2.
 GROUP_BOUND = True     # the merge bounds the top-k lanes by `_group_bound` first (the histogram rounds as fallback)
-GROUP_SIZE = 16        # lanes per group of `_group_bound` (consecutive lanes: the group maxima stay in-warp)
+GROUP_SIZE = 16        # lanes per group of `_group_bound` (strided lanes, one group per thread of the merge)
+LANE_ROUNDS = 3        # histogram rounds of `_lane_bound` (the merge's fallback when the group bound leaves > LCAP)
 P_ONLY_LANES = True    # top-p-alone rows try the lane path (k = KMAX) before the histogram path
 LANE_SHAPE = (128, 4)  # lane-maxima pass: (lanes per program, warps); R1: top-k50 sampling 34.8 / 86.4 us at
                       # B=64 / 256 vs 38.3 / 92.4 at 256x2, 35.8 / 91.1 at 256x8
 # The merge's all-pairs comparison runs [KP, 32] blocks (JB). Session 9's R2, top-k50 p0.9 flat / peaked, us at
 # B=64; B=256: JB 32 29.4 / 35.3; 74.5 / 75.2, 64 32.3 / 32.2; 75.7 / 78.8, 128 32.3 / 32.5; 82.2 / 80.3.
 MERGE_WARPS = 16      # warps of the lane path's merge (R1: 31.4 / 81.0 us at 16 vs 38.3 / 92.4 at 8; R2: 32 warps
-                      # 34.2 / 85.9, 4 warps 67.2 / 102.8; R3: 8 warps at B=256, two programs per SM, 82.7 vs 77.8)
+                      # 34.2 / 85.9, 4 warps 67.2 / 102.8; R3: 8 warps at B=256, two programs per SM, 82.7 vs 77.8;
+                      # session 10 R2, B=64 flat / peaked, with the draw's sweeps as loops: 8 warps 21.9 / 20.5
+                      # against 16 warps' 22.5 / 21.5; not measured with the unrolled sweeps nor at B=256)
 # Deleted after session 9's R1 (top-k50 p0.9 flat / peaked, us at B=64; B=256): the candidates read column by
 # column, one lane per thread (counted in-thread, placed by one scan, then all pairs): 34.4 / 38.0; 88.0 / 90.3 at
 # 16 warps, 34.8 / 41.3 at 8, 51.0 / 58.4 at 4 (its tau stage 20.0 us at 4 warps: the extra 16-column sweep and
@@ -1145,10 +1191,11 @@ MERGE_WARPS = 16      # warps of the lane path's merge (R1: 31.4 / 81.0 us at 16
 # 76.7 at 16 warps.
 
 
-def lane_path(logits, params, bitmask, mrows, tau, path, tok, seg, lanes, kmax=KMAX, lcap=LCAP, rounds=3,
-              shape=None, block=1024, stages=2, upto=4, p_lanes=None):
+def lane_path(logits, params, bitmask, mrows, tau, path, tok, seg, lanes, kmax=KMAX, lcap=LCAP, shape=None, block=1024,
+              stages=2, upto=4, p_lanes=None, stats=None):
     """The lane path's two launches for candidate-path rows (writes tau, path and, when tok is a tensor, the drawn
-    tokens): `_lane_max_kernel` over (row, part of a segment), then `_lane_merge_kernel` per row."""
+    tokens): `_lane_max_kernel` over (row, part of a segment), then `_lane_merge_kernel` per row. stats (with
+    tok): the speculative statistics (mc, sc, pack, solved) of the rows the merge draws with top-k (its STATS)."""
     R, V = logits.shape
     dev = logits.device
     has_mask = bitmask is not None
@@ -1163,6 +1210,7 @@ def lane_path(logits, params, bitmask, mrows, tau, path, tok, seg, lanes, kmax=K
     bm = bitmask if has_mask else logits
     mr = mrows if has_mask else path
     stride = bitmask.stride(0) if has_mask else 0
+    ng = max(16, triton.next_power_of_2(n_l))
     _lane_max_kernel[(R, n_seg * (lanes // pl))](
         logits, params.inv_temperature, params.greedy, params.top_k, params.top_p, bm, mr, stride, V, n_l, lmax, lmass,
         HAS_MASK=has_mask, LANES=lanes, LW=seg // lanes, PL=pl, VEC=vec, KMAX=kmax, FAST=not INTERPRETING,
@@ -1172,14 +1220,18 @@ def lane_path(logits, params, bitmask, mrows, tau, path, tok, seg, lanes, kmax=K
     lane_buf = torch.empty((R, lcap), dtype=torch.int32, device=dev)
     scratch = torch.empty((R, KP), dtype=torch.float32, device=dev)
     draw = tok is not None
+    out = {}
+    if stats is not None:
+        mc, sc, pack, solved = stats
+        out = dict(mc_ptr=mc, sc_ptr=sc, pack_ptr=pack, solved_ptr=solved, n_prog=pack.shape[1], NP=pack.shape[2],
+                   STATS=True)
     _lane_merge_kernel[(R,)](
         logits, tau, path, tok if draw else path, params.inv_temperature, params.greedy, params.top_k, params.top_p,
         params.keys, bm, mr, stride, V, n_l, lmax, lmass, lane_buf, scratch, HAS_MASK=has_mask,
-        NG=max(16, triton.next_power_of_2(n_l)), LCAP=lcap, KMAX=kmax, KP=KP, JB=32, HB=HB, ROUNDS=rounds,
+        NG=ng, LCAP=lcap, KMAX=kmax, KP=KP, JB=32, HB=HB, ROUNDS=LANE_ROUNDS,
         BLOCK=min(block, triton.next_power_of_2(V)), DRAW=draw, LANES=lanes, LW=seg // lanes,
         FAST=not INTERPRETING, UPTO=upto, P_LANES=P_ONLY_LANES if p_lanes is None else p_lanes,
-        GROUPS=GROUP_BOUND, GS=min(GROUP_SIZE, max(16, triton.next_power_of_2(n_l))),
-        num_warps=MERGE_WARPS, **pdl_kw())
+        GROUPS=GROUP_BOUND, GS=min(GROUP_SIZE, ng), num_warps=MERGE_WARPS, **out, **pdl_kw())
 
 
 def needs_histogram_path(params, V: int, kmax: int = KMAX) -> bool | None:
@@ -1212,8 +1264,8 @@ def thresholds_triton(logits, params, bitmask, mrows, block=1024, cmax=CMAX, chu
 
 
 def thresholds_and_paths(logits, params, bitmask, mrows, block=1024, cmax=CMAX, chunk=CHUNK, stages=6,
-                         tau_warps=None, histogram=None, kmax=KMAX, draw=None, lcap=LCAP, rounds=3, lane_shape=None,
-                         p_lanes=None, lane_rows=None):
+                         tau_warps=None, histogram=None, kmax=KMAX, draw=None, lcap=LCAP, lane_shape=None,
+                         p_lanes=None, lane_rows=None, stats=None):
     """(tau [R] fp32, path int32 [R]) for every row (params: sampling.RowParams; mrows: int64 [R] when bitmask
     is given). path: >= 1 the candidates a row's tau came from, -1 an exact bisection fallback, -2 no filtering.
     Rows with 0 < top_k <= kmax (and top-p alone, trying k = kmax): the lane path, two launches (`lane_path`:
@@ -1228,7 +1280,7 @@ def thresholds_and_paths(logits, params, bitmask, mrows, block=1024, cmax=CMAX, 
     launches (benchmarks time each stage by differences; the result is then unfinished). lane_shape: the
     lane-maxima pass's (lanes per program, warps), default LANE_SHAPE. p_lanes: top-p-alone rows try the lane
     path (default P_ONLY_LANES). lane_rows=False (the host knows no row takes the lane path: needs_lane_path): its
-    two launches are skipped (every row starts as the histogram path's)."""
+    two launches are skipped (every row starts as the histogram path's). stats (with draw): `lane_path`'s."""
     R, V = logits.shape
     dev = logits.device
     tau = empty((R,), torch.float32, dev)
@@ -1250,9 +1302,11 @@ def thresholds_and_paths(logits, params, bitmask, mrows, block=1024, cmax=CMAX, 
         path.fill_(-3)                      # every row left to the histogram path (which skips unfiltered rows)
         if draw:
             tok.fill_(-2)                   # the sampling pass draws every row
+        if stats is not None:
+            stats[3].zero_()                # no row solved
     else:
-        lane_path(logits, params, bitmask, mrows, tau, path, tok, seg, min(lanes, seg), kmax, lcap, rounds,
-                  lane_shape, block, stages, p_lanes=p_lanes)
+        lane_path(logits, params, bitmask, mrows, tau, path, tok, seg, min(lanes, seg), kmax, lcap, lane_shape,
+                  block, stages, p_lanes=p_lanes, stats=stats)
     if stages < 2:
         return done()
     if histogram is None:

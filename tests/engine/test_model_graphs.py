@@ -18,9 +18,17 @@ from deepinfer_sg.engine.step_graphs import SegmentGraphs
 
 from test_model_batched import _random_model
 
+def _host_engram(m):
+    """The model with its Engram rows looked up on the host (the path of memory-mapped tables), not read by the
+    device from the table (model.engram_device_reads, the default for in-memory tables)."""
+    m.engram_device_reads = False
+    return m
+
+
 MODELS = {
     "v4": lambda: _random_model(testing.tiny_v4_config(hc_mult=4, index_n_heads=2), seed=1),
     "v41": lambda: _random_model(testing.tiny_v41_config(), seed=2),
+    "v41-host-engram": lambda: _host_engram(_random_model(testing.tiny_v41_config(), seed=2)),
 }
 PROMPTS = [3, 9, 30, 45]
 # rows per sequence per step (the token count T repeats, so sizes get captured, then replayed), rollbacks after
@@ -108,9 +116,11 @@ def test_emulated_graph_replays_equal_eager_steps(name):
     if name == "v4":     # V4's overlapping / index compressors update eagerly between segments
         assert 0 < len(eager) < m.config.num_layers
     else:                # V4.1: every cache update inside the graph (compress_step): embedding to head, cut only
-        assert eager == []   # between layers before each Engram layer (batched.engram_splits)
+        assert eager == []   # between layers before each Engram layer looked up on the host (batched.engram_splits)
         splits = batched.engram_splits(m)
-        assert splits == [i for i in m.config.engram_layer_ids if i > 0] and splits
+        host = name == "v41-host-engram"
+        assert splits == ([i for i in m.config.engram_layer_ids if i > 0] if host else [])
+        assert batched.engram_on_device(m) == ([] if host else m.config.engram_layer_ids)
         L, B = m.config.num_layers, batched.BOUNDARY
         cuts = {(None if a == 0 else B, a, None if b == L else B) for a, b in zip([0] + splits, splits + [L])}
         assert {key[1:4] for size in graphs._sizes.values() for key in size.segments} == cuts
@@ -224,7 +234,7 @@ def test_a_v41_step_reads_each_engram_layers_rows_after_launching_the_segments_b
     segments before it: the order of events in a decode step is run(layers before) -> read(rows) -> run(the rest),
     and the step's logits are still the reference path's."""
     from deepinfer_sg.engine.engram import Engram
-    m = MODELS["v41"]()
+    m = MODELS["v41-host-engram"]()
     ref = copy.deepcopy(m)
     ref.fast_decode = False
     events = []
@@ -245,3 +255,44 @@ def test_a_v41_step_reads_each_engram_layers_rows_after_launching_the_segments_b
     order = [("run", 0)] + [e for j in splits for e in (("read", j), ("run", j))]
     assert events == order
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tail_on_host", [True, False])
+def test_a_v41_step_whose_engram_rows_the_device_reads_is_one_segment_with_the_host_lookups_results(monkeypatch,
+                                                                                                   tail_on_host):
+    """With the tables readable by the device (model.engram_device_reads, an in-memory table) the step's Engram rows
+    are read inside the graph: from the token windows in the step's one upload, which the device hashes (the caches'
+    recent tokens on the host), or from row ids hashed on the host at launch (on the device: as if they were,
+    `tail_on_host` False). One segment, no host table read, and the same logits and caches as the host lookups
+    bit for bit (emulated graphs: eager, capture, then replays)."""
+    from deepinfer_sg.engine import model as model_module
+    from deepinfer_sg.engine.engram import EngramTable, Engram
+    if not tail_on_host:
+        monkeypatch.setattr(model_module, "_on_host", lambda t: False)
+        monkeypatch.setattr(Engram, "hash_consts", lambda *a: pytest.fail("hashed on the device"))
+    m, host = MODELS["v41"](), MODELS["v41-host-engram"]()
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 512, (n,), generator=g) for n in PROMPTS]
+    caches, host_caches = [m.new_cache() for _ in PROMPTS], [host.new_cache() for _ in PROMPTS]
+    for x, cs in ((m, caches), (host, host_caches)):
+        x._graphs = SegmentGraphs(emulate=True, warm=1)
+        x.forward_step([StepChunk(c, p, 1) for c, p in zip(cs, prompts)])     # (the reference path: host reads)
+    runs, captured = [], []
+    real_run = SegmentGraphs.run
+    monkeypatch.setattr(SegmentGraphs, "run", lambda gr, key, *a: runs.append(gr is m._graphs) or real_run(gr, key, *a))
+    for step in range(7):
+        if step == 4:     # (a rollback shortens the caches' recent tokens: the windows' shapes must not change)
+            for c in caches + host_caches:
+                c.rollback(2)
+        ids = torch.randint(0, 512, (len(PROMPTS),), generator=g)
+        runs.clear()
+        with monkeypatch.context() as mp:
+            mp.setattr(EngramTable, "lookup_packed", lambda *a, **k: pytest.fail("a host table read"))
+            got = m.forward_step([StepChunk(c, ids[k:k + 1], 1) for k, c in enumerate(caches)])
+        want = host.forward_step([StepChunk(c, ids[k:k + 1], 1) for k, c in enumerate(host_caches)])
+        assert runs.count(True) == 1 and runs.count(False) == len(batched.engram_splits(host)) + 1
+        assert torch.equal(got.logits, want.logits) and torch.equal(got.hidden, want.hidden)
+        for k, (x, y) in enumerate(zip(caches, host_caches)):
+            _same(_state(x), _state(y), f"step {step}, cache {k}")
+        captured.append(m._graphs.captures)
+    assert captured[1] == captured[-1] > 0      # captured at the second step, replayed ever since

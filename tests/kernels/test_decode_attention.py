@@ -94,6 +94,19 @@ def test_key_splits_match_formula(splits, unchain, lazy):
     assert out[4].abs().max() == 0
 
 
+@pytest.mark.parametrize("splits,block_h", [(3, 16), (2, 64)])
+def test_key_split_combine_over_dim_chunks(splits, block_h):
+    """Head dim 256: the split combine runs over 4 chunks of 64 output dims, each chunk's partials loaded before
+    the previous chunk is stored; against the float64 formula (a row with no keys at all, a row with padding)."""
+    gen = torch.Generator().manual_seed(256 + splits)
+    q, win_kv, win_idx, cmp_kv, cmp_idx, sink = _inputs(gen, N=5, H=20, D=256, Kw=24, Kc=21)
+    ref = _naive(q, win_kv, win_idx, cmp_kv, cmp_idx, sink)
+    out = sparse_attention_triton(*on_dev((q, win_kv, win_idx, sink, cmp_kv, cmp_idx)), block_h=block_h,
+                                  block_k=16, splits=splits, unchain=block_h == 64, lazy_sum=True).cpu()
+    assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert out[4].abs().max() == 0
+
+
 def test_default_launch_and_repeat_calls():
     """The default launch parameters, then key splits twice in a row with the same split count: the fused
     combine's ticket counters must be back at zero after each launch."""

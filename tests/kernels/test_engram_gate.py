@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from deepinfer_sg.kernels.engram_gate import (engram_gate_torch, engram_gate_triton, unpack_rows_torch,
-                                              unpack_rows_triton)
+from deepinfer_sg.kernels.engram_gate import (engram_gate_torch, engram_gate_triton, gather_rows_torch,
+                                              gather_rows_triton, hashed_rows_torch, hashed_rows_triton,
+                                              unpack_rows_torch, unpack_rows_triton)
 from helpers import on_dev, to_cpu
 
 
@@ -44,6 +45,63 @@ def test_triton_unpack_matches_twin(width, dtype):
     want = unpack_rows_torch(p, width, dtype)
     got = to_cpu(unpack_rows_triton(on_dev(p), width, dtype))
     assert got.dtype == dtype and got.shape == want.shape
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("width,dtype", [(256, torch.bfloat16), (96, torch.float32)])
+def test_triton_gather_matches_twin(width, dtype):
+    """Table rows read by the kernel (repeated ids, the last row, [T, R] ids) equal the twin's gather + decode, and the
+    twin equals unpack_rows of the gathered bytes. On CUDA the table sits in pinned host memory, as the engine keeps it
+    (engine/engram.py: EngramTable.device_arrays)."""
+    g = torch.Generator().manual_seed(width)
+    p = _packed(37, width, g)
+    weight, scale = p[:, :width].contiguous(), p[:, width:].contiguous()
+    ids = torch.randint(0, 37, (5, 6), generator=g)
+    ids[0, :3] = torch.tensor([36, 0, 36])
+    want = gather_rows_torch(ids, weight, scale, dtype)
+    assert torch.equal(want.nan_to_num(), unpack_rows_torch(p[ids], width, dtype).nan_to_num())
+    dev_ids = on_dev(ids)
+    if dev_ids.is_cuda:
+        weight, scale = weight.pin_memory(), scale.pin_memory()
+    got = to_cpu(gather_rows_triton(dev_ids, weight, scale, dtype))
+    assert got.dtype == dtype and got.shape == (5, 6, width)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("T,N,H,width", [(5, 4, 3, 64), (2, 3, 8, 96), (1, 2, 1, 32)])
+def test_triton_hash_matches_twin(T, N, H, width):
+    """Windows hashed, read and decoded in one launch equal the twin (ids from this step and from the tail, negative
+    ids hashed as the pad, large multipliers: the int64 products and xors of engine/engram.py's hash); the twin's
+    rows equal the hash written out per token and row in Python integers."""
+    g = torch.Generator().manual_seed(T * 100 + N)
+    V = 50
+    classes = torch.randint(0, 40, (V,), generator=g)
+    mult = torch.randint(1, 2 ** 55, (N,), generator=g)
+    prime = torch.randint(3, 13, ((N - 1) * H,), generator=g)
+    offset = torch.cumsum(prime, 0) - prime
+    rows = int(prime.sum())
+    p = _packed(rows, width, g)
+    weight, scale = p[:, :width].contiguous(), p[:, width:].contiguous()
+    ids = torch.randint(0, V, (T,), generator=g)
+    earlier = torch.randint(-1, V, (T, N), generator=g)          # (-1: before the sequence start)
+    k = torch.where(torch.rand(T, N, generator=g) < 0.5, torch.randint(0, T, (T, N), generator=g), -1)
+    src = torch.stack([k, earlier])
+    consts = (classes, mult, prime, offset)
+    want = hashed_rows_torch(src, ids, consts, 3, weight, scale, torch.float32)
+    w = torch.where(k >= 0, ids[k.clamp(min=0)], earlier)
+    for t in range(T):
+        acc, c = 0, [int(classes[3 if int(x) < 0 else int(x)]) for x in w[t]]
+        for n in range(1, N):
+            acc = (c[0] * int(mult[0]) if n == 1 else acc) ^ (c[n] * int(mult[n]))
+            for h in range(H):
+                j = (n - 1) * H + h
+                row = acc % int(prime[j]) + int(offset[j])
+                by_hand = unpack_rows_torch(p[row], width, torch.float32)
+                assert torch.equal(want[t, j].nan_to_num(), by_hand.nan_to_num())
+    dev = [on_dev(x) for x in (src, ids, *consts)]
+    tw, ts = (weight.pin_memory(), scale.pin_memory()) if dev[0].is_cuda else (weight, scale)
+    got = to_cpu(hashed_rows_triton(dev[0], dev[1], tuple(dev[2:]), 3, tw, ts, torch.float32))
+    assert got.shape == want.shape == (T, (N - 1) * H, width)
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
 
 

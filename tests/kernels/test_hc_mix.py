@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from deepinfer_sg.kernels.hc_mix import hc_mixes, hc_mixes_torch, hc_mixes_triton
-from helpers import on_dev, to_cpu
+from helpers import DEVICE, on_dev, to_cpu
 
 
 def _params(gen, T, M, H, dtype=torch.float32):
@@ -241,21 +241,39 @@ def _tickets_left(dev):
     return backend.tickets(dev, 512, site=hc_mix.TICKET_SITE)
 
 
-@pytest.mark.parametrize("form", [1, 2, 3, 7])
-def test_tail_forms_match_formula_and_leave_counters_zero(form):
+def _tail_shape(one: bool):
+    """(tokens, block_t, H, split, waiters, tokens a waiter) of test_tail_forms' launches (the same for both
+    kernels: the mixes split 4H columns, the write-back + mixes H). A GPU (whole grid resident): 21 tokens in
+    16-token blocks (the last partial) with 16 waiters of one token each over 16 splits (the form that runs at
+    T = 64), or 2 waiters of 8 tokens. The interpreter runs one waiter a block (programs run one after another),
+    so one token a waiter needs 1-token blocks (5 of them: the interpreter is slow), else the waiter mixes the
+    block's 16."""
+    if DEVICE == "cuda":
+        return (21, 16, 256, 16, 16, 1) if one else (21, 16, 48, 32, 2, 8)
+    return (5, 1, 48, 32, None, 1) if one else (21, 16, 48, 32, None, 16)
+
+
+@pytest.mark.parametrize("one", [False, True])
+@pytest.mark.parametrize("form", [0, 1, 2, 3, 7])
+def test_tail_forms_match_formula_and_leave_counters_zero(form, one):
     """Every form of the mixing tail (_finish_block FORM bits: early leaving ticket, logits in registers, acquire
-    polls) in both launches, against the float64 formula, with the ticket counters left zero; waiters with two
-    tokens each and a partial last token block."""
+    polls) in both launches, with waiters of one token each and of several (_tail_shape, asserted on the launch
+    shape), against the float64 formula, with the ticket counters left zero."""
     from deepinfer_sg.kernels import hc_mix
+    T, block_t, H, split, waiters, tpw = _tail_shape(one)
     gen = torch.Generator().manual_seed(50 + form)
-    x = _params(gen, 21, 4, 48, torch.bfloat16)
+    x = _params(gen, T, 4, H, torch.bfloat16)
+    dev = on_dev(x[0]).device
+    for K, sp in ((4 * H, 4 * split), (H, split)):      # the mixes' columns and split, then the write-back's
+        assert hc_mix._split_launch(T, K, block_t, sp, split, 4, waiters, None, dev).tpw == tpw
     ref = _naive(x[0].double(), x[1].double(), x[2].double(), x[3].double(), 20)
-    out = hc_mixes_triton(*on_dev(x), block_t=16, block_k=32, split=64, waiters=8, tail_form=form)
+    out = hc_mixes_triton(*on_dev(x), block_t=block_t, block_k=split, split=4 * split, waiters=waiters,
+                          tail_form=form)
     for a, b in zip((out.pre, out.post, out.comb), ref):
         assert torch.allclose(a.cpu().double(), b, atol=2e-5, rtol=1e-4), (a.cpu().double() - b).abs().max()
-    R, y, post, comb, a = _apply_inputs(gen, 21, 4, 48, torch.bfloat16)
-    o, _, m = hc_mix.hc_post_mix_triton(*on_dev((R, y, post, comb, a) + x[1:]), block_t=16, split=32, block_k=32,
-                                        waiters=4, tail_form=form)
+    R, y, post, comb, a = _apply_inputs(gen, T, 4, H, torch.bfloat16)
+    o, _, m = hc_mix.hc_post_mix_triton(*on_dev((R, y, post, comb, a) + x[1:]), block_t=block_t, split=split,
+                                        block_k=split, waiters=waiters, tail_form=form)
     mix_ref = _naive(o.cpu().double(), x[1].double(), x[2].double(), x[3].double(), 20)
     for u, w in zip((m.pre, m.post, m.comb), mix_ref):
         assert torch.allclose(u.cpu().double(), w, atol=2e-5, rtol=1e-4), (u.cpu().double() - w).abs().max()
@@ -265,7 +283,6 @@ def test_tail_forms_match_formula_and_leave_counters_zero(form):
 def test_fused_launch_beyond_one_wave():
     """More programs than the GPU holds at once (132 token blocks x 5 splits on a GPU; a small case in the
     interpreter): only the last starter of each block waits, so the launch cannot deadlock; results as the twin."""
-    from helpers import DEVICE
     T = 2100 if DEVICE == "cuda" else 40
     x = _params(torch.Generator().manual_seed(7), T, 4, 80, torch.bfloat16)
     ref = hc_mixes_torch(*x)
@@ -325,7 +342,6 @@ def test_post_mix_beyond_one_wave():
     """The write-back + mixes launch with more programs than the GPU holds at once (132 token blocks x 3 splits
     on a GPU; a small case in the interpreter): one waiter per token block, no deadlock; mixes as the twin's on
     the kernel's R'."""
-    from helpers import DEVICE
     from deepinfer_sg.kernels import hc_mix
     T = 2100 if DEVICE == "cuda" else 20
     gen = torch.Generator().manual_seed(9)
@@ -340,3 +356,68 @@ def test_post_mix_beyond_one_wave():
     assert float((out.cpu().float() - ro.float()).abs().max() / ro.float().abs().max()) < 8e-3
     x_ref = (a.double().unsqueeze(-1) * out.cpu().double()).sum(1)      # the read-out of the kernel's R'
     assert float((x.cpu().double() - x_ref).abs().max() / x_ref.abs().max()) < 8e-3
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_second_addend_is_one_fp32_sum(fused):
+    """y2 (the MoE's shared expert output beside its routed output y): the twin is the write-back of the fp32 sum
+    y + y2 bit for bit; the kernels (write-back + read-out, or write-back + read-out + next mixes) match the
+    float64 formula on y + y2 as tightly as with one addend, and the old path (y + y2 rounded to bf16 first) within
+    bf16 rounding. T = 7, H = 100: a partial hidden block, two splits."""
+    from deepinfer_sg.kernels import hc_mix
+    gen = torch.Generator().manual_seed(70 + fused)
+    R, y, post, comb, a = _apply_inputs(gen, 7, 4, 100, torch.bfloat16)
+    y2 = (torch.randn(7, 100, generator=gen) * 3).to(torch.bfloat16)
+    _, fn, base, scale = _params(gen, 1, 4, 100)
+    out_t, x_t = hc_mix.hc_post_torch(R, y, post, comb, a, y2=y2)
+    o_ref, x_ref = hc_mix.hc_post_torch(R, y.float() + y2.float(), post, comb, a)
+    assert torch.equal(out_t, o_ref) and torch.equal(x_t, x_ref)
+    if fused:
+        out, x, m = hc_mix.hc_post_mix_triton(*on_dev((R, y, post, comb, a, fn, base, scale)), block_t=16, split=64,
+                                              block_k=32, y2=on_dev(y2))
+        mix_ref = _naive(out.cpu().double(), fn.double(), base.double(), scale.double(), 20)
+        for u, w in zip((m.pre, m.post, m.comb), mix_ref):
+            assert torch.allclose(u.cpu().double(), w, atol=2e-5, rtol=1e-4), (u.cpu().double() - w).abs().max()
+    else:
+        out, x = hc_mix.hc_post_triton(*on_dev((R, y, post, comb, a)), y2=on_dev(y2))
+    out, x = to_cpu((out, x))
+    f64 = _post_f64(R, y.double() + y2.double(), post, comb)
+    tol = 8e-3          # one bf16 rounding (the interpreter's bf16 conversion truncates: 2**-7)
+    assert float((out.double() - f64).abs().max() / f64.abs().max()) < tol
+    assert float((out.float() - out_t.float()).abs().max() / out_t.float().abs().max()) < tol
+    x_f64 = (a.double().unsqueeze(-1) * out.double()).sum(1)
+    assert float((x.double() - x_f64).abs().max() / x_f64.abs().max()) < tol
+    old = hc_mix.hc_post_torch(R, y + y2, post, comb)                              # the add launch, then one addend
+    assert float((out.float() - old.float()).abs().max() / old.float().abs().max()) < 2 * tol
+
+
+@pytest.mark.parametrize("form,waiters", [(1, None), (2, None), (2, 2)] if DEVICE == "cuda" else [(1, None)])
+def test_read_out_norm_in_the_write_back(form, waiters):
+    """x_norm: the read-out RMSNorm-ed in the write-back + mixes launch (_finish_block's NORM forms: 1, the
+    waiters normalise whole rows after the wait; 2, GPU only, every program waits for the block's partials, then
+    the non-waiters normalise all columns (2 waiters of the 4 splits), or with every program a waiter (4
+    waiters) each its own), with the second addend, 2 token blocks (the last partial) and 4 splits (the last
+    partial): the normalised x
+    against the float64 formula on the kernel's R', the twin (kernels.rmsnorm's on the rounded x) within bf16
+    rounding, R' and the mixes unchanged by the norm, the same bits twice, counters left zero."""
+    from deepinfer_sg.kernels import hc_mix
+    gen = torch.Generator().manual_seed(80 + form)
+    R, y, post, comb, a = _apply_inputs(gen, 21, 4, 100, torch.bfloat16)
+    y2 = torch.randn(21, 100, generator=gen).to(torch.bfloat16)
+    _, fn, base, scale = _params(gen, 1, 4, 100)
+    w = torch.rand(100, generator=gen) + 0.5
+    args = on_dev((R, y, post, comb, a, fn, base, scale))
+    kw = dict(block_t=16, split=32, block_k=32, y2=on_dev(y2), norm_form=form, waiters=waiters)
+    out, x, m = hc_mix.hc_post_mix_triton(*args, **kw, x_norm=(on_dev(w), 1e-6))
+    out2, x2, m2 = hc_mix.hc_post_mix_triton(*args, **kw, x_norm=(on_dev(w), 1e-6))
+    o_plain, _, m_plain = hc_mix.hc_post_mix_triton(*args, **kw)
+    out, x = to_cpu((out, x))
+    assert torch.equal(to_cpu(out2), out) and torch.equal(to_cpu(x2), x) and torch.equal(to_cpu(o_plain), out)
+    for u, v, p in zip((m.pre, m.post, m.comb), (m2.pre, m2.post, m2.comb), (m_plain.pre, m_plain.post, m_plain.comb)):
+        assert torch.equal(u, v) and torch.equal(u, p)
+    x64 = (a.double().unsqueeze(-1) * out.double()).sum(1)
+    n64 = x64 / (x64.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * w.double()
+    assert float((x.double() - n64).abs().max() / n64.abs().max()) < 8e-3
+    _, x_twin, _ = hc_mix.hc_post_mix_torch(R, y, post, comb, a, fn, base, scale, y2=y2, x_norm=(w, 1e-6))
+    assert float((x.float() - x_twin.float()).abs().max() / x_twin.float().abs().max()) < 1.6e-2
+    assert int(_tickets_left(m.pre.device).abs().sum()) == 0

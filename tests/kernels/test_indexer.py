@@ -229,6 +229,21 @@ def _bottom_end_rows():
     return torch.tensor(np.stack([rows[1], rows[21]]))
 
 
+@pytest.mark.parametrize("N", [3, 17])
+def test_default_select_of_many_chunks(N):
+    """Rows of more than 4 default chunks (16 * k entries each), unsorted: at most TREE_ROWS rows merge through
+    the fused tree, more rows in a second launch; both pick exactly what a stable sort picks and leave the
+    tickets at 0."""
+    from deepinfer_sg.kernels.indexer import FAN, TREE_ROWS, default_chunks
+    L, k = 170, 2
+    assert default_chunks(L, k) > FAN and 3 <= TREE_ROWS < 17
+    gen = torch.Generator().manual_seed(N)
+    s = torch.randn(N, L, generator=gen).round()
+    s[1, 40:] = float("-inf")
+    _check_select(s, k, False)
+    assert int(tickets(DEVICE, 4 * N, site="indexer").abs().sum()) == 0
+
+
 @pytest.mark.parametrize("sorted_,chunks", [(True, 3), (False, 3), (False, 7)])
 def test_fused_select_matches_stable_sort(sorted_, chunks):
     """The one-launch select (each row's last chunk program to take its ticket merges the row's candidates; with

@@ -1,0 +1,121 @@
+"""engine/mhc.py's fused write-backs as engine/batched.py's post_attention calls them after the MoE sub-layer:
+MoE.forward_grouped(parts=True) hands back the routed and the shared expert outputs, and the write-back adds them
+itself (hc_post_and_mixes / hc_post with y2): one fp32 sum, no add launch. Run with the twins (CPU) and with the
+Triton kernels interpreted where CUDA would run them; compared with the two-step path (the add, then one addend)
+within bf16 rounding and with the fp32 formula tightly."""
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from deepinfer_sg.engine.mhc import hc_post, hc_post_and_mixes
+from deepinfer_sg.engine.moe import MoE
+from deepinfer_sg.kernels import hc_mix
+
+H, M = 48, 4
+
+
+def _moe(gen):
+    moe = MoE(H, 24, n_experts=6, top_k=2, n_shared=1, limit=7.0, vocab_size=50, hashed=False, scaling=1.5)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+    return moe.to(torch.bfloat16).requires_grad_(False)
+
+
+def _block(gen):
+    """What hc_post_and_mixes reads of a layer: its config and the mHC parameters of its two sub-layers."""
+    c = SimpleNamespace(rms_norm_eps=1e-6, hc_eps=1e-6, hc_sinkhorn_iters=20, hc_post_mult=2.0)
+    b = SimpleNamespace(config=c)
+    nz = (2 + M) * M
+    for which in ("attn", "ffn"):
+        setattr(b, f"hc_{which}_fn", torch.randn(nz, M * H, generator=gen) / math.sqrt(M * H) * 3)
+        setattr(b, f"hc_{which}_base", torch.randn(nz, generator=gen))
+        setattr(b, f"hc_{which}_scale", torch.rand(3, generator=gen) + 0.5)
+    return b
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def test_forward_grouped_parts_sum_to_the_output():
+    gen = torch.Generator().manual_seed(0)
+    moe = _moe(gen)
+    xn = torch.randn(5, H, generator=gen).to(torch.bfloat16)
+    routed, shared = moe.forward_grouped(xn, parts=True)
+    assert torch.equal(routed + shared, moe.forward_grouped(xn))
+    moe.shared_experts = None
+    routed, shared = moe.forward_grouped(xn, parts=True)
+    assert shared is None and torch.equal(routed, moe.forward_grouped(xn))
+
+
+@pytest.mark.parametrize("T,kernels", [(5, False), (5, True), (20, True)])
+def test_moe_write_back_takes_the_two_parts(T, kernels, monkeypatch):
+    """post_attention's MoE write-back with the next layer's mixes (hc_post_and_mixes) and without them (hc_post
+    with the read-out, before an Engram layer). kernels: the CUDA dispatch, interpreted; T = 5 takes the
+    write-back + mixes kernel, T = 20 the write-back kernel then the mixes kernel."""
+    if kernels:
+        monkeypatch.setattr(hc_mix, "use_triton", lambda t: True)
+    gen = torch.Generator().manual_seed(T)
+    moe, nxt = _moe(gen), _block(gen)
+    R = (torch.randn(T, M, H, generator=gen) * 2).to(torch.bfloat16)
+    post = torch.rand(T, M, generator=gen) * 2
+    comb = torch.rand(T, M, M, generator=gen) + 0.05
+    pre = torch.rand(T, M, generator=gen) + 0.1
+    xn = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+    y, y2 = moe.forward_grouped(xn, parts=True)                       # what batched.py would run
+    R1, ro = hc_post_and_mixes(nxt, "attn", R, y, post, comb, pre, y2=y2)
+    R2, x2 = hc_post(R, y, post, comb, fast=True, next_pre=pre, y2=y2)
+    R0, ro0 = hc_post_and_mixes(nxt, "attn", R, moe.forward_grouped(xn), post, comb, pre)   # the add launch first
+    f32 = (post.unsqueeze(-1) * (y.float() + y2.float()).unsqueeze(-2)
+           + torch.matmul(comb.transpose(-1, -2), R.float()))
+    tol = 8e-3 if kernels else 4e-3     # one bf16 rounding (the interpreter's bf16 conversion truncates)
+    for out, x in ((R1, ro.x), (R2, x2)):
+        assert out.dtype == torch.bfloat16 and _rel(out, f32) < tol
+        assert _rel(x, (pre.unsqueeze(-1) * out.float()).sum(1)) < tol
+        assert _rel(out, R0) < 2 * tol and _rel(x, ro0.x) < 2 * tol
+    if not kernels or T > 16:               # the same write-back kernel, or the same twin
+        assert torch.equal(R1, R2) and torch.equal(ro.x, x2)
+    want = hc_mix.hc_mixes_torch(R1, nxt.hc_attn_fn, nxt.hc_attn_base, nxt.hc_attn_scale, 1e-6, 1e-6, 20, 2.0)
+    for u, v in zip(ro[1:], (want.pre, want.post, want.comb)):
+        assert torch.allclose(u, v, atol=2e-5, rtol=1e-4), (u - v).abs().max()
+
+
+@pytest.mark.parametrize("T,kernels", [(5, False), (5, True), (20, True), (70, True)])
+def test_write_back_reads_out_normalised(T, kernels, monkeypatch):
+    """hc_post_and_mixes(norm=...) as post_attention would call it for the MoE input (ffn_norm) and the next
+    layer's attention input (attn_norm): the read-out comes back RMSNorm-ed, equal to the separate norm launch on
+    the un-normalised read-out (bit for bit with the twins; within bf16 rounding with the kernels, which
+    normalise inside the write-back + mixes kernel up to hc_mix.POST_MIX_NORM_MAX_T tokens (T = 5, 20), and run
+    kernels.rmsnorm after the write-back and mixes kernels above (T = 70))."""
+    from deepinfer_sg.engine.norm import RMSNorm
+    if kernels:
+        monkeypatch.setattr(hc_mix, "use_triton", lambda t: True)
+    gen = torch.Generator().manual_seed(30 + T)
+    blk = _block(gen)
+    norm = RMSNorm(H, 1e-6).requires_grad_(False)
+    norm.weight.copy_(torch.rand(H, generator=gen) + 0.5)
+    norm.to(torch.bfloat16)
+    R = (torch.randn(T, M, H, generator=gen) * 2).to(torch.bfloat16)
+    y, y2 = (torch.randn(T, H, generator=gen).to(torch.bfloat16) for _ in range(2))
+    post = torch.rand(T, M, generator=gen) * 2
+    comb = torch.rand(T, M, M, generator=gen) + 0.05
+    pre = torch.rand(T, M, generator=gen) + 0.1
+    R1, ro = hc_post_and_mixes(blk, "ffn", R, y, post, comb, pre, y2=y2, norm=norm)
+    R0, ro0 = hc_post_and_mixes(blk, "ffn", R, y, post, comb, pre, y2=y2)
+    if not kernels or not hc_mix.POST_MIX_MAX_T < T <= hc_mix.POST_MIX_NORM_MAX_T:    # the same launches but the norm
+        assert torch.equal(R1, R0)
+        for u, v in zip(ro[1:], ro0[1:]):
+            assert torch.equal(u, v)
+    else:                               # one launch instead of the write-back and mixes launches
+        assert _rel(R1, R0) < 8e-3
+        want = hc_mix.hc_mixes_torch(R1, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale, 1e-6, 1e-6, 20, 2.0)
+        for u, v in zip(ro[1:], (want.pre, want.post, want.comb)):
+            assert torch.allclose(u, v, atol=2e-5, rtol=1e-4), (u - v).abs().max()
+    want = norm((pre.unsqueeze(-1) * R1.float()).sum(1).to(R1.dtype))       # the read-out of R1, then the norm
+    if kernels:
+        assert _rel(ro.x, want) < 1.6e-2
+    else:
+        assert torch.equal(ro.x, want) and torch.equal(ro.x, norm(ro0.x))
