@@ -19,21 +19,23 @@ random half-density masks used here that is every sector). The bitmask rows also
 default CUDA path, Triton) at the same shapes. --sweep adds launch-parameter variants; --dry runs every body once
 on the CPU (interpreter, tiny shapes) to check the script itself. Twins are timed with do_bench when they sync.
 
-Last measured (NVIDIA H200, torch 2.11 / Triton 3.6; copy ~4,250 GB/s; bitmask 2026-11-29 session 3, the other
-rows 2026-11-30 session 8 round 3 unless marked; each family's module docstring has its own rows and sweeps):
+Last measured (NVIDIA H200, torch 2.11 / Triton 3.6; copy ~4,250 GB/s; bitmask 2026-11-29 session 3; the rows marked
+s9 / s10 in sessions 9 / 10 (their stop notes on issue 8), the others in session 8 round 3; each family's module
+docstring has its own rows and sweeps):
   kernel                 shape                                  triton us          roofline (of copy bandwidth)
   bitmask                B=64 / 256 / 512, V=129280             20.8 / 72 / 140    76% / 87% / 90% (xgrammar 0.2.9's
                                                                                         own kernel: 55% / 66% / 71%)
   bitmask by step        64 requests x 4 rows                   70.9               89%
-  sample T=1             B=64 / 256                             11.0-11.8 / 33.6-35.1  65-71% / 88-93% (read pass 88%)
-  sample T=0.7 + mask    B=64 / 256                             13.4 / 40.9        59% / 78%
-  sample greedy          B=64 / 256                             10.6-12.3 / 33.4   69-73% / 94% (R2 / R3)
-  sample top-k50 p0.9    B=64 / 256                             29.1 / 75.2        27% / 41%
-  sample top-p0.9 flat   B=64 / 256                             32.6 / 87.0        by rejection (was 150 / 461)
-  sample top-p0.95 peak  B=64 / 256                             24.5 / 63.0        32% / 49% (was 57.0 / 121)
-  speculative accept     64 requests x 4 rows + draft probs     49.9               65%
-  sparse attention       N=64 / 256, H=64 D=512, 128+512 keys   41.4 / 107.1       28% / 44% of max(bytes, flops)
-  indexer score + top-k  N=64 Hi=32 Di=128 L=16384 k=512        96.6 / 91.9 unsort 65% / 68% (scores alone 92-94%)
+  sample T=1 (s9)        B=64 / 256                             10.7 / 34.0        72% / 91% (read pass 84 / 100%)
+  sample T=0.7 + mask s9 B=64 / 256                             13.2 / 41.1        60% / 78%
+  sample greedy (s9)     B=64 / 256                             10.3 / 33.3        75% / 93%
+  sample top-k50 p0.9    B=64 / 256 (s10; flat and peaked)      20.8-21.6 / 58-61  36-37% / 51-53%
+  sample top-p0.9 flat   B=64 / 256 (s9)                        31.0 / 86.3        by rejection (was 150 / 461)
+  sample top-p0.95 peak  B=64 / 256 (s9)                        23.8 / 63.2        32% / 49% (was 57.0 / 121)
+  speculative accept     64 requests x 4 rows + draft probs     48.7-51.9 (s9)     64-65%; with top-k50 p0.9 102 (s10)
+  sparse attention (s10) N=64 / 256, H=64 D=512, 128+512 keys   40.4 / 104.1       29-30% / 46% of max(bytes, flops)
+  indexer score + top-k  N=64 Hi=32 Di=128 L=16384 k=512        92.9 / 89.0 unsort 68% / 71% (s9; scores alone 92-94%)
+                         N=64 L=65536 / 131072 (s10, unsorted)  309.4 / 611.7      82% / 83%
   moe experts (fp8 w)    V4.1 shapes T=8 / 64 / 256             447 / 2,131 / 3,429  86% / 94% / 92% of the fp8 bytes
   moe experts (fp4 pack) V4.1 shapes T=8 / 64 / 256             471 / 2,154 / 3,428  43% / 50% / 49% of the fp4 bytes
   hc mixes + sinkhorn    T=64 / 256 / 4096, H=5120              11.0 / 16.4 / 89.7 24-27% / 28% / 43% of a launch
@@ -41,6 +43,8 @@ rows 2026-11-30 session 8 round 3 unless marked; each family's module docstring 
   hc post + next pre     T=64 / 256                             4.0 / 9.2          38% / 67% (83% / 82% of one
                                                                                         launch reading the bytes)
   hc post + next mixes   T=8 / 16, H=5120 (one launch)          9.1 / 9.8          was 11.9 / 12.6 in two launches
+  hc moe write-back s10  T=8 / 64: y + y2, write-back, mixes,   9.0 / 15.2         was 12.1 / 18.5 in three launches
+                         read-out RMSNorm in one launch                            (add, write-back + mixes, norm)
 The whole run takes about 2-3 minutes on an H200 (--budget, default 200 s, skips the steps left after that);
 with OUT set it also writes $OUT/kernels.txt (the table) and $OUT/kernels.json.
 """

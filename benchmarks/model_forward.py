@@ -342,8 +342,8 @@ def _shared_by_torch(model):
 
 
 def _serial_shared(model):
-    """The "serial-shared" path: the shared experts after the routed ones on one stream (engine/streams.py off).
-    -> undo()."""
+    """The "serial-shared" path: the shared experts after the routed ones on one stream (engine/streams.py off;
+    the device's Engram reads then run on the main stream too). -> undo()."""
     from deepinfer_sg.engine import streams
     orig = streams.ENABLED
     return _patched(model, lambda: setattr(streams, "ENABLED", False), lambda: setattr(streams, "ENABLED", orig))
@@ -351,10 +351,11 @@ def _serial_shared(model):
 
 def _host_engram(model):
     """The "host-engram" path: the Engram rows looked up on the host and uploaded, the graph cut before each Engram
-    layer (model.engram_device_reads off: the path of memory-mapped tables and of sessions up to 9), instead of row
-    ids gathered by the device from the pinned table inside the one graph. -> undo()."""
+    layer (model.engram_device_reads off: the path of memory-mapped tables and of sessions up to 9), instead of the
+    token windows hashed and their rows read by the device from the pinned table inside the one graph. -> undo()."""
+    orig = model.engram_device_reads
     return _patched(model, lambda: setattr(model, "engram_device_reads", False),
-                    lambda: setattr(model, "engram_device_reads", True))
+                    lambda: setattr(model, "engram_device_reads", orig))
 
 
 def _control(model):

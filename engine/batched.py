@@ -439,14 +439,14 @@ def pre_attention(model, block, R: torch.Tensor, a, cos: torch.Tensor, sin: torc
     norm output run as one GEMM where engine/projections.py stacked them; side["comp"] then gets the in-graph
     compressor's (for compress_step.compress_rows). store = (win_all, new_rows): with model.fused_rope the window
     kv goes straight into its slab rows (Attention.store_kv; kv is then None: `attend` has nothing to write).
-    x: the read-out hc_pre(R, a), when the write-back before made it (post_attention), or a mhc.ReadOut with this
-    layer's attention mixes too; unused after an Engram mix.
+    x: the read-out hc_pre(R, a), when the write-back before made it (post_attention), or a mhc.ReadOut holding
+    attn_norm(read-out) and this layer's attention mixes; unused after an Engram mix.
     -> (R, pre, post, comb, xn, q, kv, iq, w, feat); iq / w / feat None where the layer has none."""
     c = model.config
     i = block.layer_id
     attn = block.attn
     mixes = xn = None
-    if isinstance(x, ReadOut):      # (its x is this layer's attn_norm input, normalised by the write-back)
+    if isinstance(x, ReadOut):      # (its x is this layer's attn_norm output: the write-back normalised it)
         xn, mixes, x = x.x, x[1:], None
     if e is not None:
         R = block.engram.mix(R, e)
@@ -497,8 +497,8 @@ def post_attention(model, block, o: torch.Tensor, R: torch.Tensor, pre: torch.Te
     R, (xn, pre_f, post_f, comb_f) = hc_post_and_mixes(block, "ffn", R, y, post, comb, pre, norm=block.ffn_norm)
     y, y2 = block.ffn.forward_grouped(xn, token_ids, parts=True) if fast_moe else (block.ffn(xn, token_ids), None)
     j = block.layer_id + 1
-    # the next layer's attention mixes from this write-back unless an Engram mix changes R first (the step's graph
-    # is cut only before Engram layers, so the ReadOut always reaches the next layer's pre_attention in this span)
+    # the next layer's attention mixes from this write-back unless an Engram mix changes R first (a step's graph is
+    # cut, if at all, only before Engram layers, so the ReadOut always reaches the next layer's pre_attention)
     if j < len(model.layers) and not hasattr(model.layers[j], "engram"):
         R, x = hc_post_and_mixes(model.layers[j], "attn", R, y, post_f, comb_f, pre_f, y2=y2,
                                  norm=model.layers[j].attn_norm)
@@ -569,7 +569,7 @@ def engram_on_device(model) -> list[int]:
     in-memory FP8 table, pinned on CUDA; model.engram_device_reads on): the token windows go up with the step's
     upload and the device hashes them (Model._plan_fast; with the caches' recent tokens on the device, the host
     hashes them into row ids at launch instead). The others' rows are looked up on the host (Model._engram_rows).
-    None on CUDA with the kernels forced to their twins (DEEPINFER_SG_KERNELS=torch: the twin gathers on the host)."""
+    Empty on CUDA with the kernels forced to their twins (DEEPINFER_SG_KERNELS=torch: the twin gathers on the host)."""
     if not getattr(model, "engram_device_reads", False) or (model.device.type == "cuda"
                                                             and not use_triton(model.embed.weight)):
         return []

@@ -530,7 +530,10 @@ class EngramTable:
         (kernels.engram_gate.gather_rows), or None when the device must be handed looked-up rows instead (a table
         that does not pack; a memory-mapped table: pinning it would read the whole file into page-locked memory,
         ~100 GB for V4.1-Flash). On CUDA the in-memory table is moved into pinned host memory once (mapped into
-        the device's address space; the host lookups read the same memory from then on: no second copy)."""
+        the device's address space; the host lookups read the same memory from then on, so the table keeps no
+        second copy of its own; a caller's tensor the table was made from stays where it is). torch's pinned
+        allocator rounds each block up to a power of two and keeps it cached: ~4 GB for the mid-size model's
+        2.5 GB of tables."""
         if not self.packs or isinstance(self._weight, np.memmap):
             return None
         if torch.device(device).type == "cuda":

@@ -53,14 +53,15 @@ def hc_post(R: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     if fast:
         from deepinfer_sg.kernels.hc_mix import hc_post_apply
         return hc_post_apply(R, y, post, comb, next_pre, y2)
-    yf = y.float() if y2 is None else y.float() + y2.float()
-    out = (post.unsqueeze(-1) * yf.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), R.float())).to(R.dtype)
+    from deepinfer_sg.kernels.hc_mix import hc_post_torch
+    out = hc_post_torch(R, y, post, comb, None, y2)
     return out if next_pre is None else (out, hc_pre(out, next_pre))
 
 
 class ReadOut(NamedTuple):
     """A write-back's read-out x together with the mixes (pre, post, comb) of the sub-layer after it, computed by
-    the same pass (hc_post_and_mixes) from the R' it wrote."""
+    the same pass (hc_post_and_mixes) from the R' it wrote. x is the read-out already RMSNorm-ed by the sub-layer's
+    input norm (hc_post_and_mixes(norm=...)): batched.pre_attention takes it as the norm's output."""
     x: torch.Tensor
     pre: torch.Tensor
     post: torch.Tensor

@@ -378,7 +378,7 @@ class Model(nn.Module):
 
     def reset_graphs(self) -> None:
         """Forget the captured CUDA graphs (they read the weights where they were at capture time): needed after
-        replacing parameters by other tensors; moving or casting the model (`to`, `set_dtype`) does it itself."""
+        replacing parameters by other tensors or an Engram layer's table (graphs read its pinned rows by address); moving or casting the model (`to`, `set_dtype`) does it itself."""
         if hasattr(self, "_graphs"):
             self._graphs.reset()
 

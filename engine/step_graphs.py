@@ -7,9 +7,9 @@ by the host, not by the GPU. A graph replays a whole segment with one launch.
 What is captured: everything between two eager cache updates (`batched.span`: the rest of one layer (its index
 selection and attention), every layer in between whole, and the next layer's projections; the first segment
 starts at the embedding, the last ends with the head). The caches sit at fixed addresses (engine/arena.py). V4.1
-has no eager updates (engine/compress_step.py) and its Engram rows are gathered inside the graph from the pinned
-tables (batched.engram_on_device), so its step is one graph; tables the device cannot read cut it between layers
-before their Engram layer (batched.engram_splits: the host reads a segment's table rows while the device runs the
+has no eager updates (engine/compress_step.py); its Engram rows are gathered inside the graph from in-memory
+tables pinned on the host (batched.engram_on_device), so with those its step is one graph. Tables the device cannot
+read (memory-mapped ones: every loaded checkpoint's, engine/loader.py) cut it between layers before their Engram layer (batched.engram_splits: the host reads a segment's table rows while the device runs the
 segments before it); V4's overlapping compressors stay outside.
 
 Contract:

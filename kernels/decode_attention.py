@@ -212,7 +212,8 @@ def _attend_pool(q, m, l, acc, it, kv_ptr, idx_ptr, n_keys, k0, k1, row, scale, 
 @triton.jit
 def _combine_splits(out_ptr, sink_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, row, heads, hok, H, n_split,
                     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, DC: tl.constexpr):
-    """o_h = sum_s exp(m_s - M) acc_s / (exp(sink_h - M) + sum_s exp(m_s - M) l_s) for a block of heads, in split
+    """o_h = sum_s 2^(m_s - M) acc_s / (2^(sink_h - M) + sum_s 2^(m_s - M) l_s) (m_s, M and the sink in log2
+    units: the scores were scaled by log2 e) for a block of heads, in split
     order (deterministic), DC output dims at a time. This runs on the critical path of the row's last program, so
     each chunk's partials (all splits in one load, the ones past n_split masked off) are loaded before the
     previous chunk is stored: a store between them would keep the compiler from issuing the next loads early
@@ -258,7 +259,7 @@ def _sparse_attention_kernel(q_ptr, out_ptr, sink_ptr, win_kv_ptr, win_idx_ptr, 
     q = tl.load(q_ptr + (row * H + heads[:, None]) * D + dims[None, :], mask=hok[:, None], other=0.0)
     q = q.to(win_kv_ptr.dtype.element_ty)
     if SPLIT:
-        m = tl.full([BLOCK_H], -1e30, tl.float32)           # finite: exp(m - new_m) stays 0, never NaN
+        m = tl.full([BLOCK_H], -1e30, tl.float32)           # finite: exp2(m - new_m) stays 0, never NaN
         l0 = 0.0
     else:
         # the sink is a key with logit sink_h and value 0: start the online softmax from it

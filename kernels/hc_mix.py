@@ -490,15 +490,19 @@ def _tail_form(form: int | None, tpw: int) -> int:
     return form & ~4 if INTERPRETING else form        # (the acquire-load poll is PTX)
 
 
+def _grid(T: int, K: int, block_t: int, split: int, block_k: int) -> tuple:
+    """(split, block_k, n_split, n_tb): the split and step widths clamped to K, and the grid they give."""
+    split = min(split, max(block_k, triton.next_power_of_2(K)))
+    return split, min(block_k, split), triton.cdiv(K, split), triton.cdiv(T, block_t)
+
+
 def _split_launch(T: int, K: int, block_t: int, split: int, block_k: int, warps: int, waiters, spc, dev):
     """The launch shape for T tokens over K columns (module docstring). Waiting is safe for the last starter of
     a token block (every other program of the block has started and waits for nothing); several waiters wait for
     programs that may not have started, so they are used only while the whole grid is resident at once (spinning
     programs would otherwise hold the slots the missing ones need: seen on the H200 at T=4096, 1280 programs);
     the interpreter runs programs one after another."""
-    split = min(split, max(block_k, triton.next_power_of_2(K)))
-    block_k = min(block_k, split)
-    n_split, n_tb = triton.cdiv(K, split), triton.cdiv(T, block_t)
+    split, block_k, n_split, n_tb = _grid(T, K, block_t, split, block_k)
     nw = min(waiters or block_t, block_t, n_split) if _one_wave(n_tb * n_split, warps, dev) else 1
     tpw = triton.next_power_of_2(-(-block_t // nw))
     spc = spc or min(triton.next_power_of_2(n_split), max(1, 256 // tpw))     # <= 8192 partial values at once
@@ -898,7 +902,7 @@ def hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-
     RMSNorm-ed in the same launch (_finish_block's NORM; norm_form 1 / 2 forces a form, default 2 while the grid
     is resident at once, else 1). Cost: R read once, R' written once, y read, x written, fn read once per token
     block (L2 hits after the first), the partials through L2. only_partial: no mixing (benchmark: the mixes'
-    outputs are left unwritten)."""
+    outputs are left unwritten, and x is not normalised even with x_norm)."""
     _check_apply(R, y, post, comb, next_pre, triton_path=True, y2=y2)
     check(next_pre is not None, "the write-back + mixes pass needs the next pre-mix")
     T, M, H = R.shape
@@ -956,6 +960,13 @@ def hc_post_apply(R, y, post, comb, next_pre=None, y2=None):
     return hc_post_torch(R, y, post, comb, next_pre, y2)
 
 
+def _norm_resident(T: int, H: int, dev) -> bool:
+    """Whether the write-back + mixes launch at its default tiles keeps its whole grid resident (norm form 2)."""
+    t = _post_mix_tiles(T)
+    _, _, n_split, n_tb = _grid(T, H, t["block_t"], t["split"], t["block_k"])
+    return _one_wave(n_tb * n_split, t["num_warps"], dev)
+
+
 def hc_post_mix_apply(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iters=20,
                       post_mult=2.0, y2=None, x_norm=None):
     """The write-back R' = post * y + comb^T R (y2: a second addend of y, hc_post_torch), the read-out x of R'
@@ -963,11 +974,18 @@ def hc_post_mix_apply(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-2
     parameters (fn, base, scale): (R', x, HcMixes). On CUDA with 4 streams and up to POST_MIX_MAX_T tokens
     (POST_MIX_NORM_MAX_T with x_norm) one launch (hc_post_mix_triton; fn as cached bf16 parts where hc_mixes
     would use them), else hc_post_apply then hc_mixes (then kernels.rmsnorm.rms_norm; the twins on CPU)."""
-    most = POST_MIX_MAX_T if x_norm is None else POST_MIX_NORM_MAX_T
-    if use_triton(R) and R.shape[1] == 4 and R.shape[0] <= most:
-        parts = fn_parts_cached(fn) if R.dtype == torch.bfloat16 and parts_pay(R.shape[0]) else None
-        return hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps, hc_eps, iters, post_mult,
-                                  fn_parts=parts, y2=y2, x_norm=x_norm)
+    T = R.shape[0]
+    if use_triton(R) and R.shape[1] == 4:
+        # the norm joins the launch only in its fast form (2: the whole grid resident at once); form 1 costs more
+        # than the separate norm launch (26.6 / 41.2 us at T = 8 / 64 on the H200, session 10), so a GPU too small
+        # for the grid keeps the write-back + mixes launch (up to POST_MIX_MAX_T tokens) and norms after it
+        fused_norm = x_norm is not None and T <= POST_MIX_NORM_MAX_T and _norm_resident(T, R.shape[2], R.device)
+        if T <= POST_MIX_MAX_T or fused_norm:
+            parts = fn_parts_cached(fn) if R.dtype == torch.bfloat16 and parts_pay(T) else None
+            out, x, mixes = hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps, hc_eps, iters,
+                                               post_mult, fn_parts=parts, y2=y2,
+                                               x_norm=x_norm if fused_norm else None)
+            return out, (rms_norm(x, *x_norm) if x_norm is not None and not fused_norm else x), mixes
     out, x = hc_post_apply(R, y, post, comb, next_pre, y2)
     if x_norm is not None:
         x = rms_norm(x, *x_norm)

@@ -28,7 +28,8 @@ with the block in registers as in kernels/sampling.py (its program shape): the k
 rows' bonus candidates and the greedy rows' argmax (each program finds its request from cu_rows and derives 1/T
 and its rng key while its logits loads are in flight); the ratio test per request (merges the statistics, writes
 the final token unless the final row rejected a draft); one residual pass over the final rows that rejected
-(their logits + draft probabilities only; other programs exit); a tiny finish. Rows with 0 < top_k <= 64 get
+(their logits + draft probabilities only; other programs exit); a tiny finish. Sampled rows with 0 < top_k <=
+threshold.KMAX that have an allowed token and take the merge's gathered-lanes path (not its -1 bisection) get
 their statistics from the top-k merge instead (kernels/threshold.py's lane path holds their kept set in the
 lanes it gathered, and draws there with the row's FRESH key what the statistics pass would: its STATS), so the
 statistics pass skips them without reading their logits again (session 10 R2, 64 requests x 4 rows with draft
@@ -200,8 +201,9 @@ def _stats_kernel(logits_ptr, mc_ptr, sc_ptr, pack_ptr, cu_ptr, temp_ptr, seed_p
     """Program (row, part of a segment; the sampling pass's program shape): the kept max M_c and mass
     S_c = sum exp(z - M_c) of its PL lanes, and one packed candidate: greedy rows the first maximum; the last row
     of a non-greedy request its bonus draw (the lane rule, FRESH key at its position); other rows -inf (unused).
-    The logits loads are issued first; the row's request and parameters are looked up while they are in flight
-    (no per-row parameter arrays, no expand launch). Full segments skip the bounds checks. NP > 1: the last row of
+    The logits loads are issued first (with HAS_TAU after the row's solved flag and its branch: one dependent
+    load more a program on filtered batches); the row's request and parameters are looked up while they are in
+    flight (no per-row parameter arrays, no expand launch). Full segments skip the bounds checks. NP > 1: the last row of
     a top-p-alone request stores NP proposals instead (kernels/rejection.py's rule, on the unrestricted z; pack
     is [R, n_prog, NP]). HAS_TAU: rows the top-k merge solved (solved[row], threshold.lane_path's stats) already
     hold their statistics in part 0; their other parts get nothing (max -inf, mass 0, no candidate), and their

@@ -391,21 +391,23 @@ def test_second_addend_is_one_fp32_sum(fused):
     assert float((out.float() - old.float()).abs().max() / old.float().abs().max()) < 2 * tol
 
 
-@pytest.mark.parametrize("form,waiters", [(1, None), (2, None), (2, 2)] if DEVICE == "cuda" else [(1, None)])
-def test_read_out_norm_in_the_write_back(form, waiters):
+@pytest.mark.parametrize("form,waiters,H", [(1, None, 100), (2, None, 100), (2, 2, 100), (2, 16, 768)]
+                         if DEVICE == "cuda" else [(1, None, 100)])
+def test_read_out_norm_in_the_write_back(form, waiters, H):
     """x_norm: the read-out RMSNorm-ed in the write-back + mixes launch (_finish_block's NORM forms: 1, the
     waiters normalise whole rows after the wait; 2, GPU only, every program waits for the block's partials, then
     the non-waiters normalise all columns (2 waiters of the 4 splits), or with every program a waiter (4
-    waiters) each its own), with the second addend, 2 token blocks (the last partial) and 4 splits (the last
-    partial): the normalised x
+    waiters) each its own; and H=768: 24 splits, 16 one-token waiters, the acquire-poll tail form 7 with
+    non-waiters, the form the model runs at T=8 / 64 on the H200), with the second addend, 2 token blocks (the
+    last partial) and 4 splits (the last partial) at H=100: the normalised x
     against the float64 formula on the kernel's R', the twin (kernels.rmsnorm's on the rounded x) within bf16
     rounding, R' and the mixes unchanged by the norm, the same bits twice, counters left zero."""
     from deepinfer_sg.kernels import hc_mix
     gen = torch.Generator().manual_seed(80 + form)
-    R, y, post, comb, a = _apply_inputs(gen, 21, 4, 100, torch.bfloat16)
-    y2 = torch.randn(21, 100, generator=gen).to(torch.bfloat16)
-    _, fn, base, scale = _params(gen, 1, 4, 100)
-    w = torch.rand(100, generator=gen) + 0.5
+    R, y, post, comb, a = _apply_inputs(gen, 21, 4, H, torch.bfloat16)
+    y2 = torch.randn(21, H, generator=gen).to(torch.bfloat16)
+    _, fn, base, scale = _params(gen, 1, 4, H)
+    w = torch.rand(H, generator=gen) + 0.5
     args = on_dev((R, y, post, comb, a, fn, base, scale))
     kw = dict(block_t=16, split=32, block_k=32, y2=on_dev(y2), norm_form=form, waiters=waiters)
     out, x, m = hc_mix.hc_post_mix_triton(*args, **kw, x_norm=(on_dev(w), 1e-6))

@@ -230,17 +230,21 @@ def _bottom_end_rows():
 
 
 @pytest.mark.parametrize("N", [3, 17])
-def test_default_select_of_many_chunks(N):
+def test_default_select_of_many_chunks(N, monkeypatch):
     """Rows of more than 4 default chunks (16 * k entries each), unsorted: at most TREE_ROWS rows merge through
-    the fused tree, more rows in a second launch; both pick exactly what a stable sort picks and leave the
-    tickets at 0."""
-    from deepinfer_sg.kernels.indexer import FAN, TREE_ROWS, default_chunks
+    the fused tree (one _fused_launch), more rows in a second launch (none); both pick exactly what a stable sort
+    picks and leave the tickets at 0."""
+    from deepinfer_sg.kernels import indexer
     L, k = 170, 2
-    assert default_chunks(L, k) > FAN and 3 <= TREE_ROWS < 17
+    assert indexer.default_chunks(L, k) > indexer.FAN and 3 <= indexer.TREE_ROWS < 17
+    fused = []
+    real = indexer._fused_launch
+    monkeypatch.setattr(indexer, "_fused_launch", lambda *a, **kw: fused.append(1) or real(*a, **kw))
     gen = torch.Generator().manual_seed(N)
     s = torch.randn(N, L, generator=gen).round()
     s[1, 40:] = float("-inf")
     _check_select(s, k, False)
+    assert len(fused) == (1 if N <= indexer.TREE_ROWS else 0)
     assert int(tickets(DEVICE, 4 * N, site="indexer").abs().sum()) == 0
 
 

@@ -265,16 +265,19 @@ def test_histogram_path_rows_with_few_allowed_tokens_stay_on_the_fast_path(monke
 
 
 def test_merge_bound_rows_with_few_live_lanes_or_groups_and_clustered_leaders():
-    """The lane path's merge bounds (group maxima of 16 consecutive lanes first, the histogram rounds when that
-    leaves more than LCAP lanes or fewer than k groups are alive) against the definition and the twin's tokens:
-    a flat row (the group bound holds), a row whose mask leaves fewer live lanes than k with tokens below every
-    lane's max (all of them belong to the top-k set: a bound at the smallest lane max lost them before session
-    8), k above the live groups, leaders clustered in consecutive ids (too many lanes above the group bound), a
-    mask leaving more lanes than k in fewer groups than k. The inputs' lane and group counts are checked here, so
-    every case is the one named."""
+    """The lane path's merge bounds (the maxima of strided lane groups first: group i holds lanes i, i + NG/16, ...
+    of the NG lanes padded to a power of two; the histogram rounds when that leaves more than LCAP lanes or fewer
+    than k groups are alive) against the definition and the twin's tokens: a flat row (the group bound holds), a
+    row whose mask leaves fewer live lanes than k with tokens below every lane's max (all of them belong to the
+    top-k set: a bound at the smallest lane max lost them before session 8), k = 64 over 64 live groups, leaders
+    in a few lane groups (too many lanes above the group bound), a mask leaving more lanes than k in fewer groups
+    than k. The inputs' lane and group counts are checked here, as the kernel groups them, so every case is the
+    one named."""
     from deepinfer_sg.kernels.sampling import lanes_view
+    from deepinfer_sg.kernels.threshold import GROUP_SIZE
     gen = torch.Generator().manual_seed(41)
-    R, V = 6, 9000                                          # 3 segments x 256 lanes: 48 groups of 16 lanes
+    R, V = 6, 9000                                          # 3 segments x 256 lanes: 64 groups of 16 lanes
+    ids = torch.arange(V)
     logits = torch.randn(R, V, generator=gen) * 2
     bm = torch.full((R, (V + 31) // 32), -1, dtype=torch.int32)
     few = torch.cat([torch.arange(10) + 256 * j for j in range(3)])          # 10 lanes holding 3 tokens each
@@ -283,19 +286,23 @@ def test_merge_bound_rows_with_few_live_lanes_or_groups_and_clustered_leaders():
     bm[1, 8] = (1 << 10) - 1
     bm[1, 16] = (1 << 10) - 1
     logits[1, few[10:]] = -20 - torch.rand(20, generator=gen)                # below every lane's max
-    logits[3, :300] += 8                                                     # leaders in consecutive ids
-    bm[4] = 0
-    bm[4, :2] = -1                                                           # 64 lanes alive, in 4 groups
+    logits[3, ids % 64 < 12] += 8                                            # leaders in a few lane groups
+    allowed = torch.nn.functional.pad(ids % 64 < 3, (0, bm.shape[1] * 32 - V)).view(-1, 32).long()
+    words = (allowed << torch.arange(32)).sum(-1)
+    bm[4] = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)   # lanes alive in 3 groups
     top_k = torch.tensor([20, 25, 64, 40, 30, 0])
     top_p = torch.tensor([0.9, 1.0, 0.95, 0.8, 1.0, 1.0])
     temperature = torch.tensor([1.0, 0.9, 1.0, 1.2, 0.8, 0.0])
     z = masked_z_torch(logits, 1.0 / temperature.clamp_min(1e-6), bm, torch.arange(R))
     lanes = lanes_view(z, float("-inf")).amax(-1)                            # [R, 768] lane maxima
+    NG = 1 << (lanes.shape[1] - 1).bit_length()
+    padded = torch.nn.functional.pad(lanes, (0, NG - lanes.shape[1]), value=float("-inf"))
+    group_max = padded.view(R, GROUP_SIZE, NG // GROUP_SIZE).amax(1)          # the kernel's strided groups
     live = lanes > float("-inf")
-    groups = live.view(R, -1, 16).any(-1).sum(1)
-    assert live[1].sum() == 10 < 25 and groups[2] == 48 < 64 and groups[4] == 4 < 30 <= live[4].sum()
-    third_lo = torch.sort(lanes[3].view(-1, 16).amax(-1), descending=True).values[39]
-    assert int((lanes[3] >= third_lo).sum()) > 128                           # the group bound leaves too many
+    groups = (group_max > float("-inf")).sum(1)
+    assert live[1].sum() == 10 < 25 and groups[2] == 64 and groups[4] == 3 < 30 <= live[4].sum()
+    fortieth = torch.sort(group_max[3], descending=True).values[39]
+    assert int((lanes[3] >= fortieth).sum()) > 128                           # the group bound leaves too many
     path = _check(logits, temperature, top_k, top_p, bm)
     assert (path[:5] >= 1).all() and int(path[1]) == 30
     p = row_params(R, "cpu", temperature, top_k, top_p, seed=torch.arange(R) * 7, position=4)
