@@ -378,7 +378,8 @@ class Model(nn.Module):
 
     def reset_graphs(self) -> None:
         """Forget the captured CUDA graphs (they read the weights where they were at capture time): needed after
-        replacing parameters by other tensors or an Engram layer's table (graphs read its pinned rows by address); moving or casting the model (`to`, `set_dtype`) does it itself."""
+        replacing parameters by other tensors or an Engram layer's table (graphs read its pinned rows by address);
+        moving or casting the model (`to`, `set_dtype`) does it itself."""
         if hasattr(self, "_graphs"):
             self._graphs.reset()
 
@@ -963,7 +964,7 @@ class Model(nn.Module):
         out = srcs.cat(ids, 0)[to_device(torch.from_numpy(idx), ids.device)]
         for s, b0, k in zip(ctx.seqs, (ends - lens)[0::2].tolist(), (keep_old + new).tolist()):
             cache = s.cache
-            cache._tokens = (out, b0, k)
+            cache.set_rows("tokens", out, b0, k)
             cache.length += s.n
             cache.floor = max(cache.floor, cache.length - cache.max_rollback)
 
