@@ -20,7 +20,7 @@ default CUDA path, Triton) at the same shapes. --sweep adds launch-parameter var
 on the CPU (interpreter, tiny shapes) to check the script itself. Twins are timed with do_bench when they sync.
 
 Last measured (NVIDIA H200, torch 2.11 / Triton 3.6; copy ~4,250 GB/s; bitmask 2026-11-29 session 3; the rows marked
-s9 / s10 in sessions 9 / 10 (their stop notes on issue 8), the others in session 8 round 3; each family's module
+s9 / s10 / s11 in sessions 9-11 (their stop notes on issue 8), the others in session 8 round 3; each family's module
 docstring has its own rows and sweeps):
   kernel                 shape                                  triton us          roofline (of copy bandwidth)
   bitmask                B=64 / 256 / 512, V=129280             20.8 / 72 / 140    76% / 87% / 90% (xgrammar 0.2.9's
@@ -31,13 +31,14 @@ docstring has its own rows and sweeps):
   sample greedy (s9)     B=64 / 256                             10.3 / 33.3        75% / 93%
   sample top-k50 p0.9    B=64 / 256 (s10; flat and peaked)      20.8-21.6 / 58-61  36-37% / 51-53%
   sample top-p0.9 flat   B=64 / 256 (s9)                        31.0 / 86.3        by rejection (was 150 / 461)
-  sample top-p0.95 peak  B=64 / 256 (s9)                        23.8 / 63.2        32% / 49% (was 57.0 / 121)
+  sample top-p0.95 peak  B=64 / 256 (s9; B=64 s11)              21.8-21.9 / 63.2   36% / 49% (was 57.0 / 121)
   speculative accept     64 requests x 4 rows + draft probs     48.7-51.9 (s9)     64-65%; with top-k50 p0.9 102 (s10)
-  sparse attention (s10) N=64 / 256, H=64 D=512, 128+512 keys   40.4 / 104.1       29-30% / 46% of max(bytes, flops)
+  sparse attention (s11) N=64 / 256, H=64 D=512, 128+512 keys   37.8-38.2 / 103.7  31% / 46% of max(bytes, flops)
   indexer score + top-k  N=64 Hi=32 Di=128 L=16384 k=512        92.9 / 89.0 unsort 68% / 71% (s9; scores alone 92-94%)
                          N=64 L=65536 / 131072 (s10, unsorted)  309.4 / 611.7      82% / 83%
   moe experts (fp8 w)    V4.1 shapes T=8 / 64 / 256             447 / 2,131 / 3,429  86% / 94% / 92% of the fp8 bytes
-  moe experts (fp4 pack) V4.1 shapes T=8 / 64 / 256             471 / 2,154 / 3,428  43% / 50% / 49% of the fp4 bytes
+  moe experts (fp4 s11)  V4.1 shapes T=8 / 64 / 256             312 / 1,401-1,414 / 2,290-2,319  64% / 74-75% / 72-73%
+                                                                                        of the fp4 bytes (CUDA default)
   hc mixes + sinkhorn    T=64 / 256 / 4096, H=5120              11.0 / 16.4 / 89.7 24-27% / 28% / 43% of a launch
                                                                                         that only streams the bytes
   hc post + next pre     T=64 / 256                             4.0 / 9.2          38% / 67% (83% / 82% of one

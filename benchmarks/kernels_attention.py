@@ -162,6 +162,24 @@ Measured (H200, copy ~4,250 GB/s, bf16 matmul 700-790 TFLOP/s; launch floor 0.7 
                          (29-30% / 46%); indexer scores + select N=8, L=65536 76.4 -> 63.1, N=64, L=65536 323.3-323.5
                          -> 309.4-309.7 (82%), N=8, L=131072 119.9 -> 99.6-99.7 (63%), N=64, L=131072 631.8-632.0 ->
                          611.7-612.5 (83%). Compiled attention + indexer tests: 69 passed.
+  session 11 (K2, a round script against session 10's files in the same run, copy 4,221-4,250 GB/s) attention
+                         N=64 (two splits): the second program merges from its registers 40.3-40.8 -> 37.8-38.2 us
+                         (29% -> 31%; rounds 2-3), the ticket-first protocol with the stored merge 42.1-42.3, the
+                         first register form (partial addresses split like the accumulator: one element per thread)
+                         120.0; N=256 unchanged 103.7-104.2 (46%). Indexer scores + select (unsorted): the tree merge
+                         against a second launch, N=8 / 12 / 16 / 24 / 32 rows: L=65536 (8 chunks) 63.3 / 78.9 / 94.5
+                         / 134.7 / 176.1 against 59.2 / 76.1 / 90.8 / 131.3 / 166.6, L=131072 (16 chunks) 99.5 /
+                         137.9 / 175.4 / 251.0 / 324.1 against 99.6 / 139.8 / 170.4 / 247.6 / 317.4; N=8, L=65536
+                         with 4 chunks 84.4, L=131072 with 8 127.6; the tree's groups of 2 / 8 chunks 63.8 / 59.2
+                         (L=65536), 105.9 / 103.7 (L=131072, 4: 99.4); scores alone at N=8 37.5 (84%) / 69.2 (91%)
+                         (rounds 1-2). Round 3, the new defaults (`TREE_ROWS` 12, `TREE_CHUNKS` 16): N=8, L=65536
+                         63.1-63.2 -> 59.2 (50% -> 53%), N=12, L=65536 81.2 -> 77.1-77.2 (58% -> 62%), N=16,
+                         L=131072 177.0-177.1 -> 173.3-173.4 (72% -> 73%), N=12, L=131072 139.8-140.0 (unchanged).
+                         Round 4, the score kernel alone by blocks per program (4, the default / 2 / 8; of the
+                         bytes read + scores written at round 3's copy rate): N=8, L=65536 37.0-37.1 / 36.8 / 40.5
+                         (87% / 87% / 79%), N=8, L=131072 67.9-68.3 / 67.4-68.1 / 69.0, N=64, L=16384 68.1-68.4 /
+                         67.6-68.0 / 68.5-68.6: no change beyond noise, the default stays. Compiled tests: attention
+                         30 passed (round 3), indexer 40 passed (round 4).
 """
 import os
 import sys

@@ -174,6 +174,21 @@ H200 numbers (torch 2.11 / Triton 3.6; copy 4,250-4,275 GB/s; us, fraction of co
   warps x 2,048 programs at B=64 = 30M warp instructions: 32 us at 4 per SM per cycle, 55 us measured), so top-p
   alone on flat rows cannot approach one read (8.7 us) this way; a sampling rule that needs no tau (proposals from
   the full softmax, each kept iff the mass above it is < p * s: two passes) is the way to ~30 us.
+  session 11 round 1 (2026-11-30; copy 4,249 GB/s), top-p alone by rejection, stages by differences (--sweep,
+  K1_SWEEP=reject), B=64 / 256: flat p0.9: the pass with 4 proposals 12.8 / 38.1 (1 proposal 10.9 / 35.8),
+                                + tokens and mass above 16.0 / 45.3, + finish 22.3 / 2.5 (at B=64 a row of that
+                                input most likely missed all four proposals: the finish's loops over the row);
+                                peaked p0.95: 12.8 / 38.1, + 8.8 / 23.3, + 2.1 / 2.3. ncu of one call (B=64 flat):
+                                pass 14.1 us (7.05M warp instructions, issue active 59%, long scoreboard 3.9 per
+                                issue), tokens 5.3 us (one warp a row, ~1,260 dependent instructions: latency),
+                                mass above 16.9 us (31.6 MB read, 96 registers: 20 warps an SM, long scoreboard
+                                3.9), finish 4.9 us
+  session 11 rounds 2-4 (HEAD in the same run, twice each; kernels/rejection.py and kernels/threshold.py hold the
+  variants' numbers), B=64: top-p0.95 peaked 23.9 -> 21.8-21.9 us (33% -> 36%), top-p0.9 flat 31.1 -> 30.5-30.8
+  (the mass-above pass skips segments below every proposal; the pass packs its proposals in one reduction). Lane
+  bounds deciding rows before the mass-above pass, the lanes' mass stored for a one-sweep in-lane draw, and the top-k
+  merge's tau stage without layout conversions lost and were deleted. The speculative step's new row (top-p0.95
+  alone on peaked rows: the merge skips those rows' draw) was cut by the rounds' budgets (tokens = twin 100%).
 """
 import os
 
@@ -241,24 +256,27 @@ def bench_sampling(bw, l2, batches):
             row(name, f"B={B} V={V}", t, tt, B * V * 4 + (B * W * 4 if masked else 0), bw, note)
 
 
-def spec_inputs(l2, L=4):
-    """B requests x L rows (target logits, draft probabilities near them, drafts sampled from those), rotated past
-    the L2: (B, L, R, cu_rows, next())."""
+def spec_inputs(l2, L=4, gen_rows=None):
+    """B requests x L rows (target logits: normal with scale 2, or gen_rows(R); draft probabilities near them,
+    drafts sampled from those), rotated past the L2: (B, L, R, cu_rows, next())."""
     B = S(64, 3)
     R = B * L
 
     def make():
-        logits = torch.randn(R, V, device=DEV) * 2
+        logits = gen_rows(R) if gen_rows else torch.randn(R, V, device=DEV) * 2
         probs = torch.softmax(logits + 0.3 * torch.randn_like(logits), 1)
         return logits, probs, torch.multinomial(probs, 1)[:, 0]
     return B, L, R, torch.arange(B + 1, device=DEV) * L, rotating(make, 2 * R * V * 4, l2)
 
 
 def bench_speculative(bw, l2):
-    B, L, R, cu, nxt = spec_inputs(l2)
-    x, pr, d = nxt()
-    # per-request tensors already on the device: nothing is copied from the host inside a CUDA-graph capture
-    for label, top_k, top_p in (("probs", 0, 1.0), ("probs top-k50 p0.9", 50, 0.9)):
+    """The speculative step (64 requests x 4 rows, draft probabilities): unfiltered, top-k50 p0.9, and top-p0.95
+    alone on peaked rows (the top-k merge's lane try decides their tau; their bonus follows kernels/rejection.py)."""
+    for label, top_k, top_p, gen_rows in (("probs", 0, 1.0, None), ("probs top-k50 p0.9", 50, 0.9, None),
+                                          ("probs top-p0.95 peak", 0, 0.95, peaked_logits)):
+        B, L, R, cu, nxt = spec_inputs(l2, gen_rows=gen_rows)
+        x, pr, d = nxt()
+        # per-request tensors already on the device: nothing is copied from the host inside a CUDA-graph capture
         # what the caller knows on the host (the engine does): whether any request filters, and how
         flags = dict(filters=top_k > 0 or top_p < 1, histogram=top_p < 1 and not 0 < top_k <= threshold.KMAX)
         kw = dict(temperature=torch.ones(B, device=DEV), top_k=torch.full((B,), top_k, dtype=torch.int64, device=DEV),
@@ -717,15 +735,15 @@ def compile_cases():
                                                                               FAST=True, **seg_flags), 2),
         ("sample segment np4", sampling._segment_kernel, seg_types,
          dict(HAS_MASK=False, HAS_TAU=False, LANES=256, LW=16, PL=128, VEC=2, FAST=True, DONE=False, MASK_FIRST=False,
-              NP=4, REJECT=True, HOT=True), 2),
-        ("reject tokens", rejection._tokens_kernel, dict(rej_types, tok_ptr="*i64"),
+              NP=4, REJECT=True, HOT=True, NPR=4), 2),
+        ("reject tokens", rejection._tokens_kernel, dict(rej_types, tok_ptr="*i64", dec_ptr="*i64"),
          dict(DONE=True, HAS_MASK=True, HAS_TAU=True, NP=4, NPP=64, NPQ=8, LANES=256, LW=16, FAST=True), 1),
-        ("reject mass above", rejection._above_kernel, dict(rej_types, tok_ptr="*i64", lane_ptr="*fp32",
-                                                            hot_ptr="*i32"),
+        ("reject mass above", rejection._above_kernel, dict(rej_types, tok_ptr="*i64", dec_ptr="*i64",
+                                                            lane_ptr="*fp32", hot_ptr="*i32"),
          dict(HAS_MASK=True, NP=4, NPP=64, LANES=256, LW=16, VEC=4, FAST=True, NPQ=8, HOT=True, HOTCAP=32), 2),
-        ("reject finish", rejection._reject_finish_kernel, dict(rej_types, tok_ptr="*i64", pmass_ptr="*fp32"),
-         dict(DONE=True, HAS_MASK=True, NP=4, NPP=64, NPQ=8, NSP=32, NMAX=8, LANES=256, LW=16, BLOCK=1024,
-              FAST=True), 4),
+        ("reject finish", rejection._reject_finish_kernel, dict(rej_types, tok_ptr="*i64", dec_ptr="*i64",
+                                                                pmass_ptr="*fp32"),
+         dict(HAS_MASK=True, NP=4, NPP=64, NPQ=8, NSP=32, NMAX=8, LANES=256, LW=16, BLOCK=1024, FAST=True), 4),
         ("spec stats pass", speculative._stats_kernel, {"pack_ptr": "*i64"},
          dict(HAS_MASK=True, HAS_TAU=False, LANES=256, LW=16, PL=256, VEC=4, NB=64, FAST=True, NP=1), 2),
         ("spec stats pass np4", speculative._stats_kernel, {"pack_ptr": "*i64", "solved_ptr": "*i8"},

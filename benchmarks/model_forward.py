@@ -14,7 +14,9 @@ eager fast path (max |diff|: "exact" when bit for bit equal); "ahead": the graph
 the device runs the previous one (Model.plan_step / launch, as engine/step_pipeline.py does; step time = the period
 between two steps' ends; printed with the host ms of launch, split at the graph run, and of the overlapped plan, and
 the device time of the last step's graphs replayed back to back: the step without its host gaps; the caches are
-copied before those replays and put back after, and the line says whether the replays changed them),
+copied before those replays and put back after, and the line says whether the replays changed them: "unchanged",
+"unchanged but the dump rows" (only the row arenas' dump rows differ: benign, see `graphs_back_to_back`) or
+"CHANGED" with the rows that differ),
 "exact" vs eager; "unstacked": the graphs path with one GEMM per attention-norm projection
 (model.stack_projections = False, engine/projections.py), vs the fast path; "rope-apart": the graphs path with RoPE
 in launches of its own (model.fused_rope = False), vs the fast path; "routes" (only when named, after "reference"):
@@ -216,6 +218,13 @@ def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, wa
             keys.append(a[0])
             return out
         g.run = run
+        real_layers = model._layers_fast
+        entered = []   # when launch reaches the segments (its checks and id handling done)
+
+        def layers_fast(*a, **k):
+            entered.append(time.perf_counter())
+            return real_layers(*a, **k)
+        model._layers_fast = layers_fast
         split = []
         parts_ms = collections.defaultdict(float)
         restore = _time_launch_parts(model, parts_ms)
@@ -245,8 +254,9 @@ def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, wa
                 plan_ms.append((t2 - t1) * 1e3)
                 if marks:
                     split.append(((marks[0][0] - t0) * 1e3, (marks[-1][1] - marks[0][0]) * 1e3,
-                                  (t1 - marks[-1][1]) * 1e3))
+                                  (t1 - marks[-1][1]) * 1e3, (entered[0] - t0) * 1e3))
             marks.clear()
+            entered.clear()
             if s + 1 < len(toks_per_step):
                 keys.clear()
         else:
@@ -271,12 +281,12 @@ def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, wa
     decode_run.host_ms = None
     if ahead:
         decode_run.replay_ms = graphs_back_to_back(model, sum(r.n for r in rows), dev, keys)
-        del model._graphs.run
+        del model._graphs.run, model._layers_fast
         restore()
         n = max(1, len(toks_per_step) - warmup)
         decode_run.launch_parts = {k: v / n for k, v in parts_ms.items()}
         decode_run.host_ms = (statistics.median(launch_ms), statistics.median(plan_ms),
-                              *(statistics.median(x[k] for x in split) if split else float("nan") for k in range(3)))
+                              *(statistics.median(x[k] for x in split) if split else float("nan") for k in range(4)))
     return statistics.median(times), sum(bytes_) / len(bytes_), logits   # median: robust to a stray slow step
 
 
@@ -286,13 +296,24 @@ def graphs_back_to_back(model, T: int, dev, keys: list, reps: int = 5) -> float:
     no graphs. The replays redo the last step on its captured inputs. Safe by construction for the paths that run
     later on these caches: every cache storage the graphs write (the window slabs and row arenas, engine/arena.py)
     is copied before and put back after; `graphs_back_to_back.kept` says whether the replays left it as it was
-    (True: each segment writes what the step wrote, from inputs it does not itself change)."""
+    (True: each segment writes what the step wrote, from inputs it does not itself change; "dump": all but the row
+    arenas' dump rows, `_replays_kept`).
+    Why "dump" is benign (session 11 R1, tiny V4.1 on the H200, batch 16, prompt 64: layer 2's entries and latents
+    arenas, their dump rows only; prompt 65: unchanged): a ratio-2 compressor row that completes no group writes its
+    entry / latent / index key to its arena's dump row (engine/compress_step.py, engine/arena.py), so when a step
+    ends on an even position every row of the step writes that one row, and which row's bytes land last is up to
+    the device's scheduling, replay to replay. No state's rows reach the dump row (a state's rows start at slot * cap,
+    count of them, below it), so no value read from it is used (the index scores' padded reads past a state's
+    rows may land on it and are masked); the mid-size runs (prompt 32, 16 steps) end on an odd position, where
+    every row completes its group, and never showed it."""
     graphs_back_to_back.kept = None
     size = getattr(model._graphs, "_sizes", {}).get(T)
     if dev.type != "cuda" or size is None or not keys or any(k not in size.segments for k in keys):
         return float("nan")
-    stores = [s.data for s in model.__dict__.get("_window_slabs", {}).values()] + \
-        [a.flat for a in model.__dict__.get("_row_arenas", {}).values()]
+    slabs = list(model.__dict__.get("_window_slabs", {}).values())
+    arenas = list(model.__dict__.get("_row_arenas", {}).values())
+    stores = [s.data for s in slabs] + [a.flat for a in arenas]
+    names = ["window slab"] * len(slabs) + [f"layer {a.layer} {a.part}.{a.name}" for a in arenas]
     saved = [t.clone() for t in stores]
     times = []
     try:
@@ -308,11 +329,30 @@ def graphs_back_to_back(model, T: int, dev, keys: list, reps: int = 5) -> float:
         say(f"graphs back to back: {e!r}")
         return float("nan")
     finally:
-        graphs_back_to_back.kept = all(torch.equal(t, c) for t, c in zip(stores, saved))
+        graphs_back_to_back.kept = _replays_kept(stores, saved, names, len(slabs))
         for t, c in zip(stores, saved):
             t.copy_(c)
         del saved
     return statistics.median(times)
+
+
+def _replays_kept(stores, saved, names, slabs: int):
+    """True when the replays left every store as it was; "dump" when only arenas' dump rows differ (the last row of
+    each arena flat, after the slab's stores); else False, with the changed rows named in
+    `graphs_back_to_back.changed`."""
+    changed, dump_only = [], True
+    for k, (t, c) in enumerate(zip(stores, saved)):
+        if torch.equal(t, c):
+            continue
+        if k < slabs:    # [L, slots, cap, D]: (layer, slot, row) of the changed rows
+            dump, where = False, f"(layer, slot, row) {(t != c).any(-1).nonzero()[:4].tolist()}"
+        else:
+            rows = (t != c).reshape(t.shape[0], -1).any(1).nonzero().flatten().tolist()
+            dump, where = rows == [t.shape[0] - 1], f"rows {rows[:6]} of {t.shape[0]}"
+        dump_only = dump_only and dump
+        changed.append(f"{names[k]}: " + ("the dump row" if dump else where))
+    graphs_back_to_back.changed = changed
+    return True if not changed else "dump" if dump_only else False
 
 
 def _gate_by(kind: str):
@@ -547,8 +587,10 @@ def run(args):
                 speed = f"{flips[0]} flips"
             host = "" if not (path == "ahead" or path in ABLATIONS) else \
                 (f"   graphs back to back {decode_run.replay_ms:.2f} ms (caches "
-                 f"{ {True: 'unchanged', False: 'CHANGED, restored', None: '-'}[graphs_back_to_back.kept]}); "
-                 f"host ms: launch {decode_run.host_ms[0]:.2f} (before the graph run {decode_run.host_ms[2]:.2f}, "
+                 f"{ {True: 'unchanged', 'dump': 'unchanged but the dump rows', False: 'CHANGED, restored', None: '-'}[graphs_back_to_back.kept]}"
+                 f"{'' if graphs_back_to_back.kept in (True, None) else ': ' + '; '.join(graphs_back_to_back.changed)}); "
+                 f"host ms: launch {decode_run.host_ms[0]:.2f} (before the graph run {decode_run.host_ms[2]:.2f}, of it "
+                 f"to the segments {decode_run.host_ms[5]:.2f}, "
                  f"in it {decode_run.host_ms[3]:.2f}, after {decode_run.host_ms[4]:.2f}) + plan "
                  f"{decode_run.host_ms[1]:.2f} (overlapped); parts ms: " +
                  ", ".join(f"{k} {v:.3f}" for k, v in getattr(decode_run, "launch_parts", {}).items()))

@@ -537,7 +537,9 @@ class EngramTable:
         if not self.packs or isinstance(self._weight, np.memmap):
             return None
         if torch.device(device).type == "cuda":
-            if self._pinned is None:
+            # (pinned again when the arrays are no longer the pinned ones: a deep copy's are plain host memory, which
+            # a kernel cannot read)
+            if self._pinned is None or self._pinned[0].data_ptr() != self._weight.ctypes.data:
                 pinned = []
                 for a in (self._weight, self._scale):
                     t = torch.empty(a.shape, dtype=torch.uint8, pin_memory=True)

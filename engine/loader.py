@@ -9,12 +9,12 @@ Stored formats (spec §5.4), converted exactly to the model's parameter dtype wh
 - bf16 / fp16 / fp32 tensors: copied (cast to the parameter's dtype);
 - FP8 E4M3 `X.weight` + UE8M0 `X.scale` (32x32 blocks, or the config's `weight_block_size`): dequantized;
 - FP4 routed experts: `int8 [out, in/2]` (low nibble first) + UE8M0 `[out, in/32]`: dequantized.
-Routed experts with `expert_dtype="fp8"` (the CUDA default; see CUDA_EXPERT_DTYPE): kept quantized instead, per layer, in
-kernels.moe's fp8 layout (engine/moe.py `KeptExperts`: e4m3 weights, fp32 row scales, uint8 block shifts; FP4
-repacked to e4m3 losslessly): about half the bytes of bf16 experts, and the grouped kernel's fp8 path.
-`expert_dtype="fp4"`: all-FP4 layers stay packed FP4 as stored (a quarter of bf16; decoded in the kernel's
-registers). A layer is kept only if all its routed experts are FP8/FP4 with UE8M0 scales; otherwise it is
-dequantized as above.
+Routed experts with `expert_dtype="fp8"`: kept quantized instead, per layer, in kernels.moe's fp8 layout
+(engine/moe.py `KeptExperts`: e4m3 weights, fp32 row scales, uint8 block shifts; FP4 repacked to e4m3 losslessly):
+about half the bytes of bf16 experts, and the grouped kernel's fp8 path. `expert_dtype="fp4"` (the CUDA default;
+see CUDA_EXPERT_DTYPE): all-FP4 layers stay packed FP4 as stored (a quarter of bf16; decoded in the kernel's
+registers), the others as with "fp8". A layer is kept only if all its routed experts are FP8/FP4 with UE8M0
+scales; otherwise it is dequantized as above.
 
 Memory: the model is built once with parameter initialisation switched off (allocation only), then every
 tensor is read from its shard (memory-mapped), converted and copied into its parameter, and dropped before
@@ -44,13 +44,13 @@ from .quant import dequantize_fp4_blocks, dequantize_fp8_blocks, expert_fp4_pack
 
 INDEX_FILE = "model.safetensors.index.json"
 EXPERT_DTYPES = ("bf16", "fp8", "fp4")     # routed experts: dequantized / kept as e4m3 / FP4 layers kept packed
-# load_model's choice on CUDA: "fp8" (e4m3 stacks, FP4 repacked losslessly: the kernel's per-row path measured
-# at 96-99% of its bytes, 1.75-1.84x the bf16 experts at V4.1's shape; a real V4.1-Flash does not fit with bf16
-# experts). Every kept path passes its compiled tests on the H200 (session 4: the block-shift path's faults were
-# 32-byte tensor-descriptor boxes, see kernels.moe.tma_ok), and a checkpoint loaded kept gives the logits of the
-# dequantizing load. Packed FP4 ("fp4": half the bytes again) stays opt-in: its kernel (session 6, H200, V4.1 shape,
-# T = 64 / 8 / 256) takes 2168 / 476 / 3415 us against fp8's 2144 / 451 / 3422: half the memory, not yet faster.
-CUDA_EXPERT_DTYPE = "fp8"
+# load_model's choice on CUDA: "fp4" (all-FP4 layers, every routed layer of a V4.1-Flash checkpoint, stay packed as
+# stored: a quarter of bf16's bytes; FP8 layers go to e4m3). Since session 11 the packed kernel folds each group's
+# shift into the weights as it decodes them and reaches 64 / 74-75 / 72-73% of its bytes at T = 8 / 64 / 256 (H200,
+# V4.1 shape: 312 / 1401-1414 / 2290-2319 us), against the e4m3 stacks' 420-468 / 1989 / 3277 us in the same run:
+# half the memory and 1.35-1.5x faster. "fp8" (FP4 repacked to e4m3 losslessly) stays available; both kept forms
+# give the logits of the dequantizing load (tests/engine/test_loader_kept_experts.py).
+CUDA_EXPERT_DTYPE = "fp4"
 
 
 class CheckpointError(ValueError):
@@ -327,7 +327,7 @@ def load_weights(model: torch.nn.Module, path: str | Path, strict: bool = True,
 
     `strict=False` tolerates unexpected tensors (missing or mis-shaped ones always raise). `block_size`:
     FP8 block edge (default: the checkpoint config's `weight_block_size`, else 32). `expert_dtype`: "bf16"
-    dequantizes FP8/FP4 routed experts into the model's dtype; "fp8" keeps them quantized (module doc).
+    dequantizes FP8/FP4 routed experts into the model's dtype; "fp8" / "fp4" keep them quantized (module doc).
     Cost: reads every tensor once; peak extra memory ~ one stored tensor plus its fp32 conversion."""
     if expert_dtype not in EXPERT_DTYPES:
         raise ValueError(f"expert_dtype must be 'bf16' (dequantize), 'fp8' or 'fp4' (keep quantized), got "

@@ -108,11 +108,11 @@ class StepRows:
 class _Segment:
     """One graph segment of a batched step, prepared on the host (Model._segment)."""
     cores: list          # the layers whose attention core runs in it
-    per: list            # its per-layer inputs (Engram rows: None until filled at launch)
-    engram: list         # (index in per, layer) of the Engram rows to fill
-    key: tuple           # its graph key, without the inputs' shapes
+    args: list           # its inputs after the token ids: positions, window slab, new window rows, then per layer
+    late: list           # (index in args, layer) of the Engram rows the host looks up at launch (None until then)
+    key: tuple           # its graph key; with its inputs' shapes unless `late` (then completed at launch)
     fn: object           # batched.span with the segment's layers
-    shapes: list         # its inputs' shapes (the Engram rows' filled in at launch)
+    shapes: list         # its inputs' shapes (those of `late`: None until launch)
 
 
 @dataclass
@@ -126,6 +126,8 @@ class StepPlan:
     saved: list | None = None      # the compressor states as they were (cancel restores them)
     segments: list = field(default_factory=list)   # graph segments prepared at plan time (V4: the first one)
     every_row: bool = False        # every chunk returns a logit row for each of its tokens (decode, verify)
+    splits: list = field(default_factory=list)     # layers before which its graph is cut (batched.engram_splits at
+    # plan time: a flip of model.engram_device_reads before the launch does not change this step's segments)
     state: str = "planned"         # planned | launched | cancelled
 
 
@@ -566,7 +568,7 @@ class Model(nn.Module):
             # ids given on the host are checked there (no sync); device ids cost one sync
             if not on_host and all_ids.device != dev:
                 all_ids = all_ids.to(dev)
-            if (bool(all_ids.numpy().min() < 0 or all_ids.numpy().max() >= c.vocab_size) if on_host and len(all_ids)
+            if (bool((all_ids.numpy().view(np.uint64) >= c.vocab_size).any()) if on_host     # (< 0 wraps around)
                     else bool((all_ids < 0).any() | (all_ids >= c.vocab_size).any())):
                 bad = next(k for k, s in enumerate(ctx.seqs) if bool(
                     ((all_ids[s.off:s.off + s.n] < 0) | (all_ids[s.off:s.off + s.n] >= c.vocab_size)).any()))
@@ -608,7 +610,7 @@ class Model(nn.Module):
         logits = None
         try:
             if ctx.plan is not None:
-                hfin, logits = self._layers_fast(ctx, every_row, plan.segments)
+                hfin, logits = self._layers_fast(ctx, every_row, plan.segments, bool(plan.splits))
             else:
                 R, a = self.embed_streams(ctx.token_ids)
                 for i, block in enumerate(self.layers):
@@ -686,11 +688,17 @@ class Model(nn.Module):
         bp = ctx.plan
         layers = self.layers
         batched.prepare_windows(self, ctx, bp, self.embed.weight.new_empty((0, self.config.head_dim)))
+        on_device = batched.engram_on_device(self) if self.config.engram_layer_ids else []
         if self.config.engram_layer_ids:     # (the Engram windows' index, from lengths: the launch only gathers)
             ctx.window_prep = self._windows_prep(ctx)
             idx, tail = ctx.window_prep
+            if on_device and _on_host(tail) and len(tail) > 1 and int(tail[:-1].max()) >= self.config.vocab_size:
+                # (the device hash reads the token -> class map at these ids unchecked; the step's own ids are
+                # checked at launch, the caches' recent ids here: they may have been set outside forward_step)
+                raise ValueError(f"a cache's recent token ids hold {int(tail[:-1].max())}, outside 0.."
+                                 f"{self.config.vocab_size - 1}")
             src = None
-            for i in batched.engram_on_device(self):
+            for i in on_device:
                 eng = self.layers[i].engram
                 if _on_host(tail):      # the windows go up with the upload, the device hashes them (mix)
                     eng.hash_consts(bp.device)
@@ -705,7 +713,7 @@ class Model(nn.Module):
         ctx.compress = {i: compress_step.plan_layer(self, layers[i].attn, ctx, bp)
                         for i in compress_step.graph_layers(self)}
         every_row = plan.every_row
-        splits = batched.engram_splits(self)
+        splits = plan.splits = batched.engram_splits(self, on_device)
         if splits:
             cuts = list(zip([0] + splits, splits + [len(layers)]))
             # (every layer's inputs first, so that the first segment's layout puts them all in one upload)
@@ -721,7 +729,7 @@ class Model(nn.Module):
                                        [batched.span_inputs(self, layers[j].attn, ctx, bp)
                                         for j in range(len(layers) if nxt is None else nxt)])]
 
-    def _layers_fast(self, ctx: StepContext, every_row: bool, ready: list):
+    def _layers_fast(self, ctx: StepContext, every_row: bool, ready: list, split: bool):
         """Every layer on the batched path -> (final hidden [T, H], fp32 logits [T, V] when `every_row`, else None).
 
         Only the cache updates whose sizes the host decides (compressors, index keys: batched.update_compressed on
@@ -729,7 +737,8 @@ class Model(nn.Module):
         (batched.span): the rest of the previous such layer (its index selection and attention), every layer in
         between whole, the projections of the next one. The caches sit at fixed addresses (engine/arena.py), and
         the index tensors a segment reads are made before it from host-side lengths (at plan time by `_plan_fast`:
-        `ready`). Segments run through ctx.graphs: CUDA graphs on CUDA once the token count is warm, else eager.
+        `ready`; `split`: the plan cut the step before Engram layers, every segment is in `ready`). Segments run
+        through ctx.graphs: CUDA graphs on CUDA once the token count is warm, else eager.
         The first segment starts at the embedding, the last one ends with the head; outputs that outlive the step
         are copied out of the graph's buffers. Engram rows the device does not read itself (batched.engram_on_device)
         are read from the host tables right before their segment is launched, so with V4.1's cuts at those Engram
@@ -738,7 +747,7 @@ class Model(nn.Module):
         plan = ctx.plan
         layers = self.layers
         chain = [None] * 8          # R, pre, post, comb, q, kv, iq, w of the layer updated last (or a Handoff)
-        if batched.engram_splits(self):      # V4.1: every segment prepared, cut between layers
+        if split:      # V4.1: every segment prepared, cut between layers
             for k, seg in enumerate(ready):
                 head = self._run_and_record(ctx, seg, chain)
                 if k + 1 < len(ready):     # (a batched.Handoff in the chain's first slots)
@@ -772,7 +781,7 @@ class Model(nn.Module):
     def _run_and_record(self, ctx: StepContext, seg: "_Segment", chain: list) -> tuple:
         """Read the segment's Engram rows, run it, record what its layers report (DSpark features, selections,
         candidate blocks) -> its head outputs."""
-        self._engram_rows(ctx, [j for _, j in seg.engram])
+        self._engram_rows(ctx, [j for _, j in seg.late])
         outs = self._run_segment(ctx, seg, chain)
         head, tail = outs[:len(outs) - 3 * len(seg.cores)], outs[len(outs) - 3 * len(seg.cores):]
         for j, (feat, ids, cand) in zip(seg.cores, zip(tail[0::3], tail[1::3], tail[2::3])):
@@ -815,9 +824,15 @@ class Model(nn.Module):
     def _segment(self, ctx: StepContext, prev, nxt, every_row: bool, raw: list, full: list | None = None,
                  one_window: bool = False) -> "_Segment":
         """A graph segment's inputs (host side; no device work): its layers' span_inputs `raw` resolved to views of
-        the step's upload, laid out now (BatchPlan.layout) and sent by `_run_segment`; the Engram rows (token
-        dependent) are left as slots that `_run_segment` fills. prev / nxt as batched.span's prev_e / next_e; full:
-        its whole layers (default: those between prev and nxt)."""
+        the step's upload, laid out now (BatchPlan.layout) and sent by `_run_segment`, in the order `_run_segment`
+        hands them to the graph (made here, at plan time, so that the launch only sends and runs: ~540 inputs at
+        the mid-size model; with the upload laid out straight into its pinned buffer, BatchPlan.layout, session 11
+        R4, mid-size V4.1 on the H200, the base run first in the same round: launch's host time before the graph
+        run 0.37-0.38 -> 0.25-0.26 ms at batch 64 and the step 5.50-5.52 -> 5.37-5.40 ms (R1, base second:
+        5.53-5.56 -> 5.31-5.36); at 256 and 8 within the runs' noise, 8.41-8.46 -> 8.39-8.52 and 4.31-4.37 ->
+        4.22-4.33 ms); the Engram rows the host looks up at launch (batched.engram_splits) are left as slots
+        that `_run_segment` fills. prev / nxt as batched.span's prev_e / next_e; full: its whole layers (default:
+        those between prev and nxt)."""
         g, plan = ctx.graphs, ctx.plan
         if full is None:
             full = list(range(0 if prev is None else prev + 1, len(self.layers) if nxt is None else nxt))
@@ -847,26 +862,36 @@ class Model(nn.Module):
         if nxt is not None and nxt != batched.BOUNDARY:
             engram.append((len(per), nxt))
             per.append(None)
+        args = [plan.resolve(plan.positions), g.fixed(plan.win_all), plan.resolve(plan.win_new_rows), *per]
+        late, has = [], batched.engram_layers(self)
+        for at, j in engram:
+            if j in has and j not in ctx.engram_rows:     # (rows the host looks up at launch)
+                late.append((at + 3, j))
+            else:
+                args[at + 3] = plan.resolve(ctx.engram_rows.get(j))
+        shapes = [None if t is None else tuple(t.shape) for t in args]
         key = ("span", prev, full[0] if full else None, nxt, every_row if nxt is None else None, tuple(meta),
-               one_window)
+               one_window) + (() if late else (tuple(shapes),))
         fn = functools.partial(batched.span, self, prev, full, nxt, every_row, tuple(meta), one_window=one_window)
-        return _Segment(cores, per, engram, key, fn, [None if t is None else tuple(t.shape) for t in per])
+        return _Segment(cores, args, late, key, fn, shapes)
 
     def _run_segment(self, ctx: StepContext, seg: "_Segment", chain: list) -> tuple:
-        """Send the step's laid-out upload, fill the segment's Engram rows, run it (ctx.graphs)."""
+        """Send the step's laid-out upload, fill the segment's Engram rows the host looked up, run it
+        (ctx.graphs)."""
         g, plan = ctx.graphs, ctx.plan
         plan.send()
         if isinstance(plan.positions, batched.Deferred):     # positions (and host ids) came with the upload
             plan.positions = ctx.positions = plan.resolve(plan.positions)
         if isinstance(ctx.graph_ids, batched.Deferred):
             ctx.graph_ids = ctx.token_ids = plan.resolve(ctx.graph_ids)
-        per, shapes = list(seg.per), list(seg.shapes)
-        for at, j in seg.engram:
-            e = per[at] = plan.resolve(ctx.engram_rows.get(j))
-            shapes[at] = None if e is None else tuple(e.shape)
-        common = [ctx.graph_ids, plan.positions, g.fixed(plan.win_all), plan.resolve(plan.win_new_rows)]
-        key = seg.key + (tuple(shapes),)
-        return g.run(key, seg.fn, *chain, *common, *per)
+        args, key = seg.args, seg.key
+        if seg.late:
+            args, shapes = list(args), list(seg.shapes)
+            for at, j in seg.late:
+                e = args[at] = plan.resolve(ctx.engram_rows.get(j))
+                shapes[at] = None if e is None else tuple(e.shape)
+            key = key + (tuple(shapes),)
+        return g.run(key, seg.fn, *chain, ctx.graph_ids, *args)
 
     def _compact_layer(self, block: Block, R: torch.Tensor, a, ctx: StepContext):
         """The first decoder layer in YOCO `compact` mode: its compressed KV and index keys are built from every

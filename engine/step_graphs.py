@@ -58,10 +58,41 @@ class _Size:
     segments: dict = field(default_factory=dict)    # key -> _Segment
     static: dict = field(default_factory=dict)      # data_ptr -> (shape, stride) of in-place-readable tensors
     staged: dict = field(default_factory=dict)      # name -> persistent input buffer
-    pinned: dict = field(default_factory=dict)      # name -> (its pinned host buffer, event of the last copy)
+    pinned: dict = field(default_factory=dict)      # name -> _Pinned: its two pinned host buffers
     views: dict = field(default_factory=dict)       # upload name -> (its buffer, the views `upload_parts` made)
     fixed_now: dict = field(default_factory=dict)   # id -> tensor `fixed()` this step (folded into static at capture)
     complete: bool = False
+
+
+class _Pinned:
+    """The two pinned host buffers of an upload, used in turn: the host writes one (a step's plan, laid out while the
+    device may still run the step before, whose copy read the other) while the last copy from the other may still
+    be queued. Each has the event of its last copy."""
+
+    def __init__(self, shape, dtype):
+        self.bufs = [torch.empty(shape, dtype=dtype, pin_memory=True) for _ in range(2)]
+        self.done = [torch.cuda.Event() for _ in range(2)]
+        self.next = 0
+
+    def _turn(self) -> int:
+        """The index of the buffer to write now (its last copy done)."""
+        k, self.next = self.next, 1 - self.next
+        _wait(self.done[k])
+        return k
+
+    def take(self) -> torch.Tensor:
+        """The buffer to write now (its last copy done)."""
+        return self.bufs[self._turn()]
+
+    def copy(self, host: torch.Tensor, buf: torch.Tensor) -> None:
+        """buf <- host asynchronously: from `host` itself when it is one of the two (written in place), else
+        through the next one. (Buffers are told apart by address: `list.index` would compare tensors by value.)"""
+        k = next((k for k, b in enumerate(self.bufs) if b.data_ptr() == host.data_ptr()), None)
+        if k is None:
+            k = self._turn()
+            self.bufs[k].copy_(host)
+        buf.copy_(self.bufs[k], non_blocking=True)
+        self.done[k].record()
 
 
 def _signature(t: torch.Tensor):
@@ -198,9 +229,9 @@ class SegmentGraphs:
         """The device side of an upload of the flat host tensor `host`, without copying yet: (views of the device
         buffer in the given shapes, each `fixed`; send() which copies `host` as it is when called). Eager steps: a
         fresh buffer, copied through pinned memory (transfer.to_device; on the CPU the host tensor itself);
-        graph steps: a persistent buffer of this T named `name` with its own pinned host buffer (a fresh pinned
-        block per step costs the host more than the copy), reused once the event says the previous copy from
-        it is done (a step ends long after), so the address holds from replay to replay and the graphs read
+        graph steps: a persistent buffer of this T named `name` with its own two pinned host buffers (a fresh
+        pinned block per step costs the host more than the copy), each reused once the event says the previous copy
+        from it is done (_Pinned), so the address holds from replay to replay and the graphs read
         it in place. Under graphs the views are made once per name and buffer and then returned as the same
         objects, so a replay's input check finds them by identity (~500 inputs per step: a data_ptr / shape
         comparison each cost the host ~0.5 ms per step). Why split: the plan of a step lays its upload out
@@ -222,17 +253,12 @@ class SegmentGraphs:
             with torch.inference_mode(False):
                 buf = size.staged[name] = torch.empty(host.shape, dtype=host.dtype, device=device)
                 if device.type == "cuda":
-                    size.pinned[name] = (torch.empty(host.shape, dtype=host.dtype, pin_memory=True),
-                                         torch.cuda.Event())
+                    size.pinned[name] = _Pinned(host.shape, host.dtype)
         if device.type == "cuda":
-            pinned, done = size.pinned[name]
+            pinned = size.pinned[name]
 
-            def send():
-                _wait(done)
-                if host.data_ptr() != pinned.data_ptr():     # (written in place: host_buffer)
-                    pinned.copy_(host)
-                buf.copy_(pinned, non_blocking=True)
-                done.record()
+            def send():     # (no host copy when `host` is one of its pinned buffers: host_buffer)
+                pinned.copy(host, buf)
         else:
             def send():
                 buf.copy_(host)
@@ -249,8 +275,8 @@ class SegmentGraphs:
 
     def host_buffer(self, name: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor | None:
         """Where to write the host side of the upload `name` so that its send copies nothing on the host: under
-        graphs on CUDA the upload's own pinned buffer (once its last copy is done), eagerly on CUDA a fresh pinned
-        tensor; None elsewhere (any host tensor will do)."""
+        graphs on CUDA one of the upload's two pinned buffers (in turn, once its last copy is done: _Pinned), eagerly
+        on CUDA a fresh pinned tensor; None elsewhere (any host tensor will do)."""
         if torch.device(device).type != "cuda":
             return None
         size = self._cur
@@ -259,12 +285,11 @@ class SegmentGraphs:
         if name not in size.pinned:
             with torch.inference_mode(False):
                 size.staged[name] = torch.empty(shape, dtype=dtype, device=device)
-                size.pinned[name] = (torch.empty(shape, dtype=dtype, pin_memory=True), torch.cuda.Event())
-        pinned, done = size.pinned[name]
-        if tuple(pinned.shape) != tuple(shape) or pinned.dtype != dtype:
+                size.pinned[name] = _Pinned(shape, dtype)
+        pinned = size.pinned[name]
+        if tuple(pinned.bufs[0].shape) != tuple(shape) or pinned.bufs[0].dtype != dtype:
             return None
-        _wait(done)
-        return pinned
+        return pinned.take()
 
     def fixed(self, t: torch.Tensor) -> torch.Tensor:
         """A tensor that keeps its address across steps (the window slab, the entries arenas: engine/arena.py)

@@ -16,7 +16,9 @@ window keys then the compressed ones (two pipelined loops). "Unchained" (the def
 rescale factors reach the P@V dot through a per-program scratch, so Triton splits Q K^T over the two warpgroups
 instead of having both compute all of it. With splits > 1 (flash-decoding) each split writes its partial (m, l,
 acc) in fp32 and the last program of the (row, head block) to finish (an atomic ticket, reset to 0 after) merges
-them with the sink in split order (deterministic) in the same launch. The rope/inverse-rope and output
+them with the sink in split order (deterministic) in the same launch. Two splits (unchained; N = 45-66 rows on an
+H200) take their tickets before storing: the first stores its partial, the second merges it with its own
+accumulator from registers (`_combine_two`, the same bits whichever comes second). The rope/inverse-rope and output
 projection stay in the model.
 Cost: keys x D x bytes per (row, head block) (from L2 after the first head block) + splits x H x D x 8 bytes of
 partials (L2); 4 x H x D flops per key (tensor cores), 128 flops per key byte at H = 64, D = 512: close to the
@@ -81,6 +83,19 @@ shared memory as the B operand), 32-head programs sharing each row's keys throug
 key and head, and with 64 keys and 8 warps Triton gives both warpgroups the whole S^T tile). Compile-only: the
 gather's indices carried from the previous iteration (so that it could be issued early) stop Triton from pipelining
 it (loads through registers, 480 bytes of spills); tl.range(warp_specialize=True) builds the same code on sm_90.
+Session 11 (R1-R2, against a copy of the session-10 file in the same run; N = 64, two splits): the second
+program's merge from its registers, 37.8-38.1 us against 40.5-40.8 (29% -> 31% of the roofline). The ticket is
+taken before the partial is stored, so the second program waits for the first one's stores: that protocol with the
+stored merge is 42.1-42.3 (it costs ~1.7 us; the register merge saves ~4.3). The merge runs in four column chunks
+of the accumulator split in registers (`_halves`: reshape/permute/split, no data movement), the scale vectors
+through the scratch so that the chunk arithmetic stays in the loads' layout; its first form, whose partial
+addresses went through the same splits (Triton then loaded and stored one element per thread, 32 rows a warp),
+ran 120.0 us. More than two splits keep the stored merge: a chunk of every other split's partial beside the live
+accumulator does not fit the registers. Not tried, and why: a third 64-key buffer, or two programs an SM with D
+split over warpgroups (P@V already splits D over the two warpgroups; the 200 KB of Q + two key buffers + P is
+what holds one program an SM, and Q alone is 64 KB); the next block's gather issued before this block's P@V
+(Triton's pipeliner places the copy after the P@V wait, and a hand-rotated loop has no way to carry the keys in
+shared memory: register or twice-gathered forms lost above).
 """
 import torch
 import triton
@@ -210,6 +225,16 @@ def _attend_pool(q, m, l, acc, it, kv_ptr, idx_ptr, n_keys, k0, k1, row, scale, 
 
 
 @triton.jit
+def _store_partial(part_m_ptr, part_l_ptr, part_acc_ptr, o, m, l, acc, hok, D: tl.constexpr):
+    """A split's partial (m, l, acc) at rows o of the partials; returns after a CTA barrier, so that every
+    thread's stores precede a release by one thread."""
+    tl.store(part_m_ptr + o, m, mask=hok)
+    tl.store(part_l_ptr + o, l, mask=hok)
+    tl.store(part_acc_ptr + o[:, None] * D + tl.arange(0, D)[None, :], acc, mask=hok[:, None])
+    tl.debug_barrier()
+
+
+@triton.jit
 def _combine_splits(out_ptr, sink_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, row, heads, hok, H, n_split,
                     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, DC: tl.constexpr):
     """o_h = sum_s 2^(m_s - M) acc_s / (2^(sink_h - M) + sum_s 2^(m_s - M) l_s) (m_s, M and the sink in log2
@@ -241,12 +266,70 @@ def _combine_splits(out_ptr, sink_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, row
 
 
 @triton.jit
+def _halves(x):
+    """x [R, C] -> the two [R, C // 2] of the columns whose bit C // 4 is 0 / 1. In the P@V accumulator's layout
+    that bit is held in each thread's registers, so the split moves no data."""
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    a, b = x.reshape([R, 2, 2, C // 4]).permute(0, 1, 3, 2).split()
+    return a.reshape([R, C // 2]), b.reshape([R, C // 2])
+
+
+@triton.jit
+def _mix_store(own, part_acc_ptr, out_ptr, o_, orow, hok, c0, c1, first, off, D: tl.constexpr):
+    """out = c0 acc_0 + c1 acc_1 for the column chunk `_halves` gives at `off` (columns (j // (D/8)) * D/2 + off +
+    j % (D/8)), the partials in split order (own is acc_0 when first; the other's is read at row o_ of the
+    partials): the same operations whichever program merges, so that a fused multiply-add rounds alike."""
+    j = tl.arange(0, D // 4)
+    cols = (j // (D // 8)) * (D // 2) + off + j % (D // 8)
+    x = tl.load(part_acc_ptr + o_[:, None] * D + cols[None, :], mask=hok[:, None], other=0.0, cache_modifier=".cg")
+    o = tl.where(first, own, x) * c0[:, None] + tl.where(first, x, own) * c1[:, None]
+    tl.store(out_ptr + orow[:, None] * D + cols[None, :], o.to(out_ptr.dtype.element_ty), mask=hok[:, None])
+
+
+@triton.jit
+def _combine_two(acc, m, l, split, out_ptr, sink_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, scr_a, row, heads, hok,
+                 H, D: tl.constexpr):
+    """Two splits: the last program's own partial (m, l, acc) from its registers, the other's from memory, merged
+    in split order as `_combine_splits` merges them: o = (2^(m_0 - M) acc_0 + 2^(m_1 - M) acc_1) / (2^(sink - M) +
+    2^(m_0 - M) l_0 + 2^(m_1 - M) l_1), the same bits whichever program came last. In four column chunks (split in
+    registers, `_halves`), so that the other's partial never takes a full tile of registers."""
+    o_ = (row * H + heads) * 2 + 1 - split
+    m2 = tl.load(part_m_ptr + o_, mask=hok, other=-1e30, cache_modifier=".cg")
+    l2 = tl.load(part_l_ptr + o_, mask=hok, other=0.0, cache_modifier=".cg")
+    first = split == 0
+    m0 = tl.where(first, m, m2)
+    m1 = tl.where(first, m2, m)
+    sink = tl.load(sink_ptr + heads, mask=hok, other=0.0).to(tl.float32) * LOG2E
+    big = tl.maximum(tl.maximum(m0, m1), sink)
+    w0 = tl.exp2(m0 - big)
+    w1 = tl.exp2(m1 - big)
+    inv = 1.0 / (tl.exp2(sink - big) + (w0 * tl.where(first, l, l2) + w1 * tl.where(first, l2, l)))
+    # the two scale vectors through this program's scratch: loaded back, they take the layout of the chunks'
+    # loads, so the chunk arithmetic stays there (computed from m they would pull each chunk into the Q K^T layout)
+    hh = tl.arange(0, m.shape[0])
+    tl.store(scr_a + hh, w0 * inv)
+    tl.store(scr_a + m.shape[0] + hh, w1 * inv)
+    zero = _cta_barrier(split.to(tl.int64))
+    c0 = tl.load(scr_a + hh + zero)
+    c1 = tl.load(scr_a + m.shape[0] + hh + zero)
+    orow = row * H + heads
+    a0, a1 = _halves(acc)
+    a00, a01 = _halves(a0)
+    _mix_store(a00, part_acc_ptr, out_ptr, o_, orow, hok, c0, c1, first, 0, D)
+    _mix_store(a01, part_acc_ptr, out_ptr, o_, orow, hok, c0, c1, first, D // 8, D)
+    a10, a11 = _halves(a1)
+    _mix_store(a10, part_acc_ptr, out_ptr, o_, orow, hok, c0, c1, first, D // 4, D)
+    _mix_store(a11, part_acc_ptr, out_ptr, o_, orow, hok, c0, c1, first, D // 4 + D // 8, D)
+
+
+@triton.jit
 def _sparse_attention_kernel(q_ptr, out_ptr, sink_ptr, win_kv_ptr, win_idx_ptr, n_win, cmp_kv_ptr, cmp_idx_ptr,
                              n_cmp, H, scale, per_split, part_m_ptr, part_l_ptr, part_acc_ptr, cnt_ptr,
                              scr_p_ptr, scr_a_ptr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                              HAS_CMP: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
                              BLOCK_S: tl.constexpr, DC: tl.constexpr, UNCHAIN: tl.constexpr,
-                             LAZY_SUM: tl.constexpr):
+                             LAZY_SUM: tl.constexpr, OWN: tl.constexpr):
     """Program (head block, row, split): the split's slice [lo, hi) of the row's keys (window keys first, then
     compressed). Without SPLIT the one split starts from the sink and writes the output; with SPLIT it writes its
     partial (m, l, acc) and the last program of the (row, head block) to finish merges the splits and the sink
@@ -285,13 +368,25 @@ def _sparse_attention_kernel(q_ptr, out_ptr, sink_ptr, win_kv_ptr, win_idx_ptr, 
                                      BLOCK_K, IEEE, UNCHAIN, LAZY_SUM)
     if LAZY_SUM:
         l = tl.sum(l, 1)
-    if SPLIT:
+    if OWN:
+        # two splits: the ticket first, so that the last program merges from its registers (`_combine_two`); the
+        # counter after the ticket says that the other program's partial is stored
+        ticket_ptr = cnt_ptr + 2 * (row * tl.num_programs(0) + tl.program_id(0))
+        if tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu") == 0:
+            _store_partial(part_m_ptr, part_l_ptr, part_acc_ptr, (row * H + heads) * 2 + split, m, l, acc, hok, D)
+            tl.atomic_xchg(ticket_ptr + 1, 1, sem="release", scope="gpu")
+        else:
+            # the other program took its ticket before, so it runs and has only its stores left: wait for them
+            done = tl.atomic_add(ticket_ptr + 1, 0, sem="acquire", scope="gpu")
+            while done == 0:
+                done = tl.atomic_add(ticket_ptr + 1, 0, sem="acquire", scope="gpu")
+            tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(ticket_ptr + 1, 0, sem="relaxed", scope="gpu")
+            _combine_two(acc, m, l, split, out_ptr, sink_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, scr_a, row, heads,
+                         hok, H, D)
+    elif SPLIT:
         n_split = tl.num_programs(2)
-        o = (row * H + heads) * n_split + split
-        tl.store(part_m_ptr + o, m, mask=hok)
-        tl.store(part_l_ptr + o, l, mask=hok)
-        tl.store(part_acc_ptr + o[:, None] * D + dims[None, :], acc, mask=hok[:, None])
-        tl.debug_barrier()                       # every thread's partial stores precede the release below
+        _store_partial(part_m_ptr, part_l_ptr, part_acc_ptr, (row * H + heads) * n_split + split, m, l, acc, hok, D)
         ticket_ptr = cnt_ptr + row * tl.num_programs(0) + tl.program_id(0)
         ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
         if ticket == n_split - 1:
@@ -354,7 +449,8 @@ def sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None,
     splits = max(1, triton.cdiv(n_keys, per_split))
     out = empty(q.shape, q.dtype, q.device)
     n_hb = triton.cdiv(H, block_h)
-    cnt = tickets(q.device, N * n_hb, site="attention") if splits > 1 else None
+    own = splits == 2 and unchain      # two splits merge from the last program's registers (two counters each)
+    cnt = tickets(q.device, (2 if own else 1) * N * n_hb, site="attention") if splits > 1 else None
     if cnt is None:      # one split, or a CUDA graph capture before any warm-up made the counters: unsplit
         splits = 1
         per_split = max(per_split, triton.cdiv(max(n_keys, 1), block_k) * block_k)
@@ -378,6 +474,7 @@ def sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None,
         BLOCK_H=block_h, BLOCK_K=block_k, HAS_CMP=has_cmp, IEEE=ieee,
         SPLIT=splits > 1, BLOCK_S=max(2, triton.next_power_of_2(splits)), DC=min(D, 64),
         UNCHAIN=unchain, LAZY_SUM=cfg.get("lazy_sum", False) if lazy_sum is None else lazy_sum,
+        OWN=own and splits > 1,
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
     return out
 

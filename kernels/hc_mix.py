@@ -26,7 +26,11 @@ Both write-back kernels take the sub-layer output as two addends (y2: the MoE's 
 routed one, summed with y in fp32, so no add launch and one rounding), and the write-back + mixes kernel can
 RMSNorm the read-out in place (x_norm: the next sub-layer's input norm, so no norm launch): each program stores
 its rows' partial sums of squares of x as rounded; once a token block's partials are in, every program
-normalises its own columns (the grid resident at once), or else the waiters whole rows.
+normalises its own columns (norm form 2: the grid resident at once), or else the waiters whole rows (form 1:
+26.6 / 41.2 us at T = 8 / 64 on the H200, slower than a separate norm launch). At H = 5120 and T = 64 the grid is
+160 programs of 4 warps, resident at once on GPUs of 80 SMs or more; on a smaller GPU hc_post_mix_apply never
+takes form 1 (it keeps the write-back + mixes launch up to 16 tokens, or two launches, and norms after them), so
+form 1 runs only where hc_post_mix_triton is asked for the norm directly (and in the interpreter).
 The product r . fn^T needs fp32 accuracy: bf16 residuals (the model's) take three bf16 tensor-core products
 against a hi/mid/lo bf16 split of fn (exact products, fp32 accumulation); fp32 residuals use Triton's "ieee" dot
 (FMAs: D measured it arithmetic-bound, 1-3% of bandwidth on an H200).
@@ -743,7 +747,12 @@ def hc_pre_triton(R, a):
 def hc_post_triton(R, y, post, comb, next_pre=None, block_h=256, num_warps=1, y2=None):
     """block_h / num_warps: H200 session 7 round 2 (T=64 / 256): 256 / 1 warp 4.0 / 9.3 us, 256 / 2 4.1 / 10.1,
     128 / 1 4.4 / 9.6, 512 / 2 4.3 / 9.7, 1024 / 4 4.3 / 10.0, 64 / 1 5.5 / 14.8; one launch that only reads
-    the same bytes takes 3.4 / 7.6 us. y2: hc_post_torch's second addend."""
+    the same bytes takes 3.4 / 7.6 us. y2: hc_post_torch's second addend.
+    Session 11 round 3 (H = 5120, bf16, us at T = 8 / 64 / 256): the read-out costs this launch 0.6 / 0.7 / 1.9
+    (2.3 / 3.2 / 7.4 with it, 1.7 / 2.5 / 5.5-5.7 without). Measured and deleted: the last layer's write-back with
+    the model's final norm in the same launch (one program a token holding the whole row, R' not stored; 8, 16 or
+    32 warps) 5.5-5.7 / 5.7-5.9 / 8.9-11.5 against 4.4 / 5.4 / 10.5 for this write-back + read-out then
+    kernels.rmsnorm, and its read-out was not bit-equal to this kernel's on the H200."""
     _check_apply(R, y, post, comb, next_pre, triton_path=True, y2=y2)
     T, M, H = R.shape
     R = R.contiguous()

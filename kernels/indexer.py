@@ -17,10 +17,11 @@ Triton, two launches:
     2 chunks of 8 warps at L=16384, k=512) picks its own exact top-k, then one program per row picks the top-k of
     those chunks * k candidates (the row's top-k is among them: an entry beaten by k entries of its own chunk is
     beaten by k in the row), in the same launch for unsorted output (each row's last chunk program to take its
-    ticket merges; for at most TREE_ROWS rows of more than 4 chunks through a tree: the last of each group of 4
-    merges the group, the last group the row; more rows take a second launch); unsorted winners are written straight
-    from registers. Each pick finds its cut by an interpolation search (`_cut_key`): three counting thresholds per
-    CTA-wide reduction, the first from a normal fit of the scores, then at the interpolated key of rank k in the
+    ticket merges; for at most TREE_ROWS rows of at least TREE_CHUNKS chunks through a tree: the last of each group
+    of 4 merges the group, the last group the row; other rows of more than 4 chunks take a second launch); unsorted
+    winners are written straight from registers. Each pick finds its cut by an interpolation search (`_cut_key`):
+    three counting thresholds per CTA-wide reduction, the first from a normal fit of the scores, then at the
+    interpolated key of rank k in the
     bracket, and a top-4 reduction once at most 4 ranks are left above the bracket's upper end or at most 3 above
     its lower end (then of the smallest keys): ~3-4 dependent reductions on random scores (the slowest of 256 chunks
     ~6), against ~10 (12-15) for the two-bit radix search of sessions 3-7 (the search replayed in float64 on the
@@ -601,7 +602,15 @@ def default_chunks(L: int, k: int) -> int:
     return min(8 * FAN, triton.cdiv(L, 16 * k))
 
 
-TREE_ROWS = 16   # launches of at most this many rows merge more than FAN chunks in the same launch (a tree)
+# launches of at most TREE_ROWS rows of at least TREE_CHUNKS chunks merge in the same launch through the tree; other
+# rows of more than FAN chunks take a second launch. Session 11 (H200, k=512, scores + select unsorted, R1-R2): at 8
+# chunks (L=65536) the tree's two merge levels lose to a second launch at every row count measured: 8 rows 63.2-63.3
+# us against 59.2-59.3 (a flat one-launch merge of the 4096 candidates 59.2), 12 rows 78.9 against 76.1, 16 94.5
+# against 90.8, 32 176.1 against 166.6; at 16 chunks (L=131072) it ties at 8 rows (99.3-99.5 against 99.5-99.6;
+# groups of 2 105.9, of 8 103.7), wins at 12 (137.9 against 139.8) and loses from 16 (175.4 against 170.4; 32
+# rows 324.1 against 317.4).
+TREE_ROWS = 12
+TREE_CHUNKS = 16
 
 
 # `_cut_key`'s (first-guess spread FW, rank spread WIDTH, top-4 end game TOPR: 4 or 0). H200, N=64, L=16384,
@@ -627,10 +636,10 @@ def topk_select_triton(scores: torch.Tensor, k: int, sorted: bool = True, block:
     top-k: an entry beaten by k entries of its own chunk is beaten by k in the row). Cost: the row read once
     (L2 at decode sizes) + chunks * k * 12 bytes of candidates written and read back, plus k * 12 written.
     search: `SEARCH`'s parameters (for the benchmark's sweep). fused (default: when not sorted, the chunks and
-    candidates fit in registers, and there are at most FAN chunks or TREE_ROWS rows): both stages in one launch,
-    each row's last chunk program merging (`_fused_launch`; H200, N=64, L=16384, k=512, scores in L2, session 8
-    round 2: 18.4 us unsorted against 18.9 for two launches, 2 chunks of 8 warps 18.2; sorted 21.6 against 21.3, so
-    sorted stays two launches)."""
+    candidates fit in registers, and there are at most FAN chunks, or at most TREE_ROWS rows of at least
+    TREE_CHUNKS chunks): both stages in one launch, each row's last chunk program merging (`_fused_launch`; H200,
+    N=64, L=16384, k=512, scores in L2, session 8 round 2: 18.4 us unsorted against 18.9 for two launches, 2 chunks
+    of 8 warps 18.2; sorted 21.6 against 21.3, so sorted stays two launches)."""
     check(scores.dim() == 2 and scores.dtype == torch.float32, f"scores must be fp32 [rows, entries], got "
           f"{scores.dtype} {tuple(scores.shape)}")
     check(k >= 1, f"top-k must be >= 1, got {k}")
@@ -651,10 +660,10 @@ def topk_select_triton(scores: torch.Tensor, k: int, sorted: bool = True, block:
               f"{RESIDENT_MAX} entries, min(chunks, {FAN}) * k and ceil(chunks / {FAN}) * k at most {RESIDENT_MAX}; "
               f"got {L} entries in {chunks} chunks, k={k}")
     # the fused launch's tickets; None while a CUDA graph is captured before any warm-up made them: two launches
-    # (more rows than TREE_ROWS: the tree's group merges cost more than a second launch; session 10 R2, N=64, 8
-    # chunks of L=65536: two launches 318.4-319.5 us against 327.1-327.5, 16 of L=131072: 627.1-627.2 against
-    # 633.6-637.9 with the scores; at N=8 the tree: session 9, select alone 33.1 us against 43.5)
-    one_launch = fused or (fused is None and fits and not sorted and (chunks <= FAN or N <= TREE_ROWS))
+    # (the tree only for few rows of many chunks, `TREE_ROWS`; session 10 R2, N=64, 8 chunks of L=65536: two
+    # launches 318.4-319.5 us against 327.1-327.5, 16 of L=131072: 627.1-627.2 against 633.6-637.9 with the scores)
+    one_launch = fused or (fused is None and fits and not sorted
+                           and (chunks <= FAN or (N <= TREE_ROWS and chunks >= TREE_CHUNKS)))
     # (a tree takes a ticket per group and one per row; the flat merge one per row)
     n_cnt = N * (groups + 1) if chunks > FAN else N
     cnt = tickets(scores.device, n_cnt, site="indexer") if one_launch else None

@@ -24,8 +24,9 @@ The K tiles are then one 32-wide group: the tile's dot product (fp32) is multipl
 2**-shift (built from exponent bits), exact for any shift <= 126 and independent of the widening dtype.
 Packed FP4 (uint8 [E, N, K/2], two E2M1 codes a byte, element 2i in the low nibble; always with shifts; N and K
 multiples of 8): kernels of their own with the operands swapped (section "packed FP4, swapped"): the weights,
-read as int32 words of 8 codes, are decoded in registers (through e4m3, about 1.4 operations a weight) and are
-the first operand of the dot, the activations (gathered in the decode's column order) the second. Extra bytes:
+read as int32 words of 8 codes, are decoded in registers to bf16 with their group's shift folded in (exact;
+about 2.1 operations a weight) and are the first operand of the dot, the activations (permuted into the
+decode's column order) the second; one dot chain accumulates over K steps of several 32-groups. Extra bytes:
 1 per 32 weights.
 """
 import torch
@@ -212,13 +213,12 @@ def _e2m1_half(nib):
 
 
 @triton.jit
-def _group_mult(g_ptr, e, n, k0, N, K, GR: tl.constexpr, UP: tl.constexpr = 0):
+def _group_mult(g_ptr, e, n, k0, N, K, GR: tl.constexpr):
     """fp32 [BN] multipliers 2**-shift of the 32-wide K group starting at k0 for output rows n, from
-    g [E, ceil(K/32), ceil(N/GR)] (group-major: one contiguous run of bytes). Built from exponent bits, so exact;
-    UP also undoes a packed FP4 decode's 2**-UP."""
+    g [E, ceil(K/32), ceil(N/GR)] (group-major: one contiguous run of bytes). Built from exponent bits, so exact."""
     d = tl.load(g_ptr + (e.to(tl.int64) * ((K + 31) // 32) + k0 // 32) * ((N + GR - 1) // GR) + n // GR,
                 mask=(n < N) & (k0 < K), other=0).to(tl.int32)
-    return ((127 + UP - tl.minimum(d, 126)) << 23).to(tl.float32, bitcast=True)
+    return ((127 - tl.minimum(d, 126)) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -353,138 +353,149 @@ def _combine_kernel(y_ptr, out_ptr, H, K_TOP: tl.constexpr, BH: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------------------------- packed FP4, swapped
-# Packed FP4 with the operands swapped: the weight tile is the dot's FIRST operand ([BN out rows, 32 in], decoded in
+# Packed FP4 with the operands swapped: the weight tile is the dot's FIRST operand ([BN out rows, BK in], decoded in
 # registers: on Hopper it feeds wgmma straight from registers, no shared-memory round trip of the decoded tile) and
-# the activations the second ([32, BM tokens], through shared memory). One 32-wide group per loop step, its partial
-# product scaled per row by 2**-shift; the activations and shifts (plain loads, not pipelined by the compiler) are
-# loaded a step ahead, the weight tiles come through pipelined tensor-descriptor loads. A group row is 4 int32
-# words of 8 nibbles; each word decodes to 4 f16x2 registers (_e2m1_quad8, about 1.4 operations a weight). The
-# decoded columns come out in that decode's order; the activations are gathered to match (_w4_columns) instead of
-# re-laying the weights.
+# the activations the second ([BK, BM tokens], through shared memory). The decode folds each 32-wide group's
+# 2**-shift into the weights (exactly: bf16 holds value * 2**-shift for any shift <= 126), so one dot chain
+# accumulates in place over BK-wide steps of several groups (each row's BK/2 bytes a step: whole sectors). A
+# group row is 4 int32 words of 8 nibbles; each word decodes to 4 bf16x2 registers (_e2m1_bf16x8, 2.1
+# operations a weight with the shift). The decoded columns come out in that decode's order; the activations are
+# read as stored and permuted to match in registers (_w4_act) instead of re-laying the weights. The activations
+# and shifts (plain loads, not pipelined by the compiler) are loaded a step ahead; the weight tiles come through
+# pipelined tensor descriptors.
 @triton.jit
-def _e2m1_quad8(w):
-    """int32 word of 8 E2M1 nibbles -> 4 int32 f16x2 words through e4m3: nibbles 0, 2, 4, 6 (8 bits apart, so
-    one pair of shifts serves all four) become the e4m3 bytes of one register (sign to bit 7, exponent-mantissa
-    to bits 4..2: value * 2**-6, exact), nibbles 1, 3, 5, 7 another; one conversion per two bytes
-    (cvt.rn.f16x2.e4m3x2). Words: (nibble 0, 2), (4, 6), (1, 3), (5, 7). PTX: compiled kernels only."""
+def _e2m1_bf16x8(w, f):
+    """int32 word of 8 E2M1 nibbles and f (bf16x2, both lanes 2**(126 - shift)) -> 4 int32 bf16x2 words holding
+    the weights * 2**-shift: word i holds nibble i (low lane) and i + 4 (high lane). A nibble's sign at bit 15 and
+    its exponent-mantissa bits (e e m) at bits 8..6 is the bf16 of value * 2**-126 (e = 0 lands on bf16
+    subnormals exactly like E2M1's 0.5); the product with f is exact (results >= 2**-127). Both bit moves are one
+    multiply of the word's two nibbles (isolated, so no carries) by 2**6 + 2**12, then a mask: 2.1 operations a
+    weight. PTX: compiled only."""
     return tl.inline_asm_elementwise(
         """{
-        .reg .b32 t, u, ev, od;
-        .reg .b16 l, h;
-        shl.b32 t, $4, 2; and.b32 t, t, 0x1C1C1C1C; shl.b32 u, $4, 4; and.b32 u, u, 0x80808080; or.b32 ev, t, u;
-        shr.b32 t, $4, 2; and.b32 t, t, 0x1C1C1C1C; and.b32 u, $4, 0x80808080; or.b32 od, t, u;
-        mov.b32 {l, h}, ev; cvt.rn.f16x2.e4m3x2 $0, l; cvt.rn.f16x2.e4m3x2 $1, h;
-        mov.b32 {l, h}, od; cvt.rn.f16x2.e4m3x2 $2, l; cvt.rn.f16x2.e4m3x2 $3, h;
-        }""", "=r,=r,=r,=r,r", [w], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+        .reg .b32 v, m;
+        and.b32 m, $4, 0x000F000F; mul.lo.u32 m, m, 0x1040; and.b32 m, m, 0x81C081C0; mul.rn.bf16x2 $0, m, $5;
+        and.b32 m, $4, 0x00F000F0; mul.lo.u32 m, m, 0x104; and.b32 m, m, 0x81C081C0; mul.rn.bf16x2 $1, m, $5;
+        shr.b32 v, $4, 8;
+        and.b32 m, v, 0x000F000F; mul.lo.u32 m, m, 0x1040; and.b32 m, m, 0x81C081C0; mul.rn.bf16x2 $2, m, $5;
+        and.b32 m, v, 0x00F000F0; mul.lo.u32 m, m, 0x104; and.b32 m, m, 0x81C081C0; mul.rn.bf16x2 $3, m, $5;
+        }""", "=r,=r,=r,=r,r,r", [w, f], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
 
 
 @triton.jit
-def _w4_nibble(a, h):
-    """Which nibble of a word lane h of decoded register a holds (_e2m1_quad8's order): (0, 4, 1, 5)[a] + 2h."""
-    return (a % 2) * 4 + a // 2 + 2 * h
-
-
-@triton.jit
-def _w4_group_tile(w_ptr, w_desc, e, n, nt, N, k0, K, BN: tl.constexpr, TMA: tl.constexpr):
-    """Expert e's packed weights of rows n (tile nt) for the 32-wide group at k0 as int32 words [BN, 4] (8
+def _w4_tile(w_ptr, w_desc, e, n, nt, N, k0, K, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr):
+    """Expert e's packed weights of rows n (tile nt), input columns k0..k0+BK, as int32 words [BN, BK/8] (8
     nibbles a word; zeros past K). w is viewed int32 [E, N, K/8]."""
     if TMA:
         t = w_desc.load([e * N + nt * BN, k0 // 8])
     else:
-        kw = k0 // 8 + tl.arange(0, 4)
+        kw = k0 // 8 + tl.arange(0, BK // 8)
         t = tl.load(w_ptr + e.to(tl.int64) * N * (K // 8) + n[:, None] * (K // 8) + kw[None, :],
                     mask=(n[:, None] < N) & (kw[None, :] < K // 8), other=0)
     return t
 
 
 @triton.jit
-def _w4_columns(k0):
-    """Input column of each of the 32 decoded columns of the group at k0: decoded column j is lane j % 2 of
-    register j // 8 of word (j // 2) % 4 (_w4_decode), i.e. nibble _w4_nibble(j // 8, j % 2) of that word."""
-    j = tl.arange(0, 32)
-    return k0 + 8 * ((j // 2) % 4) + _w4_nibble(j // 8, j % 2)
+def _w4_factors(g_ptr, e, n, k0, N, K, GR: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+    """Per row n and 32-group of the step at k0, [BN, BK/32] (word w of the step's [BN, BK/8] tile is in group
+    w/4), from the shifts g [E, ceil(K/32), ceil(N/GR)] (group-major): the decode's factor 2**(126 - shift) as
+    bf16x2 bits (F32: 2**-shift, fp32). Shifts above 126 count as 126 (as _group_mult)."""
+    kg = k0 // 32 + tl.arange(0, BK // 32)
+    d = tl.load(g_ptr + (e.to(tl.int64) * ((K + 31) // 32) + kg[None, :]) * ((N + GR - 1) // GR) + n[:, None] // GR,
+                mask=(n[:, None] < N) & (kg[None, :] * 32 < K), other=0).to(tl.int32)
+    d = tl.minimum(d, 126)
+    if F32:
+        f = ((127 - d) << 23).to(tl.float32, bitcast=True)
+    else:
+        f = d * -0x00800080 + 253 * 0x00800080      # the bf16 exponent field 253 - shift in both lanes (one IMAD)
+    return f
 
 
 @triton.jit
-def _half_lanes(p):
-    """int32 f16x2 words -> (low lane, high lane) as fp16."""
-    return p.to(tl.int16).to(tl.float16, bitcast=True), (p >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+def _bf16_lanes(p):
+    """int32 bf16x2 words -> (low lane, high lane) as bf16."""
+    return p.to(tl.int16).to(tl.bfloat16, bitcast=True), (p >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
-def _w4_plain(ww, a: tl.constexpr):
-    """Decoded register a of words ww without PTX (the interpreter's path), fp32 (lane 0, lane 1): the PTX's
-    values (value * 2**-6; _e2m1_half's fp16 times 256, exact)."""
-    lo = _e2m1_half((ww >> (4 * _w4_nibble(a, 0))) & 0xF).to(tl.float32) * 256.0
-    hi = _e2m1_half((ww >> (4 * _w4_nibble(a, 1))) & 0xF).to(tl.float32) * 256.0
+def _w4_plain(ww, f, a: tl.constexpr):
+    """Decoded register a of words ww with factors f (fp32 2**-shift) without PTX (the interpreter's path), fp32
+    (lane 0, lane 1): the PTX's values (_e2m1_half's fp16 is value * 2**-14)."""
+    lo = _e2m1_half((ww >> (4 * a)) & 0xF).to(tl.float32) * 16384.0 * f
+    hi = _e2m1_half((ww >> (4 * a + 16)) & 0xF).to(tl.float32) * 16384.0 * f
     return lo, hi
 
 
 @triton.jit
-def _w4_decode(ww, BN: tl.constexpr, F32: tl.constexpr):
-    """[BN, 4] int32 words -> [BN, 32] weights * 2**-6 (fp16; F32: fp32 without PTX, the interpreter's path),
-    columns as _w4_columns says: [BN, register a, word c, lane h] flattened, so a thread's 8 values of a row (a
-    dot-operand layout holds columns 2c..2c+1 + 8a) all come from one word."""
+def _w4_decode(ww, f, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+    """[BN, BK/8] int32 words and their factors (_w4_factors) -> [BN, BK] weights * 2**-shift (bf16; F32: fp32
+    without PTX, the interpreter's path) in the decode's column order: [BN, group b, register a, word c, lane h]
+    flattened, so a thread's values of a row (a dot-operand layout holds columns 8A + 2c + h) come from its own
+    words 4b + c. Decoded column 32b + 8a + 2c + h is nibble a + 4h of word 4b + c: input column
+    32b + 8c + 4h + a (_w4_act gathers the activations in this order)."""
+    f = tl.broadcast_to(f[:, :, None], [BN, BK // 32, 4]).reshape(BN, BK // 8)
     if F32:
-        l0, h0 = _w4_plain(ww, 0)
-        l1, h1 = _w4_plain(ww, 1)
-        l2, h2 = _w4_plain(ww, 2)
-        l3, h3 = _w4_plain(ww, 3)
+        l0, h0 = _w4_plain(ww, f, 0)
+        l1, h1 = _w4_plain(ww, f, 1)
+        l2, h2 = _w4_plain(ww, f, 2)
+        l3, h3 = _w4_plain(ww, f, 3)
     else:
-        p0, p1, p2, p3 = _e2m1_quad8(ww)
-        l0, h0 = _half_lanes(p0)
-        l1, h1 = _half_lanes(p1)
-        l2, h2 = _half_lanes(p2)
-        l3, h3 = _half_lanes(p3)
-    lo = tl.join(tl.join(l0, l2), tl.join(l1, l3)).reshape(BN, 4, 4).permute(0, 2, 1)     # [BN, a, c]
-    hi = tl.join(tl.join(h0, h2), tl.join(h1, h3)).reshape(BN, 4, 4).permute(0, 2, 1)
-    return tl.join(lo, hi).reshape(BN, 32)
+        p0, p1, p2, p3 = _e2m1_bf16x8(ww, f)
+        l0, h0 = _bf16_lanes(p0)
+        l1, h1 = _bf16_lanes(p1)
+        l2, h2 = _bf16_lanes(p2)
+        l3, h3 = _bf16_lanes(p3)
+    lo = tl.join(tl.join(l0, l2), tl.join(l1, l3)).reshape(BN, BK // 32, 4, 4).permute(0, 1, 3, 2)   # [BN, b, a, c]
+    hi = tl.join(tl.join(h0, h2), tl.join(h1, h3)).reshape(BN, BK // 32, 4, 4).permute(0, 1, 3, 2)
+    return tl.join(lo, hi).reshape(BN, BK)
 
 
 @triton.jit
-def _w4_act(a_ptr, rows, valid, k0, K):
-    """The activations the group at k0 meets: a[rows, _w4_columns(k0)]^T [32, BM] as stored (zeros past K and
-    for invalid rows)."""
-    kk = _w4_columns(k0)
-    return tl.load(a_ptr + rows[None, :] * K + kk[:, None], mask=valid[None, :] & (kk[:, None] < K), other=0.0)
+def _w4_act(a_ptr, rows, valid, k0, K, BM: tl.constexpr, BK: tl.constexpr):
+    """The activations the step at k0 meets, [BK, BM] (zeros past K and for invalid rows): a[rows, k0:k0+BK] read
+    as stored (whole rows: vector loads), then its columns put in the decode's order (_w4_decode: column
+    32b + 8a + 2c + h meets input column 32b + 8c + 4h + a, a permutation of the index bits, so a reshape and
+    permute)."""
+    kk = k0 + tl.arange(0, BK)
+    a = tl.load(a_ptr + rows[:, None] * K + kk[None, :], mask=valid[:, None] & (kk[None, :] < K), other=0.0)
+    return tl.trans(a.reshape(BM, BK // 32, 4, 2, 4).permute(0, 1, 4, 2, 3).reshape(BM, BK))
 
 
 @triton.jit
-def _w4_mac(acc, wb, at, m, BN: tl.constexpr, F32: tl.constexpr):
-    """acc [BN, BM] += (decoded group [BN, 32] @ at [32, BM]) * m (m [BN]: the rows' 2**-shift undoing the
-    decode's 2**-6, so exact for any shift)."""
-    w = _w4_decode(wb, BN, F32)
+def _w4_mac(acc, ww, f, at, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+    """acc [BN, BM] += decoded step [BN, BK] @ at [BK, BM] (bf16 operands, fp32 accumulation in place)."""
+    w = _w4_decode(ww, f, BN, BK, F32)
     if F32:
-        d = tl.dot(w, at.to(tl.float32), input_precision="ieee")
+        acc = tl.dot(w, at.to(tl.float32), acc, input_precision="ieee")
     else:
-        d = tl.dot(w, at.to(tl.float16))
-    return acc + d * m[:, None]
+        acc = tl.dot(w, at.to(tl.bfloat16), acc)
+    return acc
 
 
 @triton.jit
 def _w4_gate_up_kernel(x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, s1_ptr, s3_ptr, g1_ptr, g3_ptr, h_ptr,
                        slot_pair_ptr, block_expert_ptr, H, F, K_TOP, limit, BM: tl.constexpr, BN: tl.constexpr,
-                       TMA: tl.constexpr, F32: tl.constexpr, GR: tl.constexpr):
+                       BK: tl.constexpr, TMA: tl.constexpr, F32: tl.constexpr, GR: tl.constexpr):
     """_gate_up_kernel for packed FP4 with swapped operands (section comment): program (block of one expert's
-    pairs, F tile of BN rows), one 32-wide group per loop step; accumulators [BN, BM] (rows x tokens)."""
+    pairs, F tile of BN rows), BK input columns a loop step; accumulators [BN, BM] (rows x tokens)."""
     e, nt, slots, pair, n = _block_rows(slot_pair_ptr, block_expert_ptr, BM, BN)
     if e >= 0:
         tok = tl.where(pair >= 0, pair // K_TOP, 0).to(tl.int64)
         ok = pair >= 0
         acc1 = tl.zeros([BN, BM], tl.float32)
         acc3 = tl.zeros([BN, BM], tl.float32)
-        a1 = _w4_act(x_ptr, tok, ok, 0, H)                   # a step ahead (module comment)
-        m1n = _group_mult(g1_ptr, e, n, 0, F, H, GR, 6)
-        m3n = _group_mult(g3_ptr, e, n, 0, F, H, GR, 6)
-        for kg in range(0, H, 32):
-            w1t = _w4_group_tile(w1_ptr, w1_desc, e, n, nt, F, kg, H, BN, TMA)
-            w3t = _w4_group_tile(w3_ptr, w3_desc, e, n, nt, F, kg, H, BN, TMA)
-            at, m1, m3 = a1, m1n, m3n
-            a1 = _w4_act(x_ptr, tok, ok, kg + 32, H)
-            m1n = _group_mult(g1_ptr, e, n, kg + 32, F, H, GR, 6)
-            m3n = _group_mult(g3_ptr, e, n, kg + 32, F, H, GR, 6)
-            acc1 = _w4_mac(acc1, w1t, at, m1, BN, F32)
-            acc3 = _w4_mac(acc3, w3t, at, m3, BN, F32)
+        a1 = _w4_act(x_ptr, tok, ok, 0, H, BM, BK)               # a step ahead (section comment)
+        f1n = _w4_factors(g1_ptr, e, n, 0, F, H, GR, BK, F32)
+        f3n = _w4_factors(g3_ptr, e, n, 0, F, H, GR, BK, F32)
+        for k0 in range(0, H, BK):
+            w1t = _w4_tile(w1_ptr, w1_desc, e, n, nt, F, k0, H, BN, BK, TMA)
+            w3t = _w4_tile(w3_ptr, w3_desc, e, n, nt, F, k0, H, BN, BK, TMA)
+            at, f1, f3 = a1, f1n, f3n
+            a1 = _w4_act(x_ptr, tok, ok, k0 + BK, H, BM, BK)
+            f1n = _w4_factors(g1_ptr, e, n, k0 + BK, F, H, GR, BK, F32)
+            f3n = _w4_factors(g3_ptr, e, n, k0 + BK, F, H, GR, BK, F32)
+            acc1 = _w4_mac(acc1, w1t, f1, at, BN, BK, F32)
+            acc3 = _w4_mac(acc3, w3t, f3, at, BN, BK, F32)
         sn = e.to(tl.int64) * F + n
         acc1 = acc1 * tl.load(s1_ptr + sn, mask=n < F, other=0.0)[:, None]
         acc3 = acc3 * tl.load(s3_ptr + sn, mask=n < F, other=0.0)[:, None]
@@ -496,21 +507,22 @@ def _w4_gate_up_kernel(x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, s1_ptr, s3_ptr, 
 
 @triton.jit
 def _w4_down_kernel(h_ptr, w2_ptr, w2_desc, s2_ptr, g2_ptr, y_ptr, wts_ptr, slot_pair_ptr, block_expert_ptr, H, F,
-                    BM: tl.constexpr, BN: tl.constexpr, TMA: tl.constexpr, F32: tl.constexpr, GR: tl.constexpr):
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, F32: tl.constexpr,
+                    GR: tl.constexpr):
     """_down_kernel for packed FP4 with swapped operands: y[pair] = weight[pair] * (h W2^T), one row per pair."""
     e, nt, slots, pair, n = _block_rows(slot_pair_ptr, block_expert_ptr, BM, BN)
     if e >= 0:
         rows = slots.to(tl.int64)
         ok = pair >= 0
         acc = tl.zeros([BN, BM], tl.float32)
-        a1 = _w4_act(h_ptr, rows, ok, 0, F)
-        m2n = _group_mult(g2_ptr, e, n, 0, H, F, GR, 6)
-        for kg in range(0, F, 32):
-            w2t = _w4_group_tile(w2_ptr, w2_desc, e, n, nt, H, kg, F, BN, TMA)
-            at, m2 = a1, m2n
-            a1 = _w4_act(h_ptr, rows, ok, kg + 32, F)
-            m2n = _group_mult(g2_ptr, e, n, kg + 32, H, F, GR, 6)
-            acc = _w4_mac(acc, w2t, at, m2, BN, F32)
+        a1 = _w4_act(h_ptr, rows, ok, 0, F, BM, BK)
+        f2n = _w4_factors(g2_ptr, e, n, 0, H, F, GR, BK, F32)
+        for k0 in range(0, F, BK):
+            w2t = _w4_tile(w2_ptr, w2_desc, e, n, nt, H, k0, F, BN, BK, TMA)
+            at, f2 = a1, f2n
+            a1 = _w4_act(h_ptr, rows, ok, k0 + BK, F, BM, BK)
+            f2n = _w4_factors(g2_ptr, e, n, k0 + BK, H, F, GR, BK, F32)
+            acc = _w4_mac(acc, w2t, f2, at, BN, BK, F32)
         acc = acc * tl.load(s2_ptr + e.to(tl.int64) * H + n, mask=n < H, other=0.0)[:, None]
         p = tl.maximum(pair, 0).to(tl.int64)
         wt = tl.load(wts_ptr + p, mask=ok, other=0.0)
@@ -551,7 +563,27 @@ PREFETCH_SHIFTED = True
 # Session 10 round 2 (V4.1, T = 64 / 8, us, same bits): the packed bytes laid out by K block ([E, K/32, N, 16],
 # each step's word tile one contiguous 2 KB run instead of 16 bytes a row) 2400-2407 / 523 (43 / 38% of the
 # FP4 bytes) against 2085-2093 / 465 (50 / 43%) for this layout -> deleted.
-W4_TILES = dict(block_n=128, num_warps=4, num_stages=3)
+# Session 11 (this form: the shifts folded into a bf16 decode, one dot chain in place over K steps of block_k;
+# V4.1, T = 64 / 8 / 256, us, % of the FP4 bytes; HEAD's kernel above in the same runs 2085-2165 / 464-467 /
+# 3405-3725, 45-50 / 43%). ncu at T = 64 (gate/up, down): HEAD's at 60 / 69% of issue slots busy (ALU pipe
+# 54-56%), its gate/up loop 4.2 SASS instructions a weight (round 1); this form at block_k 128 57 / 65%, 3.1
+# instructions a weight (2.1 of them the decode), DRAM reads unchanged (round 2). Rounds 1-3, block_k = 128 / 64,
+# 4 warps, 3 stages: 1585-1652 / 1535-1694, 352-374 / 327-385, 2606-2670 / 2448-2885 (61-68%); 4 stages at 128
+# 1581-1670 / 341-376 / 2581-2730. Round 3, each twice in one run: register caps (maxnreg 168 for gate/up: 3
+# programs an SM instead of 2 at 185 registers; 128 for down: 4 instead of 3; no spills) at block_k = 128
+# 1467-1485 / 313-314 / 2440-2444 (70-71 / 63-64 / 68%, the default); gate/up at 128 capped, down at 64 uncapped
+# 1509-1588 / 322 / 2615-2691; gate/up at 64, down at 128 capped 1566-1612 / 319 / 2556-2632; 64-row tiles at 64
+# 1757-1790 / 376 / 2867-2885. Round 4 (copy 4226 GB/s), each twice: the default 1401-1414 / 312 / 2290-2319
+# (74-75 / 64 / 72-73%), HEAD's 2096-2099 / 466-467 / 3369-3393, the fp8 rows path (FP8_TILES, the loader's CUDA
+# default) 1989-1990 / 420-468 / 3277-3278 (96-99% of its bytes: packed FP4 is now the faster of the two); 4
+# stages 1418 / 314 / 2307-2492; gate/up capped at 128 registers too (4 programs an SM, 136 B of spills)
+# 1581-1666 / 345 / 2596-2662. T = 8 stays at 64%: its 810 gate/up programs fill 3 programs x 132 SMs 2.05 times.
+# Measured and deleted: the shifts through tensor descriptors ([groups, rows] boxes,
+# 156 / 127 registers, no layout conversion of the factors but more operations) at block_k 128 / 64: 1565 / 1648,
+# 340 / 351, 2793 / 2753 (round 2). The first build of this form sent the decoded tile through shared memory
+# (per-word factors loaded a step ahead fixed its layout); per-group factors broadcast in registers keep it out
+# (perhaps why session 8's fold lost).
+W4_TILES = dict(block_n=128, block_k=128, num_warps=4, num_stages=3, maxnreg=(168, 128))
 
 # Tensor-descriptor weight loads by default (when the shapes allow). H200 round 1: as fast as the pointer loads
 # (200 vs 202 us at T=64), and their sm_90 build does not spill (the pointer build spills 808 B per thread).
@@ -577,7 +609,7 @@ def tma_ok(w: torch.Tensor, box: tuple[int, int]) -> bool:
 
 def moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit=10.0, block_m=None, block_n=64, block_k=128,
                        num_warps=None, num_stages=3, down=None, tma=None, align="triton", scales=None,
-                       fp8_compute="fp16", shifts=None, shift_rows=1, prefetch=None):
+                       fp8_compute="fp16", shifts=None, shift_rows=1, prefetch=None, maxnreg=None):
     """block_m None: default_block_m. (block_n, block_k, num_warps, num_stages) tile the gate/up kernel; `down`
     (same 4-tuple, None: the same) the down kernel; num_warps None: 4 for 16-row blocks, else 8 (sm_90 builds
     without spills). tma (None: TMA_DEFAULT): weight tiles through tensor descriptors when `tma_ok` allows;
@@ -588,8 +620,9 @@ def moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit=10.0, block_m=N
     (H200 round 2, toy T=64: fp16 120 us, bf16 172 us: e4m3 -> fp16 is one conversion instruction).
     shifts / shift_rows: the block scales' shifts (module doc); the K tiles are then 32 wide (one group).
     prefetch (None: PREFETCH_SHIFTED with shifts, else off): activations and shifts loaded a K step ahead.
-    Packed FP4 (uint8 weights, always with shifts) goes through the swapped-operand kernels (_w4_*: block_n,
-    num_warps, num_stages and `down` tile them; block_k is not used; in dims must be multiples of 8)."""
+    Packed FP4 (uint8 weights, always with shifts) goes through the swapped-operand kernels (_w4_*: the tiles
+    and `down` as above, block_k a multiple of 32; in dims must be multiples of 8); maxnreg (gate/up, down):
+    register caps of those two builds (None: the compiler's choice), so more programs fit an SM."""
     _check(x, ids, weights, w1, w3, w2, scales, shifts, shift_rows)
     T, H = x.shape
     K = ids.shape[1]
@@ -605,6 +638,8 @@ def moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit=10.0, block_m=N
           f"the packed FP4 kernels read int32 words of 8 weights: hidden {H} and inter {F} must be multiples of 8")
     check(not gs or w4 or (block_k == 32 and dk == 32),
           f"block scales need K tiles of one 32-group, got {block_k}, {dk}")
+    check(not w4 or (block_k % 32 == 0 and dk % 32 == 0),
+          f"packed FP4 K tiles are whole 32-groups, got {block_k}, {dk}")
     pf = (PREFETCH_SHIFTED and gs) if prefetch is None else bool(prefetch)
     slot_pair, block_expert = (align_pairs_triton if align == "triton" else align_pairs)(ids, E, block_m)
     n_blocks = block_expert.numel()
@@ -621,7 +656,7 @@ def moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit=10.0, block_m=N
     if w4:                                    # int32 words [E, N, K/8] (8 nibbles a word)
         w1, w3, w2 = w1.view(torch.int32), w3.view(torch.int32), w2.view(torch.int32)
         c = 8
-    box_up, box_down = ((block_n, 4), (dn, 4)) if w4 else ((block_n, block_k), (dn, dk))
+    box_up, box_down = ((block_n, block_k // 8), (dn, dk // 8)) if w4 else ((block_n, block_k), (dn, dk))
     tma = ((TMA_DEFAULT if tma is None else bool(tma)) and tma_ok(w1, box_up) and tma_ok(w3, box_up)
            and tma_ok(w2, box_down))
     if tma:
@@ -636,14 +671,17 @@ def moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit=10.0, block_m=N
     y = empty((T * K, H), torch.float32, x.device)
     x = x.contiguous()
     if w4:
+        caps = maxnreg or (None, None)
         _w4_gate_up_kernel[(n_blocks, triton.cdiv(F, block_n))](x, w1, w3, d1, d3, s1, s3, g1, g3, h, slot_pair,
                                                                 block_expert, H, F, K, float(swiglu_limit),
-                                                                BM=block_m, BN=block_n, TMA=tma, F32=f32,
+                                                                BM=block_m, BN=block_n, BK=block_k, TMA=tma,
+                                                                F32=f32,
                                                                 GR=shift_rows, num_warps=num_warps,
-                                                                num_stages=num_stages)
+                                                                num_stages=num_stages, maxnreg=caps[0])
         _w4_down_kernel[(n_blocks, triton.cdiv(H, dn))](h, w2, d2, s2, g2, y, weights.float().contiguous(),
-                                                        slot_pair, block_expert, H, F, BM=block_m, BN=dn, TMA=tma,
-                                                        F32=f32, GR=shift_rows, num_warps=dw, num_stages=ds)
+                                                        slot_pair, block_expert, H, F, BM=block_m, BN=dn, BK=dk,
+                                                        TMA=tma, F32=f32, GR=shift_rows, num_warps=dw, num_stages=ds,
+                                                        maxnreg=caps[1])
         return _combine(y, T, H, K, x.dtype)
     _gate_up_kernel[(n_blocks, triton.cdiv(F, block_n))](x, w1, w3, d1, d3, s1, s3, h, slot_pair, block_expert, H,
                                                          F, K, float(swiglu_limit), g1, g3, BM=block_m,

@@ -32,6 +32,22 @@ proposal); a last launch (`_reject_finish_kernel`, per row) takes the first prop
 is < p * s (`_row_token`). A row whose PROPOSALS proposals all miss runs the rest of the rule in that program (loops over
 the row: proposals PROPOSALS .. NMAX - 1, then the row-wide tau bisection and the restricted draw): exact,
 slow, rare.
+Session 11: the mass-above programs first compare their segment's program maxima (the pass's) with the smallest
+proposal: a segment with nothing above any proposal stores zeros without loading its lane maxima (R3, B=64, twice
+each: peaked p0.95 rows 24.1 / 24.1 -> 22.2 / 22.2 us, flat p0.9 rows 31.2 / 31.3 -> 30.9 / 31.4); the pass packs
+its proposals' best lanes in one block reduction of [lanes, proposals] instead of one per proposal (22.8 / 22.8 ->
+22.2 / 22.2 and 31.8 / 31.7 -> 30.9 / 31.4). Deleted after R3 (same runs): each lane's mass stored beside its max so
+that the tokens kernel draws inside a winning lane in one sweep of its tokens instead of three, 22.2 / 22.2 and
+30.9 / 31.4 against 21.9 / 21.8 and 30.5 / 30.8 without (the extra store cost more than the sweeps). So the
+whole call at B=64 against HEAD in that run: peaked 23.9 / 23.9 -> 21.9 / 21.8 us (33% -> 36% of copy bandwidth),
+flat 31.1 / 31.1 -> 30.5 / 30.8 (25-26%); B=256 was cut by the rounds' budgets (not measured).
+Deleted after session 11's R2 (whole call, us, B=64 / 256, flat p0.9 and peaked p0.95 rows, HEAD in the same run:
+30.6 / 85.9 and 24.1 / 64.3): lane bounds deciding rows in the tokens kernel (the pass stored each lane's max,
+second largest z and mass; a lane whose second largest z is not above a proposal adds exactly exp(max - m) or 0,
+any other between exp(max - m) + exp(second - m) and its mass; a row whose first sure proposal came before any
+unsure one skipped the mass-above pass: 1 of 64 flat rows left open, 7 of 256, no peaked row) ran 32.9 / 87.6
+and 29.9 / 84.6: reading 12 bytes of statistics per lane in one program per row cost what the mass-above pass
+saved on flat rows, and peaked rows, whose mass-above pass reads almost nothing, paid it all.
 Deleted after session 7's R2 (whole call, B=64 / 256, flat p 0.9 and peaked p 0.95 rows, us): the mass-above
 pass reading only the lanes above the smallest proposal (lane maxima and masses stored by pass 1) 55.4 / 151.9
 and 53.8 / 142.3 against 52.5 / 141.8 and 52.3 / 136.6 reading every lane (a lane's 16 tokens sit in 16
@@ -44,9 +60,8 @@ import triton.language as tl
 
 from . import rng
 from .backend import empty
-from .threshold import (NEG_INF_KEY, _below, _bisect_tau, _kept_column, exp2_w, lane_block, lane_score, load_z,
-                        pdl_kw, pdl_trigger, pdl_wait,
-                        pack_lanes, row_block_z, segment_pack)
+from .threshold import (NEG_INF_KEY, _below, _bisect_tau, _kept_column, exp2_w, lane_block, lane_keys, lane_score,
+                        load_z, pdl_kw, pdl_trigger, pdl_wait, pack_lanes, row_block_z, segment_pack)
 
 NMAX = 8              # proposals of the rule (part of the contract: it decides the token)
 PROPOSALS = 4         # proposals the sampling pass computes (the finish computes the rest when all miss)
@@ -59,7 +74,9 @@ FINISH_WARPS = 4
 # Session 7 R2 (H200, whole top-p call, B=64 / 256, flat p 0.9 and peaked p 0.95 rows; the device-side parameter
 # view then still cost ~15 us in every row): the mass-above pass at 4 warps 69.2 / 193.0 and 67.4 / 178.4 against
 # 52.5 / 141.8 and 52.3 / 136.6 at 2; 2 proposals 120.6 / 63.6 at B=64 (flat rows then often reach the finish's
-# loops), 6 proposals 67.4 / 65.3. So: 2 warps, 4 proposals.
+# loops), 6 proposals 67.4 / 65.3. So: 2 warps, 4 proposals. Session 11 (B=64 only): 4 warps 21.6 / 21.6 (peaked)
+# and 30.9 / 31.0 (flat) against 22.2 / 22.2 and 30.9 / 31.4 at 2 (R3), 29.9 against 31.7 once (flat, R4, tests
+# running beside it); not adopted without a B=256 number.
 HOT_LANES = True      # the mass-above pass gathers only the lanes above the smallest proposal when they are few
 HOTCAP = 32           # most such lanes per segment gathered (more: the segment is read whole)
 STAGES = 2            # benchmarks time the stages by differences: 0 stops after the pass, 1 after the mass above
@@ -99,16 +116,16 @@ def is_p_alone(row, V, greedy_ptr, top_k_ptr, top_p_ptr, FROM_TEMP: tl.constexpr
 def store_proposals(x, lane, pos, start, seg, inv_t, greedy, key, out_ptr, HAS_TAU: tl.constexpr,
                     LANES: tl.constexpr, LW: tl.constexpr, FAST: tl.constexpr, NP: tl.constexpr,
                     DEFER: tl.constexpr = False, pmass_ptr=None, lane_ptr=None, alone=False,
-                    HOT: tl.constexpr = False):
+                    HOT: tl.constexpr = False, NPR: tl.constexpr = 1):
     """The sampling pass's per-program work with NP proposals (threshold.segment_pack for each): out_ptr[j] = the
     packed best lane of proposal j (greedy rows: out_ptr[0] only, with the token). The lane weights, running sums
-    and masses are computed once; each proposal adds its Gumbel score, one block reduction and (unless DEFER) its
-    in-lane pick. DEFER (the sampling pass; the speculative statistics pass picks in-lane here and needs neither
+    and masses are computed once; each proposal adds its Gumbel score and (unless DEFER) its in-lane pick and
+    block reduction. DEFER (the sampling pass; the speculative statistics pass picks in-lane here and needs neither
     store below): the packed entry holds the lane's global id instead of the token (`lane_token` draws the token
-    of the winning lane; ties between lanes go to the lowest id, the twin's rule); the program's mass sum exp(z -
-    its max z) goes to pmass_ptr (from the lane masses; the rejection finish's row mass), and with HOT every lane's
-    max z to lane_ptr[g] for rows that are top-p alone (`alone`: the mass-above pass then gathers only the lanes
-    above the smallest proposal)."""
+    of the winning lane; ties between lanes go to the lowest id, the twin's rule), all NP in ONE block reduction
+    of [lanes, NPR] (NPR: a power of two >= NP); the program's mass sum exp(z - its max z) goes to pmass_ptr (from
+    the lane masses; the rejection finish's row mass), and with HOT every lane's max z to lane_ptr[g] for rows that
+    are top-p alone (`alone`: the mass-above pass then gathers only the lanes above the smallest proposal)."""
     xm = tl.max(x, 1)
     if greedy:
         tl.store(out_ptr, segment_pack(x, lane, pos, start, seg, inv_t, greedy, key, HAS_TAU, LANES, LW, FAST))
@@ -129,13 +146,20 @@ def store_proposals(x, lane, pos, start, seg, inv_t, greedy, key, out_ptr, HAS_T
             tl.store(pmass_ptr, tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - pm), 0.0), 0))
             if HOT:
                 tl.store(lane_ptr + gid, m, mask=(gid == gid) & alone)
-        for j in tl.static_range(NP):
-            kj = key
-            if j > 0:
-                kj = proposal_key_tl(key, tl.full([], j, tl.int32))
-            if DEFER:
-                tl.store(out_ptr + j, pack_lanes(lane_score(m, s, kj, gid, FAST), gid))
-            else:
+            col = tl.arange(0, NPR)[None, :]
+            keys = tl.full([x.shape[0], NPR], MIN_PACKED_C, tl.int64)
+            for j in tl.static_range(NP):
+                kj = key
+                if j > 0:
+                    kj = proposal_key_tl(key, tl.full([], j, tl.int32))
+                keys = tl.where(col == j, lane_keys(lane_score(m, s, kj, gid, FAST), gid)[:, None], keys)
+            jr = tl.arange(0, NPR)
+            tl.store(out_ptr + jr, tl.max(keys, 0), mask=jr < NP)
+        else:
+            for j in tl.static_range(NP):
+                kj = key
+                if j > 0:
+                    kj = proposal_key_tl(key, tl.full([], j, tl.int32))
                 target = _below(rng.uniform_tl(kj, gid + 1073741824) * s, s)          # U_ID + g
                 kk = tl.sum((cdf <= target[:, None]).to(tl.int32), 1)
                 tl.store(out_ptr + j, pack_lanes(lane_score(m, s, kj, gid, FAST),
@@ -193,8 +217,19 @@ def lane_token(logits_ptr, row, g, ok, V, inv_t, tau, key, bitmask_ptr, mrow, bi
 
 
 @triton.jit
-def _tokens_kernel(packed_ptr, tok_ptr, logits_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, keys_ptr, tau_ptr,
-                   bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, done_ptr, DONE: tl.constexpr,
+def _row_mass(pmax_ptr, pmass_ptr, row, n_prog, NPP: tl.constexpr):
+    """(m, s): a row's max z and its mass sum exp(z - m) in fp64, from the sampling pass's program maxima and
+    masses (each relative to its program's max)."""
+    i = tl.arange(0, NPP)
+    pmx = tl.load(pmax_ptr + row * n_prog + i, mask=i < n_prog, other=float("-inf"))
+    m = tl.max(pmx, 0)
+    pms = tl.load(pmass_ptr + row * n_prog + i, mask=i < n_prog, other=0.0)
+    return m, tl.sum(tl.where(pmx > float("-inf"), pms * tl.exp(pmx - m), 0.0).to(tl.float64), 0)
+
+
+@triton.jit
+def _tokens_kernel(packed_ptr, tok_ptr, dec_ptr, logits_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, keys_ptr,
+                   tau_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, done_ptr, DONE: tl.constexpr,
                    HAS_MASK: tl.constexpr, HAS_TAU: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr,
                    NPQ: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, FAST: tl.constexpr,
                    PDL: tl.constexpr = False):
@@ -202,14 +237,16 @@ def _tokens_kernel(packed_ptr, tok_ptr, logits_ptr, inv_t_ptr, greedy_ptr, top_k
     token drawn inside it by `lane_token`; greedy rows: the packed argmax), -1 where the best score is -inf (nothing
     allowed); only proposal 0 for rows that are not top-p alone. Once per row, so the mass-above programs and the
     finish only load the tokens (each (row, segment) program drawing them itself cost more than the pass saved:
-    session 8 R1, the mass-above pass 19.4 / 72.8 us against 16.6 / 46.3 at B=64 / 256)."""
+    session 8 R1, the mass-above pass 19.4 / 72.8 us against 16.6 / 46.3 at B=64 / 256).
+    dec[row] = the row's token when known here (the top-k merge's draw, proposal 0 of a row that is not top-p
+    alone), else -2: the mass-above pass and the finish decide it."""
     pdl_wait(PDL)
     pdl_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
-    skip = False
+    dec = tl.full([], -2, tl.int64)
     if DONE:
-        skip = tl.load(done_ptr + row) != -2
-    if not skip:
+        dec = tl.load(done_ptr + row)
+    if dec == -2:
         i = tl.arange(0, NPP)
         jj = tl.arange(0, NPQ)
         pk = tl.load(packed_ptr + (row * n_prog + i)[:, None] * NP + jj[None, :],
@@ -217,8 +254,9 @@ def _tokens_kernel(packed_ptr, tok_ptr, logits_ptr, inv_t_ptr, greedy_ptr, top_k
         best = tl.max(pk, 0)
         toks = _unpack(best)
         live = (best >> 32) > NEG_INF_KEY_C
+        alone = is_p_alone(row, V, greedy_ptr, top_k_ptr, top_p_ptr)
         if tl.load(greedy_ptr + row) == 0:
-            n = tl.where(is_p_alone(row, V, greedy_ptr, top_k_ptr, top_p_ptr), NP, 1)
+            n = tl.where(alone, NP, 1)
             mrow = -1
             if HAS_MASK:
                 mrow = tl.load(mask_rows_ptr + row)
@@ -230,7 +268,10 @@ def _tokens_kernel(packed_ptr, tok_ptr, logits_ptr, inv_t_ptr, greedy_ptr, top_k
             live = live & (jj < n)
             toks = lane_token(logits_ptr, row, toks, live, V, tl.load(inv_t_ptr + row), tau, kj, bitmask_ptr, mrow,
                               bitmask_stride, HAS_MASK, HAS_TAU, LANES, LW, FAST)
-        tl.store(tok_ptr + row * NPQ + jj, tl.where(live, toks, -1), mask=jj < NP)
+        toks = tl.where(live, toks, -1)
+        tl.store(tok_ptr + row * NPQ + jj, toks, mask=jj < NP)
+        dec = tl.where(alone, dec, tl.sum(tl.where(jj == 0, toks, 0), 0))
+    tl.store(dec_ptr + row, dec)
 
 
 @triton.jit
@@ -246,24 +287,27 @@ def _above_sums(z, e, zs, jj, NP: tl.constexpr, NPQ: tl.constexpr):
 
 
 @triton.jit
-def _above_kernel(logits_ptr, tok_ptr, pmax_ptr, part_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr,
-                  bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, n_seg, lane_ptr, n_lanes, hot_ptr,
-                  HAS_MASK: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr,
-                  VEC: tl.constexpr, FAST: tl.constexpr, NPQ: tl.constexpr = 8, HOT: tl.constexpr = False,
-                  HOTCAP: tl.constexpr = 32, PDL: tl.constexpr = False):
-    """Program (row, segment) of a top-p-alone row: part[row, segment, j] = the mass above proposal j, as sum
-    exp(z - m) (m: the row max from the pass's program maxima): fp32 inside a lane (LW terms), fp64 across lanes
-    (`_above_sums`). The proposals' tokens (`_tokens_kernel`) and z in one load each. HOT: only the lanes whose
-    max (stored by the pass) exceeds the smallest proposal's z can hold a token above a proposal; when at most
-    HOTCAP of the segment's lanes do, only those are gathered (a lane list through a small scratch), else the
-    whole segment is read. Other rows return at once."""
+def _above_kernel(logits_ptr, tok_ptr, dec_ptr, pmax_ptr, part_ptr, inv_t_ptr, bitmask_ptr, mask_rows_ptr,
+                  bitmask_stride, V, n_prog, n_seg, lane_ptr, n_lanes, hot_ptr, HAS_MASK: tl.constexpr,
+                  NP: tl.constexpr, NPP: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, VEC: tl.constexpr,
+                  FAST: tl.constexpr, NPQ: tl.constexpr = 8, HOT: tl.constexpr = False, HOTCAP: tl.constexpr = 32,
+                  PDL: tl.constexpr = False):
+    """Program (row, segment) of a top-p-alone row (dec = -2, `_tokens_kernel`): part[row, segment, j] = the mass
+    above proposal j, as sum exp(z - m) (m: the row max from the pass's program maxima): fp32 inside a lane (LW
+    terms), fp64 across lanes (`_above_sums`). The proposals' tokens (`_tokens_kernel`) and z in one load each.
+    A segment whose programs' maxima (the pass's) are all at or below the smallest proposal's z holds nothing above
+    any proposal: zeros, nothing else read. HOT: only the lanes whose max (stored by the pass) exceeds the
+    smallest proposal's z can hold a token above a proposal; when at most HOTCAP of the segment's lanes do, only
+    those are gathered (a lane list through a small scratch), else the whole segment is read (lane_ptr: the lane
+    maxima). Other rows return at once."""
     pdl_wait(PDL)
     pdl_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
-    if is_p_alone(row, V, greedy_ptr, top_k_ptr, top_p_ptr):
+    if tl.load(dec_ptr + row) == -2:
         i = tl.arange(0, NPP)
-        m = tl.max(tl.load(pmax_ptr + row * n_prog + i, mask=i < n_prog, other=float("-inf")), 0)
+        pmx = tl.load(pmax_ptr + row * n_prog + i, mask=i < n_prog, other=float("-inf"))
+        m = tl.max(pmx, 0)
         if m > float("-inf"):
             start = seg * (LANES * LW)
             inv_t = tl.load(inv_t_ptr + row)
@@ -271,11 +315,17 @@ def _above_kernel(logits_ptr, tok_ptr, pmax_ptr, part_ptr, inv_t_ptr, greedy_ptr
             jj = tl.arange(0, NPQ)
             toks = tl.load(tok_ptr + row * NPQ + jj, mask=jj < NP, other=0)
             zs = tl.load(logits_ptr + row * V + toks, mask=jj < NP, other=0.0).to(tl.float32) * inv_t
+            zmin = tl.min(tl.where(jj < NP, zs, float("inf")), 0)
+            per = n_prog // n_seg                                  # the pass's programs of one segment
+            seg_max = tl.max(tl.where((i >= seg * per) & (i < seg * per + per), pmx, float("-inf")), 0)
+            warm = seg_max > zmin
+            if seg_max <= zmin:
+                tl.store(part_ptr + o + jj, tl.zeros([NPQ], tl.float64), mask=jj < NP)
             n_hot = HOTCAP + 1
-            if HOT:
+            if HOT & warm:
                 lane = tl.arange(0, LANES)
                 lm = tl.load(lane_ptr + row * n_lanes + seg * LANES + lane)
-                hot = lm > tl.min(tl.where(jj < NP, zs, float("inf")), 0)
+                hot = lm > zmin
                 n_hot = tl.sum(hot.to(tl.int32), 0)
                 if n_hot <= HOTCAP:
                     hp = hot_ptr + (row * n_seg + seg) * HOTCAP
@@ -292,7 +342,7 @@ def _above_kernel(logits_ptr, tok_ptr, pmax_ptr, part_ptr, inv_t_ptr, greedy_ptr
                                 bitmask_stride, HAS_MASK)
                     eh = tl.where(zh > float("-inf"), tl.exp(zh - m), 0.0)
                     tl.store(part_ptr + o + jj, _above_sums(zh, eh, zs, jj, NP, NPQ), mask=jj < NP)
-            if n_hot > HOTCAP:
+            if warm & (n_hot > HOTCAP):
                 z, pos = row_block_z(logits_ptr, bitmask_ptr, mask_rows_ptr, inv_t_ptr, row, start, V,
                                      bitmask_stride, HAS_MASK, LANES, LW, LANES, 0, VEC, FAST)
                 e = tl.where(z > float("-inf"), tl.exp(z - m), 0.0)
@@ -351,73 +401,61 @@ def rest_of_rule(logits_ptr, row, V, inv_t, top_p, key, m, lim, tau, bitmask_ptr
 
 
 @triton.jit
-def _row_token(logits_ptr, tok_ptr, pmax_ptr, pmass_ptr, part_ptr, row, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, keys_ptr,
-               bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, n_seg, done_ptr, DONE: tl.constexpr,
-               HAS_MASK: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr, NPQ: tl.constexpr, NSP: tl.constexpr,
-               NMAX: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr,
-               RPL: tl.constexpr):
-    """A row's token. Rows the top-k merge drew (DONE, done != -2) keep it; top-p-alone rows take their first
+def _row_token(logits_ptr, tok_ptr, dec_ptr, pmax_ptr, pmass_ptr, part_ptr, row, inv_t_ptr, top_p_ptr, keys_ptr,
+               bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, n_seg, HAS_MASK: tl.constexpr, NP: tl.constexpr,
+               NPP: tl.constexpr, NPQ: tl.constexpr, NSP: tl.constexpr, NMAX: tl.constexpr, LANES: tl.constexpr,
+               LW: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, RPL: tl.constexpr):
+    """A row's token: `_tokens_kernel`'s decision where it made one; a top-p-alone row it left open takes its first
     proposal whose mass above is < p * s (s: the pass's program masses, rescaled to the row max and summed in
-    fp64; the masses above: sums of `_above_kernel`'s fp64 parts), or the rest of the rule
-    (`rest_of_rule`); other rows proposal 0 (the plain draw, the draw restricted by tau, or the greedy argmax).
+    fp64; the masses above: sums of `_above_kernel`'s fp64 parts), or the rest of the rule (`rest_of_rule`).
     Proposals' tokens from `_tokens_kernel`. -1: nothing allowed."""
-    tok = tl.full([], -2, tl.int64)
-    if DONE:
-        tok = tl.load(done_ptr + row)
+    tok = tl.load(dec_ptr + row)
     if tok == -2:
-        if is_p_alone(row, V, greedy_ptr, top_k_ptr, top_p_ptr):
-            i = tl.arange(0, NPP)
-            pmx = tl.load(pmax_ptr + row * n_prog + i, mask=i < n_prog, other=float("-inf"))
-            m = tl.max(pmx, 0)
-            tok = tl.full([], -1, tl.int64)
-            if m > float("-inf"):
-                c = tl.arange(0, NSP)
-                base = part_ptr + (row * n_seg + c) * NP
-                top_p = tl.load(top_p_ptr + row)
-                pms = tl.load(pmass_ptr + row * n_prog + i, mask=i < n_prog, other=0.0)
-                s_row = tl.sum(tl.where(pmx > float("-inf"), pms * tl.exp(pmx - m), 0.0).to(tl.float64), 0)
-                lim = top_p.to(tl.float64) * s_row
-                tok = tl.full([], -2, tl.int64)
-                jj = tl.arange(0, NPQ)
-                toks = tl.load(tok_ptr + row * NPQ + jj, mask=jj < NP, other=-1)
-                for j in tl.static_range(NP):
-                    above = tl.sum(tl.load(base + j, mask=c < n_seg, other=0.0), 0)
-                    t = tl.sum(tl.where(jj == j, toks, 0), 0)
-                    tok = tl.where((tok == -2) & (above < lim), t, tok)
-                if tok == -2:
-                    mrow = -1
-                    if HAS_MASK:
-                        mrow = tl.load(mask_rows_ptr + row)
-                    tok = rest_of_rule(logits_ptr, row, V, tl.load(inv_t_ptr + row), top_p,
-                                       tl.load(keys_ptr + row).to(tl.uint32), m, lim, m, bitmask_ptr, mrow,
-                                       bitmask_stride, HAS_MASK, NP, NMAX, LANES, LW, BLOCK, FAST, False, RPL)
-        else:
-            tok = tl.load(tok_ptr + row * NPQ)
+        m, s_row = _row_mass(pmax_ptr, pmass_ptr, row, n_prog, NPP)
+        tok = tl.full([], -1, tl.int64)
+        if m > float("-inf"):
+            c = tl.arange(0, NSP)
+            base = part_ptr + (row * n_seg + c) * NP
+            top_p = tl.load(top_p_ptr + row)
+            lim = top_p.to(tl.float64) * s_row
+            tok = tl.full([], -2, tl.int64)
+            jj = tl.arange(0, NPQ)
+            toks = tl.load(tok_ptr + row * NPQ + jj, mask=jj < NP, other=-1)
+            for j in tl.static_range(NP):
+                above = tl.sum(tl.load(base + j, mask=c < n_seg, other=0.0), 0)
+                t = tl.sum(tl.where(jj == j, toks, 0), 0)
+                tok = tl.where((tok == -2) & (above < lim), t, tok)
+            if tok == -2:
+                mrow = -1
+                if HAS_MASK:
+                    mrow = tl.load(mask_rows_ptr + row)
+                tok = rest_of_rule(logits_ptr, row, V, tl.load(inv_t_ptr + row), top_p,
+                                   tl.load(keys_ptr + row).to(tl.uint32), m, lim, m, bitmask_ptr, mrow,
+                                   bitmask_stride, HAS_MASK, NP, NMAX, LANES, LW, BLOCK, FAST, False, RPL)
     return tok
 
 
 @triton.jit
-def _reject_finish_kernel(logits_ptr, tok_ptr, pmax_ptr, pmass_ptr, part_ptr, out_ptr, inv_t_ptr, greedy_ptr, top_k_ptr,
-                          top_p_ptr, keys_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, n_seg,
-                          done_ptr, DONE: tl.constexpr, HAS_MASK: tl.constexpr, NP: tl.constexpr,
-                          NPP: tl.constexpr, NPQ: tl.constexpr, NSP: tl.constexpr, NMAX: tl.constexpr,
-                          LANES: tl.constexpr, LW: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr,
-                          PDL: tl.constexpr = False):
+def _reject_finish_kernel(logits_ptr, tok_ptr, dec_ptr, pmax_ptr, pmass_ptr, part_ptr, out_ptr, inv_t_ptr, top_p_ptr,
+                          keys_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, n_seg,
+                          HAS_MASK: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr, NPQ: tl.constexpr,
+                          NSP: tl.constexpr, NMAX: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr,
+                          BLOCK: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row): the row's token (`_row_token`)."""
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
-    tl.store(out_ptr + row, _row_token(logits_ptr, tok_ptr, pmax_ptr, pmass_ptr, part_ptr, row, inv_t_ptr, greedy_ptr,
-                                       top_k_ptr, top_p_ptr, keys_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V,
-                                       n_prog, n_seg, done_ptr, DONE, HAS_MASK, NP, NPP, NPQ, NSP, NMAX, LANES, LW,
-                                       BLOCK, FAST, min(LANES, 128)))
+    tl.store(out_ptr + row, _row_token(logits_ptr, tok_ptr, dec_ptr, pmax_ptr, pmass_ptr, part_ptr, row, inv_t_ptr,
+                                       top_p_ptr, keys_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog,
+                                       n_seg, HAS_MASK, NP, NPP, NPQ, NSP, NMAX, LANES, LW, BLOCK, FAST,
+                                       min(LANES, 128)))
 
 
 def reject_finish(logits, params, bitmask, mrows, packed, pmax, pmass, lane_max, drawn, seg: int, lanes: int,
                   np_: int, interpreting: bool, tau=None) -> torch.Tensor:
     """The tokens [R] int64 after a sampling pass with np_ proposals per program that stored lanes (DEFER; packed
     [R, n_prog, np_], pmax and pmass [R, n_prog], lane_max [R, lanes of the row] or None without HOT_LANES): the
-    proposals' tokens per row, the mass-above pass over the top-p-alone rows, then the per-row finish. drawn: the top-k merge's tokens (-2: none) or None. tau: the rows' tau [R] when
-    the pass cut at it (None: no row filtered)."""
+    proposals' tokens per row, the mass-above pass over the top-p-alone rows, then the per-row finish. drawn: the top-k merge's tokens (-2: none) or None. tau: the rows' tau [R] when the pass
+    cut at it (None: no row filtered)."""
     R, V = logits.shape
     n_prog = packed.shape[1]
     n_seg = triton.cdiv(V, seg)
@@ -425,6 +463,7 @@ def reject_finish(logits, params, bitmask, mrows, packed, pmax, pmass, lane_max,
     part = torch.empty((R, n_seg, np_), dtype=torch.float64, device=dev)
     npq = triton.next_power_of_2(np_ + 1)
     toks = torch.empty((R, npq), dtype=torch.int64, device=dev)
+    dec = torch.empty((R,), dtype=torch.int64, device=dev)
     has_mask = bitmask is not None
     bm = bitmask if has_mask else logits
     mr = mrows if has_mask else packed
@@ -435,21 +474,21 @@ def reject_finish(logits, params, bitmask, mrows, packed, pmax, pmass, lane_max,
     if STAGES < 1:
         return out
     flags = dict(HAS_MASK=has_mask, NP=np_, NPP=npp, NPQ=npq, LANES=lanes, LW=seg // lanes, FAST=not interpreting)
-    _tokens_kernel[(R,)](packed, toks, logits, params.inv_temperature, params.greedy, params.top_k, params.top_p,
+    _tokens_kernel[(R,)](packed, toks, dec, logits, params.inv_temperature, params.greedy, params.top_k, params.top_p,
                          params.keys, tau if tau is not None else pmax, bm, mr, stride, V, n_prog, drawn,
                          DONE=drawn is not None, HAS_TAU=tau is not None, num_warps=1, **flags, **pdl_kw())
     hot = lane_max is not None
     hotcap = min(HOTCAP, lanes)
     hot_buf = torch.empty((R, n_seg, hotcap) if hot else (1,), dtype=torch.int32, device=dev)
-    _above_kernel[(R, n_seg)](logits, toks, pmax, part, params.inv_temperature, params.greedy, params.top_k,
-                              params.top_p, bm, mr, stride, V, n_prog, n_seg, lane_max if hot else pmax,
-                              lane_max.shape[1] if hot else 0, hot_buf, VEC=max(1, lanes // (32 * warps)), HOT=hot,
-                              HOTCAP=hotcap, num_warps=warps, **flags, **pdl_kw())
+    _above_kernel[(R, n_seg)](logits, toks, dec, pmax, part, params.inv_temperature, bm, mr, stride, V, n_prog, n_seg,
+                              lane_max if hot else pmax, lane_max.shape[1] if hot else 0, hot_buf,
+                              VEC=max(1, lanes // (32 * warps)), HOT=hot, HOTCAP=hotcap, num_warps=warps, **flags,
+                              **pdl_kw())
     if STAGES < 2:
         return out
-    _reject_finish_kernel[(R,)](logits, toks, pmax, pmass, part, out, params.inv_temperature, params.greedy, params.top_k,
-                                params.top_p, params.keys, bm, mr, stride, V, n_prog, n_seg, drawn,
-                                DONE=drawn is not None, NSP=max(16, triton.next_power_of_2(n_seg)), NMAX=NMAX,
+    _reject_finish_kernel[(R,)](logits, toks, dec, pmax, pmass, part, out, params.inv_temperature, params.top_p,
+                                params.keys, bm, mr, stride, V, n_prog, n_seg,
+                                NSP=max(16, triton.next_power_of_2(n_seg)), NMAX=NMAX,
                                 BLOCK=min(1024, triton.next_power_of_2(V)), num_warps=FINISH_WARPS, **flags,
                                 **pdl_kw())
     return out

@@ -304,7 +304,8 @@ def segment_block(logits_ptr, tau_ptr, bitmask_ptr, row, seg, inv_t, mrow, bitma
 def _segment_body(logits_ptr, packed_ptr, tau_ptr, row, prog, n_prog, inv_t, greedy, key, bitmask_ptr, mrow,
                   bitmask_stride, V, HAS_MASK: tl.constexpr, HAS_TAU: tl.constexpr, FULL: tl.constexpr,
                   LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr, VEC: tl.constexpr, FAST: tl.constexpr,
-                  MASK_FIRST: tl.constexpr, NP: tl.constexpr, REJECT: tl.constexpr, pmax_ptr, pmass_ptr, lane_ptr, n_lanes, alone, HOT: tl.constexpr):
+                  MASK_FIRST: tl.constexpr, NP: tl.constexpr, REJECT: tl.constexpr, pmax_ptr, pmass_ptr, lane_ptr,
+                  n_lanes, alone, HOT: tl.constexpr, NPR: tl.constexpr):
     seg = prog // (LANES // PL)
     start, lane, pos, x = segment_block(logits_ptr, tau_ptr, bitmask_ptr, row, seg, inv_t, mrow, bitmask_stride, V,
                                        HAS_MASK, HAS_TAU, FULL, LANES, LW, PL, prog % (LANES // PL), VEC, FAST,
@@ -316,7 +317,7 @@ def _segment_body(logits_ptr, packed_ptr, tau_ptr, row, prog, n_prog, inv_t, gre
         # top-p-alone rows by rejection (kernels/rejection.py): NP proposals, and the program's max z for the row max
         o = row * n_prog + prog
         store_proposals(x, lane, pos, start, seg, inv_t, greedy, key, packed_ptr + o * NP, HAS_TAU, LANES, LW, FAST,
-                        NP, True, pmass_ptr + o, lane_ptr + row * n_lanes, alone, HOT)
+                        NP, True, pmass_ptr + o, lane_ptr + row * n_lanes, alone, HOT, NPR)
         xmax = tl.max(tl.max(x, 1), 0)
         if not HAS_TAU:
             xmax = xmax * inv_t
@@ -330,7 +331,8 @@ def _segment_kernel(logits_ptr, packed_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys
                     VEC: tl.constexpr, FAST: tl.constexpr, done_ptr=None, DONE: tl.constexpr = False,
                     MASK_FIRST: tl.constexpr = False, NP: tl.constexpr = 1, REJECT: tl.constexpr = False,
                     pmax_ptr=None, pmass_ptr=None, lane_ptr=None, n_lanes=0,
-                    top_k_ptr=None, top_p_ptr=None, HOT: tl.constexpr = False, PDL: tl.constexpr = False):
+                    top_k_ptr=None, top_p_ptr=None, HOT: tl.constexpr = False, NPR: tl.constexpr = 1,
+                    PDL: tl.constexpr = False):
     """Program (row, part): PL lanes of one segment (LANES // PL parts per segment) as [PL, LW] in registers (lane
     l: tokens start + k * LANES + l, held by one thread). Every lane computes in-thread its max, weights, running
     sum and inverse-CDF candidate, then its score M_g + ln S_g + G_g (greedy rows: max z and its first id); one
@@ -357,11 +359,11 @@ def _segment_kernel(logits_ptr, packed_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys
     if (prog // (LANES // PL) + 1) * (LANES * LW) <= V:
         _segment_body(logits_ptr, packed_ptr, tau_ptr, row, prog, n_prog, inv_t, greedy, key, bitmask_ptr, mrow,
                       bitmask_stride, V, HAS_MASK, HAS_TAU, True, LANES, LW, PL, VEC, FAST, MASK_FIRST, NP, REJECT,
-                      pmax_ptr, pmass_ptr, lane_ptr, n_lanes, alone, HOT)
+                      pmax_ptr, pmass_ptr, lane_ptr, n_lanes, alone, HOT, NPR)
     else:
         _segment_body(logits_ptr, packed_ptr, tau_ptr, row, prog, n_prog, inv_t, greedy, key, bitmask_ptr, mrow,
                       bitmask_stride, V, HAS_MASK, HAS_TAU, False, LANES, LW, PL, VEC, FAST, MASK_FIRST, NP,
-                      REJECT, pmax_ptr, pmass_ptr, lane_ptr, n_lanes, alone, HOT)
+                      REJECT, pmax_ptr, pmass_ptr, lane_ptr, n_lanes, alone, HOT, NPR)
 
 
 @triton.jit
@@ -521,7 +523,8 @@ def sample_triton(logits, params: RowParams, bitmask=None, mask_rows=None, seg: 
         MASK_FIRST=has_mask and vec == 1 and bool(MASK_FIRST if mask_first is None else mask_first), NP=np_,
         REJECT=rejecting, pmax_ptr=pmax, pmass_ptr=pmass,
         lane_ptr=lane_max if lane_max is not None else pmax, n_lanes=n_l,
-        top_k_ptr=params.top_k, top_p_ptr=params.top_p, HOT=lane_max is not None, PDL=pdl_kw()["PDL"],
+        top_k_ptr=params.top_k, top_p_ptr=params.top_p, HOT=lane_max is not None, NPR=triton.next_power_of_2(np_),
+        PDL=pdl_kw()["PDL"],
         num_warps=warps)
     if rejecting:
         return rejection.reject_finish(logits, params, bitmask, mrows, packed, pmax, pmass, lane_max, drawn, seg,

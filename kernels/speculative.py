@@ -51,7 +51,7 @@ from .sampling import (LANES, LOG2E, NEG_INF, NEG_INF_KEY, SEG, SPEC_SHAPE, RowP
                        rejection_draw_torch, row_params, segment_block, may_filter, thresholds_torch)
 from . import rejection
 from .rejection import NMAX, is_p_alone, p_alone_rows, rest_of_rule, store_proposals
-from .threshold import lane_keys, needs_histogram_path, thresholds_and_paths
+from .threshold import lane_keys, needs_histogram_path, rescaled_mass, thresholds_and_paths
 
 
 _NEG_INF_KEY = tl.constexpr(NEG_INF_KEY)
@@ -261,8 +261,7 @@ def _stats_body(logits_ptr, mc_ptr, sc_ptr, pack_ptr, cu_ptr, temp_ptr, seed_ptr
         keys = lane_keys(lane_score(ml, sl, key, gid, FAST), start + tl.minimum(kk, LW - 1) * LANES + lane)
     lane_mass = tl.sum(w, 1)
     m = tl.max(ml, 0)
-    sm = tl.sum(tl.where(ml > float("-inf"), lane_mass * tl.exp2((ml - tl.where(
-        m > float("-inf"), m, 0.0)) * 1.4426950408889634), 0.0), 0)
+    sm = rescaled_mass(ml, lane_mass, m)
     packed = tl.max(keys, 0)
     o = row * n_prog + prog
     tl.store(mc_ptr + o, m)
@@ -387,8 +386,7 @@ def _merge(mc_ptr, sc_ptr, pack_ptr, ro, n_seg, NCP: tl.constexpr, NP: tl.conste
     sc = tl.load(sc_ptr + ro * n_seg + c, mask=c < n_seg, other=0.0)
     best = tl.max(tl.load(pack_ptr + (ro * n_seg + c) * NP + j, mask=c < n_seg, other=-9223372036854775807), 0)
     m = tl.max(mc, 0)
-    s = tl.sum(tl.where(mc > float("-inf"), sc * tl.exp2((mc - tl.where(m > float("-inf"), m, 0.0))
-                                                          * 1.4426950408889634), 0.0), 0)
+    s = rescaled_mass(mc, sc, m)
     return m, s, best
 
 
@@ -431,8 +429,7 @@ def _accept_kernel(logits_ptr, probs_ptr, drafts_ptr, cu_ptr, seed_ptr, pos_ptr,
         if j0 == 0:
             bests = best
         m = tl.max(mc, 1)
-        s = tl.sum(tl.where(mc > float("-inf"), sc * tl.exp2((mc - tl.where(m > float("-inf"), m, 0.0)[:, None])
-                                                               * 1.4426950408889634), 0.0), 1)
+        s = rescaled_mass(mc, sc, m[:, None], 1)
         tl.store(m_ptr + r, m, mask=live)
         tl.store(s_ptr + r, s, mask=live)
         dc = tl.minimum(tl.maximum(d, 0), V - 1)

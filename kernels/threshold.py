@@ -714,6 +714,15 @@ def lane_score(m, s, key, gid, FAST: tl.constexpr):
 
 
 @triton.jit
+def rescaled_mass(ml, sl, m, AXIS: tl.constexpr = 0):
+    """sum along AXIS of sl * exp(ml - m): masses sl, each relative to its maximum ml, summed relative to m (m
+    broadcast against ml; -inf maxima add nothing; m = -inf counts as 0). The row or part mass that the statistics
+    pass, the top-k merge's statistics and the speculative merges write."""
+    return tl.sum(tl.where(ml > float("-inf"), sl * tl.exp2((ml - tl.where(m > float("-inf"), m, 0.0))
+                                                            * 1.4426950408889634), 0.0), AXIS)
+
+
+@triton.jit
 def lane_keys(score, token):
     """Per lane one int64: ordered score bits high, (2**32-1-token) low, so that an integer max picks the highest
     score and, among equal scores, the lowest token id."""
@@ -1106,20 +1115,21 @@ def _lane_merge_kernel(logits_ptr, tau_ptr, path_ptr, tok_ptr, inv_t_ptr, greedy
                                                       scratch_ptr + row * KP, HAS_MASK, LCAP, KP, JB, HB, LANES, LW)
                 else:
                     tau = tl.max(lml, 0)
-                if DRAW & (path != -3) & (UPTO >= 4):
+                draw = DRAW & (path != -3) & (UPTO >= 4)
+                if STATS:
+                    draw = draw & (p_only == 0)     # the speculative step never reads a top-p-alone row's draw
+                if draw:
                     best, ml, sl = _draw_lanes(logits_ptr, row, gl, ok_l, lml, V, inv_t, tau, key, bitmask_ptr,
                                                mrow, bitmask_stride, HAS_MASK, LANES, LW, FAST)
                     tok = tl.where((best >> 32) > NEG_INF_KEY_C, 4294967295 - (best & 4294967295), -1).to(tl.int32)
                     if STATS:
-                        if p_only == 0:
-                            # the speculative statistics of the row (its kept set lies in these lanes): max m (the
-                            # largest token is always kept), mass sum exp(z - m) as the statistics pass sums it
-                            solved = 1
-                            o = row * n_prog
-                            tl.store(mc_ptr + o, m)
-                            tl.store(sc_ptr + o, tl.sum(tl.where(ml > float("-inf"), sl * tl.exp2(
-                                (ml - m) * 1.4426950408889634), 0.0), 0))
-                            tl.store(pack_ptr + o * NP, best)
+                        # the speculative statistics of the row (its kept set lies in these lanes): max m (the
+                        # largest token is always kept), mass sum exp(z - m) as the statistics pass sums it
+                        solved = 1
+                        o = row * n_prog
+                        tl.store(mc_ptr + o, m)
+                        tl.store(sc_ptr + o, rescaled_mass(ml, sl, m))
+                        tl.store(pack_ptr + o * NP, best)
             else:
                 path = -1
                 real_k = tl.load(top_k_ptr + row)                  # top-p alone tried KMAX: the real k here
@@ -1184,6 +1194,12 @@ MERGE_WARPS = 16      # warps of the lane path's merge (R1: 31.4 / 81.0 us at 16
                       # 34.2 / 85.9, 4 warps 67.2 / 102.8; R3: 8 warps at B=256, two programs per SM, 82.7 vs 77.8;
                       # session 10 R2, B=64 flat / peaked, with the draw's sweeps as loops: 8 warps 21.9 / 20.5
                       # against 16 warps' 22.5 / 21.5; not measured with the unrolled sweeps nor at B=256)
+# Deleted after session 11's R4 (top-k50 p0.9, us, B=64 flat / peaked, B=256 flat / peaked, twice each, HEAD in the
+# same run, compiled tests running beside it): the tau stage without its shared-memory layout conversions (12 -> 2
+# in the merge's TTGIR: `_pairs_above` accumulating [128, 32] blocks and reducing once, its z loaded in the blocks'
+# layout, the candidate block flattened with can_reorder) 25.8-26.3 / 25.2, 69.5 / 66.9-67.0 against HEAD's
+# 21.1-21.6 / 20.3, 60.2 / 57.4-57.5; the same at 8 merge warps 21.6-22.0 / 20.9-21.2, 61.2-61.4 / 58.6-59.0. With
+# HEAD's tau stage 8 warps were not re-measured (the unrolled sweeps): MERGE_WARPS stays 16.
 # Deleted after session 9's R1 (top-k50 p0.9 flat / peaked, us at B=64; B=256): the candidates read column by
 # column, one lane per thread (counted in-thread, placed by one scan, then all pairs): 34.4 / 38.0; 88.0 / 90.3 at
 # 16 warps, 34.8 / 41.3 at 8, 51.0 / 58.4 at 4 (its tau stage 20.0 us at 4 warps: the extra 16-column sweep and

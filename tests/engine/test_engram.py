@@ -338,6 +338,19 @@ def test_missing_table_tensor_is_named(tmp_path):
         eg.EngramTable.from_safetensors(path, "layers.1.engram.embed.weight", "layers.1.engram.embed.scale")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory needs CUDA")
+def test_a_deep_copied_table_hands_kernels_pinned_rows():
+    """device_arrays hands kernels pinned memory they read over PCIe; a deep copy's arrays are plain host memory
+    (a kernel reading them faults), so the copy pins its own."""
+    import copy
+    t = eg.EngramTable.random(64, 32)
+    w, s = t.device_arrays("cuda")
+    c = copy.deepcopy(t)
+    cw, cs = c.device_arrays("cuda")
+    assert w.is_pinned() and cw.is_pinned() and cs.is_pinned() and cw.data_ptr() != w.data_ptr()
+    assert torch.equal(cw, w) and torch.equal(cs, s)
+
+
 def test_random_table_round_trips_fp8_scaling():
     torch.manual_seed(1)
     values = torch.randn(50, 64) * 3

@@ -296,3 +296,38 @@ def test_a_v41_step_whose_engram_rows_the_device_reads_is_one_segment_with_the_h
             _same(_state(x), _state(y), f"step {step}, cache {k}")
         captured.append(m._graphs.captures)
     assert captured[1] == captured[-1] > 0      # captured at the second step, replayed ever since
+
+
+class _CopyEvent:
+    """Stands in for torch.cuda.Event on the CPU: every copy is done at once; counts its records."""
+
+    def __init__(self):
+        self.records = 0
+
+    def query(self):
+        return True
+
+    def record(self):
+        self.records += 1
+
+
+def test_an_upload_alternates_its_two_host_buffers():
+    """_Pinned (an upload's two pinned host buffers, here plain host tensors and stand-in events): a host tensor
+    that is not one of them is copied through each in turn, one written in place (take) is sent as it is, and
+    every send lands the host's values in the device buffer. (The first form told the buffers apart with
+    list.index, which compares tensors by value: the second buffer's turn raised "Boolean value of Tensor with more
+    than one value is ambiguous", and a GPU extraction lost a request to it.)"""
+    from deepinfer_sg.engine.step_graphs import _Pinned
+    p = _Pinned.__new__(_Pinned)
+    p.bufs, p.done, p.next = [torch.full((6,), -1), torch.full((6,), -2)], [_CopyEvent(), _CopyEvent()], 0
+    for i in range(5):
+        host, dev = torch.arange(6) * 7 + i, torch.full((6,), -9)
+        p.copy(host, dev)
+        assert torch.equal(dev, host) and torch.equal(p.bufs[i % 2], host)
+    assert [e.records for e in p.done] == [3, 2]
+    b = p.take()                      # buffer 1's turn, written in place
+    assert b is p.bufs[1]
+    b.copy_(torch.arange(6) + 100)
+    dev = torch.full((6,), -9)
+    p.copy(b, dev)
+    assert torch.equal(dev, torch.arange(6) + 100) and [e.records for e in p.done] == [3, 3] and p.next == 0

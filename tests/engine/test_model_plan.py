@@ -111,6 +111,11 @@ def test_plan_misuse_is_refused_with_a_clear_error():
         m.cancel(plan)
     with pytest.raises(ValueError, match="no tokens"):
         m.plan_step([StepRows(caches[0], 0)])
+    # recent ids set outside forward_step, one the device's Engram hash would read its class map at: refused when
+    # planned (the step's own ids are checked at launch)
+    caches[0].tokens = torch.tensor([1, m.config.vocab_size])
+    with pytest.raises(ValueError, match="recent token ids hold"):
+        m.plan_step([StepRows(c, 1) for c in caches])
 
 
 def test_the_step_pipeline_gives_forward_step_results_through_batch_changes():

@@ -97,7 +97,9 @@ def test_key_splits_match_formula(splits, unchain, lazy):
 @pytest.mark.parametrize("splits,block_h", [(3, 16), (2, 64)])
 def test_key_split_combine_over_dim_chunks(splits, block_h):
     """Head dim 256: the split combine runs over 4 chunks of 64 output dims, each chunk's partials loaded before
-    the previous chunk is stored; against the float64 formula (a row with no keys at all, a row with padding)."""
+    the previous chunk is stored (3 splits), or two splits of all heads merge from the last program's registers in
+    4 column chunks of the accumulator; against the float64 formula (a row with no keys at all, a row with
+    padding)."""
     gen = torch.Generator().manual_seed(256 + splits)
     q, win_kv, win_idx, cmp_kv, cmp_idx, sink = _inputs(gen, N=5, H=20, D=256, Kw=24, Kc=21)
     ref = _naive(q, win_kv, win_idx, cmp_kv, cmp_idx, sink)
@@ -156,13 +158,17 @@ def test_all_heads_unchained_matches_formula(splits, block_k):
 
 
 def test_all_heads_two_head_blocks():
-    """80 heads: two 64-head tiles per row (the second with 48 masked rows), with key splits, unchained."""
+    """80 heads: two 64-head tiles per row (the second with 48 masked rows), with two key splits, unchained (the
+    ticket first, the last program merging from its registers): twice, the same bits, the counters back at 0."""
     gen = torch.Generator().manual_seed(80)
     q, win_kv, win_idx, cmp_kv, cmp_idx, sink = _inputs(gen, N=5, H=80, D=32, Kw=20, Kc=17)
     ref = _naive(q, win_kv, win_idx, cmp_kv, cmp_idx, sink)
-    out = sparse_attention_triton(*on_dev((q, win_kv, win_idx, sink, cmp_kv, cmp_idx)), block_h=64, block_k=16,
-                                  splits=2, unchain=True).cpu().double()
-    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    args = on_dev((q, win_kv, win_idx, sink, cmp_kv, cmp_idx))
+    first = sparse_attention_triton(*args, block_h=64, block_k=16, splits=2, unchain=True).cpu()
+    assert torch.allclose(first.double(), ref, atol=1e-5, rtol=1e-5)
+    again = sparse_attention_triton(*args, block_h=64, block_k=16, splits=2, unchain=True).cpu()
+    assert torch.equal(again, first)
+    assert int(tickets(DEVICE, 2 * 5 * 2, site="attention").abs().sum()) == 0    # two counters a row and tile
 
 
 @pytest.mark.parametrize("splits,block_k,dtype,lazy", [(1, 16, torch.float32, False), (2, 32, torch.float32, False),

@@ -171,13 +171,15 @@ def _e2m1_by_hand(code: int) -> float:
     return -mag if s else mag
 
 
-@pytest.mark.parametrize("tma,H,F", [(True, 64, 64), (False, 96, 80), (True, 64, 96), (True, 96, 64)])
-def test_packed_fp4_weights(tma, H, F):
-    """Packed FP4 experts (two E2M1 codes a byte, low nibble first) with 1x32 group shifts up to 23: the twin
-    decodes them as the bit formula says; the kernels decode them in registers (compiled: the inline-PTX decode
-    through e4m3; the interpreter: the plain one) and equal both the twin and the same weights repacked to fp8
-    (the same values: e2m1 is a subset of e4m3) up to the order of the fp32 sums (at most one bf16 rounding step
-    apart). H=96 / F=80 leave a partial 32-group; F=80's 40-byte rows rule out tensor descriptors."""
+@pytest.mark.parametrize("tma,H,F,bk", [(True, 64, 64, 32), (False, 96, 80, 64), (True, 64, 96, 128),
+                                        (True, 96, 64, 64)])
+def test_packed_fp4_weights(tma, H, F, bk):
+    """Packed FP4 experts (two E2M1 codes a byte, low nibble first) with 1x32 group shifts up to 23 (and one of
+    126): the twin decodes them as the bit formula says; the kernels decode them in registers with the shifts
+    folded in (compiled: the inline-PTX bf16 decode; the interpreter: the plain one) and equal both the twin and
+    the same weights repacked to fp8 (the same values: e2m1 is a subset of e4m3) up to the order of the fp32 sums
+    (at most one bf16 rounding step apart). H=96 / F=80 leave a partial 32-group, and steps of bk = 64 / 128
+    columns partial steps; F=80's 40-byte rows rule out tensor descriptors."""
     gen = torch.Generator().manual_seed(11 + H + F)
     T, E, K = 19, 4, 2
     x, ids, wts, _, _, _ = _inputs(gen, T, H, F, E, K)
@@ -189,6 +191,7 @@ def test_packed_fp4_weights(tma, H, F):
         fp8.append(torch.tensor([_e2m1_by_hand(c) for c in range(16)])[codes.long()].to(torch.float8_e4m3fn))
         g = torch.randint(0, 24, (E, -(-k // 32), n), generator=gen, dtype=torch.uint8)
         g[:, 0, :] = 0
+        g[0, -1, 1] = 126                        # the largest exact shift (a bf16 subnormal when decoded alone)
         shifts.append(g)
         scales.append(torch.exp2(torch.randint(-12, -6, (E, n), generator=gen).float()))
     kw = dict(scales=tuple(scales), shifts=tuple(shifts), shift_rows=1)
@@ -201,7 +204,7 @@ def test_packed_fp4_weights(tma, H, F):
     x16 = x.to(torch.bfloat16)
     ref16 = moe_experts_torch(x16.float(), ids, wts, *packed, swiglu_limit=4.0, **kw)
     common = dict(swiglu_limit=4.0, block_n=32, block_k=32, tma=tma, **on_dev(kw))
-    out = moe_experts_triton(*on_dev((x16, ids, wts) + tuple(packed)), **common).cpu()
+    out = moe_experts_triton(*on_dev((x16, ids, wts) + tuple(packed)), **dict(common, block_k=bk)).cpu()
     out8 = moe_experts_triton(*on_dev((x16, ids, wts) + tuple(fp8)), **common).cpu()
     assert (out.float() - ref16).norm() / ref16.norm() < 1e-2
     assert ((out.float() - out8.float()).abs() <= out8.float().abs() * 2.0 ** -7 + 1e-30).all()
@@ -235,7 +238,7 @@ def test_tma_preconditions():
                 assert tma_ok(w.view(-1, k // c), (tiles["block_n"], tiles["block_k"] // c)), (packed, tiles, n)
     for n, k in ((2304, 5120), (5120, 2304)):                       # packed FP4 as int32 words (swapped kernels)
         w4 = torch.empty(2, n, k // 8, dtype=torch.int32)
-        assert tma_ok(w4.view(-1, k // 8), (moe_mod.W4_TILES["block_n"], 4)), n
+        assert tma_ok(w4.view(-1, k // 8), (moe_mod.W4_TILES["block_n"], moe_mod.W4_TILES["block_k"] // 8)), n
     assert moe_mod.FP8_SHIFT_TILES["block_k"] == 32                  # block shifts: one 32-group per K tile
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from deepinfer_sg.kernels import rejection
-from deepinfer_sg.kernels.sampling import processed_probs, rejection_draw_torch, row_params, sample_torch, sample_triton
+from deepinfer_sg.kernels.sampling import (lanes_view, masked_z_torch, processed_probs, rejection_draw_torch, row_params,
+                                           sample_torch, sample_triton)
 from helpers import assert_matches_distribution, bit_allowed, on_dev, params_on_dev, random_bitmask
 from test_sampling import _hand_q
 
@@ -122,3 +123,44 @@ def test_rejection_draw_twin_gives_minus_one_on_empty_rows():
     z[1, 3] = 0.0
     p = row_params(2, "cpu", 1.0, 0, 0.5, seed=torch.tensor([1, 2]), position=0)
     assert rejection_draw_torch(z, p, seg=16, lanes=4).tolist() == [-1, 3]
+
+
+def test_mass_above_pass_skips_cold_segments(monkeypatch):
+    """The mass-above pass never reads a segment whose program maxima (the pass's) lie at or below every proposal,
+    neither its logits nor its lane maxima: peaked rows whose leaders sit in the first of four segments, masked
+    and unmasked, beside a nearly uniform row, with the other segments' logits and lane maxima replaced by a huge
+    value for that pass alone: their parts are zeros and every token is the twin's. The lane maxima the pass
+    stored are the definition's."""
+    gen = torch.Generator().manual_seed(5)
+    R, vocab = 6, 1000
+    logits = torch.randn(R, vocab, generator=gen) * 0.5
+    logits[:5, :24] += 9 + 2 * torch.rand(5, 24, generator=gen)        # leaders in segment 0 of 4
+    logits[5] = torch.randn(vocab, generator=gen) * 0.02               # nearly uniform
+    bm = random_bitmask(R, vocab, gen, density=0.9)
+    bm[:, 0] = -1                                                       # leaders allowed
+    mrows = torch.tensor([0, -1, 2, -1, 4, 5])
+    p = row_params(R, "cpu", torch.tensor([1.0, 0.9, 1.1, 1.0, 0.8, 1.0]), 0,
+                   torch.tensor([0.9, 0.95, 0.5, 0.8, 0.99, 0.3]), seed=torch.arange(R) * 7 + 3, position=torch.arange(R))
+    want = sample_torch(logits, p, bm, mrows, seg=256, lanes=64)
+    real = rejection._above_kernel
+    seen = {}
+
+    class Spy:                   # the lane maxima the pass stored; the mass-above pass on poisoned cold segments
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen["lane_max"] = args[12].clone().cpu()
+                poisoned = args[0].clone()
+                poisoned[:5, 256:] = 50.0
+                args[12][:5, 64:] = 50.0
+                args[4].fill_(float("nan"))                              # the parts, poisoned
+                real[grid](poisoned, *args[1:], **kw)
+                seen["part"] = args[4].clone().cpu()
+            return launch
+    monkeypatch.setattr(rejection, "_above_kernel", Spy())
+    got = sample_triton(on_dev(logits), params_on_dev(p), on_dev(bm), on_dev(mrows), seg=256, lanes=64).cpu()
+    assert torch.equal(got, want)
+    part = seen["part"]
+    assert not bool(part.isnan().any())                                  # every part written
+    assert bool((part[:5, 1:] == 0).all()) and bool((part[:5, 0] > 0).any())
+    z = masked_z_torch(logits, p.inv_temperature, bm, mrows)
+    assert torch.equal(seen["lane_max"], lanes_view(z, float("-inf"), 256, 64).amax(-1))

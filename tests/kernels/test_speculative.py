@@ -247,3 +247,45 @@ def test_residual_finish_folded_into_the_residual_pass(monkeypatch):
         b = speculative_accept(*on_dev((logits, cu, drafts, probs)), backend="triton", **on_dev(kw))
         assert torch.equal(a.num_accepted, b.num_accepted.cpu())
         assert torch.equal(a.tokens, b.tokens.cpu()) and torch.equal(a.final_tokens, b.final_tokens.cpu())
+
+
+def test_top_k_merge_writes_the_statistics_the_pass_skips():
+    """The speculative step's top-k merge (threshold.lane_path with stats) solves its sampled top-k rows: solved = 1
+    and part 0 holds the statistics pass's outputs from the twin's definition (kept max, kept mass sum exp(z - m)
+    over the kept set, the packed bonus draw: the sampling rule's token on the kept set); every other row (top-p
+    alone, top_k > KMAX, greedy, unfiltered, nothing allowed) is left to the pass (solved = 0). Outputs poisoned."""
+    from deepinfer_sg.kernels import threshold
+    from deepinfer_sg.kernels.sampling import masked_z_torch, sample_torch, thresholds_torch
+    gen = torch.Generator().manual_seed(17)
+    seg, lanes = 256, 64
+    R, vocab = 9, 700
+    logits = torch.randn(R, vocab, generator=gen) * 2
+    bm = random_bitmask(R, vocab, gen, density=0.7)
+    bm[8] = 0                                                       # nothing allowed
+    mrows = torch.tensor([0, -1, 2, -1, 4, -1, 6, -1, 8])
+    temperature = torch.tensor([1.0, 0.7, 1.3, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0])
+    top_k = torch.tensor([5, 20, 64, 10, 0, 7, 100, 0, 3])
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.8, 0.9, 1.0, 1.0, 1.0, 1.0])
+    p = row_params(R, "cpu", temperature, top_k, top_p, seed=torch.arange(R) * 5 + 1, position=torch.arange(R) + 2)
+    n_prog, np_ = 3, 4
+    mc = on_dev(torch.full((R, n_prog), 123.0))
+    sc = on_dev(torch.full((R, n_prog), -5.0))
+    pack = on_dev(torch.full((R, n_prog, np_), 77, dtype=torch.int64))
+    solved = on_dev(torch.full((R,), 9, dtype=torch.int8))
+    pd = type(p)(*on_dev((p.inv_temperature, p.greedy, p.top_k, p.top_p, p.keys)))
+    tok = threshold.thresholds_and_paths(on_dev(logits), pd, on_dev(bm), on_dev(mrows), draw=(seg, lanes),
+                                         stats=(mc, sc, pack, solved))[2].cpu()
+    mc, sc, pack, solved = to_cpu((mc, sc, pack, solved))
+    top = torch.tensor([True, True, True, True, False, False, False, False, True])   # sampled, 0 < top_k <= KMAX
+    top[8] = False                                                                   # nothing allowed
+    assert solved.tolist() == top.to(torch.int8).tolist()
+    z = masked_z_torch(logits, p.inv_temperature, bm, mrows)
+    zk = z.masked_fill(z < thresholds_torch(z, p)[:, None], float("-inf"))
+    m = zk.max(1).values
+    s = torch.exp(zk - m[:, None]).sum(1)
+    want = sample_torch(logits, p, bm, mrows, seg=seg, lanes=lanes)
+    assert torch.equal(mc[top, 0], m[top])
+    assert torch.allclose(sc[top, 0], s[top], rtol=1e-5, atol=0)
+    packed = pack[top, 0, 0]
+    assert bool(((packed >> 32) > threshold.NEG_INF_KEY).all())
+    assert torch.equal(4294967295 - (packed & 4294967295), want[top]) and torch.equal(tok[top], want[top])
