@@ -49,7 +49,10 @@ EXPERT_DTYPES = ("bf16", "fp8", "fp4")     # routed experts: dequantized / kept 
 # shift into the weights as it decodes them and reaches 64 / 74-75 / 72-73% of its bytes at T = 8 / 64 / 256 (H200,
 # V4.1 shape: 312 / 1401-1414 / 2290-2319 us), against the e4m3 stacks' 420-468 / 1989 / 3277 us in the same run:
 # half the memory and 1.35-1.5x faster. "fp8" (FP4 repacked to e4m3 losslessly) stays available; both kept forms
-# give the logits of the dequantizing load (tests/engine/test_loader_kept_experts.py).
+# give the logits of the dequantizing load on the CPU twin (tests/engine/test_loader_kept_experts.py); on CUDA the
+# kernels round differently: the packed kernel multiplies in bf16 (an fp32 model's expert activations are rounded
+# to bf16 there; the fp8 kernel's to fp16). Layers whose dims are not multiples of 8 (the packed kernel's vector
+# loads) go to e4m3.
 CUDA_EXPERT_DTYPE = "fp4"
 
 
@@ -62,7 +65,7 @@ class LoadReport:
     """What `load_weights` did: canonical names per category (for logs and tests)."""
     loaded: list[str] = field(default_factory=list)
     dequantized: dict[str, str] = field(default_factory=dict)   # name -> "fp8" | "fp4"
-    kept_quantized: dict[str, str] = field(default_factory=dict)  # routed experts kept in fp8: name -> stored kind
+    kept_quantized: dict[str, str] = field(default_factory=dict)  # routed experts kept quantized: name -> stored kind
     engram_tables: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)            # stored names of known-unused tensors
 
@@ -314,7 +317,9 @@ def _keep_experts(model: torch.nn.Module, items: list[_Item], block: int, expert
             moe.materialize_experts(device)
             continue
         rows = block if kinds == {"fp8"} else 1
-        q = moe.keep_quantized(rows, device, packed=expert_dtype == "fp4" and kinds == {"fp4"})
+        # (the packed kernel reads its weights and activations in vectors of 8: other dims go to e4m3)
+        packed = expert_dtype == "fp4" and kinds == {"fp4"} and all(d % 8 == 0 for d in moe.experts[0].w1.weight.shape)
+        q = moe.keep_quantized(rows, device, packed=packed)
         for it, e, which in entries:
             kept[it.target] = (q, which, e, rows)
     return kept

@@ -476,7 +476,9 @@ class Model(nn.Module):
         returned); then `launch(plan, ids)` once the ids are known, or `cancel(plan)` (undo=True keeps what cancel
         restores). One plan at a time: planning again (forward_step included) cancels a plan still open. Cost: the
         host work of the step minus the Engram lookups and the launch itself; no device sync (device work it
-        queues, rows moving into the slab / arenas, runs after the previous step)."""
+        queues, rows moving into the slab / arenas, runs after the previous step), except a wait for a pinned upload
+        buffer's copy of two steps before, which has long run (step_graphs._Pinned; a re-plan after a cancel waits
+        for its own step's)."""
         c = self.config
         dev = self.device
         if self._open_plan is not None:
@@ -795,7 +797,8 @@ class Model(nn.Module):
 
     def _engram_rows(self, ctx: StepContext, layer_ids: list) -> None:
         """The Engram table rows of these layers (those not read yet this step) for the fast path: hashed and read
-        on the host (ctx.windows, there), written straight into the pinned buffer of their upload and sent. Layers
+        on the host (ctx.windows, there), written into a pinned buffer of their upload and sent (memory-mapped tables,
+        engram.lookup_packed's other branch, make a host array that the send copies into one). Layers
         whose rows the device reads (ctx.engram_ids, batched.engram_on_device) only get their row ids, hashed on
         the host into their slots of the step's upload (all of them at the first call, before it is sent)."""
         g, dev = ctx.graphs, self.device

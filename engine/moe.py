@@ -48,8 +48,10 @@ def routed_experts_on_meta(on: bool = True):
 @dataclass
 class KeptExperts:
     """One layer's routed experts in kernels.moe's fp8 layout. `rows`: rows per block-scale shift (1: FP4
-    experts' 1x32 groups, 32: FP8 experts' 32x32 blocks). The kernel widens the weights to fp16 (exact for e4m3
-    and e2m1 values) and applies the shifts to fp32 partial products, so no shift calls for bf16 widening."""
+    experts' 1x32 groups, 32: FP8 experts' 32x32 blocks). The fp8 kernel widens the weights to fp16 (exact for e4m3
+    and e2m1 values) and applies the shifts to fp32 partial products, so no shift calls for bf16 widening; the
+    packed FP4 kernel folds each group's shift into the weights as it decodes them to bf16 (exact up to shift 126)
+    and multiplies them with the activations in bf16 (kernels/moe.py W4_TILES)."""
     w1: torch.Tensor    # float8_e4m3fn [E, F, H] (packed FP4: uint8 [E, F, H/2], two E2M1 codes a byte)
     w3: torch.Tensor    # float8_e4m3fn [E, F, H]
     w2: torch.Tensor    # float8_e4m3fn [E, H, F] (packed: uint8 [E, H, F/2])

@@ -228,7 +228,8 @@ class SegmentGraphs:
     def prepare_upload(self, name: str, host: torch.Tensor, device, shapes: list) -> tuple[list, Callable]:
         """The device side of an upload of the flat host tensor `host`, without copying yet: (views of the device
         buffer in the given shapes, each `fixed`; send() which copies `host` as it is when called). Eager steps: a
-        fresh buffer, copied through pinned memory (transfer.to_device; on the CPU the host tensor itself);
+        fresh buffer, copied through pinned memory (`pin_memory`, which keeps a tensor already pinned; on the CPU
+        the host tensor itself);
         graph steps: a persistent buffer of this T named `name` with its own two pinned host buffers (a fresh
         pinned block per step costs the host more than the copy), each reused once the event says the previous copy
         from it is done (_Pinned), so the address holds from replay to replay and the graphs read

@@ -84,7 +84,7 @@ key and head, and with 64 keys and 8 warps Triton gives both warpgroups the whol
 gather's indices carried from the previous iteration (so that it could be issued early) stop Triton from pipelining
 it (loads through registers, 480 bytes of spills); tl.range(warp_specialize=True) builds the same code on sm_90.
 Session 11 (R1-R2, against a copy of the session-10 file in the same run; N = 64, two splits): the second
-program's merge from its registers, 37.8-38.1 us against 40.5-40.8 (29% -> 31% of the roofline). The ticket is
+program's merge from its registers, 37.8-38.2 us against 40.3-40.8 (R2-R3; 29% -> 31% of the roofline). The ticket is
 taken before the partial is stored, so the second program waits for the first one's stores: that protocol with the
 stored merge is 42.1-42.3 (it costs ~1.7 us; the register merge saves ~4.3). The merge runs in four column chunks
 of the accumulator split in registers (`_halves`: reshape/permute/split, no data movement), the scale vectors

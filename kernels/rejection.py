@@ -17,8 +17,8 @@ It draws other tokens for a seed than the tau-first rule (sessions <= 6) did; th
 follows the same rule (kernels/speculative.py), so the bonus is still exactly the plain draw.
 
 Work on a GPU (no tau first, no histogram): pass 1 is the sampling pass itself computing PROPOSALS draws per
-program (the lane weights and running sums are shared; each proposal costs a hash, two logs and a block
-reduction per lane: the pass keeps each proposal's best lane only) and the program's max z; `_tokens_kernel`
+program (the lane weights and running sums are shared; each proposal costs a hash and two logs per lane, and one
+block reduction packs every proposal's best lane: the pass keeps each proposal's best lane only) and the program's max z; `_tokens_kernel`
 (per row) draws the token inside each proposal's winning lane (`lane_token`; session 7's pass made the in-lane
 pick of every proposal in every lane, a compare and an add per token each: the pass with 4 proposals ran 14.9 /
 52.3 us at B=64 / 256 against 11.0 / 35.2 without the picks, session 8 R1); pass 2 (`_above_kernel`, per (row,
@@ -319,7 +319,7 @@ def _above_kernel(logits_ptr, tok_ptr, dec_ptr, pmax_ptr, part_ptr, inv_t_ptr, b
             per = n_prog // n_seg                                  # the pass's programs of one segment
             seg_max = tl.max(tl.where((i >= seg * per) & (i < seg * per + per), pmx, float("-inf")), 0)
             warm = seg_max > zmin
-            if seg_max <= zmin:
+            if warm == 0:      # (not `seg_max <= zmin`: with a NaN neither test holds and the part went unwritten)
                 tl.store(part_ptr + o + jj, tl.zeros([NPQ], tl.float64), mask=jj < NP)
             n_hot = HOTCAP + 1
             if HOT & warm:

@@ -1045,7 +1045,8 @@ def _lane_merge_kernel(logits_ptr, tau_ptr, path_ptr, tok_ptr, inv_t_ptr, greedy
     every other lane holds no kept token, so it would score -inf in the pass). path[row]:
     gathered candidates (>= 1), -1 (more than LCAP lanes tie at the bound: exact row bisection, and the draw by a
     loop over the row here), -2 (nothing to filter or nothing allowed: tau = -inf), -3 (left to the histogram
-    path: tau and the draw come later). tok[row]: the drawn token, -2 where the sampling pass must draw.
+    path: tau and the draw come later). tok[row]: the drawn token, -2 where the sampling pass must draw (with STATS,
+-1 on top-p-alone rows of the lane branch: not drawn, since the speculative step never reads their draw).
     UPTO < 4 (benchmarks, to time the stages by differences; the result is then wrong): 1 reads the lane maxima
     only, 2 adds the lane bound, 3 adds the candidates' gather and tau, 4 the draw (before session 9, stages 1-2
     also gathered the top / candidate lanes' tokens, so their numbers do not compare).

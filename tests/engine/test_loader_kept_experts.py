@@ -1,4 +1,4 @@
-"""Routed experts kept quantized by the loader (`load_model(..., expert_dtype="fp8")`, the default on CUDA).
+"""Routed experts kept quantized by the loader (`load_model(..., expert_dtype="fp8"` or `"fp4"`, the default on CUDA).
 
 Oracles: transformers' DeepseekV4ForCausalLM loaded (by transformers itself) from a twin folder whose quantized
 experts were dequantized by transformers' own Fp8Dequantize; and our own bf16/fp32 load of the same quantized

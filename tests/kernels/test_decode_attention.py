@@ -159,7 +159,8 @@ def test_all_heads_unchained_matches_formula(splits, block_k):
 
 def test_all_heads_two_head_blocks():
     """80 heads: two 64-head tiles per row (the second with 48 masked rows), with two key splits, unchained (the
-    ticket first, the last program merging from its registers): twice, the same bits, the counters back at 0."""
+    ticket first, the last program merging from its registers): twice, the same bits, the counters back at 0.
+    (Which program arrives second is up to the GPU: the two runs need not take both orders.)"""
     gen = torch.Generator().manual_seed(80)
     q, win_kv, win_idx, cmp_kv, cmp_idx, sink = _inputs(gen, N=5, H=80, D=32, Kw=20, Kc=17)
     ref = _naive(q, win_kv, win_idx, cmp_kv, cmp_idx, sink)
