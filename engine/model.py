@@ -797,8 +797,7 @@ class Model(nn.Module):
 
     def _engram_rows(self, ctx: StepContext, layer_ids: list) -> None:
         """The Engram table rows of these layers (those not read yet this step) for the fast path: hashed and read
-        on the host (ctx.windows, there), written into a pinned buffer of their upload and sent (memory-mapped tables,
-        engram.lookup_packed's other branch, make a host array that the send copies into one). Layers
+        on the host (ctx.windows, there), written straight into a pinned buffer of their upload and sent. Layers
         whose rows the device reads (ctx.engram_ids, batched.engram_on_device) only get their row ids, hashed on
         the host into their slots of the step's upload (all of them at the first call, before it is sent)."""
         g, dev = ctx.graphs, self.device

@@ -290,6 +290,9 @@ def test_fp8_table_from_safetensors_matches_decoding_by_hand(tmp_path):
         assert packed.shape == (2, 3, width + width // 32) and packed.dtype == torch.uint8
         assert torch.equal(packed[..., :width], weight_bytes[ids]) and torch.equal(packed[..., width:], scale_bytes[ids])
         assert torch.equal(unpack_rows(packed, width, torch.float32), got)   # the decoder the model runs
+        into = torch.full(packed.shape, 7, dtype=torch.uint8)       # (the upload's pinned buffer on CUDA)
+        assert t.lookup_packed(ids, out=into) is into and torch.equal(into, packed)
+    assert isinstance(table._weight, np.memmap)       # (both of lookup_packed's branches ran)
     assert eg.EngramTable.from_tensors(torch.randn(4, 64)).lookup_packed(ids[:, :1] % 4) is None   # not FP8
 
 

@@ -299,34 +299,48 @@ def test_a_v41_step_whose_engram_rows_the_device_reads_is_one_segment_with_the_h
 
 
 class _CopyEvent:
-    """Stands in for torch.cuda.Event on the CPU: every copy is done at once; counts its records."""
+    """Stands in for torch.cuda.Event on the CPU: a recorded copy stays queued until synchronize(), which notes what
+    its buffer held then (a wait must come before the host writes the buffer again)."""
 
-    def __init__(self):
-        self.records = 0
+    def __init__(self, buf):
+        self.buf, self.records, self.queued, self.held_at_sync = buf, 0, False, []
 
     def query(self):
-        return True
+        return not self.queued
+
+    def synchronize(self):
+        self.held_at_sync.append(self.buf.clone())
+        self.queued = False
 
     def record(self):
         self.records += 1
+        self.queued = True
 
 
 def test_an_upload_alternates_its_two_host_buffers():
     """_Pinned (an upload's two pinned host buffers, here plain host tensors and stand-in events): a host tensor
-    that is not one of them is copied through each in turn, one written in place (take) is sent as it is, and
-    every send lands the host's values in the device buffer. (The first form told the buffers apart with
-    list.index, which compares tensors by value: the second buffer's turn raised "Boolean value of Tensor with more
-    than one value is ambiguous", and a GPU extraction lost a request to it.)"""
+    that is not one of them is copied through each in turn, each write waits for that buffer's queued copy first,
+    one written in place (take) is sent as it is, and every send lands the host's values in the device buffer.
+    (The first form told the buffers apart with list.index, which compares tensors by value: the second buffer's
+    turn raised "Boolean value of Tensor with more than one value is ambiguous", and a GPU extraction lost a
+    request to it.)"""
     from deepinfer_sg.engine.step_graphs import _Pinned
     p = _Pinned.__new__(_Pinned)
-    p.bufs, p.done, p.next = [torch.full((6,), -1), torch.full((6,), -2)], [_CopyEvent(), _CopyEvent()], 0
+    p.bufs = [torch.full((6,), -1), torch.full((6,), -2)]
+    p.done, p.next = [_CopyEvent(b) for b in p.bufs], 0
+    sent = []
     for i in range(5):
         host, dev = torch.arange(6) * 7 + i, torch.full((6,), -9)
         p.copy(host, dev)
         assert torch.equal(dev, host) and torch.equal(p.bufs[i % 2], host)
+        sent.append(host)
     assert [e.records for e in p.done] == [3, 2]
+    # buffer 0 was written again at sends 2 and 4, buffer 1 at send 3: each time after a wait that found it
+    # still holding what its previous send copied
+    assert [t.tolist() for t in p.done[0].held_at_sync] == [sent[0].tolist(), sent[2].tolist()]
+    assert [t.tolist() for t in p.done[1].held_at_sync] == [sent[1].tolist()]
     b = p.take()                      # buffer 1's turn, written in place
-    assert b is p.bufs[1]
+    assert b is p.bufs[1] and len(p.done[1].held_at_sync) == 2
     b.copy_(torch.arange(6) + 100)
     dev = torch.full((6,), -9)
     p.copy(b, dev)
