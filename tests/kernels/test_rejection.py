@@ -49,7 +49,8 @@ def test_fallback_draws_are_independent_of_the_proposals():
     assert abs(int((toks == 7).sum()) - n / 2) <= 5 * (n / 4) ** 0.5
 
 
-@pytest.mark.parametrize("proposals,hot,hotcap", [(1, True, 32), (4, True, 32), (4, True, 2), (4, False, 32)])
+@pytest.mark.parametrize("proposals,hot,hotcap", [(1, True, 32), (3, True, 32), (4, True, 32), (4, True, 2),
+                                                 (4, False, 32)])
 def test_kernels_draw_the_twins_tokens_with_fallbacks_and_mixed_rows(proposals, hot, hotcap, monkeypatch):
     """Top-p-alone rows at several p (0.01 on flat rows: the finish's loops over the row run, up to the bisection
     and the restricted draw), masked and unmasked, a row with nothing allowed, beside greedy, plain, top-k (the
