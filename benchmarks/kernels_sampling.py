@@ -692,23 +692,21 @@ def compile_cases():
     rej_types = {"packed_ptr": "*i64", "part_ptr": "*fp64", "out_ptr": "*i64", "done_ptr": "*i64", "keys_ptr": "*i64"}
     merge_types = {"path_ptr": "*i32", "tok_ptr": "*i64", "lane_ptr": "*i32", "greedy_ptr": "*i8", "pack_ptr": "*i64",
                    "solved_ptr": "*i8"}
+    merge_flags = dict(NG=8192, LCAP=128, KMAX=64, KP=128, JB=32, HB=64, ROUNDS=3, BLOCK=1024, DRAW=True, LANES=256,
+                       LW=16, FAST=True, GROUPS=True, GS=16)
     return [
         ("sample segment w8", sampling._segment_kernel, seg_types, dict(HAS_MASK=False, HAS_TAU=False, LANES=256,
                                                                         LW=16, PL=256, VEC=1, FAST=True, **seg_flags),
          8),
         ("topk lane max pass", threshold._lane_max_kernel, {"greedy_ptr": "*i8"},
          dict(HAS_MASK=True, LANES=256, LW=16, PL=128, VEC=1, KMAX=64, FAST=True), 4),
-        ("topk lane merge", threshold._lane_merge_kernel, merge_types,
-         dict(HAS_MASK=True, NG=8192, LCAP=128, KMAX=64, KP=128, JB=32, HB=64, ROUNDS=3, BLOCK=1024, DRAW=True,
-              LANES=256, LW=16, FAST=True, GROUPS=True, GS=16), 16),
+        ("topk lane merge", threshold._lane_merge_kernel, merge_types, dict(merge_flags, HAS_MASK=True), 16),
         ("topk lane max pdl", threshold._lane_max_kernel, {"greedy_ptr": "*i8"},
          dict(HAS_MASK=False, LANES=256, LW=16, PL=128, VEC=1, KMAX=64, FAST=True, PDL=True), 4),
         ("topk lane merge pdl", threshold._lane_merge_kernel, merge_types,
-         dict(HAS_MASK=False, NG=8192, LCAP=128, KMAX=64, KP=128, JB=32, HB=64, ROUNDS=3, BLOCK=1024, DRAW=True,
-              LANES=256, LW=16, FAST=True, GROUPS=True, GS=16, PDL=True), 16),
+         dict(merge_flags, HAS_MASK=False, PDL=True), 16),
         ("topk merge spec stats", threshold._lane_merge_kernel, merge_types,
-         dict(HAS_MASK=False, NG=8192, LCAP=128, KMAX=64, KP=128, JB=32, HB=64, ROUNDS=3, BLOCK=1024, DRAW=True,
-              LANES=256, LW=16, FAST=True, GROUPS=True, GS=16, PDL=True, STATS=True, NP=4), 16),
+         dict(merge_flags, HAS_MASK=False, PDL=True, STATS=True, NP=4), 16),
         ("sample finish", sampling._finish_kernel, {"done_ptr": "*i64", "NEG_INF_KEY": "i64"},
          dict(BLOCK=32, DONE=True), 1),
         ("sample finish pdl", sampling._finish_kernel, {"done_ptr": "*i64", "NEG_INF_KEY": "i64"},

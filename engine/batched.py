@@ -35,6 +35,7 @@ into a slot when a sequence arrives from the reference path or its window reache
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -125,13 +126,10 @@ class BatchPlan:
         flat, at = self.laid[d.k]
         flat[at:at + a.size] = a.reshape(-1)
 
-    @property
+    @cached_property
     def row_index(self) -> np.ndarray:
         """row_seq as an int64 array (made once per step)."""
-        got = self.__dict__.get("_row_index")
-        if got is None:
-            got = self.__dict__["_row_index"] = np.asarray(self.row_seq, dtype=np.int64)
-        return got
+        return np.asarray(self.row_seq, dtype=np.int64)
 
     def per_row(self, per_seq: list[list[int]], device=None) -> list[Deferred]:
         """Per-sequence host lists spread to per-row int64 arrays (device views after the next layout)."""
@@ -151,9 +149,10 @@ class BatchPlan:
         name = f"plan{self.flushes}:{layout}"
         # the arrays go straight into the upload's pinned buffer (its send, at launch, then copies nothing on the
         # host; the copy to the device itself costs the host ~6 us for 5 or 100 KB, session 11 R2 on the H200)
-        host = graphs.host_buffer(name, (sum(a.size for _, a in self.pending),), torch.int64, device)
+        size = sum(a.size for _, a in self.pending)
+        host = graphs.host_buffer(name, (size,), torch.int64, device)
         if host is None:
-            host = torch.empty(sum(a.size for _, a in self.pending), dtype=torch.int64)
+            host = torch.empty(size, dtype=torch.int64)
         flat = host.numpy()
         np.concatenate([a.reshape(-1) for _, a in self.pending], out=flat)
         views, send = graphs.prepare_upload(name, host, device, [a.shape for _, a in self.pending])
@@ -583,15 +582,16 @@ def engram_on_device(model) -> list[int]:
             and model.layers[i].engram.table.device_arrays(model.device) is not None]
 
 
-def engram_splits(model, device: list[int] | None = None) -> list[int]:
+def engram_splits(model, on_device: list[int] | None = None) -> list[int]:
     """Layers before which a V4.1 step's graph is cut (each Engram layer but the first layer whose rows the host
-    looks up, `engram_on_device`, or `device` when the caller has it): the host looks a segment's Engram rows up
-    while the device runs the segments before it, so only the first segment waits for the host after the token ids
-    are known (Model._layers_fast). None ([]) when the model has eager layers (V4)."""
+    looks up: those the device does not read, `engram_on_device`, or `on_device` when the caller has that list):
+    the host looks a segment's Engram rows up while the device runs the segments before it, so only the first
+    segment waits for the host after the token ids are known (Model._layers_fast). None ([]) when the model has
+    eager layers (V4)."""
     if eager_layers(model):
         return []
-    device = engram_on_device(model) if device is None else device
-    return [i for i in engram_layers(model) if i > 0 and i not in device]
+    on_device = engram_on_device(model) if on_device is None else on_device
+    return [i for i in engram_layers(model) if i > 0 and i not in on_device]
 
 
 def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv, iq, w, token_ids, positions,

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from deepinfer_sg.kernels.moe import is_packed_fp4
+from deepinfer_sg.kernels.moe import is_packed_fp4, packed_fp4_fits
 
 from .quant import dequantize_fp4_blocks, dequantize_fp8_blocks, expert_fp4_packed, expert_to_fp8, FP4_GROUP, FP8_BLOCK
 
@@ -317,8 +317,8 @@ def _keep_experts(model: torch.nn.Module, items: list[_Item], block: int, expert
             moe.materialize_experts(device)
             continue
         rows = block if kinds == {"fp8"} else 1
-        # (the packed kernel reads its weights and activations in vectors of 8: other dims go to e4m3)
-        packed = expert_dtype == "fp4" and kinds == {"fp4"} and all(d % 8 == 0 for d in moe.experts[0].w1.weight.shape)
+        # (dims the packed kernel cannot take go to e4m3)
+        packed = expert_dtype == "fp4" and kinds == {"fp4"} and packed_fp4_fits(*moe.experts[0].w1.weight.shape[::-1])
         q = moe.keep_quantized(rows, device, packed=packed)
         for it, e, which in entries:
             kept[it.target] = (q, which, e, rows)

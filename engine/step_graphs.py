@@ -9,8 +9,9 @@ selection and attention), every layer in between whole, and the next layer's pro
 starts at the embedding, the last ends with the head). The caches sit at fixed addresses (engine/arena.py). V4.1
 has no eager updates (engine/compress_step.py); its Engram rows are gathered inside the graph from in-memory
 tables pinned on the host (batched.engram_on_device), so with those its step is one graph. Tables the device cannot
-read (memory-mapped ones: every loaded checkpoint's, engine/loader.py) cut it between layers before their Engram layer (batched.engram_splits: the host reads a segment's table rows while the device runs the
-segments before it); V4's overlapping compressors stay outside.
+read (memory-mapped ones: every loaded checkpoint's, engine/loader.py) cut it between layers before their Engram
+layer (batched.engram_splits: the host reads a segment's table rows while the device runs the segments before
+it); V4's overlapping compressors stay outside.
 
 Contract:
   * graphs are keyed by the step's token count T (no padding: a padded T would change GEMM shapes and so the
@@ -229,11 +230,10 @@ class SegmentGraphs:
         """The device side of an upload of the flat host tensor `host`, without copying yet: (views of the device
         buffer in the given shapes, each `fixed`; send() which copies `host` as it is when called). Eager steps: a
         fresh buffer, copied through pinned memory (`pin_memory`, which keeps a tensor already pinned; on the CPU
-        the host tensor itself);
-        graph steps: a persistent buffer of this T named `name` with its own two pinned host buffers (a fresh
-        pinned block per step costs the host more than the copy), each reused once the event says the previous copy
-        from it is done (_Pinned), so the address holds from replay to replay and the graphs read
-        it in place. Under graphs the views are made once per name and buffer and then returned as the same
+        the host tensor itself); graph steps: a persistent buffer of this T named `name` with its own two pinned
+        host buffers (a fresh pinned block per step costs the host more than the copy), each reused once the event
+        says the previous copy from it is done (_Pinned), so the address holds from replay to replay and the graphs
+        read it in place. Under graphs the views are made once per name and buffer and then returned as the same
         objects, so a replay's input check finds them by identity (~500 inputs per step: a data_ptr / shape
         comparison each cost the host ~0.5 ms per step). Why split: the plan of a step lays its upload out
         before the token ids are known (Model.plan_step), the send comes at launch."""

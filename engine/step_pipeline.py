@@ -7,10 +7,10 @@ waits for the sampler. A step then costs about launch + max(device, plan) instea
 How much room that leaves (session 11, mid-size V4.1 on the H200, benchmarks/model_forward.py's "ahead" path, its
 host ms): at batch 256 / 64 / 8 the plan took 4.5-5.7 / 1.8-2.2 / 1.2-1.4 ms and launch's part after the graph run
 1.4-1.7 / 0.5-0.85 / 0.3-0.5, against 7.6-7.7 / 5.0 / 4.0 ms of graphs (R1, R2, R4): the host was idle 0.4-1.8 /
-2.0-2.6 / 2.1-2.4 ms a step, the room a serving loop has for the step's grammar masks on the same thread. In a round whose host ran
-~1.5x slower (R3: plan 7.1-7.6 ms at 256) the plan passed the device time and the step grew from 8.3 to 10.0-10.4 ms:
-at 256 rows the plan's per-sequence Python (compress_step.plan_layer's ~2.2-3.6 ms of arena and ring bookkeeping,
-the compressor snapshot, Model._advance after the launch) is the next host lever.
+2.0-2.6 / 2.1-2.4 ms a step, the room a serving loop has for the step's grammar masks on the same thread. In a
+round whose host ran ~1.5x slower (R3: plan 7.1-7.6 ms at 256) the plan passed the device time and the step
+grew from 8.3 to 10.0-10.4 ms: at 256 rows the plan's per-sequence Python (compress_step.plan_layer's ~2.2-3.6 ms
+of arena and ring bookkeeping, the compressor snapshot, Model._advance after the launch) is the next host lever.
 
 Contract: `forward(chunks)` is `model.forward_step(chunks)` (same StepOutput, same cache updates, bit for bit):
 it launches with the plan made ahead when that plan was made for exactly these chunks (the same caches in the same

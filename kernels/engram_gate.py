@@ -153,6 +153,15 @@ def gather_rows_torch(ids: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     return unpack_rows_torch(torch.cat([weight[rows], scale[rows]], dim=-1), weight.shape[1], dtype).to(ids.device)
 
 
+def _check_table(weight: torch.Tensor, scale: torch.Tensor, who: str) -> None:
+    """A table as the row kernels read it: contiguous uint8 weight [rows, W] and UE8M0 scale [rows, ceil(W/32)]."""
+    W = weight.shape[1]
+    check(weight.dtype == torch.uint8 and scale.dtype == torch.uint8
+          and scale.shape == (weight.shape[0], -(-W // GROUP)) and weight.is_contiguous() and scale.is_contiguous(),
+          f"{who}: weight {weight.dtype} {tuple(weight.shape)}, scale {scale.dtype} {tuple(scale.shape)} (want "
+          f"contiguous uint8 [rows, W] and [rows, ceil(W / {GROUP})])")
+
+
 def gather_rows_triton(ids: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                        dtype: torch.dtype) -> torch.Tensor:
     """Read table rows on the device and decode them in one launch: ids [...] int64 on the device (in range: the
@@ -160,11 +169,8 @@ def gather_rows_triton(ids: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
     pinned / registered host memory through unified addressing: then each row crosses PCIe once, inside the launch
     that decodes it) -> [..., W] dtype on the ids' device."""
     W = weight.shape[1]
-    check(weight.dtype == torch.uint8 and scale.dtype == torch.uint8
-          and scale.shape == (weight.shape[0], -(-W // GROUP)) and weight.is_contiguous() and scale.is_contiguous()
-          and ids.dtype == torch.int64,
-          f"gather_rows: ids {ids.dtype}, weight {weight.dtype} {tuple(weight.shape)}, scale {scale.dtype} "
-          f"{tuple(scale.shape)} (want int64 ids, contiguous uint8 [rows, W] and [rows, ceil(W / {GROUP})])")
+    check(ids.dtype == torch.int64, f"gather_rows: ids must be int64, got {ids.dtype}")
+    _check_table(weight, scale, "gather_rows")
     idc = ids.contiguous()
     out = empty((*ids.shape, W), dtype, ids.device)
     if idc.numel():
@@ -202,13 +208,11 @@ def hashed_rows_triton(src: torch.Tensor, ids: torch.Tensor, consts: tuple, pad:
     J = prime.shape[0]
     check(src.dtype == torch.int64 and ids.dtype == torch.int64 and tuple(src.shape) == (2, T, N)
           and J % max(N - 1, 1) == 0 and offset.shape == prime.shape
-          and scale.shape == (weight.shape[0], -(-W // GROUP))
-          and all(t.dtype == torch.int64 and t.is_contiguous() for t in consts)
-          and weight.is_contiguous() and scale.is_contiguous(),
+          and all(t.dtype == torch.int64 and t.is_contiguous() for t in consts),
           f"hashed_rows: src {src.dtype} {tuple(src.shape)}, ids {ids.dtype} {tuple(ids.shape)}, "
-          f"mult {tuple(mult.shape)}, "
-          f"prime {tuple(prime.shape)}, offset {tuple(offset.shape)}, weight {tuple(weight.shape)}, scale "
-          f"{tuple(scale.shape)} (want int64 src [2, T, N], contiguous int64 constants, [rows, W] / [rows, W/32])")
+          f"mult {tuple(mult.shape)}, prime {tuple(prime.shape)}, offset {tuple(offset.shape)} (want int64 src "
+          f"[2, T, N] and contiguous int64 constants)")
+    _check_table(weight, scale, "hashed_rows")
     out = empty((T, J, W), dtype, ids.device)
     if T and J:
         BLOCK_J = min(HASH_ROWS_BLOCK, triton.next_power_of_2(J))

@@ -45,6 +45,11 @@ def is_packed_fp4(w: torch.Tensor) -> bool:
     return w.dtype in (torch.uint8, torch.int8)
 
 
+def packed_fp4_fits(hidden: int, inter: int) -> bool:
+    """Whether the packed FP4 kernels take experts of these dims (they read int32 words of 8 weights)."""
+    return hidden % 8 == 0 and inter % 8 == 0
+
+
 def _check(x, ids, weights, w1, w3, w2, scales=None, shifts=None, shift_rows=1):
     check(x.dim() == 2, f"x must be [tokens, hidden], got {tuple(x.shape)}")
     T, H = x.shape
@@ -634,7 +639,7 @@ def moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit=10.0, block_m=N
     dn, dk, dw, ds = down or (block_n, block_k, num_warps, num_stages)
     gs = shifts is not None
     w4 = is_packed_fp4(w1)
-    check(not w4 or (H % 8 == 0 and F % 8 == 0),
+    check(not w4 or packed_fp4_fits(H, F),
           f"the packed FP4 kernels read int32 words of 8 weights: hidden {H} and inter {F} must be multiples of 8")
     check(not gs or w4 or (block_k == 32 and dk == 32),
           f"block scales need K tiles of one 32-group, got {block_k}, {dk}")

@@ -18,8 +18,8 @@ follows the same rule (kernels/speculative.py), so the bonus is still exactly th
 
 Work on a GPU (no tau first, no histogram): pass 1 is the sampling pass itself computing PROPOSALS draws per
 program (the lane weights and running sums are shared; each proposal costs a hash and two logs per lane, and one
-block reduction packs every proposal's best lane: the pass keeps each proposal's best lane only) and the program's max z; `_tokens_kernel`
-(per row) draws the token inside each proposal's winning lane (`lane_token`; session 7's pass made the in-lane
+block reduction packs every proposal's best lane: the pass keeps each proposal's best lane only) and the
+program's max z; `_tokens_kernel` (per row) draws the token inside each proposal's winning lane (`lane_token`; session 7's pass made the in-lane
 pick of every proposal in every lane, a compare and an add per token each: the pass with 4 proposals ran 14.9 /
 52.3 us at B=64 / 256 against 11.0 / 35.2 without the picks, session 8 R1); pass 2 (`_above_kernel`, per (row,
 segment), only top-p-alone rows) sums, in fp64 across lanes, the mass exp(z - m) above each proposal: with

@@ -72,8 +72,7 @@ from . import rejection, rng, threshold
 from .backend import INTERPRETING, check, empty, use_triton
 from .rejection import is_p_alone, p_alone_rows, proposal_keys, store_proposals
 from .threshold import (_below, _ordered, exp2_w, lane_block, lane_pick, lane_score, needs_histogram_path,
-                        needs_lane_path, pack_lanes, pdl_kw, pdl_trigger, pdl_wait, segment_pack, thresholds_and_paths,
-                        thresholds_triton)
+                        needs_lane_path, pack_lanes, pdl_kw, pdl_trigger, pdl_wait, segment_pack, thresholds_and_paths)
 
 NEG_INF = float("-inf")
 

@@ -1274,12 +1274,6 @@ def needs_lane_path(params, V: int, kmax: int = KMAX, p_lanes: bool | None = Non
     return bool(((sampled & by_k & (k <= kmax)) | p_only).any())
 
 
-def thresholds_triton(logits, params, bitmask, mrows, block=1024, cmax=CMAX, chunk=CHUNK,
-                      histogram=None) -> torch.Tensor:
-    """tau [R] fp32 for every row (see thresholds_and_paths)."""
-    return thresholds_and_paths(logits, params, bitmask, mrows, block, cmax, chunk, histogram=histogram)[0]
-
-
 def thresholds_and_paths(logits, params, bitmask, mrows, block=1024, cmax=CMAX, chunk=CHUNK, stages=6,
                          tau_warps=None, histogram=None, kmax=KMAX, draw=None, lcap=LCAP, lane_shape=None,
                          p_lanes=None, lane_rows=None, stats=None):

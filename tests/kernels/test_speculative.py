@@ -6,7 +6,7 @@ import torch
 from deepinfer_sg.kernels import speculative_accept
 from deepinfer_sg.kernels import speculative as spec_mod
 from deepinfer_sg.kernels.sampling import probs_torch, row_params
-from helpers import assert_matches_distribution, bit_allowed, on_dev, random_bitmask, to_cpu
+from helpers import assert_matches_distribution, bit_allowed, on_dev, params_on_dev, random_bitmask, to_cpu
 
 
 def _batch(gen, vocab, rows_per_req, noise=0.5):
@@ -255,7 +255,7 @@ def test_top_k_merge_writes_the_statistics_the_pass_skips():
     over the kept set, the packed bonus draw: the sampling rule's token on the kept set); every other row (top-p
     alone, top_k > KMAX, greedy, unfiltered, nothing allowed) is left to the pass (solved = 0). Outputs poisoned."""
     from deepinfer_sg.kernels import threshold
-    from deepinfer_sg.kernels.sampling import masked_z_torch, sample_torch, thresholds_torch
+    from deepinfer_sg.kernels.sampling import sample_torch
     gen = torch.Generator().manual_seed(17)
     seg, lanes = 256, 64
     R, vocab = 9, 700
@@ -272,17 +272,13 @@ def test_top_k_merge_writes_the_statistics_the_pass_skips():
     sc = on_dev(torch.full((R, n_prog), -5.0))
     pack = on_dev(torch.full((R, n_prog, np_), 77, dtype=torch.int64))
     solved = on_dev(torch.full((R,), 9, dtype=torch.int8))
-    pd = type(p)(*on_dev((p.inv_temperature, p.greedy, p.top_k, p.top_p, p.keys)))
-    tok = threshold.thresholds_and_paths(on_dev(logits), pd, on_dev(bm), on_dev(mrows), draw=(seg, lanes),
+    tok = threshold.thresholds_and_paths(on_dev(logits), params_on_dev(p), on_dev(bm), on_dev(mrows), draw=(seg, lanes),
                                          stats=(mc, sc, pack, solved))[2].cpu()
     mc, sc, pack, solved = to_cpu((mc, sc, pack, solved))
-    top = torch.tensor([True, True, True, True, False, False, False, False, True])   # sampled, 0 < top_k <= KMAX
-    top[8] = False                                                                   # nothing allowed
+    # sampled with 0 < top_k <= KMAX (row 8 too, but nothing is allowed there)
+    top = torch.tensor([True, True, True, True, False, False, False, False, False])
     assert solved.tolist() == top.to(torch.int8).tolist()
-    z = masked_z_torch(logits, p.inv_temperature, bm, mrows)
-    zk = z.masked_fill(z < thresholds_torch(z, p)[:, None], float("-inf"))
-    m = zk.max(1).values
-    s = torch.exp(zk - m[:, None]).sum(1)
+    _, m, s, _ = spec_mod._stats_torch(logits, p, bm, mrows)        # the twin's kept max and mass
     want = sample_torch(logits, p, bm, mrows, seg=seg, lanes=lanes)
     assert torch.equal(mc[top, 0], m[top])
     assert torch.allclose(sc[top, 0], s[top], rtol=1e-5, atol=0)
