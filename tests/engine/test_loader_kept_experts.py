@@ -241,3 +241,23 @@ def test_quantize_routed_experts_of_a_random_model(tmp_path, expert_dtype):
     ids = torch.randint(0, 500, (1, 19), generator=torch.Generator().manual_seed(3))
     assert torch.equal(kept.forward_logits(ids), dense.forward_logits(ids))
     assert quantize_routed_experts(kept, expert_dtype) == 0          # already kept: nothing to do
+
+
+def test_fp4_layers_the_packed_kernel_cannot_take_go_to_e4m3(tmp_path, monkeypatch):
+    """expert_dtype="fp4" keeps an all-FP4 layer packed only when kernels.moe.packed_fp4_fits takes its dims (the
+    packed kernel reads int32 words of 8 weights); otherwise the layer is kept as e4m3, as with "fp8", and the
+    logits are still the dequantizing load's."""
+    import deepinfer_sg.engine.loader as loader_mod
+    from deepinfer_sg.kernels.moe import packed_fp4_fits
+    assert packed_fp4_fits(4096, 2048) and not packed_fp4_fits(4096, 2044) and not packed_fp4_fits(4092, 2048)
+    folder = write_checkpoint(tiny_v41_config(), tmp_path / "v41", seed=8, quantize="fp8")
+    seen = []
+    monkeypatch.setattr(loader_mod, "packed_fp4_fits", lambda h, f: seen.append((h, f)) or False)
+    kept = load_model(folder, dtype=torch.bfloat16, expert_dtype="fp4")
+    moes = _moes(kept)
+    assert moes and all(m.kept is not None and m.kept.w1.dtype == torch.float8_e4m3fn for m in moes)
+    F, H = moes[0].experts[0].w1.weight.shape
+    assert seen == [(H, F)] * len(moes)                       # asked with (hidden, inter), once a layer
+    plain = load_model(folder, dtype=torch.bfloat16)
+    ids = torch.randint(0, 500, (1, 17), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(kept.forward_logits(ids), plain.forward_logits(ids))
