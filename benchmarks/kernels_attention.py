@@ -180,6 +180,19 @@ Measured (H200, copy ~4,250 GB/s, bf16 matmul 700-790 TFLOP/s; launch floor 0.7 
                          (87% / 87% / 79%), N=8, L=131072 67.9-68.3 / 67.4-68.1 / 69.0, N=64, L=16384 68.1-68.4 /
                          67.6-68.0 / 68.5-68.6: no change beyond noise, the default stays. Compiled tests: attention
                          30 passed (round 3), indexer 40 passed (round 4).
+  session 12 (K2, a round script against session 11's files in the same run; us, each row timed twice) the
+                         mid-size model's 32 heads (D=512, 128 + 512 keys): the new dispatch (16-head programs with
+                         key splits while they can take two, else 32-head programs; `default_config`) N=32 / 64 /
+                         128 / 256 34.0-34.1 / 36.5-36.6 / 46.4-46.8 / 87.0-87.2 -> 21.3 / 28.7-29.0 / 42.3-42.5 /
+                         72.9 (R3; of the bytes at session 11's copy rate, ~4,240 GB/s: 16% -> 25%, 30% -> 38%, 47%
+                         -> 51%, 50% -> 60%); the step's short rows (37 window + 20 compressed keys) N=64 / 128 / 256
+                         12.6-12.8 / 17.0 / 32.1 -> 12.1-12.4 / 16.6-16.8 / 26.6-26.7. Programmatic dependent launch
+                         for all five kernels (`select_layer`'s chain, N=64 / 256 at G=1024, 64 at G=16384, PDL off ->
+                         on: 47.9-48.3 -> 45.2-45.3, 109.5-109.9 -> 108.5-109.0, 125.6 -> 123.9-124.2; session 11's
+                         files 54.9 / 122.2 / 131.9); V4.1's 64 heads N=64 38.1-38.2 (session 11) / 38.1 (off) /
+                         37.9-38.0 (on). Compiled tests: attention 34, indexer 40, index rows 16 passed (R2), attention
+                         34 again (R3). The rows of `bench_attention`'s 32 heads, its PDL-off rows and
+                         `bench_select_layer` came after the rounds: not yet run on a GPU.
 """
 import os
 import sys
@@ -188,7 +201,7 @@ import time
 import torch
 import triton
 
-from deepinfer_sg.kernels import decode_attention, indexer
+from deepinfer_sg.kernels import backend, decode_attention, index_rows, indexer
 from kbench import DEV, DRY, emit, rotating, row, S, time_ms
 
 TFLOPS = 700.0          # bf16 dense matmul rate for the flop floor until `matmul_rate` has measured it
@@ -279,32 +292,82 @@ def _before_cfg(N, sms=132):
     return dict(BEFORE, splits=max(1, min(8, sms // N)))
 
 
+# session 11's dispatch at fewer than 64 heads (the "before" row at the mid-size model's 32): 16-head programs, one
+# split
+BEFORE_FEW_HEADS = dict(block_h=16, block_k=64, num_warps=4, num_stages=2, splits=1)
+
+
+def pdl(on: bool, fn):
+    """fn with programmatic dependent launch on / off (`kernels.backend.PDL`, read at each launch)."""
+    def run():
+        was, backend.PDL = backend.PDL, on
+        try:
+            return fn()
+        finally:
+            backend.PDL = was
+    return run
+
+
 def bench_attention(bw, l2, batches):
     H, D, Kw, Kc, pool = attn_shape()
     launch_floor(bw)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if not DRY else 132
     for N in batches:
-        nbytes, byte_us, flop_us = attn_floors(N, H, D, Kw, Kc, bw)
-        nxt = rotating(attn_inputs(N, H, D, Kw, Kc, pool), nbytes, l2)
-        s = nxt()
-        b = decode_attention.sparse_attention_torch(*s).float()
-        cfg = decode_attention.default_config(N, H, D, Kw + Kc, sms=torch.cuda.get_device_properties(0)
-                                              .multi_processor_count if not DRY else 132)
-        before = _before_cfg(N)
-        runs = (("sparse attention", {}, "default dispatch: " + " ".join(f"{k}={v}" for k, v in cfg.items())),
-                ("  before (session 6)", before, " ".join(f"{k}={v}" for k, v in before.items())))
-        for label, kw, what in runs:
-            a = decode_attention.sparse_attention_triton(*s, **kw)
-            err = float((a.float() - b).norm() / b.norm())
-            t = time_ms(lambda: decode_attention.sparse_attention_triton(*nxt(), **kw))
-            tt = time_ms(lambda: decode_attention.sparse_attention_torch(*nxt())) if label[0] != " " else None
-            row(label, f"N={N} H={H} D={D} keys={Kw}+{Kc}", t, tt, nbytes, bw,
-                attn_note(t, byte_us, flop_us, err) + f"; {what}")
+        for heads in (H, S(32, 16)):     # V4.1's 64 heads, the mid-size model's 32
+            nbytes, byte_us, flop_us = attn_floors(N, heads, D, Kw, Kc, bw)
+            nxt = rotating(attn_inputs(N, heads, D, Kw, Kc, pool), nbytes, l2)
+            s = nxt()
+            b = decode_attention.sparse_attention_torch(*s).float()
+            cfg = decode_attention.default_config(N, heads, D, Kw + Kc, sms=sms)
+            before, when = (_before_cfg(N), "session 6") if heads == H else (BEFORE_FEW_HEADS, "session 11")
+            runs = (("sparse attention", {}, True, "default dispatch: " + " ".join(f"{k}={v}" for k, v in cfg.items())),
+                    ("  PDL off", {}, False, "the default dispatch, plain launches"),
+                    (f"  before ({when})", before, True, " ".join(f"{k}={v}" for k, v in before.items())))
+            for label, kw, on, what in runs:
+                a = decode_attention.sparse_attention_triton(*s, **kw)
+                err = float((a.float() - b).norm() / b.norm())
+                t = time_ms(pdl(on, lambda: decode_attention.sparse_attention_triton(*nxt(), **kw)))
+                tt = time_ms(lambda: decode_attention.sparse_attention_torch(*nxt())) if label[0] != " " else None
+                row(label, f"N={N} H={heads} D={D} keys={Kw}+{Kc}", t, tt, nbytes, bw,
+                    attn_note(t, byte_us, flop_us, err) + f"; {what}")
         # the same work with every row's keys among 32 rows of the pool (L2 hits): the kernel's time without HBM
         # traffic, i.e. its compute + latency floor at this launch configuration
         q, win, wi, sink, cmp_, ci = s
         hw, hc = (wi % 32).int(), (ci % 32).int()
         t = time_ms(lambda: decode_attention.sparse_attention(q, win, hw, sink, cmp_, hc))
         row("  keys from L2", f"N={N} (32 distinct keys)", t, None, nbytes, bw, "compute + latency floor")
+
+
+def chain_inputs(N, Hi, Di, G):
+    """The select layer's inputs: index queries, head weights, each row's G index keys, positions that see them
+    all, and attention inputs (32 heads) whose compressed pool holds each row's G entries."""
+    def make():
+        q, win, wi, sink, kv, _ = attn_inputs(N, S(32, 16), 512 if not DRY else 64, 128 if not DRY else 16, 1, G)()
+        return (*indexer_inputs(N, Hi, Di, G)(), torch.full((N,), 2 * G, device=DEV), q, win, wi, sink, kv)
+    return make
+
+
+def select_layer(x, G, k):
+    """The engine's select layer as one chain of launches: index scores -> visible entries -> top-k select
+    (unsorted) -> entry rows -> sparse attention over the window and the selected entries."""
+    iq, w, keys, start, count, pos, q, win, wi, sink, kv = x
+    scores = indexer.indexer_scores_triton(iq, w, keys, start, count, G)
+    ids, _ = indexer.topk_select_triton(index_rows.visible_scores_triton(scores, pos, count, 2)[1], k, sorted=False)
+    rows = index_rows.entry_rows_triton(ids[:, :min(k, G)], start, count, k)
+    return decode_attention.sparse_attention_triton(q, win, wi, sink, kv, rows)
+
+
+def bench_select_layer(bw, l2):
+    """The select layer's five launches back to back (CUDA graph), programmatic dependent launch on / off: each
+    kernel waits before its first load, so only launch latency and scheduling overlap."""
+    N, Hi, Di, L, k = indexer_shape()
+    for G in S((1024, L), (64,)):
+        nbytes = N * G * Di * 2 + N * (128 + k) * 512 * 2
+        nxt = rotating(chain_inputs(N, Hi, Di, G), nbytes, l2)
+        for label, on in (("select layer", True), ("  PDL off", False)):
+            t = time_ms(pdl(on, lambda: select_layer(nxt(), G, k)))
+            row(label, f"N={N} G={G} k={k} H={S(32, 16)}", t, None, nbytes, bw,
+                "index scores, visible, select, entry rows, attention (5 launches)")
 
 
 def indexer_inputs(N, Hi, Di, L):
@@ -363,6 +426,7 @@ def bench_indexer(bw, l2):
         "unsorted, on score-kernel output instead of randn")
     t = time_ms(lambda: scs[next(it) % 4].topk(k, dim=1))
     row("  torch.topk alone", f"N={N} L={L} k={k}", t, None, N * L * 4, bw)
+    bench_select_layer(bw, l2)
 
 
 def _warm_one(task):
@@ -548,8 +612,8 @@ def compile_cases():
         ("attention lazy sum", decode_attention._sparse_attention_kernel, types, dict(attn, LAZY_SUM=True), 8),
         ("attention lazy sum S2", decode_attention._sparse_attention_kernel, types,
          dict(attn, LAZY_SUM=True, SPLIT=True), 8),
-        ("attention (N<192)", decode_attention._sparse_attention_kernel, types,
-         dict(attn, BLOCK_H=16, UNCHAIN=False), 4),
+        ("attention H<64 PDL", decode_attention._sparse_attention_kernel, types,
+         dict(attn, BLOCK_H=16, UNCHAIN=False, PDL=True), 4),
         *[(f"select {stage}{' sorted' if srt else ''}", indexer._topk_select_kernel,
            dict(_SELECT_PTRS, map_ptr="*i64" if mp else "*fp32"),
            dict(BLOCK=blk, RESIDENT=True, SORTED=srt, KP=512, MAP=mp, FW=0.3, WIDTH=2.0, TOPR=4, FUSE=False,
@@ -559,7 +623,7 @@ def compile_cases():
         *[(f"select fused {blk}{' tree' if fan else ''}", indexer._topk_select_kernel,
            dict(_SELECT_PTRS, map_ptr="*fp32", grp_idx_ptr="*i64", grp_val_ptr="*fp32"),
            dict(BLOCK=blk, RESIDENT=True, SORTED=False, KP=512, MAP=False, FW=0.3, WIDTH=2.0, TOPR=4, FUSE=True,
-                MBLOCK=mb, MSORTED=False, FAN=fan, GBLOCK=2048), w)
+                MBLOCK=mb, MSORTED=False, FAN=fan, GBLOCK=2048, PDL=True), w)
           for fan, mb, blk, w in ((0, 1024, 8192, 8), (0, 2048, 4096, 4), (4, 4096, 4096, 4))],
     ]
 

@@ -157,6 +157,33 @@ one dot chain in place over 128-wide K steps, activations read as stored and per
   counts and the variants (block_k 64, 4 stages, register caps, tensor-descriptor shifts, 64-row tiles). The last
   layer's write-back with the final norm in one launch lost (kernels/hc_mix.py's hc_post_triton notes).
   Compiled MoE + mHC tests: 79 of 79 pass (round 4).
+
+Session 12 (programmatic dependent launch for the step's small kernels: kernels.backend.PDL off / on in the same
+run, K3_SWEEP=pdl's _sweep_pdl; H200, copy 4250 GB/s; mid-size V4.1 shapes, 16 calls back to back in a CUDA graph,
+us a call off -> on, round 3): skinny products at 64 rows (the GEMM library beside): wq_a + wkv 6.69 -> 6.05
+(6.05), wq_b 11.08 -> 10.64 (9.48), wo_a 10.38 -> 9.43 (9.15), wo_b 7.08 -> 6.74 (6.27), shared w1 + w3 8.27 ->
+7.78 (17.89), shared w2 4.74 -> 4.42 (4.92); gate_route 5.59 -> 4.88; rmsnorm 1.74 -> 1.28; rope q 2.75-2.89 ->
+2.65-2.70; ring write + pool 3.16 -> 2.69; MoE write-back + mixes + norm T=64 11.02 -> 10.76-10.82; write-back +
+read-out T=256 4.87 -> 4.73; mixes T=256 11.77 -> 11.54. The "two launches ... pdl" sweep cases (session 9) passed
+a `pdl=` keyword hc_post_triton no longer had (each one failed); they now flip backend.PDL (_hc_runner).
+
+Session 12, routed experts (K3; packed FP4 through moe.moe_experts, HEAD's kernels/moe.py imported beside the tree
+in the same run; a chain of 20 calls in a CUDA graph, two weight sets alternating; H200, copy 4225 GB/s; us a
+call, % of the touched experts' bytes at copy bandwidth; round 3):
+  mid-size (H=2048 F=1024 E=64 K=6, the TOY shape) T = 8 / 64 / 256   HEAD 61.9-62.1 / 90.6 / 170.3-170.7 (44 /
+                                  56 / 30%) -> 56.3-56.5 / 87.3-87.4 / 123.6-124.1 (48 / 58 / 42%); PDL off 59.0-59.2
+                                  / 90.3-90.5 / 126.4-126.5 (kernels/moe.py w4_tiles and its PDL notes)
+  V4.1 T = 8 / 64 / 256 (chain of 4)  HEAD 316.5-317.7 / 1518-1582 / 2452-2490 -> 313.0-314.1 / 1556-1581 /
+                                  2465-2493 (66-67 / 73-75 / 69%: unchanged within the runs' spread)
+  V4.1 T = 4096 (prefill, 64-row blocks, one call)  packed FP4 8075-8273 us, the fp8 rows path 10577-10584: FP4
+                                  stays the faster at prefill too (8 warps there 8693-8751: not taken)
+  Where the mid-size time goes (round 2, torch profiler, PDL off, us a call): T=64 gate/up 55.7, down 31.0,
+  combine 2.5, align 2.3; T=256 gate/up 105.5, down 55.4, align 5.2, combine 4.2 (before w4_tiles). ncu at T=64:
+  gate/up DRAM 53% of peak, issue slots 56% busy, 15% warps active (3 programs an SM by registers and by
+  shared memory), stalls per issue wait 0.67, not selected 0.62, long scoreboard 0.57, barrier 0.42; down 52% /
+  61% / 22%, long scoreboard and not selected 1.01 each. At T=256 (32-row blocks, capped 4-warp builds) long
+  scoreboard 1.72 / 3.20 (the spilled registers' loads), issue 40 / 41%; at 8 warps 0.84 / 1.38, 56 / 55%.
+  Compiled MoE tests: 29 of 29 pass (round 3).
 """
 import math
 import os
@@ -166,7 +193,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_sg.kernels import hc_mix, moe, rmsnorm
+from deepinfer_sg.kernels import backend, hc_mix, moe, ring_pool, rmsnorm, rope, router, skinny
 from kbench import DEV, DRY, emit, rotating, row, S, time_ms
 
 T_START = [time.time()]     # the sweep's start (sweep() resets it: the ceilings before it are not its time)
@@ -447,17 +474,125 @@ def sweep(bw, l2):
         _sweep_hc(bw, l2, one)
     if "moe" in SWEEP_PARTS:
         _sweep_moe(bw)
+    if "pdl" in SWEEP_PARTS:
+        _sweep_pdl(bw, l2)
+
+
+# The mid-size V4.1 decode step's shapes (engine/testing.midsize_v41_config): hidden 2048, 32 heads of 512 with 64
+# rotated channels, q / o LoRA ranks 768 / 512 in 4 output groups, 64 experts of 1024 (top 6)
+MID = dict(H=S(2048, 64), heads=S(32, 2), hd=S(512, 64), rope=S(64, 16), ql=S(768, 48), ol=S(512, 32), groups=S(4, 2),
+           inter=S(1024, 32), experts=S(64, 8))
+
+
+def _mid_products():
+    """(name, groups, N, K, clamped SwiGLU with an up product) of the step's few-row products."""
+    m = MID
+    return [("wq_a+wkv", 1, m["ql"] + m["hd"], m["H"], False), ("wq_b", 1, m["heads"] * m["hd"], m["ql"], False),
+            ("wo_a", m["groups"], m["ol"], m["heads"] * m["hd"] // m["groups"], False),
+            ("wo_b", 1, m["H"], m["groups"] * m["ol"], False), ("shared w1+w3", 1, m["inter"], m["H"], True),
+            ("shared w2", 1, m["H"], m["inter"], False)]
+
+
+def _product_calls(T, groups, N, K, glu, l2, lib=False):
+    """(calls, weight bytes): kernels.skinny's product (lib: the GEMM library's, F.linear / one bmm, + the SwiGLU
+    launches) over weight copies rotating past the L2."""
+    F_ = torch.nn.functional
+    nb = groups * N * K * 2 * (2 if glu else 1)
+    copies = max(2, min(16, int(4 * l2 // nb) + 1))
+    ws = [torch.randn(groups * N, K, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    ups = [torch.randn(N, K, device=DEV, dtype=torch.bfloat16) * 0.02 if glu else None for _ in range(copies)]
+    x = torch.randn(T, groups * K, device=DEV, dtype=torch.bfloat16)
+
+    def run(w, u):
+        if not lib:
+            return skinny.skinny_linear_triton(x, w, groups, (u, 10.0) if glu else None)
+        if glu:
+            return F_.silu(F_.linear(x, w).clamp(max=10.0)) * F_.linear(x, u).clamp(-10.0, 10.0)
+        if groups == 1:
+            return F_.linear(x, w)
+        return torch.bmm(x.view(T, groups, -1).transpose(0, 1), w.view(groups, N, -1).transpose(1, 2))
+    return [lambda w=w, u=u: run(w, u) for w, u in zip(ws, ups)], nb
+
+
+def _small_calls(name, T):
+    """(calls, bytes moved) of one of the step's small kernels at the mid-size shapes, 16 calls on 4-8 input sets."""
+    m, H = MID, MID["H"]
+    bf = dict(device=DEV, dtype=torch.bfloat16)
+    if name == "rmsnorm":
+        xs, w = [torch.randn(T, H, **bf) for _ in range(8)], torch.rand(H, device=DEV) + 0.5
+        return [lambda x=x: rmsnorm.rms_norm(x, w, 1e-6) for x in xs] * 2, 4 * T * H
+    if name == "rope q":
+        xs = [torch.randn(T, m["heads"], m["hd"], **bf) for _ in range(8)]
+        turn = torch.randn(T, m["rope"] // 2, 2, device=DEV)
+        return [lambda x=x: rope.apply_rope(x, turn) for x in xs] * 2, 4 * T * m["heads"] * m["hd"]
+    if name == "gate_route":
+        ws = [torch.randn(m["experts"], H, **bf) * H ** -0.5 for _ in range(16)]
+        x, b = torch.randn(T, H, **bf), torch.randn(m["experts"], device=DEV) * 0.1
+        return [lambda w=w: router.gate_route(x, w, b, 6, 1.5) for w in ws], 2 * m["experts"] * H
+    if name == "ring write+pool":                       # a compressor's step: 512-wide fp32 rings, groups of 4
+        n, W = 4 * T + 8, S(512, 32)
+        rkv, rg = torch.randn(n, W, device=DEV), torch.randn(n, W, device=DEV)
+        dst, grp = torch.randperm(n, device=DEV)[:T], torch.randint(0, n, (T, 4), device=DEV)
+        kvs = [(torch.randn(T, W, **bf), torch.randn(T, W, **bf)) for _ in range(4)]
+
+        def step(kv):
+            ring_pool.ring_write(kv[0], kv[1], rkv, rg, dst, dst)
+            return ring_pool.ring_pool(rkv, rg, grp, grp, torch.bfloat16)
+        return [lambda kv=kv: step(kv) for kv in kvs] * 4, T * W * (2 * 2 + 2 * 4 + 2 * 4 * 4 + 2)
+    ss = [_moe_write_back_inputs(T, 4, H) for _ in range(4)]
+    if name == "hc post":                               # the write-back + read-out (beyond POST_MIX_NORM_MAX_T)
+        return [lambda s=s: hc_mix.hc_post_apply(*s[:5]) for s in ss] * 4, T * 4 * H * 2 * 2 + T * H * 2 * 2
+    if name == "hc mixes":
+        return [lambda s=s: hc_mix.hc_mixes(*s[:1], *s[5:8]) for s in ss] * 4, T * 4 * H * 2 + 24 * 4 * H * 4
+    # "moe write-back": the write-back of the routed + shared outputs, the read-out normalised, the next mixes
+    return ([lambda s=s: hc_mix.hc_post_mix_apply(*s[:8], y2=s[8], x_norm=s[9]) for s in ss] * 4,
+            _post_mix_bytes(T, 4, H) + T * H * 2)
+
+
+def _sweep_pdl(bw, l2):
+    """Programmatic dependent launch (kernels.backend.PDL) off / on, twice each in this order, for the step's
+    small kernels back to back (us per call in one CUDA graph of 16 calls, each kernel's inputs rotating): each
+    launch then waits inside for the one before, its launch and scheduling hidden under that one's tail; the
+    skinny products beside the GEMM library's (no PDL there) at the mid-size shapes (numbers: the module
+    docstring's session 12). Run: K3_SWEEP=pdl python3 benchmarks/kernels.py --only hc --sweep --budget 15."""
+    keep = backend.PDL
+    T = S(64, 5)
+    jobs = [(f"{name} T={T}", "product", lambda g=g, n=n, k=k, glu=glu: _product_calls(T, g, n, k, glu, l2))
+            for name, g, n, k, glu in _mid_products()]
+    jobs += [(f"{name} T={t}", "small", lambda name=name, t=t: _small_calls(name, t)) for name, t in (
+        ("gate_route", T), ("rmsnorm", T), ("rope q", T), ("ring write+pool", T), ("moe write-back", T),
+        ("hc post", S(256, 7)), ("hc mixes", S(256, 7)))]
+    try:
+        for label, kind, make in jobs:
+            try:
+                calls, nb = make()
+                ts = []
+                for on in (False, True, False, True):
+                    backend.PDL = on
+                    ts.append(time_ms(lambda: [c() for c in calls]) / len(calls))
+                note = "off / on / off / on " + " / ".join(f"{t * 1e3:.2f}" for t in ts) + " us"
+                if kind == "product":
+                    name, g, n, k, glu = next(p for p in _mid_products() if label.startswith(p[0] + " "))
+                    lib, _ = _product_calls(T, g, n, k, glu, l2, lib=True)
+                    note += f"; GEMM library {time_ms(lambda: [c() for c in lib]) / len(lib) * 1e3:.2f} us"
+                row("  sweep pdl", label, min(ts[1::2]), None, nb, bw, note)
+            except Exception as e:                  # noqa: BLE001 - one case must not end the sweep
+                emit(f"  sweep pdl {label}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            calls = None
+    finally:
+        backend.PDL = keep
 
 
 def _moe_variants(T):
     """(label, options) of the MoE sweep at T tokens (V4.1 shape): the kept fp8 default against packed FP4 at its
-    default tiles (moe.W4_TILES; the variants measured are in kernels/moe.py's notes). Options: R (block shift
+    default tiles (moe.w4_tiles; the variants measured are in kernels/moe.py's notes). Options: R (block shift
     rows; None: per-row scales only), W4 (packed FP4 bytes), the rest moe_experts_triton's; block_m as the
     384-expert default (warm_moe builds with fewer experts)."""
     bm = moe.default_block_m(T, REAL["K"], REAL["E"])
     fp8 = dict(R=None, block_m=bm, **moe.FP8_TILES)                       # "fp8": FP4 repacked to e4m3
-    fp4 = dict(R=1, W4=True, block_m=bm, **moe.W4_TILES)                  # the CUDA default: FP4 kept packed
-    return [("fp8 rows", fp8), ("fp4 packed (W4_TILES, default)", fp4)]
+    tiles = moe.w4_tiles(T, REAL["K"], REAL["E"], REAL["F"], DEV)
+    fp4 = dict(R=1, W4=True, block_m=bm, **tiles)                          # the CUDA default: FP4 kept packed
+    return [("fp8 rows", fp8), ("fp4 packed (w4_tiles, default)", fp4)]
 
 
 def _moe_case(s, v, cache=None):
@@ -559,14 +694,15 @@ def _hc_cases():
     "post": the write-back + next mixes launch (hc_post_mix_triton); "two": the two launches it replaces
     (hc_post_apply, then hc_mixes_triton with the options). Options: the kernels' keywords, and parts=True for
     fn read as its cached bf16 parts (hc_mixes's rule, parts_pay, when not given). tail_form: _finish_block's
-    FORM bits (1 early leaving ticket, 2 logits in registers, 4 acquire-load polls)."""
+    FORM bits (1 early leaving ticket, 2 logits in registers, 4 acquire-load polls); pdl: kernels.backend.PDL
+    for the case's launches (programmatic dependent launch off / on in the same run)."""
     H, H2 = S(5120, 64), S(2048, 32)
     T64, T256, T4096 = S(64, 5), S(256, 7), S(4096, 9)
     c = [(f"mixes T={T64} (default form 7)", "mix", T64, H, {}),
          (f"mixes T={T64} form 7 parts", "mix", T64, H, dict(parts=True)),
          (f"mixes T={T64} form 7 waiters 32", "mix", T64, H, dict(waiters=32))]
-    c += [(f"two launches T={T} pdl {int(on)}", "two", T, H, dict(pdl=on)) for T in S((64, 32), (3,))
-          for on in (True, False)]
+    c += [(f"{lb} T={T} pdl {int(on)}", kind, T, H, dict(pdl=on)) for T in S((64, 32), (3,))
+          for kind, lb in (("two", "two launches"), ("post", "post+mix")) for on in (False, True)]
     c += [(f"mixes T={T} form {f}", "mix", T, H, dict(tail_form=f)) for T in (T256, T4096) for f in (0, 5)]
     for T in S((16, 32, 64), (3,)):
         for h in (H, H2):
@@ -613,17 +749,30 @@ def _hc_inputs_for(kind, T, H):
 
 
 def _hc_runner(kind, T, kw):
-    """run(inputs, parts) for a sweep case."""
+    """run(inputs, parts) for a sweep case, with kernels.backend.PDL as its option pdl says (default: as set)."""
     kw = dict(kw)
     use = kw.pop("parts", hc_mix.parts_pay(T))
+    pdl = kw.pop("pdl", PDL_DEFAULT)
+    run = _hc_launches(kind, use, kw)
+
+    def with_pdl(s, p):             # (set at every call: the sweep's graphs capture the launches as set here)
+        backend.PDL = pdl
+        return run(s, p)
+    return with_pdl
+
+
+PDL_DEFAULT = backend.PDL       # programmatic dependent launch as the environment set it (cases may flip it)
+
+
+def _hc_launches(kind, use, kw):
+    """run(inputs, parts) of a sweep case's launches (kw: the kernels' keywords)."""
     if kind == "mix":
         return lambda s, p: hc_mix.hc_mixes_triton(*s, fn_parts=p if use else None, **kw)
     if kind == "post":
         return lambda s, p: hc_mix.hc_post_mix_triton(*s, fn_parts=p if use else None, **kw)
 
     def two(s, p):
-        pd = kw.get("pdl")
-        out, x = hc_mix.hc_post_apply(*s[:5]) if pd is None else hc_mix.hc_post_triton(*s[:5], pdl=pd)
+        out, x = hc_mix.hc_post_apply(*s[:5])
         return out, x, hc_mix.hc_mixes_triton(out, *s[5:], fn_parts=p if use else None, **kw)
     return two
 
@@ -737,7 +886,7 @@ def compile_cases():
     fz = dict(r_ptr="*bf16", cnt_ptr="*i32", norm_eps="fp32", hc_eps="fp32", post_mult="fp32")
     cases = [
         ("moe align", moe._align_kernel, dict(ids_ptr="*i64", slot_pair_ptr="*i32", block_expert_ptr="*i32"),
-         dict(BM=16, EP=64, CH=512), 4),
+         dict(BM=16, EP=64, CH=512, PDL=False), 4),
         ("moe gate/up pointers", moe._gate_up_kernel, dict(desc_t, slot_pair_ptr="*i32", block_expert_ptr="*i32"),
          dict(BM=16, BN=64, BK=128, F32=False, TMA=False, FP8=False, w1_desc=None, w3_desc=None), 4),
         ("moe gate/up bk64 w8", moe._gate_up_kernel, dict(desc_t, slot_pair_ptr="*i32", block_expert_ptr="*i32"),
@@ -769,11 +918,11 @@ def compile_cases():
         ("moe w4 gate/up", moe._w4_gate_up_kernel, dict(slot_pair_ptr="*i32", block_expert_ptr="*i32",
                                                         w1_desc="tensordesc<i32[128,16]>",
                                                         w3_desc="tensordesc<i32[128,16]>", g1_ptr="*u8", g3_ptr="*u8"),
-         dict(BM=16, BN=128, BK=128, TMA=True, F32=False, GR=1), 4),
+         dict(BM=16, BN=128, BK=128, TMA=True, F32=False, GR=1, PDL=False), 4),
         ("moe w4 down", moe._w4_down_kernel, dict(y_ptr="*fp32", slot_pair_ptr="*i32", block_expert_ptr="*i32",
                                                   w2_desc="tensordesc<i32[128,16]>", g2_ptr="*u8"),
-         dict(BM=16, BN=128, BK=128, TMA=True, F32=False, GR=1), 4),
-        ("moe combine", moe._combine_kernel, dict(out_ptr="*bf16"), dict(K_TOP=6, BH=1024), 4),
+         dict(BM=16, BN=128, BK=128, TMA=True, F32=False, GR=1, PDL=False), 4),
+        ("moe combine", moe._combine_kernel, dict(out_ptr="*bf16"), dict(K_TOP=6, BH=1024, PDL=False), 4),
         ("hc T<=128 bt64 s256", hc_mix._hc_fused_kernel, fz,
          dict(fused, BT=64, BK=128, SPLIT=256, MODE=1, NW=64, TPW=1, SPC=128), 4),
         ("hc T<=256 parts", hc_mix._hc_fused_kernel, dict(fz, fn_ptr="*bf16"),
@@ -790,8 +939,8 @@ def compile_cases():
         cases.append((f"hc post+mix {label}", hc_mix._hc_post_mix_kernel,
                       dict(pz, fn_ptr="*bf16") if mode == 2 else pz,
                       dict(pm, BT=bt, BK=bk, SPLIT=sp, MODE=mode, NW=bt, TPW=1, Y2=y2, NORM=norm, NSP=128), w))
-    # the grouped kernels' defaulted constexprs (block scales, packed FP4) must be given, or they become run-time
-    plain = dict(GS=False, GR=1, PF=False)
+    # the grouped kernels' defaulted constexprs (block scales, packed FP4, PDL) must be given, or they become run-time
+    plain = dict(GS=False, GR=1, PF=False, PDL=False)
     grouped = (moe._gate_up_kernel, moe._down_kernel)
     return [(n, k, x, dict(plain, **c) if k in grouped else c, w) for n, k, x, c, w in cases]
 

@@ -133,7 +133,7 @@ H200 numbers (torch 2.11 / Triton 3.6; copy 4,250-4,275 GB/s; us, fraction of co
   the [LCAP, 16] block's 29.9 / 31.8 (B=256: 88.0 / 90.3 against 75.3 / 76.7); stages at 4 warps: fixed 6.5,
   bound 4.1, tau 20.0 (the extra column sweep, and 192 B of spills), draw 3.9. Deleted.
   session 9 round 2 (copy 4,249 GB/s; the compiled tests beside it: 88 / 88 passed), B=64:
-    programmatic dependent launch (off -> on, twice each; threshold.PDL, now on): T=1 11.0 / 11.8 -> 10.7 / 10.7;
+    programmatic dependent launch (off -> on, twice each; backend.PDL, now on): T=1 11.0 / 11.8 -> 10.7 / 10.7;
                                 T=0.7 +mask 13.4 / 14.5 -> 13.2 / 14.4; top-k50 p0.9 28.7 / 28.0 -> 27.5 / 27.5;
                                 top-p0.95 peak 24.6 / 26.0 -> 23.7 / 24.6; B=256 T=1 34.5 -> 33.5, top-k 74.5 ->
                                 74.6; speculative step 48.7 / 49.9 -> 49.4 / 49.8 (its own kernels keep plain
@@ -189,6 +189,19 @@ H200 numbers (torch 2.11 / Triton 3.6; copy 4,250-4,275 GB/s; us, fraction of co
   bounds deciding rows before the mass-above pass, the lanes' mass stored for a one-sweep in-lane draw, and the top-k
   merge's tau stage without layout conversions lost and were deleted. The speculative step's new row (top-p0.95
   alone on peaked rows: the merge skips those rows' draw) was cut by the rounds' budgets (tokens = twin 100%).
+  session 12 round 1 (2026-11-30; copy 4,254 GB/s; session 11's final code, PDL on; tokens = twin 100% on every
+  row), B=64 / 256: T=1 10.8 / 34.4 (72% / 90%); greedy 10.6 / 33.5 (73% / 93%); T=0.7 +mask 14.3 / 40.8-40.9
+                                (56% / 79%); top-k50 p0.9 21.6 / 61.0-61.2 (36% / 51%); top-p0.95 peak 21.7 /
+                                56.8-56.9 (36% / 55%); top-p0.9 flat 30.7-30.8 / 87.5-87.6 (25% / 36%). The
+                                top-p chain's kernels (torch.profiler, PDL off, B=64, us): peaked: pass 11.9,
+                                mass above 4.9, tokens 3.1, finish 2.3; flat: mass above 13.6 (33 MB: 2.4 TB/s,
+                                instruction- and occupancy-bound), pass 12.3, tokens 3.3, finish 2.4.
+  session 12 rounds 2-3 (HEAD in the same run, twice each, B=64; compiled tests beside them): the sampling pass and
+  the lane-maxima pass PDL-launched themselves (R2): T=1 11.1 / 11.1 -> 10.6 / 11.0 (73% / 71%), top-k50 p0.9
+                                21.2 / 21.2 -> 21.0 / 21.1 (37%); everything PDL off 11.8 / 11.9 and 22.4 / 22.1.
+                                Kept (not before the rejection chain, not measured apart there). The top-p
+                                variants (the mass-above pass in reverse segment order, several segments per
+                                program, HOTCAP 128) lost and were deleted: kernels/rejection.py has their numbers.
 """
 import os
 
@@ -196,7 +209,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_sg.kernels import sampling, speculative, threshold
+from deepinfer_sg.kernels import backend as kernel_backend, sampling, speculative, threshold
 from kbench import DEV, DRY, V, W, emit, rand_bitmask, rotating, row, S, time_ms
 
 
@@ -375,12 +388,12 @@ def sweep(bw, l2):
 
 
 def sweep_pdl(bw, l2, batches=None):
-    """Programmatic dependent launch (threshold.PDL: the per-row kernel after a pass is scheduled while the pass's
+    """Programmatic dependent launch (backend.PDL: the per-row kernel after a pass is scheduled while the pass's
     last programs run, and waits on the pass's completion inside): T=1 and T=0.7 + mask (pass + finish), top-k50
     p0.9 (lane maxima + merge) and top-p0.95 peaked rows (the rejection chain) at B=64, off / on twice each (B=256:
     T=1 and top-k once each); with PDL on, whether a CUDA graph captures the launches (time_ms falls back to plain
     launches when not)."""
-    keep = threshold.PDL
+    keep = kernel_backend.PDL
     try:
         for B in batches or S([64, 256], [3]):
             for label, kw, masked, flags in (("T=1", dict(temperature=1.0, top_k=0, top_p=1.0), False,
@@ -399,7 +412,7 @@ def sweep_pdl(bw, l2, batches=None):
                 if B > S(64, 3) and label in ("T=0.7 +mask", "top-p0.95 peak"):
                     continue                                         # B=256: two cases, once each
                 for on in (False, True, False, True)[:4 if B == S(64, 3) else 2]:
-                    threshold.PDL = on
+                    kernel_backend.PDL = on
                     same = float((sampling.sample_triton(x, p, m, **flags) == want).float().mean())
                     note = f"tokens = twin {same:.1%}"
                     if on and not DRY:
@@ -417,7 +430,7 @@ def sweep_pdl(bw, l2, batches=None):
                     row("  sweep pdl", f"B={B} {label} pdl={int(on)}", t, None,
                         B * V * 4 + (B * W * 4 if masked else 0), bw, note)
     finally:
-        threshold.PDL = keep
+        kernel_backend.PDL = keep
 
 
 def sweep_plain(bw, l2):
@@ -707,6 +720,8 @@ def compile_cases():
          dict(merge_flags, HAS_MASK=False, PDL=True), 16),
         ("topk merge spec stats", threshold._lane_merge_kernel, merge_types,
          dict(merge_flags, HAS_MASK=False, PDL=True, STATS=True, NP=4), 16),
+        ("sample segment pdl", sampling._segment_kernel, seg_types,
+         dict(HAS_MASK=False, HAS_TAU=False, LANES=256, LW=16, PL=128, VEC=2, FAST=True, PDL=True, **seg_flags), 2),
         ("sample finish", sampling._finish_kernel, {"done_ptr": "*i64", "NEG_INF_KEY": "i64"},
          dict(BLOCK=32, DONE=True), 1),
         ("sample finish pdl", sampling._finish_kernel, {"done_ptr": "*i64", "NEG_INF_KEY": "i64"},

@@ -27,16 +27,31 @@ when named; `ABLATIONS`): the ahead path with one engine choice changed for its 
 "gemm-gate" (the GEMM, then kernels.router's tail), "torch-shared" (the shared experts' front half as torch ops
 instead of kernels.skinny), "serial-shared" (the shared experts after the routed ones on one stream, not beside
 them on a second: engine/streams.py), "host-engram" (the Engram rows looked up on the host, the graph cut before
-each Engram layer, instead of gathered by the device from the pinned tables), "control" (nothing changed: the
-drift between paths of one run), "cprofile" (the same under cProfile: the host functions of the timed steps'
-launch + plan by own time, $OUT/cprofile_ahead_B<batch>.txt; its times are the profiler's, not the engine's); with
+each Engram layer, instead of gathered by the device from the pinned tables), "no-pdl" (every kernel launched
+without programmatic dependent launch: kernels.backend.PDL off, as DEEPINFER_SG_PDL=0 does for a process),
+"control" (nothing changed: the drift between paths of one run), "cprofile" (the same under cProfile: the host
+functions of the timed steps' launch + plan by own time, $OUT/cprofile_ahead_B<batch>.txt; its times are the
+profiler's, not the engine's); with
 --fused-mhc also the graphs path with the other mHC setting than the engine's default (model.fused_mhc;
 "unfused" or "fused", vs the reference).
 Printed per path: step time, tokens/s, the bytes one step must read (dense weights + the routed experts hit in that
 step + the KV caches) and the roofline = measured read bandwidth / bytes per
 step, i.e. the speed of a perfect memory-bound implementation; plus the fast path's speed-up. After each batch:
 the device bytes the window slab and row arenas reserve against the rows in use (engine/arena.py).
+The header says whether PDL is on (kernels.backend.PDL); a "pdl" line after each path counts the launches of each
+kernel that takes a PDL flag, with it on and off (`pdl_census`: eager and capture steps; replays are not seen).
 With OUT set, the table is also written to $OUT/model_forward.txt.
+
+Session 12 (H200, mid-size V4.1, fp4 experts, --decode 13 --warmup 3 --prompt 32, paths ahead + no-pdl + a temporary
+"unfolded" path that ran the engine's launches as the session began; each round one process; ms: step / graphs back
+to back). Session start (V1): b8 3.82 / 3.63, b64 4.99 / 4.51, b256 8.19 / 7.57.
+  R1: PDL on 3.50 / 3.28, 4.48 / 4.15, 12.55 / 7.07; PDL off 3.88 / 3.58, 4.81 / 4.42, 11.39 / 7.23; unfolded (PDL
+      on) 3.56 / 3.34, 4.69 / 4.27, 8.81 / 7.38 (b256: the host's plan, 5.9-9.3 ms, longer than the device's step,
+      so its steps timed the host; DEEPINFER_SG_PDL=0 in a second process: b64 4.75 / 4.38, as "no-pdl");
+  R2: PDL on 3.50 / 3.25, 4.68 / 4.16, 7.77 / 7.13; off 3.74 / 3.54, 4.76 / 4.43, 7.96 / 7.32; unfolded 3.51 / 3.31,
+      4.57 / 4.23, 7.89 / 7.34 (the PDL-on path then also sent the upload at plan time: deleted, engine/model.py);
+  R3 (the final code): PDL on b64 4.68 / 4.16 (36.3% of the roofline), b256 7.94 / 6.38; off b64 4.80 / 4.40 (35.4%).
+PDL takes 0.16-0.30 ms off the device's step (back to back) at every batch; the folded launches 0.06-0.31 ms.
 
 `--profile` then looks at where one fast decode step's time goes, per batch size (fresh caches, after warm-up;
 every batch's host-clock and cProfile measurements first, then the torch.profiler ones: once CUPTI is attached it
@@ -398,6 +413,14 @@ def _host_engram(model):
                     lambda: setattr(model, "engram_device_reads", orig))
 
 
+def _no_pdl(model):
+    """The "no-pdl" path: every kernel launched without programmatic dependent launch (kernels.backend.PDL off for
+    its duration, as DEEPINFER_SG_PDL=0 does for a whole process; pdl_kw reads it at each launch). -> undo()."""
+    from deepinfer_sg.kernels import backend
+    orig = backend.PDL
+    return _patched(model, lambda: setattr(backend, "PDL", False), lambda: setattr(backend, "PDL", orig))
+
+
 def _control(model):
     """The "control" path: nothing changed, the graphs captured again, measured after the other paths (how far the
     same code drifts between paths of one run). -> undo()."""
@@ -407,8 +430,38 @@ def _control(model):
 # paths that change one engine choice for their duration (only when named in --paths): graphs + plan-ahead steps,
 # compared with the fast path (a changed rounding can flip MoE routes: the difference is then not rounding)
 ABLATIONS = {"torch-gate": _gate_by("torch"), "gemm-gate": _gate_by("gemm"), "torch-shared": _shared_by_torch,
-             "serial-shared": _serial_shared, "host-engram": _host_engram, "control": _control,
+             "serial-shared": _serial_shared, "host-engram": _host_engram, "no-pdl": _no_pdl, "control": _control,
              "cprofile": _control}
+
+
+def pdl_census() -> dict:
+    """Counts, per kernel that takes a `PDL` flag (kernels.backend.pdl_kw), its eager and captured launches with PDL
+    on and off: {name: [on, off]}, filled from then on (a pre-run hook on each such Triton kernel; graph replays run
+    no hooks, so a path's warm-up and capture steps are what it counts)."""
+    import importlib
+    import pkgutil
+    from triton.runtime.jit import JITFunction
+    from deepinfer_sg import kernels
+    counts = collections.defaultdict(lambda: [0, 0])
+
+    def hook(name):
+        def count(*args, **kwargs):
+            counts[name][0 if kwargs.get("PDL") else 1] += 1
+        return count
+    for info in pkgutil.iter_modules(kernels.__path__):     # (every kernel module, used yet or not)
+        mod = importlib.import_module(f"{kernels.__name__}.{info.name}")
+        for obj in vars(mod).values():
+            fn = obj if isinstance(obj, JITFunction) else getattr(obj, "fn", None)   # (autotuned: wrapped)
+            if isinstance(fn, JITFunction) and fn.__module__ == mod.__name__ and "PDL" in fn.arg_names:
+                fn.add_pre_run_hook(hook(fn.__name__))
+    return counts
+
+
+def _pdl_line(counts: dict) -> str:
+    """"PDL on: name launches, ...; off: ..." of the launches counted."""
+    on = [f"{n} {c[0]}" for n, c in sorted(counts.items()) if c[0]]
+    off = [f"{n} {c[1]}" for n, c in sorted(counts.items()) if c[1]]
+    return f"PDL on: {', '.join(on) or 'none'}; off: {', '.join(off) or 'none'}"
 
 
 def _patched(model, apply, restore):
@@ -494,12 +547,15 @@ def run(args):
     if steps > model.max_rollback:
         raise SystemExit(f"--warmup + --decode = {steps} > max_rollback {model.max_rollback}: the caches are "
                          "rolled back between the reference and the fast run")
+    from deepinfer_sg.kernels import backend
+    pdl_counts = pdl_census()
     say(f"device {dev} ({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}), dtype {args.dtype}, "
         f"config {args.checkpoint or args.config}{' (no engram)' if args.no_engram else ''}, routed experts "
         f"{getattr(model, 'experts_kind', 'as loaded')}: "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params, built in {build_s:.1f} s; "
         f"measured read bandwidth {bw / 1e9:.1f} GB/s; prompt {args.prompt}, {args.decode} timed decode steps "
-        f"after {args.warmup} warm-up; engine code in {Path(__import__('deepinfer_sg.engine.model').engine.model.__file__).parent}")
+        f"after {args.warmup} warm-up; engine code in {Path(__import__('deepinfer_sg.engine.model').engine.model.__file__).parent}; "
+        f"PDL {'on' if backend.PDL else 'off'} (DEEPINFER_SG_PDL={os.environ.get('DEEPINFER_SG_PDL', 'unset')})")
     say(f"{'phase':8} {'path':12} {'batch':>5} {'step ms':>9} {'tok/s':>9} {'MB/step':>9} {'roof tok/s':>11} "
         f"{'of roof':>8} {'speed-up':>8} {'diff':>12}")
     g = torch.Generator().manual_seed(0)
@@ -540,16 +596,14 @@ def run(args):
             if fused_default is not None:
                 model.fused_mhc = (not fused_default) if path == other_mhc else fused_default
             undo = ABLATIONS.get(path, lambda m: None)(model)
+            pdl_counts.clear()
             try:
                 with _routes_for(model, path, paths, results) as flips:
                     prof = cProfile.Profile() if path == "cprofile" else None
                     step_s, sb, logits = decode_run(model, caches, toks, dev, counter, dense, per_expert, args.warmup,
                                                     ahead=path == "ahead" or path in ABLATIONS, prof=prof)
                     if prof is not None:     # (the host's own functions first: where launch + plan spend it)
-                        text = io.StringIO()
-                        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(60)
-                        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(60)
-                        _out_file(f"cprofile_ahead_B{B}.txt", text.getvalue())
+                        _out_file(f"cprofile_ahead_B{B}.txt", _cprofile_text(prof, 60))
             except Exception as e:   # (the graphs path is last: report, then go on eager)
                 import traceback
                 say(f"{'decode':8} {path:12} {B:5d} FAILED: {e!r}")
@@ -596,6 +650,7 @@ def run(args):
                  ", ".join(f"{k} {v:.3f}" for k, v in getattr(decode_run, "launch_parts", {}).items()))
             say(f"{'decode':8} {path:12} {B:5d} {step_s * 1e3:9.2f} {B / step_s:9.1f} {sb / 1e6:9.1f} {roof:11.1f} "
                 f"{B / step_s / roof:8.1%} {speed:>8} {diff:>12}   warm-up steps ms {decode_run.warm_ms}{host}")
+            say(f"{'pdl':8} {path:12} {B:5d} {_pdl_line(pdl_counts)}")
         model.fast_decode = True
         if stacking:
             model.stack_projections = True
@@ -605,6 +660,8 @@ def run(args):
             model.fused_mhc = fused_default
         memory_line(model, caches)
         del caches
+    if args.engram_kernels:
+        engram_table(model, args.batches, dev)
     if args.gemms or args.gemms_only:
         gemm_table(model, args.batches, bw, dev, args.gemm_names, args.gemm_sweep == "on")
     if args.profile:
@@ -703,11 +760,7 @@ def profile_fast(model: Model, B: int, args, dev: torch.device, label: str = "fa
         step()
         pr.disable()
         _sync(dev)
-    buf = io.StringIO()
-    st = pstats.Stats(pr, stream=buf)
-    st.sort_stats("tottime").print_stats(40)
-    st.sort_stats("cumulative").print_stats(40)
-    _out_file(f"cprofile_{label}_B{B}.txt", buf.getvalue())
+    _out_file(f"cprofile_{label}_B{B}.txt", _cprofile_text(pr, 40))
     if hasattr(model, "plan_step"):     # the token-dependent half alone (Model.launch, as the "ahead" path runs it)
         from deepinfer_sg.engine.model import StepRows
         rows = [StepRows(c, 1, 1) for c in caches]
@@ -720,12 +773,18 @@ def profile_fast(model: Model, B: int, args, dev: torch.device, label: str = "fa
             model.launch(plan, toks)
             pl.disable()
             _sync(dev)
-        lb = io.StringIO()
-        pstats.Stats(pl, stream=lb).sort_stats("tottime").print_stats(30)
-        _out_file(f"cprofile_launch_{label}_B{B}.txt", lb.getvalue())
-    top = io.StringIO()
-    pstats.Stats(pr, stream=top).sort_stats("tottime").print_stats(12)
+        _out_file(f"cprofile_launch_{label}_B{B}.txt", _cprofile_text(pl, 30, ("tottime",)))
+    top = _cprofile_text(pr, 12, ("tottime",))
     return dict(B=B, label=label, caches=caches, step=step, host=host, whole=whole, syncs=syncs, top=top)
+
+
+def _cprofile_text(prof: cProfile.Profile, rows: int, orders=("tottime", "cumulative")) -> str:
+    """A cProfile's top `rows` functions by own time, then (by default) by cumulative time."""
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    for order in orders:
+        stats.sort_stats(order).print_stats(rows)
+    return text.getvalue()
 
 
 def profile_device(model: Model, state: dict, args, dev: torch.device) -> None:
@@ -792,7 +851,7 @@ def profile_device(model: Model, state: dict, args, dev: torch.device) -> None:
         f"{count['sync']} sync calls, {n_aten} aten ops")
     for k, v in syncs.most_common(12):
         say(f"  sync x{v}: {k}")
-    lines = [ln for ln in top.getvalue().splitlines() if ln.strip()]
+    lines = [ln for ln in top.splitlines() if ln.strip()]
     start = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("ncalls")), 0)
     for ln in lines[start:start + 9]:
         say("  " + ln.rstrip()[:150])
@@ -905,6 +964,41 @@ def profile_parts(model: Model, step, acts, B: int, label: str) -> None:
     _out_file(f"parts_{label}_B{B}.txt", "\n".join(lines) + "\n")
     say(f"parts {label} batch {B} (eager step: kernels / device us): " + "; ".join(
         f"{part} {n[part]}/{t:.0f}" for part, t in us.most_common(14)))
+
+
+# ------------------------------------------------------------------------------------------------ --engram-kernels
+def engram_table(model: Model, batches: list[int], dev) -> None:
+    """The step's two Engram launches of a layer (kernels.engram_gate: hashed_rows, its rows hashed from the token
+    windows, read from the pinned host table and decoded; engram_gate, the gate into the streams) at each batch size,
+    each 16 times in a CUDA graph (`_graph_us`), with programmatic dependent launch off and on (kernels.backend.PDL:
+    a PDL launch starts under the tail of the launch before it)."""
+    from deepinfer_sg.engine import batched
+    from deepinfer_sg.kernels import backend, engram_gate as kg
+    eng = model.layers[batched.engram_layers(model)[0]].engram
+    weight, scale = eng.table.device_arrays(dev)
+    consts = eng.hash_consts(dev)
+    N, M, H, V = consts[1].shape[0], eng.hc_mult, eng.hidden_size, model.config.vocab_size
+    keep = backend.PDL
+    say(f"{'engram':8} {'T':>4} {'rows off':>9} {'rows on':>8} {'gate off':>9} {'gate on':>8}  (us per call: "
+        f"hashed_rows, engram_gate; 16 calls in a CUDA graph; PDL off / on)")
+    for T in batches:
+        g = torch.Generator().manual_seed(T)
+        ids = torch.randint(0, V, (T,), generator=g).to(dev)
+        src = torch.stack([torch.where(torch.arange(N) == 0, torch.arange(T)[:, None], -1),    # (the token itself,
+                           torch.randint(0, V, (T, N), generator=g)]).to(dev)                  # then earlier ones)
+        R = torch.randn(T, M, H, device=dev, dtype=model.dtype)
+        kv = torch.randn(T, (M + 1) * H, device=dev, dtype=model.dtype)
+        w = eng.gate_weight()
+        got = []
+        try:
+            for on in (False, True):
+                backend.PDL = on
+                got.append(_graph_us([lambda: kg.hashed_rows(src, ids, consts, eng.spec.pad_token_id, weight, scale,
+                                                             model.dtype)] * 16))
+                got.append(_graph_us([lambda: kg.engram_gate(R, kv, w, eng.eps)] * 16))
+        finally:
+            backend.PDL = keep
+        say(f"{'engram':8} {T:4d} {got[0]:9.2f} {got[2]:8.2f} {got[1]:9.2f} {got[3]:8.2f}")
 
 
 # ------------------------------------------------------------------------------------------------ --gemms
@@ -1048,6 +1142,8 @@ def main():
                     help="score-routed MoE gates for every path: kernels.router.gate_route's one launch (fused), the "
                          "GEMM library then kernels.router's tail (gemm, e.g. when its compiled tests failed), or "
                          "the GEMM then the torch twin (torch)")
+    ap.add_argument("--engram-kernels", action="store_true",
+                    help="CUDA: also time the Engram kernels with PDL off and on (engram_table)")
     ap.add_argument("--gemms", action="store_true",
                     help="CUDA: also time the step's few-row products, GEMM library vs kernels.skinny (gemm_table)")
     ap.add_argument("--gemm-names", nargs="+", default=None, help="--gemms: only products whose name has one of these")

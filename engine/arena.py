@@ -28,7 +28,7 @@ import weakref
 import numpy as np
 import torch
 
-from .transfer import to_device_many
+from .transfer import ragged_arange, to_device_many
 
 # smallest slot capacity / slot count of a storage. Slots and rows double when they run out (each growth copies
 # the storage once and drops the CUDA graphs, which read its old address: doubling keeps that logarithmic), and a
@@ -209,9 +209,8 @@ class RowArena:
         flat, starts = self.reserve(states, [o + k for o, k in zip(olds, news)])
         n_new = sum(news)
         if n_new:
-            k = np.asarray(news, dtype=np.int64)
             first = np.asarray(starts, dtype=np.int64) + np.asarray(olds, dtype=np.int64)
-            dst = torch.from_numpy(np.repeat(first - (np.cumsum(k) - k), k) + np.arange(n_new, dtype=np.int64))
+            dst = torch.from_numpy(ragged_arange(first, news))
             flat.index_copy_(0, to_device_many([dst], flat.device)[0], new.to(flat.dtype))
         return flat, starts
 

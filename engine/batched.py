@@ -52,8 +52,8 @@ from .compressor import Sources
 from .engram import WindowSource
 from .indexer import candidate_block_mask, topk_mask
 from .mhc import ReadOut, hc_post, hc_post_and_mixes, hc_pre
-from .rope import Turns, apply_rope, rope_cos_sin, turns
-from .transfer import to_device_many
+from .rope import Turns, apply_rope, step_turns
+from .transfer import made_once, ragged_arange, to_device_many
 
 MAX_FAST_ROWS = 16   # chunks up to this many rows use the batched path (decode, verify); longer ones: reference
 
@@ -131,6 +131,11 @@ class BatchPlan:
         """row_seq as an int64 array (made once per step)."""
         return np.asarray(self.row_seq, dtype=np.int64)
 
+    @cached_property
+    def row_positions(self) -> np.ndarray:
+        """Each row's position, int64 [T] on the host (made once per step)."""
+        return ragged_arange(self.starts, self.ns)
+
     def per_row(self, per_seq: list[list[int]], device=None) -> list[Deferred]:
         """Per-sequence host lists spread to per-row int64 arrays (device views after the next layout)."""
         return [self.defer(np.asarray(ps, dtype=np.int64)[self.row_index]) for ps in per_seq]
@@ -193,12 +198,13 @@ def usable(model, chunks_rows: list[int]) -> bool:
 
 # ------------------------------------------------------------------------------------------------ index tensors
 def window_index(plan: BatchPlan, past_lens, W: int, decoder: bool) -> Deferred:
-    """Each row's (base, lo) for `window_idx` (host arithmetic, uploaded with the step's other index lists).
+    """Each row's (first, skip) for `window_idx` (host arithmetic, uploaded with the step's other index lists).
 
     Sequence s's key at position kp sits at row slot_s * cap + win_end[s] + (kp - start_s) of the flat window pool
     win_all[layer].view(slots * cap, D): base = slot_s * cap + win_end[s] - start_s. A row at position p sees key
     positions p-W+1 .. p that still exist (>= lo = start - past_lens[s]) and, for YOCO decoder layers, are
-    >= rect_lo. past_lens: per sequence, or None for plan.win_m (every layer of every sequence alike: the key of
+    >= rect_lo: its key j (position p - W + 1 + j) is at first + j = base + p - W + 1 + j, when j >= skip =
+    lo - p + W - 1. past_lens: per sequence, or None for plan.win_m (every layer of every sequence alike: the key of
     the step's one list, without hashing a tuple per layer)."""
     key = (None if past_lens is None else tuple(past_lens), decoder)
     if key in plan.windows:
@@ -209,21 +215,22 @@ def window_index(plan: BatchPlan, past_lens, W: int, decoder: bool) -> Deferred:
     lo = starts - np.asarray(plan.win_m if past_lens is None else past_lens, dtype=np.int64)
     if decoder:
         lo = np.maximum(lo, np.asarray(plan.rect_lo, dtype=np.int64))
-    plan.windows[key] = rows = plan.defer(np.stack([base, lo], axis=1)[plan.row_index])
+    p = plan.row_positions - (W - 1)
+    plan.windows[key] = rows = plan.defer(np.stack([base[plan.row_index] + p, lo[plan.row_index] - p], axis=1))
     return rows
 
 
-def window_idx(positions: torch.Tensor, rows: torch.Tensor, W: int) -> torch.Tensor:
+def window_idx(rows: torch.Tensor, W: int) -> torch.Tensor:
     """win_idx [T, W] into the flat window pool (-1 = no key) from `window_index`'s rows [T, 2] (device; inside
-    the step's graph)."""
-    kp = positions[:, None] - (W - 1) + torch.arange(W, device=positions.device)[None, :]
-    return _kernel_index(torch.where(kp >= rows[:, 1:2], rows[:, 0:1] + kp, torch.full_like(kp, -1)))
-
-
-def _kernel_index(idx: torch.Tensor) -> torch.Tensor:
-    """Key indices as the attention kernel reads them: int32 on CUDA (made once per step and shared by the layers,
-    instead of a conversion in every kernel call), int64 for the torch twin."""
-    return idx.to(torch.int32) if idx.is_cuda else idx
+    the step's graph; made once per step and shared by the layers): as the attention kernel reads them, int32 on
+    CUDA (read from the low words of the uploaded int64 values, all far below 2^31), int64 for the torch twin.
+    Three launches (the row positions and the window's start folded into the rows on the host: the device arithmetic
+    from positions and the int32 conversion were eight)."""
+    if rows.is_cuda:
+        rows = rows.view(torch.int32)[:, 0::2]
+    j = made_once(("arange", W, rows.dtype), rows.device,
+                  lambda: torch.arange(W, dtype=rows.dtype, device=rows.device))
+    return torch.where(j >= rows[:, 1:2], rows[:, 0:1] + j, -1)
 
 
 def prepare_windows(model, ctx, plan: BatchPlan, like: torch.Tensor) -> None:
@@ -263,9 +270,8 @@ def prepare_windows(model, ctx, plan: BatchPlan, like: torch.Tensor) -> None:
         ms.append(m)
     plan.win_all, plan.win_slot, plan.win_end, plan.win_m, plan.win_lens = data, slots, ends, ms, lens
     plan.win_uniform = all(ls is None for ls in lens)
-    ns = np.asarray(plan.ns, dtype=np.int64)    # (row j of sequence s at its slot's row ends[s] + j)
     first = np.asarray(slots, dtype=np.int64) * cap + np.asarray(ends, dtype=np.int64)
-    plan.win_new_rows = plan.defer(first[plan.row_index] + np.arange(int(ns.sum())) - np.repeat(np.cumsum(ns) - ns, ns))
+    plan.win_new_rows = plan.defer(ragged_arange(first, plan.ns))    # (row j of sequence s: its slot's ends[s] + j)
 
 
 _POOL_STATES = {   # pool kind -> (the arena's part name, the row attribute, the state holding it)
@@ -456,8 +462,10 @@ def pre_attention(model, block, R: torch.Tensor, a, cos: torch.Tensor, sin: torc
     if e is not None:
         R = block.engram.mix(R, e)
         x = xn = mixes = None     # (the streams changed)
-    # (the mean accumulated in fp32 without an fp32 copy of R: 2 launches instead of 3)
-    feat = R.mean(dim=1, dtype=torch.float32).to(R.dtype) if i in c.dspark_target_layer_ids else None
+    # (the mean accumulated in fp32 without an fp32 copy of R: on CUDA one launch, which sums in fp32 and rounds
+    # once to R's dtype; the CPU's reduction of a bf16 R may round its sum first: 2 launches there)
+    feat = None if i not in c.dspark_target_layer_ids else R.mean(dim=1) if R.is_cuda \
+        else R.mean(dim=1, dtype=torch.float32).to(R.dtype)
     pre, post, comb = mixes if mixes is not None else block.mixes(R, "attn", True)
     if xn is None:
         xn = block.attn_norm(x if x is not None else hc_pre(R, a if c.hc_shifted else pre, fast=model.fused_mhc))
@@ -477,10 +485,13 @@ def pre_attention(model, block, R: torch.Tensor, a, cos: torch.Tensor, sin: torc
     if parts is not None and side is not None and len(parts) > 2 + index:
         side["comp"] = parts[2 + index:]
     if index:
-        iq, w = attn.indexer.queries(qr, xn, wx=None if parts is None else parts[2])
+        # the score kernel's head weights (_index_scores): fp32, times Di^-0.5 too
+        triton = _kindexer.use_triton(qr)
+        iq, w = attn.indexer.queries(qr, xn, wx=None if parts is None else parts[2],
+                                     also=attn.indexer.idx_dim ** -0.5 if triton else 1.0)
         iq = model._qdq(apply_rope(iq, cos, sin), "index")
-        if _kindexer.use_triton(iq):    # the score kernel's head weights: fp32, times Di^-0.5 (_index_scores)
-            w = (w.float() * attn.indexer.idx_dim ** -0.5).contiguous()
+        if triton:
+            w = w.contiguous()
     return R, pre, post, comb, xn, q, kv, iq, w, feat
 
 
@@ -549,9 +560,9 @@ BOUNDARY = "layer boundary"
 class Handoff(NamedTuple):
     """What a segment ending at a BOUNDARY hands the next one (V4.1: the cuts before Engram layers). It travels in
     the first five slots of the layer chain (R, pre, post, comb, q: the graph runner takes tensors in order), so
-    `span` names them on both sides. turns: the step's rotations made once by its first segment, stacked [4, ...]
-    (main cos + i sin and its inverse, then the compressors'); win_idx: the window indices when one list serves
-    every layer of the step, else None."""
+    `span` names them on both sides. turns: the step's rotations made once by its first segment (rope.step_turns'
+    table, the rows of Model._turn_kinds); win_idx: the window indices when one list serves every layer of the
+    step, else None."""
     R: torch.Tensor
     a: torch.Tensor
     x: torch.Tensor
@@ -602,9 +613,9 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
     segment before), every layer of `full` whole, then `pre_attention` of layer `next_e` (None: the final
     collapse, norm and, with every_row, the head; BOUNDARY: nothing). meta[k] = (core kind, index G) and
     per[k] = LAYER_INPUTS of each layer with a core here ([prev_e] + full), then next_e's engram rows.
-    -> (pre_attention's outputs of next_e, (hidden, logits or None), or at a BOUNDARY a `Handoff`, which the next
-    segment takes in its (R, pre, post, comb, q) slots), then per core layer its DSpark features (None for prev_e),
-    its selected ids and candidate blocks (None where it has none)."""
+    -> (pre_attention's outputs of next_e, (hidden, logits in the head's dtype or None), or at a BOUNDARY a
+    `Handoff`, which the next segment takes in its (R, pre, post, comb, q) slots), then per core layer its DSpark
+    features (None for prev_e), its selected ids and candidate blocks (None where it has none)."""
     layers = model.layers
     c = model.config
     n = len(LAYER_INPUTS)
@@ -613,18 +624,20 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
     # the step's rotations and window rows: made by the step's first segment, handed on at a BOUNDARY instead of
     # being made again by every segment (one_window: every layer of the step reads one window list)
     handed = Handoff(R, pre, post, comb, q) if prev_e == BOUNDARY else None
+    kinds, freqs, ratios = model._turn_kinds()
     if handed is not None and handed.turns is not None:
-        t = handed.turns
-        rope = {"main": (Turns(t[0], t[1]), None), "compress": (Turns(t[2], t[3]), None)}
+        tab = handed.turns
         if one_window and meta:
             win_of[per[1].data_ptr()] = handed.win_idx
     else:
-        rope = {k: (turns(*rope_cos_sin(model._freqs(k), positions)), None) for k in ("main", "compress")}
+        tab = step_turns(freqs, ratios, positions)
+    turn_of = {kr: Turns(tab[0, c], tab[1, c]) for c, kr in enumerate(kinds)}     # ((rope kind, ratio) -> Turns)
+    rope = {k: (turn_of[(k, 1)], None) for k in ("main", "compress")}
 
     def core(k, j, q, kv, iq, w):
         e, win_rows, kv_pool, kv_start, kv_count, ids, keys, kstart, kcount, cand = per[n * k:n * k + n0]
         if win_rows.data_ptr() not in win_of:     # (layers with the same past lengths share the rows)
-            win_of[win_rows.data_ptr()] = window_idx(positions, win_rows, c.sliding_window)
+            win_of[win_rows.data_ptr()] = window_idx(win_rows, c.sliding_window)
         win_idx = win_of[win_rows.data_ptr()]
         kind, G = meta[k]
         attn = layers[j].attn
@@ -656,17 +669,6 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
         extra.extend([ids if kind == "select" else None, cand_j])
         return attend(attn, q, kv, win_all, new_rows, win_idx, None if cmp_idx is None else kv_pool, cmp_idx)
 
-    by_ratio = {}
-
-    def group_turns(spec, r):
-        """The rotation at each row's compressor group start (p // r * r), once per step and ratio: the step's own
-        at ratio 1."""
-        if r == 1:
-            return rope[spec.rope][0]
-        if (spec.rope, r) not in by_ratio:
-            by_ratio[(spec.rope, r)] = turns(*rope_cos_sin(model._freqs(spec.rope), positions // r * r))
-        return by_ratio[(spec.rope, r)]
-
     feats = []
     first = 0 if prev_e is None or prev_e == BOUNDARY else 1
     ahead = _engram_ahead(model, full, first, per, n, token_ids)
@@ -684,28 +686,29 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
         blk = layers[j]
         cs = rope[blk.attn.spec.rope]
         side = {}
-        e = _engram_input(per[n * k], token_ids)
         if k in ahead:      # (read on the Engram lane at the segment's start: wait for it here)
             e, done, _ = ahead[k]
             streams.wait(done)
+        else:
+            e = _engram_input(per[n * k], token_ids)
         R, pre, post, comb, xn, q, kv, iq, w, feat = pre_attention(model, blk, R, a, *cs, e, side,
                                                                    (win_all, new_rows), x)
         feats.append(feat)
         cmp = per[n * k + n0:n * k + n]
         if cmp[compress_step.INPUTS.index("ent")] is not None:    # the compressor's cache rows (compress_step)
             compress_step.compress_rows(model, blk.attn, xn, *cmp, proj=side.get("comp"),
-                                        turn=group_turns(blk.attn.spec, blk.attn.compressor.ratio))
+                                        turn=turn_of[(blk.attn.spec.rope, blk.attn.compressor.ratio)])
         o = core(k, j, q, kv, iq, w)
         R, a, x = post_attention(model, blk, o, R, pre, post, comb, *cs, token_ids)
     tail = [t for f, i2, c2 in zip(feats, extra[0::2], extra[1::2]) for t in (f, i2, c2)]
     if ahead:
         streams.join(next(iter(ahead.values()))[2])
     if next_e == BOUNDARY:
-        turns_now = torch.stack([*rope["main"][0], *rope["compress"][0]])
-        return (*Handoff(R, a, x, turns_now, next(iter(win_of.values())) if one_window and win_of else None), *tail)
+        return (*Handoff(R, a, x, tab, next(iter(win_of.values())) if one_window and win_of else None), *tail)
     if next_e is None:
         hfin = x if x is not None else model.collapse_streams(R, a)    # (shifted mHC: the last read-out)
-        return (hfin, model.head(model.norm(hfin)).float() if every_row else None, *tail)
+        # (the logits in the head's dtype: the caller's conversion to fp32 is also their copy out of a graph's buffer)
+        return (hfin, model.head(model.norm(hfin)) if every_row else None, *tail)
     blk = layers[next_e]
     return (*pre_attention(model, blk, R, a, *rope[blk.attn.spec.rope], _engram_input(per[-1], token_ids), None,
                            (win_all, new_rows), x), *tail)

@@ -107,8 +107,7 @@ def plan_layer(model, attn, ctx, plan) -> list:
                            "compressor state out of sync (was the cache changed outside forward_step / rollback?)")
     counts = (ends // r).tolist()
     # per row: its sequence, position, group, whether it completes the group
-    seq = np.repeat(np.arange(len(seqs)), ns)
-    pos = np.repeat(starts - np.cumsum(ns) + ns, ns) + np.arange(int(ns.sum()))
+    seq, pos = plan.row_index, plan.row_positions
     grp = pos // r
     done = pos % r == r - 1
     like = torch.empty((0, D), dtype=dtype, device=dev)

@@ -17,6 +17,7 @@ from torch import nn
 
 from .compressor import Compressor
 from .norm import RMSNorm
+from .transfer import made_once
 
 
 class Indexer(nn.Module):
@@ -32,12 +33,18 @@ class Indexer(nn.Module):
             self.wk = nn.Linear(head_dim, idx_dim, bias=False)
             self.k_norm = RMSNorm(idx_dim, eps)
 
-    def queries(self, qr: torch.Tensor, x: torch.Tensor, wx: torch.Tensor | None = None):
+    def queries(self, qr: torch.Tensor, x: torch.Tensor, wx: torch.Tensor | None = None, also: float = 1.0):
         """-> (iq [T, Hi, Di] before RoPE, head weights [T, Hi] fp32 incl. Hi^-0.5). wx: weights_proj(x) when
-        already computed (engine/projections.py)."""
+        already computed (engine/projections.py). also: a further factor of the head weights (the score kernel's
+        Di^-0.5), folded into their conversion: one launch, the product of fp32(wx) and fp32(Hi^-0.5 also) (a
+        one-element fp32 tensor: torch computes in fp32), where two factors one after the other cost three."""
         iq = self.wq_b(qr).view(qr.shape[0], self.n_heads, self.idx_dim)
-        w = (self.weights_proj(x) if wx is None else wx).float() * self.n_heads ** -0.5
-        return iq, w
+        wx = self.weights_proj(x) if wx is None else wx
+        if also == 1.0:
+            return iq, wx.float() * self.n_heads ** -0.5
+        f = self.n_heads ** -0.5 * also
+        return iq, wx * made_once(("factor", f), wx.device,
+                                  lambda: torch.full((1,), f, dtype=torch.float32, device=wx.device))
 
     def scores(self, iq: torch.Tensor, w: torch.Tensor, ik: torch.Tensor) -> torch.Tensor:
         """iq [n, Hi, Di], w [n, Hi], ik [G, Di] -> I [n, G] fp32."""

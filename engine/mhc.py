@@ -54,8 +54,7 @@ def hc_post(R: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
         from deepinfer_sg.kernels.hc_mix import hc_post_apply
         return hc_post_apply(R, y, post, comb, next_pre, y2)
     from deepinfer_sg.kernels.hc_mix import hc_post_torch
-    out = hc_post_torch(R, y, post, comb, None, y2)
-    return out if next_pre is None else (out, hc_pre(out, next_pre))
+    return hc_post_torch(R, y, post, comb, next_pre, y2)
 
 
 class ReadOut(NamedTuple):

@@ -57,7 +57,7 @@ from .moe import MoE
 from .norm import RMSNorm
 from .rope import apply_rope, inv_freq, rope_cos_sin
 from .step_graphs import SegmentGraphs
-from .transfer import to_device, to_device_many
+from .transfer import made_once, ragged_arange, to_device, to_device_many
 
 # parameters kept in fp32 whatever the model dtype (DeepSeek ships them in F32)
 _FP32_SUFFIXES = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
@@ -166,6 +166,13 @@ class StepContext:
 def _on_host(t: torch.Tensor) -> bool:
     """Whether t is in host memory (the Engram windows' tail: then it goes up with the step's upload)."""
     return t.device.type == "cpu"
+
+
+def _first_stream(T: int, M: int, device) -> torch.Tensor:
+    """Read-out weights [T, M] fp32 that take stream 0."""
+    a = torch.zeros(T, M, device=device)
+    a[:, 0] = 1.0
+    return a
 
 
 def _compress_snapshot(model, seqs) -> list:
@@ -410,6 +417,22 @@ class Model(nn.Module):
             self._inv_freq_on[key] = self._inv_freq[kind].to(dev)
         return self._inv_freq_on[key]
 
+    def _turn_kinds(self) -> tuple:
+        """The rotations a batched step makes (rope.step_turns): ((rope kind, ratio) per row: ("main", 1),
+        ("compress", 1), then each compressor's (kind, ratio) for its group starts), freqs [C, R/2] fp32, ratios
+        [C, 1] int64 on the device), made once per device (plan_step: before any graph capture)."""
+        dev = self.device
+        key = ("turns", dev)
+        if key not in self._inv_freq_on:
+            kinds = [("main", 1), ("compress", 1)]
+            for blk in self.layers:
+                comp = getattr(blk.attn, "compressor", None)
+                if comp is not None and (blk.attn.spec.rope, comp.ratio) not in kinds:
+                    kinds.append((blk.attn.spec.rope, comp.ratio))
+            self._inv_freq_on[key] = (kinds, torch.stack([self._freqs(k) for k, _ in kinds]),
+                                      torch.tensor([[r] for _, r in kinds], dtype=torch.int64).to(dev))
+        return self._inv_freq_on[key]
+
     @property
     def inv_freq_main(self) -> torch.Tensor:
         """fp32 [rope_dim/2] RoPE frequencies of sliding-window layers (and the DSpark drafter), on the device."""
@@ -520,10 +543,12 @@ class Model(nn.Module):
             if self.cuda_graphs and not self.quant_sim:
                 self._graphs.begin_step(off, dev)
             # positions and the ids go up with the step's index lists (one upload: batched.BatchPlan.layout); the
-            # ids' slot is filled at launch
+            # ids' slot is filled at launch. (Measured and deleted, session 12 R2 on the H200, mid-size V4.1: the
+            # upload sent here, behind the previous step on the stream, and the ids in an upload of their own at
+            # launch: that upload alone cost the launch's host 0.05-0.13 ms, as much as the whole one, and the host
+            # time before the graph run was 0.19 / 0.32 / 0.41 ms at batch 8 / 64 / 256 against 0.15 / 0.20 / 0.42)
             ctx.plan.positions, ctx.graph_ids = ctx.plan.defer(pos), ctx.plan.defer(np.zeros(off, dtype=np.int64))
-            for kind in ("main", "compress"):
-                self._freqs(kind)     # (on the device before any graph capture)
+            self._turn_kinds()     # (the frequencies on the device before any graph capture)
             if undo:
                 plan.saved = _compress_snapshot(self, seqs)
             self._plan_fast(ctx, plan)
@@ -647,9 +672,9 @@ class Model(nn.Module):
         h = self.embed(ids)
         R = h.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()         # [T, M, H]
         a = None
-        if c.hc_shifted:   # the first sub-layer reads stream 0
-            a = torch.zeros(h.shape[0], c.hc_mult, device=h.device)
-            a[:, 0] = 1.0
+        if c.hc_shifted:   # the first sub-layer reads stream 0 (a constant per token count: no launches)
+            a = made_once(("stream 0", h.shape[0], c.hc_mult), h.device,
+                          lambda: _first_stream(h.shape[0], c.hc_mult, h.device))
         return R, a
 
     def collapse_streams(self, R: torch.Tensor, a) -> torch.Tensor:
@@ -777,7 +802,8 @@ class Model(nn.Module):
                 prev = nxt
         if g.mode != "eager":    # graph buffers: the next replay overwrites them
             hfin = hfin.clone()
-            logits = logits.clone() if logits is not None else None
+        if logits is not None:   # fp32 from the head's dtype, out of the graph's buffer: one pass over the logits
+            logits = logits.to(torch.float32, copy=g.mode != "eager")
         return hfin, logits
 
     def _run_and_record(self, ctx: StepContext, seg: "_Segment", chain: list) -> tuple:
@@ -867,10 +893,12 @@ class Model(nn.Module):
         args = [plan.resolve(plan.positions), g.fixed(plan.win_all), plan.resolve(plan.win_new_rows), *per]
         late, has = [], batched.engram_layers(self)
         for at, j in engram:
-            if j in has and j not in ctx.engram_rows:     # (rows the host looks up at launch)
+            # (row ids hashed on the host at launch go into their slot of this upload, ctx.engram_ids: known now)
+            got = ctx.engram_rows.get(j, ctx.engram_ids.get(j))
+            if j in has and got is None:     # (rows the host looks up at launch)
                 late.append((at + 3, j))
             else:
-                args[at + 3] = plan.resolve(ctx.engram_rows.get(j))
+                args[at + 3] = plan.resolve(got)
         shapes = [None if t is None else tuple(t.shape) for t in args]
         key = ("span", prev, full[0] if full else None, nxt, every_row if nxt is None else None, tuple(meta),
                one_window) + (() if late else (tuple(shapes),))
@@ -987,7 +1015,7 @@ class Model(nn.Module):
         starts = np.stack([first + m - keep_old, off + n - new], 1).reshape(-1)   # old part, new part of each
         lens = np.stack([keep_old, new], 1).reshape(-1)
         ends = np.cumsum(lens)
-        idx = np.repeat(starts - (ends - lens), lens) + np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64)
+        idx = ragged_arange(starts, lens)
         out = srcs.cat(ids, 0)[to_device(torch.from_numpy(idx), ids.device)]
         for s, b0, k in zip(ctx.seqs, (ends - lens)[0::2].tolist(), (keep_old + new).tolist()):
             cache = s.cache

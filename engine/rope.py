@@ -47,8 +47,16 @@ class Turns(NamedTuple):
     inv: torch.Tensor
 
 
-def turns(cos: torch.Tensor, sin: torch.Tensor) -> Turns:
-    return Turns(torch.complex(cos.float(), sin.float()), torch.complex(cos.float(), -sin.float()))
+def step_turns(freqs: torch.Tensor, ratios: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Every rotation of a step at once -> [2, C, T, R/2] complex: [0, c] is cos + i sin of the angle
+    (p // ratios[c] * ratios[c]) * freqs[c] at each position p of positions [T] (int64), [1, c] its conjugate, each
+    a contiguous [T, R/2] (`Turns(t[0, c], t[1, c])`). freqs [C, R/2] fp32 and ratios [C, 1] int64 on the positions'
+    device. Eight launches for all C, made by a step's first graph segment and handed on to the others (before,
+    rope_cos_sin and a complex pair per kind and ratio, seven launches each, in every segment: ~34 a step at the
+    mid-size model; the same operations, so the same bits; session 12's numbers: benchmarks/model_forward.py)."""
+    ang = (torch.div(positions, ratios, rounding_mode="floor") * ratios)[..., None] * freqs[:, None, :]
+    cos, sin = ang.cos(), ang.sin()
+    return torch.complex(cos, torch.stack([sin, -sin]))
 
 
 def apply_rope(x: torch.Tensor, cos, sin: torch.Tensor | None = None, inverse: bool = False) -> torch.Tensor:

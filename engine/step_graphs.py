@@ -96,6 +96,15 @@ class _Pinned:
         self.done[k].record()
 
 
+def _staging(size: "_Size", name: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The persistent device buffer of the upload `name` at this T (and on CUDA its pair of pinned host buffers)."""
+    with torch.inference_mode(False):
+        buf = size.staged[name] = torch.empty(shape, dtype=dtype, device=device)
+        if device.type == "cuda":
+            size.pinned[name] = _Pinned(shape, dtype)
+    return buf
+
+
 def _signature(t: torch.Tensor):
     return (tuple(t.shape), t.stride(), t.dtype)
 
@@ -251,10 +260,7 @@ class SegmentGraphs:
             return _views(buf, shapes), send
         buf = size.staged.get(name)
         if buf is None:
-            with torch.inference_mode(False):
-                buf = size.staged[name] = torch.empty(host.shape, dtype=host.dtype, device=device)
-                if device.type == "cuda":
-                    size.pinned[name] = _Pinned(host.shape, host.dtype)
+            buf = _staging(size, name, host.shape, host.dtype, device)
         if device.type == "cuda":
             pinned = size.pinned[name]
 
@@ -284,9 +290,7 @@ class SegmentGraphs:
         if size is None:
             return torch.empty(shape, dtype=dtype, pin_memory=True)
         if name not in size.pinned:
-            with torch.inference_mode(False):
-                size.staged[name] = torch.empty(shape, dtype=dtype, device=device)
-                size.pinned[name] = _Pinned(shape, dtype)
+            _staging(size, name, shape, dtype, torch.device(device))
         pinned = size.pinned[name]
         if tuple(pinned.bufs[0].shape) != tuple(shape) or pinned.bufs[0].dtype != dtype:
             return None

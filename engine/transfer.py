@@ -1,7 +1,32 @@
 """Host -> device copies of the small index tensors the fast path builds from host-side lengths every step."""
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+
+def ragged_arange(firsts, counts) -> np.ndarray:
+    """int64 [sum(counts)]: counts[i] consecutive values from firsts[i], for each i in turn (a step's per-row
+    positions or destination rows from per-sequence starts and row counts)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    return (np.repeat(np.asarray(firsts, dtype=np.int64) - (np.cumsum(counts) - counts), counts)
+            + np.arange(int(counts.sum()), dtype=np.int64))
+
+
+_MADE: dict = {}     # made_once's constants
+
+
+def made_once(key: tuple, device, make) -> torch.Tensor:
+    """make() (a small constant tensor on `device`, made by device ops) the first time `key` is asked for on that
+    device, then the same tensor. Not kept when made while a CUDA graph is being captured (it would live in the
+    graph's private pool): a step runs each token count eagerly before its capture, so a capture finds it made."""
+    device = torch.device(device)
+    got = _MADE.get((device, *key))
+    if got is None:
+        got = make()
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _MADE[(device, *key)] = got
+    return got
 
 
 def to_device(data, device, dtype=torch.long) -> torch.Tensor:

@@ -6,6 +6,9 @@ so the same kernels CI checks are the ones the H200 runs.
 import os
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -102,3 +105,47 @@ def sm_count(device) -> int:
     if device not in _SMS:
         _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
     return _SMS[device]
+
+
+# Programmatic dependent launch (Hopper): a kernel launched with `pdl_kw()` may be scheduled before the kernel
+# launched before it on the stream has finished, and must call `pdl_wait` before it writes anything, or reads
+# anything an earlier kernel writes (weights it may read before). DEEPINFER_SG_PDL=0 turns it off everywhere (to
+# bisect a suspected ordering bug); benchmarks flip `PDL` to time both.
+PDL = os.environ.get("DEEPINFER_SG_PDL", "1") != "0"
+
+
+def pdl_kw() -> dict:
+    """Launch keywords of a kernel that calls `pdl_wait` before it touches memory an earlier kernel writes: only its
+    launch and scheduling (and reads of constant inputs) overlap the previous kernel's tail. Off in the
+    interpreter (no griddepcontrol there) and before Hopper (griddepcontrol needs sm_90)."""
+    on = PDL and not INTERPRETING and _has_griddepcontrol()
+    return dict(PDL=on, launch_pdl=True) if on else dict(PDL=False)
+
+
+_SM90: dict = {}     # CUDA device index -> whether it is sm_90 or newer
+
+
+def _has_griddepcontrol() -> bool:
+    """Whether the current CUDA device can run programmatic dependent launch (sm_90+), asked once per device."""
+    if not torch.cuda.is_available():
+        return False
+    d = torch.cuda.current_device()
+    if d not in _SM90:
+        _SM90[d] = torch.cuda.get_device_capability(d)[0] >= 9
+    return _SM90[d]
+
+
+@triton.jit
+def pdl_trigger(PDL: tl.constexpr):
+    """(a kernel followed by a PDL launch) let the next kernel's programs be scheduled once every program of this
+    one has started (or finished); call it only where the next kernel's waiting programs cannot hold back this
+    one's later programs (one wave, or near the end)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """(a PDL-launched kernel) wait until the previous kernel has finished and its writes are visible."""
+    if PDL:
+        gdc_wait()

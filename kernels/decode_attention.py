@@ -96,12 +96,31 @@ split over warpgroups (P@V already splits D over the two warpgroups; the 200 KB 
 what holds one program an SM, and Q alone is 64 KB); the next block's gather issued before this block's P@V
 (Triton's pipeliner places the copy after the P@V wait, and a hand-rotated loop has no way to carry the keys in
 shared memory: register or twice-gathered forms lost above).
+Session 12 (R1-R3, against a copy of the session-11 file in the same run; us, each timed twice). Programmatic
+dependent launch (`pdl_kw`): everything the kernel reads but the sink is written earlier in the step (q, both
+pools, the indices), so it waits before its first load, and it never triggers (the output projection after it is
+a cuBLAS launch): back to back at 32 heads N=64 36.2 -> 35.9-36.0, V4.1 N=64 38.1 -> 37.9-38.0 (R1, R3). The scale
+is a float argument (it reached the kernel as a constexpr, one compile per scale): V4.1 N=64 38.1-38.2 against
+38.1 (R3). The mid-size model's 32 heads (D = 512, 128 + 512 keys) ran 16-head programs with one split; ncu of the
+new defaults (R3; N=64 16-head programs with 2 splits, N=256 32-head programs): two 4-warp programs an SM (limited
+by registers, 202 / 255, and shared memory, 84 / 100 KB alike), 1.9 warps per scheduler of which 0.28-0.32
+eligible, an instruction issued on 24-27% of cycles; stalls per issued instruction long scoreboard (the gathers
+and index loads) 1.8 / 2.7, fixed-latency waits 1.8 / 1.9, short scoreboard (shared memory) 1.0 / 1.2, barrier
+0.4. Ablations of the same launches: keys from L2 23.7 / 55.3 (against 28.7 / 72.9), the 128 window keys only
+10.8 / 21.0, no keys 2.4 / 6.3: latency per key block, as at 64 heads. `default_config` now fills the SMs' two
+slots (R2 sweep): at N=64 16-head programs with 2 splits 28.3-28.6 (32-head 2 / 4 splits 30.9 / 31.5, 8 warps 33.4
+/ 44.5), at N=128 32-head with 2 splits 42.3 (16-head 1 / 2 splits 46.2 / 55.8, 32-head 1 split 52.7), at N=256
+32-head 72.6-72.7 (16-head 85.8, 8 warps 96.6), at N=32 16-head with 4 splits 21.2 (32-head 4 / 8 splits 23.6 /
+31.5): R3 in the `default_config` docstring. Measured and not kept: the two-split merge from registers for these
+chained programs (16-head 29.1 against 28.3 stored, 32-head 31.8 against 30.9); two splits of a short row (the
+step's 37 window + 20 compressed keys at N=64: 14.0-14.3 against 12.9-13.0 unsplit), hence splits of at least two
+key blocks.
 """
 import torch
 import triton
 import triton.language as tl
 
-from .backend import empty, INTERPRETING, check, sm_count, tickets, use_triton
+from .backend import empty, INTERPRETING, check, pdl_kw, pdl_wait, sm_count, tickets, use_triton
 
 
 def _check(q, win_kv, win_idx, cmp_kv, cmp_idx, sink):
@@ -138,6 +157,7 @@ def sparse_attention_torch(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None, 
 
 # ---------------------------------------------------------------------------------------------- Triton
 LOG2E = tl.constexpr(1.4426950408889634)      # scores, maxima and the sink in log2 units: exp2, no multiply
+# (the launch folds LOG2E.value, a float, into the scale: a constexpr product would compile a kernel per scale)
 _COMPILED = tl.constexpr(not INTERPRETING)    # the interpreter runs a program's tensor ops in order: no barrier
 
 
@@ -329,16 +349,18 @@ def _sparse_attention_kernel(q_ptr, out_ptr, sink_ptr, win_kv_ptr, win_idx_ptr, 
                              scr_p_ptr, scr_a_ptr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                              HAS_CMP: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
                              BLOCK_S: tl.constexpr, DC: tl.constexpr, UNCHAIN: tl.constexpr,
-                             LAZY_SUM: tl.constexpr, OWN: tl.constexpr):
+                             LAZY_SUM: tl.constexpr, OWN: tl.constexpr, PDL: tl.constexpr = False):
     """Program (head block, row, split): the split's slice [lo, hi) of the row's keys (window keys first, then
     compressed). Without SPLIT the one split starts from the sink and writes the output; with SPLIT it writes its
     partial (m, l, acc) and the last program of the (row, head block) to finish merges the splits and the sink
-    (ticket counter, reset to 0)."""
+    (ticket counter, reset to 0). PDL: everything it reads but the sink (q, the indices, both pools) is written
+    earlier in the step, so it waits before its first load."""
     row = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     hok = heads < H
     dims = tl.arange(0, D)
+    pdl_wait(PDL)
     q = tl.load(q_ptr + (row * H + heads[:, None]) * D + dims[None, :], mask=hok[:, None], other=0.0)
     q = q.to(win_kv_ptr.dtype.element_ty)
     if SPLIT:
@@ -407,13 +429,26 @@ def default_config(N: int, H: int, D: int, n_keys: int, elem_bytes: int = 2, sms
     32-key blocks 49.3 / 136.7; chained (both warpgroups compute all of Q K^T) 54.6 / 146.8; 16-head programs
     (mma.sync, 4 warps) 44.0 / 227.3; 32-head programs 49.3 / 210.4.
     fp32 pools at D = 512 take 16-key blocks (the key stages must fit shared memory); compiled fp32 pools run
-    chained (`sparse_attention_triton`); fewer than 64 heads take 16-head programs."""
+    chained (`sparse_attention_triton`). Fewer than 64 heads (the mid-size model's 32; H200, D = 512, 128 + 512
+    keys, session 12 R3, us, against session 11's 16-head programs with one split): N=32 16-head programs with 4
+    splits 21.3 against 34.0-34.1, N=64 with 2 splits 28.7-29.0 against 36.5-36.6, N=128 32-head programs with 2
+    splits 42.3-42.5 against 46.4-46.8, N=256 32-head 72.9 against 87.0-87.2; the step's short rows (37 + 20 keys:
+    one split) N=64 / 128 / 256 12.1-12.4 / 16.6-16.8 / 26.6-26.7 against 12.6-12.8 / 17.0 / 32.1."""
     if elem_bytes * D > 1024:
         return dict(block_h=16, block_k=16, num_warps=4, num_stages=2, splits=1)
     if H >= 64:
         return dict(block_h=64, block_k=64 if elem_bytes == 2 else 32, num_warps=8, num_stages=2,
                     splits=max(1, min(8, sms // max(N, 1))), unchain=True, lazy_sum=True)
-    return dict(block_h=16, block_k=64, num_warps=4, num_stages=2, splits=1)
+    # fewer heads (the mid-size model's 32): 16- and 32-head programs of 4 warps run two an SM (84 / 100 KB of
+    # shared memory at D = 512); key splits fill those slots, each split at least two key blocks (a short row's
+    # split costs more than it saves). 16-head programs while they can take two splits, else 32-head programs
+    # (each key read once per row) if they fill the SMs
+    slots, most = 2 * sms, max(1, triton.cdiv(n_keys, 64) // 2)
+    s32 = max(1, min(8, most, slots // max(N * triton.cdiv(H, 32), 1)))
+    if H > 16 and N * triton.cdiv(H, 16) > sms and N * triton.cdiv(H, 32) * s32 >= sms:
+        return dict(block_h=32, block_k=64, num_warps=4, num_stages=2, splits=s32)
+    return dict(block_h=16, block_k=64, num_warps=4, num_stages=2,
+                splits=max(1, min(8, most, slots // max(N * triton.cdiv(H, 16), 1))))
 
 
 def sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None, scale=None,
@@ -469,13 +504,13 @@ def sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None,
         scr_p = scr_a = out
     _sparse_attention_kernel[grid](
         q, out, sink.float().contiguous(), win_kv, win_idx, n_win, cmp_kv if has_cmp else win_kv,
-        cmp_idx if has_cmp else win_idx, n_cmp, H, float(scale) * LOG2E, per_split, part_m, part_l, part_acc, cnt,
+        cmp_idx if has_cmp else win_idx, n_cmp, H, float(scale) * LOG2E.value, per_split, part_m, part_l, part_acc, cnt,
         scr_p, scr_a, D=D,
         BLOCK_H=block_h, BLOCK_K=block_k, HAS_CMP=has_cmp, IEEE=ieee,
         SPLIT=splits > 1, BLOCK_S=max(2, triton.next_power_of_2(splits)), DC=min(D, 64),
         UNCHAIN=unchain, LAZY_SUM=cfg.get("lazy_sum", False) if lazy_sum is None else lazy_sum,
         OWN=own and splits > 1,
-        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
+        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"], **pdl_kw())
     return out
 
 

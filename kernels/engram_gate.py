@@ -23,6 +23,12 @@ program per table row / per (token, stream). hashed_rows: T (N-1) H rows of W + 
 table in pinned host memory), one program per token and HASH_ROWS_BLOCK rows: latency-bound, the mid-size step's
 graphs took 0.27 ms longer at batch 256 (7.75 against 7.48 ms for the same step with the rows uploaded by the host:
 ~3.2 MB at ~12 GB/s), no longer at batch 8 / 64 (4.08 / 5.16 against 4.09 / 5.15), session 10 R2.
+PDL (backend.pdl_kw: each kernel waits before its first read of the step's data and its first store; the gate's
+weights and the hash's primes / offsets are read before the wait): session 12 R2 on the H200, a mid-size Engram layer,
+16 calls in a CUDA graph (benchmarks/model_forward.py --engram-kernels), PDL off -> on, T = 8 / 64 / 256:
+hashed_rows 6.74 -> 6.42, 14.72 -> 14.50, 44.38 -> 44.61 us (bound by its reads over PCIe: neutral); engram_gate
+2.28 -> 1.95, 2.76 -> 2.41, 4.74 -> 4.61 us. Kept for all three kernels (_rows_kernel, not timed, runs only where
+the host looks the rows up or hashes their ids: memory-mapped tables, token ids on the device).
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import check, empty, use_triton
+from .backend import check, empty, pdl_kw, pdl_wait, use_triton
 
 GROUP = 32      # values per UE8M0 scale byte
 # table rows per program of the hashed read (a token's (N-1) x heads rows in a few programs). 32 (one program per
@@ -74,10 +80,11 @@ def _decode(b, s):
 
 @triton.jit
 def _rows_kernel(ids_ptr, w_ptr, s_ptr, out_ptr, W, w_stride, s_stride, GATHER: tl.constexpr,
-                 BLOCK_W: tl.constexpr):
+                 BLOCK_W: tl.constexpr, PDL: tl.constexpr = False):
     """Program n decodes row n of the packed rows (GATHER off: bytes and scale bytes of row n at w_ptr / s_ptr with
     the rows' stride), or table row ids[n] (GATHER on: w_ptr / s_ptr are the table's weight and scale arrays)."""
     n = tl.program_id(0).to(tl.int64)
+    pdl_wait(PDL)     # (the ids, or the packed rows, are the step's: nothing to read before)
     row = tl.load(ids_ptr + n).to(tl.int64) if GATHER else n
     i = tl.arange(0, BLOCK_W)
     ok = i < W
@@ -88,12 +95,16 @@ def _rows_kernel(ids_ptr, w_ptr, s_ptr, out_ptr, W, w_stride, s_stride, GATHER: 
 
 @triton.jit
 def _hash_kernel(src_ptr, ids_ptr, T, cls_ptr, mult_ptr, prime_ptr, off_ptr, pad, w_ptr, s_ptr, out_ptr, W, G, J,
-                 N: tl.constexpr, H: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_W: tl.constexpr):
+                 N: tl.constexpr, H: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_W: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """Program (t, jb): token t's table rows jb * BLOCK_J.. (row j = n-gram size j // H + 2, head j % H), hashed from
     its window and read + decoded (the layout of `hashed_rows_torch`)."""
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
     okj = j < J
+    prime = tl.load(prime_ptr + j, mask=okj, other=1)      # (the hash's constants: read before the wait)
+    offset = tl.load(off_ptr + j, mask=okj, other=0)
+    pdl_wait(PDL)
     accj = tl.zeros((BLOCK_J,), dtype=tl.int64)
     for i in tl.static_range(N):
         k = tl.load(src_ptr + t * N + i)              # this step's id k, or (k < 0) the one given after the indices
@@ -105,7 +116,7 @@ def _hash_kernel(src_ptr, ids_ptr, T, cls_ptr, mult_ptr, prime_ptr, off_ptr, pad
             acc = acc ^ term
             accj = tl.where(j // H == i - 1, acc, accj)
     # (acc >= 0: classes and multipliers are >= 0 and their products stay below 2^63, engram.multiplier_bound)
-    row = accj % tl.load(prime_ptr + j, mask=okj, other=1) + tl.load(off_ptr + j, mask=okj, other=0)
+    row = accj % prime + offset
     i = tl.arange(0, BLOCK_W)
     ok = okj[:, None] & (i < W)[None, :]
     b = tl.load(w_ptr + row[:, None] * W + i[None, :], mask=ok, other=0).to(tl.int32)
@@ -114,15 +125,17 @@ def _hash_kernel(src_ptr, ids_ptr, T, cls_ptr, mult_ptr, prime_ptr, off_ptr, pad
 
 
 @triton.jit
-def _gate_kernel(r_ptr, kv_ptr, w_ptr, out_ptr, H, M, kv_stride, eps, BLOCK_H: tl.constexpr):
+def _gate_kernel(r_ptr, kv_ptr, w_ptr, out_ptr, H, M, kv_stride, eps, BLOCK_H: tl.constexpr,
+                 PDL: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     m = tl.program_id(1)
     h = tl.arange(0, BLOCK_H)
     ok = h < H
+    w = tl.load(w_ptr + m * H + h, mask=ok, other=0.0)     # (a weight: read before the wait)
+    pdl_wait(PDL)
     r = tl.load(r_ptr + (t * M + m) * H + h, mask=ok, other=0.0).to(tl.float32)
     key = tl.load(kv_ptr + t * kv_stride + m * H + h, mask=ok, other=0.0).to(tl.float32)
     value = tl.load(kv_ptr + t * kv_stride + M * H + h, mask=ok, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + m * H + h, mask=ok, other=0.0)
     dot = tl.sum(r * w * key, axis=0)
     dot = dot / tl.sqrt(tl.sum(r * r, axis=0) / H + eps) / tl.sqrt(tl.sum(key * key, axis=0) / H + eps) / tl.sqrt(
         H.to(tl.float32))
@@ -142,7 +155,7 @@ def unpack_rows_triton(packed: torch.Tensor, width: int, dtype: torch.dtype) -> 
     n = p.numel() // max(p.shape[-1], 1)
     if n:
         _rows_kernel[(n,)](p, p, p[..., width:], out, width, p.shape[-1], p.shape[-1], GATHER=False,
-                           BLOCK_W=triton.next_power_of_2(width))
+                           BLOCK_W=triton.next_power_of_2(width), **pdl_kw())
     return out
 
 
@@ -175,7 +188,7 @@ def gather_rows_triton(ids: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
     out = empty((*ids.shape, W), dtype, ids.device)
     if idc.numel():
         _rows_kernel[(idc.numel(),)](idc, weight, scale, out, W, W, scale.shape[1], GATHER=True,
-                                     BLOCK_W=triton.next_power_of_2(W))
+                                     BLOCK_W=triton.next_power_of_2(W), **pdl_kw())
     return out
 
 
@@ -218,7 +231,8 @@ def hashed_rows_triton(src: torch.Tensor, ids: torch.Tensor, consts: tuple, pad:
         BLOCK_J = min(HASH_ROWS_BLOCK, triton.next_power_of_2(J))
         _hash_kernel[(T, triton.cdiv(J, BLOCK_J))](src.contiguous(), ids.contiguous(), T, classes, mult, prime,
                                                   offset, int(pad), weight, scale, out, W, scale.shape[1], J, N=N,
-                                                  H=J // (N - 1), BLOCK_J=BLOCK_J, BLOCK_W=triton.next_power_of_2(W))
+                                                  H=J // (N - 1), BLOCK_J=BLOCK_J, BLOCK_W=triton.next_power_of_2(W),
+                                                  **pdl_kw())
     return out
 
 
@@ -234,7 +248,7 @@ def engram_gate_triton(R: torch.Tensor, kv: torch.Tensor, w: torch.Tensor, eps: 
     if T:
         BLOCK_H = triton.next_power_of_2(H)
         _gate_kernel[(T, M)](Rc, kvc, w.contiguous(), out, H, M, kvc.stride(0), float(eps), BLOCK_H=BLOCK_H,
-                             num_warps=4 if BLOCK_H <= 1024 else 8)
+                             num_warps=4 if BLOCK_H <= 1024 else 8, **pdl_kw())
     return out
 
 

@@ -34,6 +34,12 @@ form 1 runs only where hc_post_mix_triton is asked for the norm directly (and in
 The product r . fn^T needs fp32 accuracy: bf16 residuals (the model's) take three bf16 tensor-core products
 against a hi/mid/lo bf16 split of fn (exact products, fp32 accumulation); fp32 residuals use Triton's "ieee" dot
 (FMAs: D measured it arithmetic-bound, 1-3% of bandwidth on an H200).
+Programmatic dependent launch (session 12): every launch here waits first (R, y, the mixes and the ticket counters
+are the step's) and none lets the next kernel launch early (the mixing kernels' programs spin on each other, so
+the next kernel's programs must not take the slots their not-yet-started ones need). H200 session 12 R3
+(benchmarks/kernels_moe.py's pdl sweep; mid-size H = 2048, 16 calls back to back in a CUDA graph; us, off -> on):
+the MoE write-back + mixes + norm T=64 11.02 / 11.01 -> 10.76 / 10.82, the write-back + read-out T=256 4.86 /
+4.87 -> 4.73 / 4.73, the mixes T=256 11.77 / 11.77 -> 11.54 / 11.54.
 """
 import weakref
 from dataclasses import dataclass
@@ -42,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import INTERPRETING, check, empty, sm_count, tickets, use_triton
+from .backend import INTERPRETING, check, empty, pdl_kw, pdl_wait, sm_count, tickets, use_triton
 from .rmsnorm import rms_norm, rms_norm_torch
 
 _CAN_RCP = not INTERPRETING      # hardware reciprocals (rcp.approx) need compiled kernels
@@ -421,7 +427,7 @@ def _hc_fused_kernel(r_ptr, fn_ptr, z_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr
                      BK: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr,
                      UPCAST: tl.constexpr, NW: tl.constexpr, TPW: tl.constexpr, SPC: tl.constexpr,
                      ITERS: tl.constexpr, FAST: tl.constexpr, TAIL: tl.constexpr, PF: tl.constexpr,
-                     FORM: tl.constexpr):
+                     FORM: tl.constexpr, PDL: tl.constexpr = False):
     """One launch. Program (token block tb, split sp of the M*H columns): partial z of its BT tokens over its
     columns (sum of squares in column NZ), stored token-major in z [T, n_split, NZP]. The LAST NW programs of a
     token block to START (a ticket taken after the first tiles' loads are issued) then wait until all n_split
@@ -429,7 +435,9 @@ def _hc_fused_kernel(r_ptr, fn_ptr, z_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr
     once and added by a fixed tree (deterministic), sigmoids, a per-thread Sinkhorn per token. Waiting only in
     the last starters cannot deadlock: every other program of the block has started and waits for nothing.
     The counters cnt[2 tb] (starts), cnt[2 tb + 1] (stores) are zero on entry and left zero on exit (the last
-    waiter resets them). TAIL=False: partials only (benchmark breakdown)."""
+    waiter resets them). TAIL=False: partials only (benchmark breakdown). PDL: the wait comes first, no early
+    trigger (as _hc_post_mix_kernel)."""
+    pdl_wait(PDL)
     tb = tl.program_id(0)
     sp = tl.program_id(1)
     toks = tb * BT + tl.arange(0, BT)
@@ -476,6 +484,9 @@ class _SplitLaunch:
     tpw: int            # tokens each waiter mixes (power of two)
     spc: int            # splits' partials a waiter loads at once per token
     cnt: torch.Tensor   # 2 ticket counters per token block (starts, stores), zero on entry and on exit
+    block_t: int        # tokens a program covers
+    warps: int          # warps a program
+    resident: bool      # whether the whole grid is resident at once (_one_wave)
 
 
 # One ticket site for every mHC mixing launch: they run in turn on the main stream (kernels.backend.tickets).
@@ -488,7 +499,8 @@ TICKET_SITE = "hc_mix"
 # register logits spilled 8 registers in the T=256 build); round 2: form 5 there 17.1 / 89.4 against 16.4 /
 # 89.6. So 7 where each waiter mixes one token, else 0. Measured and deleted (round 2): the write-back letting
 # the mixes launch start early (programmatic dependent launch, gdc_wait in the mixes kernel): T=64 / 32 15.1 /
-# 14.0 against 13.8 / 12.9 for the two plain launches.
+# 14.0 against 13.8 / 12.9 for the two plain launches. (Session 12 launches every mHC kernel with PDL, the wait
+# first and no early trigger: the module docstring has its numbers.)
 def _tail_form(form: int | None, tpw: int) -> int:
     form = (7 if tpw == 1 else 0) if form is None else form
     return form & ~4 if INTERPRETING else form        # (the acquire-load poll is PTX)
@@ -507,13 +519,14 @@ def _split_launch(T: int, K: int, block_t: int, split: int, block_k: int, warps:
     programs would otherwise hold the slots the missing ones need: seen on the H200 at T=4096, 1280 programs);
     the interpreter runs programs one after another."""
     split, block_k, n_split, n_tb = _grid(T, K, block_t, split, block_k)
-    nw = min(waiters or block_t, block_t, n_split) if _one_wave(n_tb * n_split, warps, dev) else 1
+    resident = _one_wave(n_tb * n_split, warps, dev)
+    nw = min(waiters or block_t, block_t, n_split) if resident else 1
     tpw = triton.next_power_of_2(-(-block_t // nw))
     spc = spc or min(triton.next_power_of_2(n_split), max(1, 256 // tpw))     # <= 8192 partial values at once
     cnt = tickets(dev, 2 * n_tb, site=TICKET_SITE)
     check(cnt is not None, f"mHC mixes: no ticket counters for {n_tb} token blocks while a CUDA graph is being "
           "captured; run the step once before capturing it (warm-up)")
-    return _SplitLaunch(split, block_k, n_split, n_tb, nw, tpw, spc, cnt)
+    return _SplitLaunch(split, block_k, n_split, n_tb, nw, tpw, spc, cnt, block_t, warps, resident)
 
 
 def split_fn_bf16(fn: torch.Tensor) -> torch.Tensor:
@@ -622,7 +635,7 @@ def hc_mixes_triton(residual, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iter
                                           UPCAST=INTERPRETING, NW=L.nw, TPW=L.tpw, SPC=L.spc, ITERS=iters,
                                           FAST=fast, TAIL=not only_partial, PF=prefetch,
                                           FORM=_tail_form(tail_form, L.tpw), num_warps=warps,
-                                          **({} if num_stages is None else dict(num_stages=num_stages)))
+                                          **({} if num_stages is None else dict(num_stages=num_stages)), **pdl_kw())
     return None if only_partial else HcMixes(pre, post, comb)
 
 
@@ -690,7 +703,8 @@ def _check_apply(R, y=None, post=None, comb=None, a=None, triton_path=False, y2=
 
 
 @triton.jit
-def _hc_pre_kernel(r_ptr, a_ptr, x_ptr, H, M: tl.constexpr, BH: tl.constexpr):
+def _hc_pre_kernel(r_ptr, a_ptr, x_ptr, H, M: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     j = tl.arange(0, M)
@@ -710,9 +724,10 @@ def _load_y(y_ptr, y2_ptr, offs, mask, Y2: tl.constexpr):
 
 @triton.jit
 def _hc_post_kernel(r_ptr, y_ptr, y2_ptr, post_ptr, comb_ptr, a_ptr, out_ptr, x_ptr, H, M: tl.constexpr,
-                    BH: tl.constexpr, PRE: tl.constexpr, Y2: tl.constexpr):
+                    BH: tl.constexpr, PRE: tl.constexpr, Y2: tl.constexpr, PDL: tl.constexpr = False):
     """Program (token, hidden block): R'[k] = post[k] y + sum_j comb[j, k] R[j]; PRE: also x = sum_k a[k] R'[k]
     from the rounded R' (what a separate read-out would see); Y2: y is y + y2 (_load_y)."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     hm = h < H
@@ -740,7 +755,7 @@ def hc_pre_triton(R, a):
     x = empty((T, H), R.dtype, R.device)
     if T:
         _hc_pre_kernel[(T, triton.cdiv(H, _block_h(H)))](R, a.float().contiguous(), x, H, M=M, BH=_block_h(H),
-                                                         num_warps=4)
+                                                         num_warps=4, **pdl_kw())
     return x
 
 
@@ -765,7 +780,7 @@ def hc_post_triton(R, y, post, comb, next_pre=None, block_h=256, num_warps=1, y2
         _hc_post_kernel[(T, triton.cdiv(H, bh))](R, y, y if y2 is None else y2.contiguous(),
                                                  post.float().contiguous(), comb.float().contiguous(), a, out, x, H,
                                                  M=M, BH=bh, PRE=next_pre is not None, Y2=y2 is not None,
-                                                 num_warps=num_warps)
+                                                 num_warps=num_warps, **pdl_kw())
     return out if next_pre is None else (out, x)
 
 
@@ -816,7 +831,7 @@ def _hc_post_mix_kernel(r_ptr, y_ptr, y2_ptr, post_ptr, comb_ptr, a_ptr, out_ptr
                         SPLIT: tl.constexpr, MODE: tl.constexpr, UPCAST: tl.constexpr, NW: tl.constexpr,
                         TPW: tl.constexpr, SPC: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr,
                         TAIL: tl.constexpr, FORM: tl.constexpr, Y2: tl.constexpr, NORM: tl.constexpr,
-                        NSP: tl.constexpr):
+                        NSP: tl.constexpr, PDL: tl.constexpr = False):
     """The write-back R' = post y + comb^T R (M = 4), the next read-out x = sum_k a_k R'_k, and the NEXT
     sub-layer's mixes of R' in one launch. Program (token block tb, split sp of the H hidden columns): for each
     BK-wide step it reads R's 4 streams and y (Y2: y + y2, _load_y), forms the 4 streams of R' (rounded to R's
@@ -824,7 +839,10 @@ def _hc_post_mix_kernel(r_ptr, y_ptr, y2_ptr, post_ptr, comb_ptr, a_ptr, out_ptr
     k*H + h to its partial z (as _hc_fused_kernel's first pass, on R' instead of a loaded R); _finish_block then
     stores the partial and the last NW starters of the token block mix its tokens into pre2 / post2 / comb2.
     NORM (1 / 2, _finish_block): x then RMSNorm-ed in place with the weight w (its rows' sums of squares, of x as
-    rounded, stored per split in xsq [T, n_split]). TAIL=False: no mixing (benchmark breakdown)."""
+    rounded, stored per split in xsq [T, n_split]). TAIL=False: no mixing (benchmark breakdown).
+    PDL: the wait comes first (R, y, the mixes and the tickets are the step's); no early trigger (the next
+    kernel's programs must not take the slots this grid's not-yet-started programs need: they spin on each other)."""
+    pdl_wait(PDL)
     tb = tl.program_id(0)
     sp = tl.program_id(1)
     toks = tb * BT + tl.arange(0, BT)
@@ -887,6 +905,14 @@ POST_MIX_MAX_T = 16
 POST_MIX_NORM_MAX_T = 64
 
 
+def _post_mix_launch(T: int, H: int, dev, block_t=None, split=None, block_k=None, num_warps=None, waiters=None,
+                     spc=None) -> _SplitLaunch:
+    """The write-back + mixes launch's shape at T tokens of H hidden columns (_post_mix_tiles where not given)."""
+    t = _post_mix_tiles(T)
+    return _split_launch(T, H, block_t or t["block_t"], split or t["split"], block_k or t["block_k"],
+                         num_warps or t["num_warps"], waiters, spc, dev)
+
+
 def hc_post_mix_torch(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iters=20,
                       post_mult=2.0, y2=None, x_norm=None):
     """Twin of hc_post_mix_triton: (R', x, HcMixes of R') from hc_post_torch (y2: its second addend) and
@@ -903,7 +929,8 @@ def hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-
                        block_k: int | None = None, num_warps: int | None = None,
                        fn_parts: torch.Tensor | None = None, waiters: int | None = None, spc: int | None = None,
                        fast_rcp: bool | None = None, only_partial: bool = False, tail_form: int | None = None,
-                       y2: torch.Tensor | None = None, x_norm: tuple | None = None, norm_form: int | None = None):
+                       y2: torch.Tensor | None = None, x_norm: tuple | None = None, norm_form: int | None = None,
+                       launch: _SplitLaunch | None = None):
     """One launch (_hc_post_mix_kernel, M = 4): (R', x, the next sub-layer's HcMixes of R'), equal to
     hc_post_mix_torch up to fp32 summation order. split / block_k count hidden columns (each covers the 4
     streams); fn_parts: split_fn_bf16(fn) read instead of splitting fp32 fn in registers (bf16 R only); waiters /
@@ -911,7 +938,8 @@ def hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-
     RMSNorm-ed in the same launch (_finish_block's NORM; norm_form 1 / 2 forces a form, default 2 while the grid
     is resident at once, else 1). Cost: R read once, R' written once, y read, x written, fn read once per token
     block (L2 hits after the first), the partials through L2. only_partial: no mixing (benchmark: the mixes'
-    outputs are left unwritten, and x is not normalised even with x_norm)."""
+    outputs are left unwritten, and x is not normalised even with x_norm). launch: the launch shape already made
+    by _post_mix_launch (hc_post_mix_apply; the tile arguments are then not used)."""
     _check_apply(R, y, post, comb, next_pre, triton_path=True, y2=y2)
     check(next_pre is not None, "the write-back + mixes pass needs the next pre-mix")
     T, M, H = R.shape
@@ -920,11 +948,8 @@ def hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-
     check(iters >= 1, f"sinkhorn iterations must be >= 1, got {iters}")
     NZ = (2 + M) * M
     NZP = max(16, triton.next_power_of_2(NZ + 1))
-    tiles = _post_mix_tiles(T)
-    block_t, split, block_k = block_t or tiles["block_t"], split or tiles["split"], block_k or tiles["block_k"]
-    warps = num_warps or tiles["num_warps"]
     dev = R.device
-    L = _split_launch(T, H, block_t, split, block_k, warps, waiters, spc, dev)
+    L = launch or _post_mix_launch(T, H, dev, block_t, split, block_k, num_warps, waiters, spc)
     R = R.contiguous()
     bf16 = R.dtype == torch.bfloat16
     check(fn_parts is None or bf16, "fn parts need a bf16 residual")
@@ -940,19 +965,18 @@ def hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-
         nw, x_eps = x_norm
         check(nw.shape == (H,) and nw.dtype == torch.float32, f"the read-out norm's weight must be fp32 [{H}]")
         xsq = empty((T, L.n_split), torch.float32, dev)
-        resident = _one_wave(L.n_tb * L.n_split, warps, dev)
-        form = norm_form or (2 if resident else 1)
-        check(form == 1 or resident, "read-out norm form 2 needs the whole grid resident at once (a GPU)")
+        form = norm_form or (2 if L.resident else 1)
+        check(form == 1 or L.resident, "read-out norm form 2 needs the whole grid resident at once (a GPU)")
     if T:
         y = y.contiguous()
         _hc_post_mix_kernel[(L.n_tb, L.n_split)](
             R, y, y if y2 is None else y2.contiguous(), post.float().contiguous(), comb.float().contiguous(),
             next_pre.float().contiguous(), out, x, w, z, L.cnt, base.float().contiguous(), scale.float().contiguous(),
             mixes.pre, mixes.post, mixes.comb, nw.contiguous(), xsq, T, H, NZ, L.n_split, norm_eps, hc_eps,
-            post_mult, x_eps, NZP=NZP, BT=block_t, BK=L.block_k, SPLIT=L.split, MODE=mode, UPCAST=INTERPRETING,
+            post_mult, x_eps, NZP=NZP, BT=L.block_t, BK=L.block_k, SPLIT=L.split, MODE=mode, UPCAST=INTERPRETING,
             NW=L.nw, TPW=L.tpw, SPC=L.spc, ITERS=iters, FAST=fast, TAIL=not only_partial,
             FORM=_tail_form(tail_form, L.tpw), Y2=y2 is not None, NORM=form,
-            NSP=triton.next_power_of_2(L.n_split), num_warps=warps)
+            NSP=triton.next_power_of_2(L.n_split), num_warps=L.warps, **pdl_kw())
     return out, x, mixes
 
 
@@ -969,13 +993,6 @@ def hc_post_apply(R, y, post, comb, next_pre=None, y2=None):
     return hc_post_torch(R, y, post, comb, next_pre, y2)
 
 
-def _norm_resident(T: int, H: int, dev) -> bool:
-    """Whether the write-back + mixes launch at its default tiles keeps its whole grid resident (norm form 2)."""
-    t = _post_mix_tiles(T)
-    _, _, n_split, n_tb = _grid(T, H, t["block_t"], t["split"], t["block_k"])
-    return _one_wave(n_tb * n_split, t["num_warps"], dev)
-
-
 def hc_post_mix_apply(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iters=20,
                       post_mult=2.0, y2=None, x_norm=None):
     """The write-back R' = post * y + comb^T R (y2: a second addend of y, hc_post_torch), the read-out x of R'
@@ -984,18 +1001,18 @@ def hc_post_mix_apply(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-2
     (POST_MIX_NORM_MAX_T with x_norm) one launch (hc_post_mix_triton; fn as cached bf16 parts where hc_mixes
     would use them), else hc_post_apply then hc_mixes (then kernels.rmsnorm.rms_norm; the twins on CPU)."""
     T = R.shape[0]
-    if use_triton(R) and R.shape[1] == 4:
-        # the norm joins the launch only in its fast form (2: the whole grid resident at once); form 1 costs more
-        # than the separate norm launch (26.6 / 41.2 us at T = 8 / 64 on the H200, session 10), so a GPU too small
-        # for the grid keeps the write-back + mixes launch (up to POST_MIX_MAX_T tokens) and norms after it
-        fused_norm = x_norm is not None and T <= POST_MIX_NORM_MAX_T and _norm_resident(T, R.shape[2], R.device)
-        if T <= POST_MIX_MAX_T or fused_norm:
-            parts = fn_parts_cached(fn) if R.dtype == torch.bfloat16 and parts_pay(T) else None
-            out, x, mixes = hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps, hc_eps, iters,
-                                               post_mult, fn_parts=parts, y2=y2,
-                                               x_norm=x_norm if fused_norm else None)
-            return out, (rms_norm(x, *x_norm) if x_norm is not None and not fused_norm else x), mixes
-    out, x = hc_post_apply(R, y, post, comb, next_pre, y2)
-    if x_norm is not None:
-        x = rms_norm(x, *x_norm)
-    return out, x, hc_mixes(out, fn, base, scale, norm_eps, hc_eps, iters, post_mult)
+    most = max(POST_MIX_MAX_T, POST_MIX_NORM_MAX_T if x_norm is not None else 0)
+    L = _post_mix_launch(T, R.shape[2], R.device) if use_triton(R) and R.shape[1] == 4 and T <= most else None
+    # the norm joins the launch only in its fast form (2: the whole grid resident at once); form 1 costs more than
+    # the separate norm launch (26.6 / 41.2 us at T = 8 / 64 on the H200, session 10), so a GPU too small for the
+    # grid keeps the write-back + mixes launch (up to POST_MIX_MAX_T tokens) and norms after it
+    fused_norm = L is not None and x_norm is not None and T <= POST_MIX_NORM_MAX_T and L.resident
+    if L is not None and (T <= POST_MIX_MAX_T or fused_norm):
+        parts = fn_parts_cached(fn) if R.dtype == torch.bfloat16 and parts_pay(T) else None
+        out, x, mixes = hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps, hc_eps, iters,
+                                           post_mult, fn_parts=parts, y2=y2, x_norm=x_norm if fused_norm else None,
+                                           launch=L)
+    else:
+        out, x = hc_post_apply(R, y, post, comb, next_pre, y2)
+        mixes = hc_mixes(out, fn, base, scale, norm_eps, hc_eps, iters, post_mult)
+    return out, (rms_norm(x, *x_norm) if x_norm is not None and not fused_norm else x), mixes

@@ -64,6 +64,11 @@ Triton, two launches:
     ~5,700 instructions per warp (4 warps, 32 entries a thread) at 3.5 cycles each, mostly fixed-latency
     dependencies; the merge ~2,340 per warp (8 warps) at 6.1. Score grids measured: 4 blocks a program 67.9 us,
     2 blocks 67.7, 3 blocks (a full last wave) 69.3, 5-8 blocks 69.0-70.7.
+Programmatic dependent launch (session 12): both kernels wait before their first load (every input is written
+earlier in the step); the select lets the next kernel launch once its chunk is selected, the score kernel never
+triggers (a long row's grid is many waves), so unlike session 5's form (removed above) no select program takes an
+SM while scores remain to be computed. H200 (R2, back to back, PDL off -> on, us): scores N=64 / 256, L=1024 5.3 ->
+5.1 / 22.2 -> 22.0, select 6.3 -> 6.1 / 7.6 -> 7.3; the select layer's chain in benchmarks/kernels_attention.py.
 The candidate-block restriction of layers 24/28/... is expressed by the caller through key_start/key_len of a
 gathered pool, or by -inf scores (not selectable).
 Cost: N * max_len * Di * bytes(keys) read once, + N * max_len * 4 written and re-read from L2 by the select,
@@ -73,7 +78,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import empty, INTERPRETING, check, tickets, use_triton
+from .backend import empty, INTERPRETING, check, pdl_kw, pdl_trigger, pdl_wait, tickets, use_triton
 
 
 def _check(iq, w, keys, key_start, key_len, k):
@@ -134,11 +139,14 @@ def _score_block(q, w, keys_ptr, start, g, visible, DI: tl.constexpr, F32: tl.co
 @triton.jit
 def _indexer_score_kernel(iq_ptr, w_ptr, keys_ptr, start_ptr, len_ptr, out_ptr, max_len, HI,
                           HP: tl.constexpr, DI: tl.constexpr, BLOCK_G: tl.constexpr, F32: tl.constexpr,
-                          BPP: tl.constexpr):
+                          BPP: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, chunk of BPP blocks of BLOCK_G entries): the row's queries are loaded once per program;
-    BPP > 1 loops over the blocks (the key loads pipelined by num_stages)."""
+    BPP > 1 loops over the blocks (the key loads pipelined by num_stages). PDL: its every input is written earlier
+    in the step (queries, head weights, the index keys, the rows' starts and lengths), so it waits first. No early
+    trigger: a long row's grid is many waves, and a trigger in the block loop is a branch in the pipelined loop."""
     n = tl.program_id(0).to(tl.int64)
     g0 = tl.program_id(1) * (BPP * BLOCK_G)
+    pdl_wait(PDL)
     n_keys = tl.load(len_ptr + n)
     start = tl.load(start_ptr + n).to(tl.int64)
     h = tl.arange(0, HP)
@@ -170,7 +178,8 @@ def indexer_scores_triton(iq, w, keys, key_start, key_len, max_len, block_g: int
                                     key_start.to(torch.int64).contiguous(), key_len.to(torch.int64).contiguous(),
                                     scores, max_len, Hi, HP=max(16, triton.next_power_of_2(Hi)), DI=Di,
                                     BLOCK_G=block_g, F32=keys.dtype == torch.float32 or INTERPRETING,
-                                    BPP=blocks_per_program, num_warps=num_warps, num_stages=num_stages)
+                                    BPP=blocks_per_program, num_warps=num_warps, num_stages=num_stages,
+                                    **pdl_kw())
     return scores
 
 
@@ -484,7 +493,8 @@ def _topk_select_kernel(scores_ptr, L, CL, k, idx_ptr, val_ptr, map_ptr, fin_idx
                         BLOCK: tl.constexpr, RESIDENT: tl.constexpr, SORTED: tl.constexpr, KP: tl.constexpr,
                         MAP: tl.constexpr, FW: tl.constexpr, WIDTH: tl.constexpr, TOPR: tl.constexpr,
                         FUSE: tl.constexpr = False, MBLOCK: tl.constexpr = 16, MSORTED: tl.constexpr = False,
-                        FAN: tl.constexpr = 0, GBLOCK: tl.constexpr = 16, grp_idx_ptr=None, grp_val_ptr=None):
+                        FAN: tl.constexpr = 0, GBLOCK: tl.constexpr = 16, grp_idx_ptr=None, grp_val_ptr=None,
+                        PDL: tl.constexpr = False):
     """Program (row, chunk): `_select_chunk` over entries [c * CL, c * CL + CL) of row `row` of scores [N, L],
     written to output slots (row * chunks + c) * k... With MAP (the second stage of the chunked select) the row
     holds the first stage's candidates, whose positions increase with the original ids (so position ties are id
@@ -492,13 +502,17 @@ def _topk_select_kernel(scores_ptr, L, CL, k, idx_ptr, val_ptr, map_ptr, fin_idx
     after) also runs the second stage over the row's chunks * k candidates (MBLOCK slots, sorted when MSORTED)
     into fin_idx / fin_val [N, k]: one launch. FAN > 0 (rows of many chunks): the last chunk of each group of
     FAN merges the group's candidates (GBLOCK slots) into grp_idx / grp_val [N, groups * k], and the last group of
-    the row merges those (MBLOCK slots): each merge holds at most FAN * k or groups * k candidates in registers."""
+    the row merges those (MBLOCK slots): each merge holds at most FAN * k or groups * k candidates in registers.
+    PDL: the scores (and tickets) come from earlier kernels, so it waits first; every program lets the next kernel
+    launch once its chunk is selected (only the merges are left then)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     seg0 = c * CL
+    pdl_wait(PDL)
     _select_chunk(scores_ptr + row * L + seg0, tl.minimum(CL, L - seg0), k, idx_ptr, val_ptr,
                   (row * tl.num_programs(1) + c) * k, map_ptr + row * L + seg0, seg0, BLOCK, RESIDENT, SORTED, KP,
                   MAP, FW, WIDTH, TOPR)
+    pdl_trigger(PDL)
     if FUSE:
         chunks = tl.num_programs(1)
         C = chunks * k
@@ -554,7 +568,8 @@ def _select_launch(scores, k, chunks, sorted, block, num_warps, id_map=None, sea
     _topk_select_kernel[(N, chunks)](scores, L, cl, k, idx, val, scores if id_map is None else id_map, idx, val,
                                      idx, BLOCK=block, RESIDENT=resident, SORTED=in_kernel_sort, KP=kp,
                                      MAP=id_map is not None, FW=search[0], WIDTH=search[1], TOPR=search[2],
-                                     num_warps=num_warps or (16 if block > 8192 else 8 if block >= 2048 else 4))
+                                     num_warps=num_warps or (16 if block > 8192 else 8 if block >= 2048 else 4),
+                                     **pdl_kw())
     return _sort_after(idx, val, sorted, in_kernel_sort)
 
 
@@ -585,7 +600,7 @@ def _fused_launch(scores, k, chunks, sorted, num_warps, search, cnt, fan=FAN):
                                      MBLOCK=max(16, triton.next_power_of_2((groups if tree else chunks) * k)),
                                      MSORTED=in_kernel_sort, FAN=fan if tree else 0,
                                      GBLOCK=max(16, triton.next_power_of_2(fan * k)), grp_idx_ptr=grp_idx,
-                                     grp_val_ptr=grp_val, num_warps=num_warps or 4)
+                                     grp_val_ptr=grp_val, num_warps=num_warps or 4, **pdl_kw())
     return _sort_after(idx, val, sorted, in_kernel_sort)
 
 

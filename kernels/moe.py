@@ -28,12 +28,27 @@ read as int32 words of 8 codes, are decoded in registers to bf16 with their grou
 about 2.1 operations a weight) and are the first operand of the dot, the activations (permuted into the
 decode's column order) the second; one dot chain accumulates over K steps of several 32-groups. Extra bytes:
 1 per 32 weights.
+
+PDL (backend.pdl_kw; session 12): the four launches (align, gate/up, down, combine) are programmatic dependent
+launches. Each waits before its first load: the alignment reads the router's ids, and the grouped kernels'
+first loads are the alignment's blocks (_block_rows), whose expert picks the weights, so no weight load can come
+before the wait. The alignment (one wave of E programs) lets the gate/up launch start at once; gate/up, down and
+combine trigger late, after their K loops. H200, us a call in a chain of 20 layers (mid-size H=2048 F=1024
+E=64 K=6; V4.1 in a chain of 4), PDL off -> on, round 3 (w4_tiles): mid-size T=8 / 64 / 256 59.0-59.2 ->
+56.3-56.5, 90.3-90.5 -> 87.3-87.4, 126.4-126.5 -> 123.6-124.1; V4.1 T=8 316.5-318.1 -> 313.0-314.1, T=64
+1533-1576 -> 1556-1581, T=256 2467-2478 -> 2465-2493 (V4.1 T=64 / 256 within their runs' spread: neutral; round
+2 the same, V4.1 T=64 runs spread 1532-1868 whatever the setting). Measured and deleted (round 2, against the
+late triggers' 88.6-88.9 at mid-size T=64): gate/up and down triggering right after their wait 89.3-89.4; the
+down kernel asking the L2 for its weight rows before its wait (round 1, V4.1 T=64 1714-1762 against 1581-1629);
+the combine folded into the down kernel's epilogue (a ticket per token and H tile, the last pair adding the
+token's K rows in order: the same bits) 90.0-90.1, at T=256 (8 warps) 127.6-127.7 against 123.8-124.1, at T=8
+59.9-60.4 against 60.0-60.2, V4.1 T=8 319.4-325.1 against 316.7-317.5.
 """
 import torch
 import triton
 import triton.language as tl
 
-from .backend import empty, INTERPRETING, check, use_triton
+from .backend import empty, INTERPRETING, check, pdl_kw, pdl_trigger, pdl_wait, sm_count, use_triton
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -157,10 +172,13 @@ def align_pairs(ids: torch.Tensor, n_experts: int, block_m: int):
 
 @triton.jit
 def _align_kernel(ids_ptr, slot_pair_ptr, block_expert_ptr, P, E, NB, BM: tl.constexpr, EP: tl.constexpr,
-                  CH: tl.constexpr):
+                  CH: tl.constexpr, PDL: tl.constexpr = False):
     """One program per expert e, one launch instead of align_pairs' ~20: every program histograms all P ids
     (a few KB, L2 hits) to find where its padded range starts, then writes its pairs in pair order (stable,
-    so deterministic), the -1 padding of its last block and its block ids; program 0 also fills the tail."""
+    so deterministic), the -1 padding of its last block and its block ids; program 0 also fills the tail.
+    PDL: the ids are the router's (wait first); one wave (E programs), so the gate/up launch may start at once."""
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
     e = tl.program_id(0)
     bins = tl.arange(0, EP)
     counts = tl.zeros([EP], tl.int32)
@@ -204,7 +222,7 @@ def align_pairs_triton(ids: torch.Tensor, n_experts: int, block_m: int):
     block_expert = empty((n_blocks,), torch.int32, ids.device)
     _align_kernel[(n_experts,)](flat, slot_pair, block_expert, P, n_experts, n_blocks, BM=block_m,
                                 EP=max(16, triton.next_power_of_2(n_experts)),
-                                CH=max(16, min(1024, triton.next_power_of_2(P))), num_warps=4)
+                                CH=max(16, min(1024, triton.next_power_of_2(P))), num_warps=4, **pdl_kw())
     return slot_pair, block_expert
 
 
@@ -263,9 +281,11 @@ def _mac(acc, a, wt, m, F32: tl.constexpr, FP8: tl.constexpr, CD: tl.constexpr, 
 
 
 @triton.jit
-def _block_rows(slot_pair_ptr, block_expert_ptr, BM: tl.constexpr, BN: tl.constexpr):
+def _block_rows(slot_pair_ptr, block_expert_ptr, BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
     """This program's block (program id 0) and output tile (id 1): (its expert, -1 for an empty block; the tile;
-    the block's slots; the pair in each, -1 for padding; the tile's output rows)."""
+    the block's slots; the pair in each, -1 for padding; the tile's output rows). PDL: the alignment (and the
+    activations) come from the kernels before, so every grouped kernel waits here, before its first load."""
+    pdl_wait(PDL)
     b = tl.program_id(0)
     nt = tl.program_id(1)
     slots = b * BM + tl.arange(0, BM)
@@ -276,12 +296,13 @@ def _block_rows(slot_pair_ptr, block_expert_ptr, BM: tl.constexpr, BN: tl.conste
 def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, s1_ptr, s3_ptr, h_ptr, slot_pair_ptr, block_expert_ptr,
                     H, F, K_TOP, limit, g1_ptr, g3_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     F32: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr, CD: tl.constexpr = tl.bfloat16,
-                    GS: tl.constexpr = False, GR: tl.constexpr = 1, PF: tl.constexpr = False):
+                    GS: tl.constexpr = False, GR: tl.constexpr = 1, PF: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
     """Program (block of one expert's pairs, F tile): h = silu(min(x W1^T, L)) * clamp(x W3^T, -L, L).
     TMA: the weight tiles come through tensor descriptors over w [E*F, H] (Hopper's bulk copy engine), which
     the compiler pipelines; PF: the activation tile and the block shifts (plain loads, not pipelined by the
     compiler) are loaded one K step ahead, so their latency overlaps a step's dots."""
-    e, nt, slots, pair, n = _block_rows(slot_pair_ptr, block_expert_ptr, BM, BN)
+    e, nt, slots, pair, n = _block_rows(slot_pair_ptr, block_expert_ptr, BM, BN, PDL)
     if e >= 0:
         tok = tl.where(pair >= 0, pair // K_TOP, 0).to(tl.int64)
         acc1 = tl.zeros([BM, BN], tl.float32)
@@ -305,6 +326,7 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, s1_ptr, s3_ptr, h_p
                 cm3 = _group_mult(g3_ptr, e, n, k0, F, H, GR) if GS else 0
             acc1 = _mac(acc1, c0, w1t, cm1, F32, FP8, CD, GS)
             acc3 = _mac(acc3, c0, w3t, cm3, F32, FP8, CD, GS)
+        pdl_trigger(PDL)
         if FP8:                                  # per-output-channel scales of the fp8 weights
             sn = e.to(tl.int64) * F + n
             acc1 = acc1 * tl.load(s1_ptr + sn, mask=n < F, other=0.0)[None, :]
@@ -319,9 +341,9 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, s1_ptr, s3_ptr, h_p
 def _down_kernel(h_ptr, w2_ptr, w2_desc, s2_ptr, y_ptr, wts_ptr, slot_pair_ptr, block_expert_ptr, H, F, g2_ptr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, TMA: tl.constexpr,
                  FP8: tl.constexpr, CD: tl.constexpr = tl.bfloat16, GS: tl.constexpr = False, GR: tl.constexpr = 1,
-                 PF: tl.constexpr = False):
+                 PF: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (block of one expert's pairs, H tile): y[pair] = weight[pair] * (h W2^T), one row per pair."""
-    e, nt, slots, pair, n = _block_rows(slot_pair_ptr, block_expert_ptr, BM, BN)
+    e, nt, slots, pair, n = _block_rows(slot_pair_ptr, block_expert_ptr, BM, BN, PDL)
     if e >= 0:
         acc = tl.zeros([BM, BN], tl.float32)
         rows = slots.to(tl.int64)
@@ -339,6 +361,7 @@ def _down_kernel(h_ptr, w2_ptr, w2_desc, s2_ptr, y_ptr, wts_ptr, slot_pair_ptr, 
                 c0 = _a_tile(h_ptr, rows, ok, k0, F, BK)
                 cm2 = _group_mult(g2_ptr, e, n, k0, H, F, GR) if GS else 0
             acc = _mac(acc, c0, w2t, cm2, F32, FP8, CD, GS)
+        pdl_trigger(PDL)
         if FP8:
             acc = acc * tl.load(s2_ptr + e.to(tl.int64) * H + n, mask=n < H, other=0.0)[None, :]
         p = tl.maximum(pair, 0).to(tl.int64)
@@ -347,13 +370,15 @@ def _down_kernel(h_ptr, w2_ptr, w2_desc, s2_ptr, y_ptr, wts_ptr, slot_pair_ptr, 
 
 
 @triton.jit
-def _combine_kernel(y_ptr, out_ptr, H, K_TOP: tl.constexpr, BH: tl.constexpr):
+def _combine_kernel(y_ptr, out_ptr, H, K_TOP: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr = False):
     """out[t] = sum_k y[t*K + k] in k order (deterministic), cast to the output dtype: one launch."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     acc = tl.zeros([BH], tl.float32)
     for k in tl.static_range(K_TOP):
         acc += tl.load(y_ptr + (t * K_TOP + k) * H + h, mask=h < H, other=0.0)
+    pdl_trigger(PDL)
     tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=h < H)
 
 
@@ -480,10 +505,11 @@ def _w4_mac(acc, ww, f, at, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexp
 @triton.jit
 def _w4_gate_up_kernel(x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, s1_ptr, s3_ptr, g1_ptr, g3_ptr, h_ptr,
                        slot_pair_ptr, block_expert_ptr, H, F, K_TOP, limit, BM: tl.constexpr, BN: tl.constexpr,
-                       BK: tl.constexpr, TMA: tl.constexpr, F32: tl.constexpr, GR: tl.constexpr):
+                       BK: tl.constexpr, TMA: tl.constexpr, F32: tl.constexpr, GR: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """_gate_up_kernel for packed FP4 with swapped operands (section comment): program (block of one expert's
     pairs, F tile of BN rows), BK input columns a loop step; accumulators [BN, BM] (rows x tokens)."""
-    e, nt, slots, pair, n = _block_rows(slot_pair_ptr, block_expert_ptr, BM, BN)
+    e, nt, slots, pair, n = _block_rows(slot_pair_ptr, block_expert_ptr, BM, BN, PDL)
     if e >= 0:
         tok = tl.where(pair >= 0, pair // K_TOP, 0).to(tl.int64)
         ok = pair >= 0
@@ -501,6 +527,7 @@ def _w4_gate_up_kernel(x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, s1_ptr, s3_ptr, 
             f3n = _w4_factors(g3_ptr, e, n, k0 + BK, F, H, GR, BK, F32)
             acc1 = _w4_mac(acc1, w1t, f1, at, BN, BK, F32)
             acc3 = _w4_mac(acc3, w3t, f3, at, BN, BK, F32)
+        pdl_trigger(PDL)                         # late (module doc: PDL)
         sn = e.to(tl.int64) * F + n
         acc1 = acc1 * tl.load(s1_ptr + sn, mask=n < F, other=0.0)[:, None]
         acc3 = acc3 * tl.load(s3_ptr + sn, mask=n < F, other=0.0)[:, None]
@@ -513,9 +540,9 @@ def _w4_gate_up_kernel(x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, s1_ptr, s3_ptr, 
 @triton.jit
 def _w4_down_kernel(h_ptr, w2_ptr, w2_desc, s2_ptr, g2_ptr, y_ptr, wts_ptr, slot_pair_ptr, block_expert_ptr, H, F,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, F32: tl.constexpr,
-                    GR: tl.constexpr):
+                    GR: tl.constexpr, PDL: tl.constexpr = False):
     """_down_kernel for packed FP4 with swapped operands: y[pair] = weight[pair] * (h W2^T), one row per pair."""
-    e, nt, slots, pair, n = _block_rows(slot_pair_ptr, block_expert_ptr, BM, BN)
+    e, nt, slots, pair, n = _block_rows(slot_pair_ptr, block_expert_ptr, BM, BN, PDL)
     if e >= 0:
         rows = slots.to(tl.int64)
         ok = pair >= 0
@@ -528,6 +555,7 @@ def _w4_down_kernel(h_ptr, w2_ptr, w2_desc, s2_ptr, g2_ptr, y_ptr, wts_ptr, slot
             a1 = _w4_act(h_ptr, rows, ok, k0 + BK, F, BM, BK)
             f2n = _w4_factors(g2_ptr, e, n, k0 + BK, H, F, GR, BK, F32)
             acc = _w4_mac(acc, w2t, f2, at, BN, BK, F32)
+        pdl_trigger(PDL)
         acc = acc * tl.load(s2_ptr + e.to(tl.int64) * H + n, mask=n < H, other=0.0)[:, None]
         p = tl.maximum(pair, 0).to(tl.int64)
         wt = tl.load(wts_ptr + p, mask=ok, other=0.0)
@@ -588,7 +616,36 @@ PREFETCH_SHIFTED = True
 # 340 / 351, 2793 / 2753 (round 2). The first build of this form sent the decoded tile through shared memory
 # (per-word factors loaded a step ahead fixed its layout); per-group factors broadcast in registers keep it out
 # (perhaps why session 8's fold lost).
+# Registers of the launched builds (session 12, H200; `benchmarks/kernels.py --compile-check` builds these kernels
+# without the caps and the launches' integer specialisations, 229 / 163): 16-row blocks, capped, gate/up 165 and
+# down 128, no spills; 32-row blocks capped 168 / 128 with 46 / 38 bytes spilled, at 8 warps uncapped (w4_tiles)
+# 119 / 105; 64-row gate/up tiles (w4_tiles' small grids) 117; 64-row blocks at 8 warps (not taken) 181 / 153.
+# None spill but the capped 32-row ones. The fp8 / bf16 grouped kernels take the same PDL waits and triggers
+# (not timed off / on: not the CUDA default).
 W4_TILES = dict(block_n=128, block_k=128, num_warps=4, num_stages=3, maxnreg=(168, 128))
+
+
+
+def w4_tiles(T: int, K: int, E: int, F: int, device) -> dict:
+    """W4_TILES for T tokens routed to K of E experts of F gate/up rows (session 12, H200, us a call in a chain of
+    20 layers, mid-size H=2048 F=1024 E=64 K=6; HEAD's tiles -> these, PDL on, round 3):
+    - 32-row blocks (default_block_m; mid-size T=256) take 8 warps without register caps: the capped 4-warp builds
+      spill there (46 / 38 bytes a thread) and stall on those loads (ncu, round 2: issue slots 40% busy, 56% at 8
+      warps), 170.3-170.7 -> 123.6-124.1 (126.4-126.5 with PDL off). Round 2: 8 warps for gate/up alone 137, 16-row
+      blocks 155, 64-row gate/up tiles 140. Not at 64 rows (V4.1 prefill, T=4096: 8693-8751 against 8075-8273 for
+      4 uncapped warps; the fp8 rows path 10577-10584) nor at 16 (mid-size T=64 91.6-91.9 against 87.3-87.4, V4.1
+      T=64 1671-1678 against 1556-1581).
+    - A gate/up grid under one wave of 3 programs an SM (at most min(T*K, E) experts x F/128 tiles; mid-size T=8)
+      takes 64-row tiles, twice the programs: 61.9-62.1 -> 56.3-56.5 (59.0-59.2 with PDL off); with 8 warps too
+      80.9-81.8. At mid-size T=64 (512 programs) 64-row tiles gave 90.1-90.7 against 88.6-88.9 (round 2).
+    V4.1 decode shapes (T = 8 / 64 / 256) keep W4_TILES: 16-row blocks, 864+ gate/up programs."""
+    if default_block_m(T, K, E) == 32:
+        return dict(W4_TILES, num_warps=8, maxnreg=None)
+    bn, bk, warps, stages = (W4_TILES[k] for k in ("block_n", "block_k", "num_warps", "num_stages"))
+    if min(T * K, E) * _cdiv(F, bn) < 3 * sm_count(device):
+        return dict(W4_TILES, block_n=64, down=(bn, bk, warps, stages))
+    return W4_TILES
+
 
 # Tensor-descriptor weight loads by default (when the shapes allow). H200 round 1: as fast as the pointer loads
 # (200 vs 202 us at T=64), and their sm_90 build does not spill (the pointer build spills 808 B per thread).
@@ -647,6 +704,7 @@ def moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit=10.0, block_m=N
           f"packed FP4 K tiles are whole 32-groups, got {block_k}, {dk}")
     pf = (PREFETCH_SHIFTED and gs) if prefetch is None else bool(prefetch)
     slot_pair, block_expert = (align_pairs_triton if align == "triton" else align_pairs)(ids, E, block_m)
+    pdl = pdl_kw()
     n_blocks = block_expert.numel()
     fp8 = scales is not None
     f32 = w1.dtype == torch.float32 or INTERPRETING          # (fp8 with F32: fp32 dots, scales still applied)
@@ -676,30 +734,31 @@ def moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit=10.0, block_m=N
     y = empty((T * K, H), torch.float32, x.device)
     x = x.contiguous()
     if w4:
-        # (the caps were measured at 16-row blocks, and at 32 inside the mid-size step; at 64 rows, prefill, they
-        # spill 688 / 320 bytes a thread against the compiler's 224 / 0 in an sm_90 build: no caps there)
+        # (the caps were measured at 16-row blocks; at 32 rows the launched builds spill 46 / 38 bytes a thread, so
+        # w4_tiles takes 8 uncapped warps there; at 64 rows, prefill, they spill 688 / 320 against the compiler's
+        # 224 / 0 in an sm_90 build: no caps there)
         caps = maxnreg if maxnreg and block_m <= 32 else (None, None)
         _w4_gate_up_kernel[(n_blocks, triton.cdiv(F, block_n))](x, w1, w3, d1, d3, s1, s3, g1, g3, h, slot_pair,
                                                                 block_expert, H, F, K, float(swiglu_limit),
                                                                 BM=block_m, BN=block_n, BK=block_k, TMA=tma,
                                                                 F32=f32,
                                                                 GR=shift_rows, num_warps=num_warps,
-                                                                num_stages=num_stages, maxnreg=caps[0])
+                                                                num_stages=num_stages, maxnreg=caps[0], **pdl)
         _w4_down_kernel[(n_blocks, triton.cdiv(H, dn))](h, w2, d2, s2, g2, y, weights.float().contiguous(),
                                                         slot_pair, block_expert, H, F, BM=block_m, BN=dn, BK=dk,
                                                         TMA=tma, F32=f32, GR=shift_rows, num_warps=dw, num_stages=ds,
-                                                        maxnreg=caps[1])
+                                                        maxnreg=caps[1], **pdl)
         return _combine(y, T, H, K, x.dtype)
     _gate_up_kernel[(n_blocks, triton.cdiv(F, block_n))](x, w1, w3, d1, d3, s1, s3, h, slot_pair, block_expert, H,
                                                          F, K, float(swiglu_limit), g1, g3, BM=block_m,
                                                          BN=block_n, BK=block_k, F32=f32, TMA=tma, FP8=fp8, CD=cd,
                                                          GS=gs, GR=shift_rows, PF=pf,
                                                          num_warps=num_warps,
-                                                         num_stages=num_stages)
+                                                         num_stages=num_stages, **pdl)
     _down_kernel[(n_blocks, triton.cdiv(H, dn))](h, w2, d2, s2, y, weights.float().contiguous(), slot_pair,
                                                  block_expert, H, F, g2, BM=block_m, BN=dn, BK=dk, F32=f32,
                                                  TMA=tma, FP8=fp8, CD=cd, GS=gs, GR=shift_rows, PF=pf,
-                                                 num_warps=dw, num_stages=ds)
+                                                 num_warps=dw, num_stages=ds, **pdl)
     return _combine(y, T, H, K, x.dtype)
 
 
@@ -707,7 +766,7 @@ def _combine(y, T, H, K, dtype):
     """The pairs' rows y [T*K, H] fp32 summed per token in k order -> [T, H] in dtype (one launch)."""
     out = empty((T, H), dtype, y.device)
     bh = min(1024, triton.next_power_of_2(H))
-    _combine_kernel[(T, triton.cdiv(H, bh))](y, out, H, K_TOP=K, BH=bh, num_warps=4)
+    _combine_kernel[(T, triton.cdiv(H, bh))](y, out, H, K_TOP=K, BH=bh, num_warps=4, **pdl_kw())
     return out
 
 
@@ -719,7 +778,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
     if use_triton(x):
         kw = (FP8_SHIFT_TILES if shifts is not None else FP8_TILES) if scales is not None else {}
         if is_packed_fp4(w1):
-            kw = W4_TILES
+            kw = w4_tiles(x.shape[0], ids.shape[1], w1.shape[0], w1.shape[1], x.device)
         return moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit, scales=scales, shifts=shifts,
                                   shift_rows=shift_rows, fp8_compute=fp8_compute, **kw)
     return moe_experts_torch(x, ids, weights, w1, w3, w2, swiglu_limit, scales=scales, shifts=shifts,

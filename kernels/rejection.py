@@ -16,22 +16,21 @@ how many proposals the fast path computes (PROPOSALS) is not.
 It draws other tokens for a seed than the tau-first rule (sessions <= 6) did; the speculative bonus token
 follows the same rule (kernels/speculative.py), so the bonus is still exactly the plain draw.
 
-Work on a GPU (no tau first, no histogram): pass 1 is the sampling pass itself computing PROPOSALS draws per
-program (the lane weights and running sums are shared; each proposal costs a hash and two logs per lane, and one
-block reduction packs every proposal's best lane: the pass keeps each proposal's best lane only) and the
-program's max z; `_tokens_kernel` (per row) draws the token inside each proposal's winning lane (`lane_token`; session 7's pass made the in-lane
-pick of every proposal in every lane, a compare and an add per token each: the pass with 4 proposals ran 14.9 /
-52.3 us at B=64 / 256 against 11.0 / 35.2 without the picks, session 8 R1); pass 2 (`_above_kernel`, per (row,
-segment), only top-p-alone rows) sums, in fp64 across lanes, the mass exp(z - m) above each proposal: with
-HOT_LANES only over the lanes whose max (stored by the pass) exceeds the smallest proposal's z, gathered when
-they are at most HOTCAP of the segment's lanes (peaked rows: ~none outside the leaders' segment; session 8 R2,
-whole call at B=64 / 256: 24.3 / 61.8 us against 29.6 / 81.0 reading every lane; flat rows, where ~80 of 256
-lanes lie above it: 31.2 / 84.7 against 29.7 / 81.5); the row mass s comes from the pass's program masses (sum of
-its lane masses rescaled to its max: the mass-above pass need not read lanes that hold nothing above a
-proposal); a last launch (`_reject_finish_kernel`, per row) takes the first proposal whose mass above
-is < p * s (`_row_token`). A row whose PROPOSALS proposals all miss runs the rest of the rule in that program (loops over
-the row: proposals PROPOSALS .. NMAX - 1, then the row-wide tau bisection and the restricted draw): exact,
-slow, rare.
+Work on a GPU (no tau first, no histogram): pass 1 is the sampling pass itself computing PROPOSALS draws per program
+(the lane weights and running sums are shared; each proposal costs a hash and two logs per lane, and one block
+reduction packs every proposal's best lane: the pass keeps each proposal's best lane only) and the program's max z;
+`_tokens_kernel` (per row) draws the token inside each proposal's winning lane (`lane_token`; session 7's pass made
+the in-lane pick of every proposal in every lane, a compare and an add per token each: the pass with 4 proposals ran
+14.9 / 52.3 us at B=64 / 256 against 11.0 / 35.2 without the picks, session 8 R1); pass 2 (`_above_kernel`, per
+(row, segment), only top-p-alone rows) sums, in fp64 across lanes, the mass exp(z - m) above each proposal: with
+HOT_LANES only over the lanes whose max (stored by the pass) exceeds the smallest proposal's z, gathered when they
+are at most HOTCAP of the segment's lanes (peaked rows: ~none outside the leaders' segment; session 8 R2, whole call
+at B=64 / 256: 24.3 / 61.8 us against 29.6 / 81.0 reading every lane; flat rows, where ~80 of 256 lanes lie above
+it: 31.2 / 84.7 against 29.7 / 81.5); the row mass s comes from the pass's program masses (sum of its lane masses
+rescaled to its max: the mass-above pass need not read lanes that hold nothing above a proposal); a last launch
+(`_reject_finish_kernel`, per row) takes the first proposal whose mass above is < p * s (`_row_token`). A row whose
+PROPOSALS proposals all miss runs the rest of the rule in that program (loops over the row: proposals PROPOSALS ..
+NMAX - 1, then the row-wide tau bisection and the restricted draw): exact, slow, rare.
 Session 11: the mass-above programs first compare their segment's program maxima (the pass's) with the smallest
 proposal: a segment with nothing above any proposal stores zeros without loading its lane maxima (R3, B=64, twice
 each: peaked p0.95 rows 24.1 / 24.1 -> 22.2 / 22.2 us, flat p0.9 rows 31.2 / 31.3 -> 30.9 / 31.4); the pass packs
@@ -41,6 +40,20 @@ that the tokens kernel draws inside a winning lane in one sweep of its tokens in
 30.9 / 31.4 against 21.9 / 21.8 and 30.5 / 30.8 without (the extra store cost more than the sweeps). So the
 whole call at B=64 against HEAD in that run: peaked 23.9 / 23.9 -> 21.9 / 21.8 us (33% -> 36% of copy bandwidth),
 flat 31.1 / 31.1 -> 30.5 / 30.8 (25-26%); B=256 was cut by the rounds' budgets (not measured).
+Session 12, that code at B=256 (R1): peaked 56.8-56.9 us (55%), flat 87.5-87.6 (36%); B=64 21.7 / 30.7-30.8.
+Its kernels (R1, torch.profiler, PDL off, B=64, us): peaked: pass 11.9, mass above 4.9, tokens 3.1, finish 2.3;
+flat: mass above 13.6 (33 MB at 2.4 TB/s: instruction- and occupancy-bound), pass 12.3, tokens 3.3, finish 2.4.
+Deleted after session 12 (whole call, us, HEAD in the same run; B=64 twice each): the mass-above programs taking
+the segments last to first (what the pass read last is what the L2 still holds; R1): B=64 peaked 21.7 -> 22.7,
+flat 30.7-30.8 -> 30.7-30.8, B=256 peaked 56.9 -> 58.9, flat 87.5 -> 85.0 (the leaders' segment, a peaked row's
+only warm one, then starts last; the B=64 mass-above pass is instruction-bound: L2 hits do not show); each program
+taking SPP segments (unrolled: in a run-time loop the compiler held 241 registers against 96), about 1024
+programs in all (R3): B=64 peaked 21.1-21.2 -> 22.3 (SPP 2), flat 30.2-30.3 -> 30.6-30.7, B=256 peaked 80.8 (SPP
+8; 56.9 in R1): a program's warm segments come one after another; its first version (R2, segments last to first,
+the tokens kernel loading the row's parameters beside the packed lanes; the sums of a segment's two branches
+merged before one store, a layout conversion through shared memory) 23.8-24.4 / 31.7 against 21.7-21.8 /
+30.5-30.6, in pass order 22.5-23.1 / 30.9-31.0, with HOTCAP 128 (a flat row's ~80 hot lanes of 256 gathered
+instead of the segment read whole) 22.1-23.0 / 33.8-33.9.
 Deleted after session 11's R2 (whole call, us, B=64 / 256, flat p0.9 and peaked p0.95 rows, HEAD in the same run:
 30.6 / 85.9 and 24.1 / 64.3): lane bounds deciding rows in the tokens kernel (the pass stored each lane's max,
 second largest z and mass; a lane whose second largest z is not above a proposal adds exactly exp(max - m) or 0,
@@ -59,9 +72,9 @@ import triton
 import triton.language as tl
 
 from . import rng
-from .backend import empty
+from .backend import empty, pdl_kw, pdl_trigger, pdl_wait
 from .threshold import (NEG_INF_KEY, _below, _bisect_tau, _kept_column, exp2_w, lane_block, lane_keys, lane_score,
-                        load_z, pdl_kw, pdl_trigger, pdl_wait, pack_lanes, row_block_z, segment_pack)
+                        load_z, pack_lanes, row_block_z, segment_pack)
 
 NMAX = 8              # proposals of the rule (part of the contract: it decides the token)
 PROPOSALS = 4         # proposals the sampling pass computes (the finish computes the rest when all miss)
@@ -454,8 +467,9 @@ def reject_finish(logits, params, bitmask, mrows, packed, pmax, pmass, lane_max,
                   np_: int, interpreting: bool, tau=None) -> torch.Tensor:
     """The tokens [R] int64 after a sampling pass with np_ proposals per program that stored lanes (DEFER; packed
     [R, n_prog, np_], pmax and pmass [R, n_prog], lane_max [R, lanes of the row] or None without HOT_LANES): the
-    proposals' tokens per row, the mass-above pass over the top-p-alone rows, then the per-row finish. drawn: the top-k merge's tokens (-2: none) or None. tau: the rows' tau [R] when the pass
-    cut at it (None: no row filtered)."""
+    proposals' tokens per row, the mass-above pass over the top-p-alone rows, then the per-row finish. drawn: the
+    top-k merge's tokens (-2: none) or None. tau: the rows' tau [R] when the pass cut at it (None: no row
+    filtered)."""
     R, V = logits.shape
     n_prog = packed.shape[1]
     n_seg = triton.cdiv(V, seg)

@@ -10,6 +10,9 @@ The pool reads rows the write stored (a row's group holds the step's earlier row
 Why: the torch form is two dtype conversions, two index_copy, two gathers, a softmax, a product, a sum and a
 conversion back: ~9 launches per gated layer, each a few microseconds for T x W = 8 x 512 values.
 Cost: 2 T W elements written by the first launch; T r W x 2 read and T W written by the second.
+Programmatic dependent launch (session 12): both wait first. H200 (a step at 64 rows of 512, groups of 4; 16
+write + pool pairs back to back in a CUDA graph; us a pair, off -> on): R3 (benchmarks/kernels_moe.py's pdl sweep)
+3.16 / 3.16 -> 2.69 / 2.69; R2 3.40 / 3.38 -> 2.91 / 2.92.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import check, empty, use_triton
+from .backend import check, empty, pdl_kw, pdl_wait, use_triton
 
 
 def ring_write_torch(kv, gate, ring_kv, ring_g, dst_kv, dst_g) -> None:
@@ -33,10 +36,11 @@ def ring_pool_torch(ring_kv, ring_g, grp_kv, grp_g, dtype) -> torch.Tensor:
 
 @triton.jit
 def _ring_write_kernel(kv_ptr, g_ptr, rkv_ptr, rg_ptr, dkv_ptr, dg_ptr, W, kv_stride, g_stride,
-                       BLOCK_W: tl.constexpr):
+                       BLOCK_W: tl.constexpr, PDL: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     w = tl.arange(0, BLOCK_W)
     ok = w < W
+    pdl_wait(PDL)
     kv = tl.load(kv_ptr + t * kv_stride + w, mask=ok, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + t * g_stride + w, mask=ok, other=0.0).to(tl.float32)
     tl.store(rkv_ptr + tl.load(dkv_ptr + t) * W + w, kv, mask=ok)
@@ -45,9 +49,10 @@ def _ring_write_kernel(kv_ptr, g_ptr, rkv_ptr, rg_ptr, dkv_ptr, dg_ptr, W, kv_st
 
 @triton.jit
 def _ring_pool_kernel(rkv_ptr, rg_ptr, gkv_ptr, gg_ptr, out_ptr, W, R: tl.constexpr, RP: tl.constexpr,
-                      BLOCK_W: tl.constexpr):
+                      BLOCK_W: tl.constexpr, PDL: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, RP)
+    pdl_wait(PDL)
     w = tl.arange(0, BLOCK_W)
     jok = j < R
     ok = jok[:, None] & (w < W)[None, :]
@@ -73,7 +78,7 @@ def ring_write_triton(kv, gate, ring_kv, ring_g, dst_kv, dst_g) -> None:
     gc = gate if gate.stride(1) == 1 else gate.contiguous()
     if T:
         _ring_write_kernel[(T,)](kvc, gc, ring_kv, ring_g, dst_kv, dst_g, W, kvc.stride(0), gc.stride(0),
-                                 BLOCK_W=triton.next_power_of_2(W))
+                                 BLOCK_W=triton.next_power_of_2(W), **pdl_kw())
 
 
 def ring_pool_triton(ring_kv, ring_g, grp_kv, grp_g, dtype) -> torch.Tensor:
@@ -88,7 +93,7 @@ def ring_pool_triton(ring_kv, ring_g, grp_kv, grp_g, dtype) -> torch.Tensor:
         BLOCK_W = triton.next_power_of_2(W)
         _ring_pool_kernel[(T,)](ring_kv, ring_g, grp_kv.contiguous(), grp_g.contiguous(), out, W, R=R,
                                 RP=max(2, triton.next_power_of_2(R)), BLOCK_W=BLOCK_W,
-                                num_warps=4 if BLOCK_W <= 1024 else 8)
+                                num_warps=4 if BLOCK_W <= 1024 else 8, **pdl_kw())
     return out
 
 

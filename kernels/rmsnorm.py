@@ -9,6 +9,9 @@ Optionally, in the same launch, RoPE on the result (the window KV: kv_norm then 
 its own destination row (the window slab: no separate index_copy); see `rms_norm`.
 Cost: 2 * numel elements moved; one program per row (rows of up to 16,384 channels). Measured in the mid-size
 V4.1 decode step (H200, batch 8, R1 of session 6): 87 calls of 1.7 us each, replacing 3 launches per norm.
+Programmatic dependent launch (session 12, `_rms_norm_kernel`'s docstring): H200 R3, 64 rows of 2048, 16 calls
+back to back in a CUDA graph (benchmarks/kernels_moe.py's pdl sweep), us, off -> on: 1.74 / 1.72 -> 1.28 / 1.26
+(R1 / R2's .round script: 1.84 / 1.83 -> 1.40 / 1.38).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .backend import check, empty, use_triton
+from .backend import check, empty, pdl_kw, pdl_trigger, pdl_wait, sm_count, use_triton
 from .rope import apply_rope_torch
 
 
@@ -28,10 +31,16 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, turn_ptr, dst_ptr, D, x_row_stride, eps, R: tl.constexpr,
-                     ROPE: tl.constexpr, SCATTER: tl.constexpr, BLOCK_D: tl.constexpr):
+                     ROPE: tl.constexpr, SCATTER: tl.constexpr, BLOCK_D: tl.constexpr, EARLY: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    """PDL: everything after the wait (even the weight: its fp32 copy may be the previous kernel's output, on the
+    first call); EARLY (one wave of programs): the next kernel may launch at once (its programs wait for ours)."""
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     ok = d < D
+    pdl_wait(PDL)
+    if EARLY:
+        pdl_trigger(PDL)
     x = tl.load(x_ptr + row * x_row_stride + d, mask=ok, other=0.0).to(tl.float32)
     r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
     w = tl.load(w_ptr + d, mask=ok, other=0.0)
@@ -80,7 +89,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, turn: tor
         _rms_norm_kernel[(n,)](xc, weight.contiguous(), out, turn.contiguous() if turn is not None else weight,
                                rows if rows is not None else weight, D, xc.stride(0) if xc.dim() == 2 else D, eps,
                                R=R, ROPE=turn is not None, SCATTER=rows is not None, BLOCK_D=BLOCK_D,
-                               num_warps=4 if BLOCK_D <= 2048 else 8)
+                               EARLY=n <= sm_count(x.device), num_warps=4 if BLOCK_D <= 2048 else 8, **pdl_kw())
     return out
 
 

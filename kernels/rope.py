@@ -15,6 +15,9 @@ Measured and dropped (session 9 R1, fp8 experts): an in-place form that reads an
 (q, the attention output and the index queries: 1/8 of q's bytes), one program per row: the step's graphs back to
 back 4.17 / 5.12 ms at batch 8 / 64 against 4.13 / 5.15 out of place; the rope launches' eager device time 114 us
 at batch 8 (fewer programs) against 86 (session 8).
+Programmatic dependent launch (session 12, `_rope_kernel`'s docstring): H200, q of 64 tokens x 32 heads x 512 (64
+rotated), 16 calls back to back in a CUDA graph, us, off -> on: R3 (benchmarks/kernels_moe.py's pdl sweep) 2.75 /
+2.89 -> 2.70 / 2.65; R1 / R2 (.round script, 32 calls) 2.61 / 2.60 -> 2.18 / 2.15.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import check, empty, use_triton
+from .backend import check, empty, pdl_kw, pdl_trigger, pdl_wait, sm_count, use_triton
 
 
 def apply_rope_torch(x: torch.Tensor, turn: torch.Tensor) -> torch.Tensor:
@@ -38,7 +41,12 @@ def apply_rope_torch(x: torch.Tensor, turn: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _rope_kernel(x_ptr, turn_ptr, out_ptr, H, D: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
+                 BLOCK_D: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr = False):
+    """PDL: x and the turns are the step's, so the wait comes first; EARLY (one wave of programs): the next
+    kernel may launch at once (its programs wait for ours)."""
+    pdl_wait(PDL)
+    if EARLY:
+        pdl_trigger(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]          # [BH, 1]
     d = tl.arange(0, BLOCK_D)[None, :]                                       # [1, BD]
@@ -72,8 +80,9 @@ def apply_rope_triton(x: torch.Tensor, turn: torch.Tensor) -> torch.Tensor:
         return out
     BLOCK_D = triton.next_power_of_2(D)
     BLOCK_H = max(1, min(triton.next_power_of_2(H), 4096 // BLOCK_D))
-    _rope_kernel[(T, triton.cdiv(H, BLOCK_H))](xc, turn.contiguous(), out, H, D=D, R=R, BLOCK_H=BLOCK_H,
-                                               BLOCK_D=BLOCK_D)
+    grid = (T, triton.cdiv(H, BLOCK_H))
+    _rope_kernel[grid](xc, turn.contiguous(), out, H, D=D, R=R, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
+                       EARLY=grid[0] * grid[1] <= sm_count(x.device), **pdl_kw())
     return out
 
 

@@ -16,6 +16,10 @@ the tail: E values per row in registers, K rounds of max + mask. `gate_route`: t
 split-K product tile (H cut into slices, one program each; the row block's last program adds them in order and
 runs the tail on the logits rounded as the GEMM library would store them).
 Cost: `route` T * E elements read, 2 * T * K written; `gate_route` also E * H weights read once per row block.
+Programmatic dependent launch (session 12): `route` waits first; `gate_route` is kernels.skinny's product tile
+(its first weight step asked of the L2 before the wait). H200 session 12 (mid-size gate: 64 experts, hidden 2048,
+top 6; 16 calls back to back in a CUDA graph; us, PDL off -> on): gate_route at 64 rows 5.59 / 5.60 -> 4.88 / 4.87
+(R3, benchmarks/kernels_moe.py's pdl sweep); route at 256 rows 2.50 / 2.48 -> 2.25 / 2.26 (R2, .round script).
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .backend import INTERPRETING, check, empty, use_triton
+from .backend import INTERPRETING, check, empty, pdl_kw, pdl_wait, use_triton
+from . import skinny
 from .skinny import product_tile, split_k
 
 
@@ -75,9 +80,10 @@ def _route_rows(x, e, rows, T, E, bias_ptr, w_ptr, idx_ptr, scaling, K: tl.const
 
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, T, E, row_stride, scaling, K: tl.constexpr,
-                  KP: tl.constexpr, BM: tl.constexpr, BLOCK_E: tl.constexpr):
+                  KP: tl.constexpr, BM: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     e = tl.arange(0, BLOCK_E)
+    pdl_wait(PDL)
     x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * row_stride + e[None, :],
                 mask=(rows < T)[:, None] & (e < E)[None, :], other=0.0).to(tl.float32)
     _route_rows(x, e, rows, T, E, bias_ptr, w_ptr, idx_ptr, scaling, K, KP, BLOCK_E)
@@ -86,9 +92,10 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, T, E, row_stride, scalin
 @triton.jit
 def _gate_route_kernel(x_ptr, gw_ptr, bias_ptr, w_ptr, idx_ptr, part_ptr, ticket_ptr, T, E, H, x_stride, k_split,
                        scaling, K: tl.constexpr, KP: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr,
-                       BM: tl.constexpr, BLOCK_E: tl.constexpr, BK: tl.constexpr):
+                       BM: tl.constexpr, BLOCK_E: tl.constexpr, BK: tl.constexpr, PF: tl.constexpr,
+                       PDL: tl.constexpr = False):
     acc, _, last, rows, e, _ = product_tile(x_ptr, gw_ptr, gw_ptr, part_ptr, ticket_ptr, T, E, H, x_stride, k_split,
-                                            False, UPCAST, SPLIT, BM, BLOCK_E, BK)
+                                            False, UPCAST, SPLIT, BM, BLOCK_E, BK, PDL, PF)
     if last:         # the logits rounded to x's dtype, as the GEMM library stores them, then the tail
         _route_rows(acc.to(x_ptr.dtype.element_ty).to(tl.float32), e, rows, T, E, bias_ptr, w_ptr, idx_ptr,
                     scaling, K, KP, BLOCK_E)
@@ -113,7 +120,7 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: 
         BM = max(1, min(16, 2048 // BE, triton.next_power_of_2(T)))
         _route_kernel[(triton.cdiv(T, BM),)](x, bias.contiguous(), w, idx, T, E, x.stride(0), float(scaling),
                                              K=top_k, KP=triton.next_power_of_2(top_k), BM=BM, BLOCK_E=BE,
-                                             num_warps=1 if BM * BE <= 256 else 4)
+                                             num_warps=1 if BM * BE <= 256 else 4, **pdl_kw())
     return w, idx
 
 
@@ -131,7 +138,7 @@ def gate_route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     """The gate GEMM x [T, H] @ weight [E, H]^T and the contract's tail in one launch: kernels.skinny's split-K
     product tile (K = H cut into SPLIT slices; the last slice's program of a row block adds them in order and runs
     the tail on the logits rounded to x's dtype, as the GEMM library would store them). config: BM (rows per block,
-    default 16), BK, SPLIT."""
+    default 16), BK, SPLIT, PF."""
     check(x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1] and weight.dtype == x.dtype,
           f"gate_route: x {x.dtype} {tuple(x.shape)} with gate weight {weight.dtype} {tuple(weight.shape)}")
     T, H = x.shape
@@ -144,7 +151,8 @@ def gate_route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     if T == 0:
         return w, idx
     BE = max(16, triton.next_power_of_2(E))
-    cfg = {"BM": 16, "BK": 128, **(config or {})}     # (row blocks of 16: FUSED_MAX_ROWS says why)
+    # (row blocks of 16: FUSED_MAX_ROWS says why; PF: kernels.skinny.product_tile's prefetch before the PDL wait)
+    cfg = {"BM": 16, "BK": 128, "PF": skinny.PREFETCH and not INTERPRETING, **(config or {})}
     cfg.setdefault("SPLIT", max(1, min(16, H // (2 * cfg["BK"]))))
     m_tiles = triton.cdiv(T, cfg["BM"])
     k_split, split, tk = split_k(H, cfg["BK"], cfg["SPLIT"], m_tiles, x.device, site="router")
@@ -155,7 +163,8 @@ def gate_route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                                                 w if tk is None else tk, T, E, H, xs.stride(0), k_split,
                                                 float(scaling), K=top_k,
                                                 KP=triton.next_power_of_2(top_k), UPCAST=INTERPRETING, SPLIT=split,
-                                                BM=cfg["BM"], BLOCK_E=BE, BK=cfg["BK"], num_warps=4, num_stages=3)
+                                                BM=cfg["BM"], BLOCK_E=BE, BK=cfg["BK"], PF=cfg["PF"], num_warps=4,
+                                                num_stages=3, **pdl_kw())
     return w, idx
 
 

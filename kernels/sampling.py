@@ -69,10 +69,10 @@ import triton
 import triton.language as tl
 
 from . import rejection, rng, threshold
-from .backend import INTERPRETING, check, empty, use_triton
+from .backend import INTERPRETING, check, empty, pdl_kw, pdl_trigger, pdl_wait, use_triton
 from .rejection import is_p_alone, p_alone_rows, proposal_keys, store_proposals
 from .threshold import (_below, _ordered, exp2_w, lane_block, lane_pick, lane_score, needs_histogram_path,
-                        needs_lane_path, pack_lanes, pdl_kw, pdl_trigger, pdl_wait, segment_pack, thresholds_and_paths)
+                        needs_lane_path, pack_lanes, segment_pack, thresholds_and_paths)
 
 NEG_INF = float("-inf")
 
@@ -338,8 +338,11 @@ def _segment_kernel(logits_ptr, packed_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys
     block reduction packs the part's best lane.
     DONE: rows whose done entry is not -2 are drawn by the finish (from the top-k merge's kept set): their
     programs return at once. MASK_FIRST: masked rows read only their allowed tokens' logits (threshold.lane_block).
+    PDL: lets the finish (or the rejection chain) launch early; when launched early itself (pdl_kw), it waits
+    first (everything it reads may come from the kernel before it).
     """
     pdl_trigger(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     prog = tl.program_id(1)
     if DONE:
@@ -514,6 +517,10 @@ def sample_triton(logits, params: RowParams, bitmask=None, mask_rows=None, seg: 
     n_l = triton.cdiv(V, seg) * lanes
     lane_max = torch.empty((R, n_l), dtype=torch.float32, device=logits.device) if rejecting and \
         rejection.HOT_LANES else None
+    # the pass is PDL-launched itself (threshold.py beside PDL has the numbers) except before the rejection chain,
+    # where it was not measured apart (session 12's R3: 21.4-21.5 / 30.4 us against HEAD's 21.1-21.2 / 30.2-30.3
+    # at B=64, peaked / flat rows, together with a rewritten mass-above pass since deleted): a plain launch there
+    launch = dict(PDL=pdl_kw()["PDL"]) if rejecting else pdl_kw()
     _segment_kernel[(R, n_prog)](
         logits, packed, params.inv_temperature, params.greedy, tau, params.keys,
         bitmask if has_mask else logits, mrows if has_mask else packed, bitmask.stride(0) if has_mask else 0,
@@ -523,8 +530,7 @@ def sample_triton(logits, params: RowParams, bitmask=None, mask_rows=None, seg: 
         REJECT=rejecting, pmax_ptr=pmax, pmass_ptr=pmass,
         lane_ptr=lane_max if lane_max is not None else pmax, n_lanes=n_l,
         top_k_ptr=params.top_k, top_p_ptr=params.top_p, HOT=lane_max is not None, NPR=triton.next_power_of_2(np_),
-        PDL=pdl_kw()["PDL"],
-        num_warps=warps)
+        num_warps=warps, **launch)
     if rejecting:
         return rejection.reject_finish(logits, params, bitmask, mrows, packed, pmax, pmass, lane_max, drawn, seg,
                                        lanes, np_, INTERPRETING, tau if has_tau else None)

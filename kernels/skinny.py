@@ -18,6 +18,19 @@ output (q_norm + `wq_b` + rope: 23 / 31 us against 13 / 14): the rotation's extr
 prologue cost more than the launches they saved.
 Cost: G*N*K weight elements read once per BM rows (T <= BM: once), x read G*N/BN times, T*G*N written (split-K:
 plus SPLIT fp32 partial tiles written and read back).
+
+Programmatic dependent launch (session 12, `product_tile`): the first K step's weight lines are asked of the L2
+(PREFETCH), then the wait, then x and everything else; the next kernel may launch once every program is past its K
+loop. H200 session 12 R3 (benchmarks/kernels_moe.py's pdl sweep, K3_SWEEP=pdl; mid-size V4.1, 64 rows, 16 calls
+back to back in a CUDA graph, weights rotating past the L2; us, PDL off -> on, the GEMM library in the same run,
+% of the 4250 GB/s copy rate): wq_a + wkv 6.69 -> 6.05 (library 6.05; 20%), wq_b 11.08 -> 10.64 (9.48; 56%), wo_a
+10.38 -> 9.43 (9.15; 42%), wo_b 7.08 -> 6.74 (6.27; 29%), shared w1 + w3 with the SwiGLU 8.27 -> 7.78 (17.89;
+25%), shared w2 4.74 -> 4.42 (4.92; 22%). In the step's stretches (R3, .round script, us a layer, PDL on, the library's
+products beside these): norm, wq_a + wkv, q norm, wq_b, rope 23.27-23.30 against 23.74 (24.0 without the
+prefetch); rope, wo_a, wo_b, write-back + mixes 33.96-34.10 against 33.26-33.38; gate_route, shared expert, its
+w2, MoE write-back 31.27-31.28 against 32.35-32.54 with the library's w2. Measured and deleted: the program's
+whole weight slice asked of the L2 before the wait, evict-last (R1) or evict-normal (R2), slower everywhere (PDL
+on: wo_a 14.5-14.9 against 10.1-10.2, wq_b 12.8-13.1 against 10.6-10.7, shared w1 + w3 11.0-11.1 against 7.9).
 """
 from __future__ import annotations
 
@@ -25,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import INTERPRETING, check, empty, tickets as shared_tickets, use_triton
+from .backend import INTERPRETING, check, empty, pdl_kw, pdl_trigger, pdl_wait, tickets as shared_tickets, use_triton
 
 
 def skinny_linear_torch(x: torch.Tensor, w: torch.Tensor, groups: int = 1, glu: tuple | None = None) -> torch.Tensor:
@@ -48,12 +61,38 @@ def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 
 @triton.jit
+def prefetch_l2(ptrs, mask, base):
+    """Ask the L2 for the lines holding `ptrs` where `mask` (elsewhere for `base`, a valid address): no register is
+    written and nothing waits for it (compiled kernels only: PTX)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l",
+                              [tl.where(mask, ptrs, base).to(tl.int64, bitcast=True)], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
+def _prefetch_step(w_ptr, wrow, nok, k0, k1, BK: tl.constexpr):
+    """prefetch_l2 of the weight rows at offsets wrow [BN] (masked by nok), columns k0 .. min(k0 + BK, k1): one
+    address a 128-byte line (a step narrower than a line: one address)."""
+    LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth     # elements a 128-byte line
+    if BK >= LINE:
+        kk = k0 + tl.arange(0, BK // LINE) * LINE
+    else:
+        kk = k0 + tl.arange(0, 1)
+    prefetch_l2(w_ptr + wrow[None, :] + kk[:, None], nok[None, :] & (kk < k1)[:, None], w_ptr)
+
+
+@triton.jit
 def product_tile(x_ptr, w_ptr, w3_ptr, part_ptr, ticket_ptr, T, N, K, x_stride, k_split, GLU: tl.constexpr,
-                 UPCAST: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 UPCAST: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 PDL: tl.constexpr, PF: tl.constexpr):
     """This program's output tile of x [T, G*K] times w [G*N, K]^T (grid: N tiles, G, row tiles * SPLIT) in fp32,
     [and of the up product with w3]. Split-K (SPLIT > 1): each program sums its slice of K into the workspace
     part [2 * SPLIT, T, G*N] fp32; the tile's last program to finish (a ticket per tile, self-resetting) adds the
     slices in slice order, so the sums do not depend on which program was last.
+    PDL (launched with backend.pdl_kw): the weights are constant, so PF (compiled kernels) first asks the L2 for
+    this program's first K step of weights (the stream starts under the previous kernel's tail), then the wait,
+    before x (an activation) is read and anything is stored; the next kernel may launch once every program is past
+    its K loop (its programs then take the slots ours leave).
     -> (acc, up, last: whether this program holds the finished tile, rows, cols, mask)."""
     pn = tl.program_id(0)
     g = tl.program_id(1)
@@ -66,9 +105,15 @@ def product_tile(x_ptr, w_ptr, w3_ptr, part_ptr, ticket_ptr, T, N, K, x_stride, 
     nok = cols < N
     xrow = x_ptr + rows[:, None].to(tl.int64) * x_stride
     wrow = (g * N + cols).to(tl.int64) * K
+    k_end = tl.minimum(ps * k_split + k_split, K)
+    if PF:
+        _prefetch_step(w_ptr, wrow, nok, ps * k_split, k_end, BK)
+        if GLU:
+            _prefetch_step(w3_ptr, wrow, nok, ps * k_split, k_end, BK)
+    pdl_wait(PDL)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     up = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(ps * k_split, tl.minimum(ps * k_split + k_split, K), BK):
+    for k0 in range(ps * k_split, k_end, BK):
         k = k0 + tl.arange(0, BK)
         kok = k < K
         x = tl.load(xrow + (g * K + k)[None, :], mask=rok[:, None] & kok[None, :], other=0.0)
@@ -83,6 +128,7 @@ def product_tile(x_ptr, w_ptr, w3_ptr, part_ptr, ticket_ptr, T, N, K, x_stride, 
                 up += tl.dot(x.to(tl.float32), w3.to(tl.float32))
             else:
                 up += tl.dot(x, w3)
+    pdl_trigger(PDL)
     mask = rok[:, None] & nok[None, :]
     last = True
     if SPLIT > 1:    # partial sums to the workspace; the tile's last program to finish adds them in split order
@@ -110,9 +156,9 @@ def product_tile(x_ptr, w_ptr, w3_ptr, part_ptr, ticket_ptr, T, N, K, x_stride, 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, out_ptr, w3_ptr, part_ptr, ticket_ptr, limit, T, N, K, x_stride, k_split,
                    GLU: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr):
+                   BK: tl.constexpr, PF: tl.constexpr, PDL: tl.constexpr = False):
     acc, up, last, rows, cols, mask = product_tile(x_ptr, w_ptr, w3_ptr, part_ptr, ticket_ptr, T, N, K, x_stride,
-                                                   k_split, GLU, UPCAST, SPLIT, BM, BN, BK)
+                                                   k_split, GLU, UPCAST, SPLIT, BM, BN, BK, PDL, PF)
     if last:
         if GLU:      # silu(min(gate, L)) * clamp(up, -L, L), each step rounded as the separate launches stored it
             dt = out_ptr.dtype.element_ty
@@ -122,6 +168,10 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, w3_ptr, part_ptr, ticket_ptr, limit, T
         NT = N * tl.num_programs(1)
         out = out_ptr + rows[:, None].to(tl.int64) * NT + (tl.program_id(1) * N + cols)[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# the first K step's weights asked of the L2 before the PDL wait (product_tile's PF; compiled kernels only)
+PREFETCH = True
 
 
 def launch_config(T: int, N: int, K: int, groups: int, elsize: int = 2) -> dict:
@@ -145,7 +195,7 @@ def launch_config(T: int, N: int, K: int, groups: int, elsize: int = 2) -> dict:
     split = 1
     while split < 8 and tiles * split < 2 * 132 and K >= 2 * BK * (2 * split) and 2 * split * T * 32 <= K:
         split *= 2
-    return dict(BM=BM, BN=BN, BK=BK, SPLIT=split, num_warps=4, num_stages=4)
+    return dict(BM=BM, BN=BN, BK=BK, SPLIT=split, num_warps=4, num_stages=4, PF=PREFETCH and not INTERPRETING)
 
 
 def split_k(K: int, BK: int, SPLIT: int, n_tiles: int, device, site: str, given: torch.Tensor | None = None):
@@ -195,8 +245,8 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, groups: int = 1, glu:
     _skinny_kernel[(tiles[0], tiles[1], tiles[2] * split)](
         xs, wc, out, glu[0].contiguous() if glu is not None else wc, part, out if tk is None else tk,
         float(glu[1]) if glu is not None else 0.0, T, N, K, xs.stride(0), k_split, GLU=glu is not None,
-        UPCAST=INTERPRETING, SPLIT=split, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        UPCAST=INTERPRETING, SPLIT=split, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], PF=cfg["PF"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kw())
     return out
 
 

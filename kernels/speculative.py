@@ -203,11 +203,11 @@ def _stats_kernel(logits_ptr, mc_ptr, sc_ptr, pack_ptr, cu_ptr, temp_ptr, seed_p
     of a non-greedy request its bonus draw (the lane rule, FRESH key at its position); other rows -inf (unused).
     The logits loads are issued first (with HAS_TAU after the row's solved flag and its branch: one dependent
     load more a program on filtered batches); the row's request and parameters are looked up while they are in
-    flight (no per-row parameter arrays, no expand launch). Full segments skip the bounds checks. NP > 1: the last row of
-    a top-p-alone request stores NP proposals instead (kernels/rejection.py's rule, on the unrestricted z; pack
-    is [R, n_prog, NP]). HAS_TAU: rows the top-k merge solved (solved[row], threshold.lane_path's stats) already
-    hold their statistics in part 0; their other parts get nothing (max -inf, mass 0, no candidate), and their
-    logits are not read again."""
+    flight (no per-row parameter arrays, no expand launch). Full segments skip the bounds checks. NP > 1: the last
+    row of a top-p-alone request stores NP proposals instead (kernels/rejection.py's rule, on the unrestricted z;
+    pack is [R, n_prog, NP]). HAS_TAU (solved_ptr is None without it): rows the top-k merge solved (solved[row],
+    threshold.lane_path's stats) already hold their statistics in part 0; their other parts get nothing (max -inf,
+    mass 0, no candidate), and their logits are not read again."""
     skip = False
     if HAS_TAU:
         skip = tl.load(solved_ptr + tl.program_id(0)) != 0
@@ -551,8 +551,9 @@ def _accept_triton(logits, cu_rows, draft_tokens, draft_probs, temperature, top_
     sc = torch.empty_like(mc)
     np_ = rejection.PROPOSALS if has_tau and sampling.P_REJECT and reject is not False else 1
     pack = torch.empty((R, n_prog, np_), dtype=torch.int64, device=dev)
-    solved = torch.empty(R, dtype=torch.int8, device=dev)      # rows whose statistics the top-k merge wrote
+    solved = None                                               # rows whose statistics the top-k merge wrote
     if has_tau:
+        solved = torch.empty(R, dtype=torch.int8, device=dev)
         rows = RowParams(torch.empty(R, dtype=torch.float32, device=dev),
                          torch.empty(R, dtype=torch.int8, device=dev),
                          torch.empty(R, dtype=torch.int64, device=dev), torch.empty(R, dtype=torch.float32, device=dev),

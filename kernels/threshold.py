@@ -57,10 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
 from . import rng
-from .backend import INTERPRETING, empty
+from .backend import INTERPRETING, empty, pdl_kw, pdl_trigger, pdl_wait
 
 INV_W = 32.0          # bins per unit of z: a token's mass is known to within a factor e^(1/32) from its bin
 NB = 512              # bins per chunk histogram (the last one collects everything lower): 16 units of z
@@ -82,48 +80,16 @@ HB = 64               # bins of the merge's top-slice histogram (many candidates
 HB_CUT = 512          # bins of the tau pass's histogram narrowing a top-p-alone row's candidates to <= KP
 
 
-# Programmatic dependent launch (Hopper) of the per-row kernel after a pass (`pdl_kw`): the sampling finish after
+# Programmatic dependent launch (backend.pdl_kw) of the per-row kernel after a pass: the sampling finish after
 # the sampling pass, the top-k merge after the lane maxima, the top-p rejection chain. Session 9's R2 (H200, B=64,
 # each twice, us, off -> on): T=1 11.0 / 11.8 -> 10.7 / 10.7; T=0.7 + mask 13.4 / 14.5 -> 13.2 / 14.4; top-k50
 # p0.9 28.7 / 28.0 -> 27.5 / 27.5; top-p0.95 peaked 24.6 / 26.0 -> 23.7 / 24.6; B=256: T=1 34.5 -> 33.5, top-k
 # 74.5 -> 74.6. CUDA graphs capture the launches. The speculative step's chain measured no gain (48.7 / 49.9 ->
 # 49.4 / 49.8), so its own kernels (stats, accept) keep plain launches; its filtered rows' lane path uses PDL.
-PDL = True
-
-
-def pdl_kw() -> dict:
-    """Launch keywords of a kernel that may start before the one launched before it ends (programmatic dependent
-    launch, Hopper): the kernel waits (`pdl_wait`) before it touches memory, so only its launch and scheduling
-    overlap the previous kernel's tail. Off in the interpreter (no griddepcontrol there) and before Hopper
-    (griddepcontrol needs sm_90)."""
-    on = PDL and not INTERPRETING and _has_griddepcontrol()
-    return dict(PDL=on, launch_pdl=True) if on else dict(PDL=False)
-
-
-_SM90: dict = {}     # CUDA device index -> whether it is sm_90 or newer
-
-
-def _has_griddepcontrol() -> bool:
-    """Whether the current CUDA device can run programmatic dependent launch (sm_90+), asked once per device."""
-    d = torch.cuda.current_device()
-    if d not in _SM90:
-        _SM90[d] = torch.cuda.get_device_capability(d)[0] >= 9
-    return _SM90[d]
-
-
-@triton.jit
-def pdl_trigger(PDL: tl.constexpr):
-    """(a pass followed by a PDL launch) let the next kernel's programs be scheduled once every program of this
-    one has started."""
-    if PDL:
-        gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_wait(PDL: tl.constexpr):
-    """(a PDL-launched kernel) wait until the previous kernel has finished and its writes are visible."""
-    if PDL:
-        gdc_wait()
+# Session 12: the passes themselves (the sampling pass, the lane maxima) are PDL-launched too, waiting first (only
+# their launch overlaps the kernel before). R2 (B=64, twice each, us, HEAD -> now; everything PDL off in the same
+# run): T=1 11.1 / 11.1 -> 10.6 / 11.0 (11.8 / 11.9); top-k50 p0.9 21.2 / 21.2 -> 21.0 / 21.1 (22.4 / 22.1). Not
+# the sampling pass before the rejection chain (kernels/sampling.py beside its launch says why).
 
 
 @triton.jit
@@ -909,8 +875,10 @@ def _lane_max_kernel(logits_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, bi
                      P_LANES: tl.constexpr = True, PDL: tl.constexpr = False):
     """Program (row, PL lanes of a segment) of a candidate-path row: every lane's max z stored (-inf: nothing
     allowed), and for top-p-alone rows its mass sum exp(z - max) (the row's mass for the merge). No block
-    reduction: a lane's LW tokens sit in one thread (the sampling pass's lanes, so the merge can draw)."""
+    reduction: a lane's LW tokens sit in one thread (the sampling pass's lanes, so the merge can draw). PDL:
+    launched early (it waits first) and lets the merge launch early."""
     pdl_trigger(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     prog = tl.program_id(1)
     is_c, top_k, p_only = _is_cand_row(row, V, greedy_ptr, top_k_ptr, top_p_ptr, KMAX, P_LANES)
@@ -1046,7 +1014,8 @@ def _lane_merge_kernel(logits_ptr, tau_ptr, path_ptr, tok_ptr, inv_t_ptr, greedy
     gathered candidates (>= 1), -1 (more than LCAP lanes tie at the bound: exact row bisection, and the draw by a
     loop over the row here), -2 (nothing to filter or nothing allowed: tau = -inf), -3 (left to the histogram
     path: tau and the draw come later). tok[row]: the drawn token, -2 where the sampling pass must draw (with STATS,
--1 on top-p-alone rows of the lane branch: not drawn, since the speculative step never reads their draw).
+    -1 on top-p-alone rows of the lane branch and on path -1 rows: not drawn, since the speculative step never
+    reads their draw: its statistics pass draws them).
     UPTO < 4 (benchmarks, to time the stages by differences; the result is then wrong): 1 reads the lane maxima
     only, 2 adds the lane bound, 3 adds the candidates' gather and tau, 4 the draw (before session 9, stages 1-2
     also gathered the top / candidate lanes' tokens, so their numbers do not compare).
@@ -1137,7 +1106,7 @@ def _lane_merge_kernel(logits_ptr, tau_ptr, path_ptr, tok_ptr, inv_t_ptr, greedy
                 real_k = tl.where((real_k > 0) & (real_k < V), real_k, V + 1)
                 tau = _bisect_tau(logits_ptr, row, V, inv_t, real_k, top_p, bitmask_ptr, mrow, bitmask_stride,
                                   HAS_MASK, BLOCK)
-                if DRAW:                                            # rare (massive ties): the draw by a row loop
+                if DRAW and not STATS:      # rare (massive ties): the draw by a row loop (STATS: never read)
                     best = tl.full([], -9223372036854775807, tl.int64)
                     for c in range(0, tl.cdiv(V, LANES * LW)):
                         lane, pos, x = lane_block(logits_ptr, bitmask_ptr, row, c * (LANES * LW), V, mrow,
@@ -1231,7 +1200,7 @@ def lane_path(logits, params, bitmask, mrows, tau, path, tok, seg, lanes, kmax=K
     _lane_max_kernel[(R, n_seg * (lanes // pl))](
         logits, params.inv_temperature, params.greedy, params.top_k, params.top_p, bm, mr, stride, V, n_l, lmax, lmass,
         HAS_MASK=has_mask, LANES=lanes, LW=seg // lanes, PL=pl, VEC=vec, KMAX=kmax, FAST=not INTERPRETING,
-        P_LANES=P_ONLY_LANES if p_lanes is None else p_lanes, PDL=pdl_kw()["PDL"], num_warps=warps)
+        P_LANES=P_ONLY_LANES if p_lanes is None else p_lanes, num_warps=warps, **pdl_kw())
     if stages < 2:
         return
     lane_buf = torch.empty((R, lcap), dtype=torch.int32, device=dev)

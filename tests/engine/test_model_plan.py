@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from deepinfer_sg.engine import testing
+from deepinfer_sg.engine import model as model_mod, testing
 from deepinfer_sg.engine.model import StepChunk, StepRows
 from deepinfer_sg.engine.step_graphs import SegmentGraphs
 
@@ -31,8 +31,11 @@ def _setup(seed=5):
     return m, caches, g
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-def test_planned_ahead_decode_equals_forward_step(graphs):
+@pytest.mark.parametrize("graphs,device_tail", [(False, False), (True, False), (True, True)])
+def test_planned_ahead_decode_equals_forward_step(graphs, device_tail, monkeypatch):
+    """device_tail: the caches' recent token ids taken for device tensors (as on CUDA after ids given on the
+    device): the launch then hashes the Engram row ids on the host into their slots of the step's upload
+    (Model._engram_rows, ctx.engram_ids) instead of the device hashing the windows; same results."""
     m, caches, g = _setup()
     ref_m, ref_caches = copy.deepcopy(m), copy.deepcopy(caches)
     for mm in (m, ref_m):
@@ -45,12 +48,15 @@ def test_planned_ahead_decode_equals_forward_step(graphs):
 
     def rows_of(k):
         return [StepRows(c, n, n) for c, n in zip(caches, schedule[k]) if n]
+    if device_tail:
+        monkeypatch.setattr(model_mod, "_on_host", lambda t: False)
     plan = m.plan_step(rows_of(0))
     outs = []
     for k in range(len(schedule)):
         out = m.launch(plan, ids[k])
         plan = m.plan_step(rows_of(k + 1)) if k + 1 < len(schedule) else None   # before step k's outputs are read
         outs.append(out)
+    monkeypatch.undo()     # (the oracle: the device hash)
     for k, r in enumerate(schedule):
         chunks, at = [], 0
         for c, n in zip(ref_caches, r):

@@ -203,19 +203,34 @@ def _check_twice(seed, dtype, **kw):
         assert out[4].abs().max() == 0
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_32_head_programs_match_formula(splits):
+    """32-head programs (the default for 32 heads once the rows fill the SMs; 20 heads here, so 12 masked rows of
+    the tile), with and without key splits, against the float64 formula."""
+    gen = torch.Generator().manual_seed(32 + splits)
+    q, win_kv, win_idx, cmp_kv, cmp_idx, sink = _inputs(gen, N=5, H=20, D=32, Kw=40, Kc=33)
+    ref = _naive(q, win_kv, win_idx, cmp_kv, cmp_idx, sink)
+    out = sparse_attention_triton(*on_dev((q, win_kv, win_idx, sink, cmp_kv, cmp_idx)), block_h=32, block_k=16,
+                                  num_warps=4, splits=splits).cpu()
+    assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert out[4].abs().max() == 0
+
+
 @pytest.mark.skipif(DEVICE == "cpu", reason="V4 decode shapes: too slow for the interpreter; runs compiled")
-@pytest.mark.parametrize("N", [64, 200])
-def test_default_dispatch_at_v4_decode_shapes(N):
-    """The dispatched launch (default_config) at the model's shapes (64 heads, D = 512, 128 window + 512 gathered
-    compressed keys, bf16) against the twin in fp32: the configurations the engine runs."""
-    gen = torch.Generator().manual_seed(N)
-    q = torch.randn(N, 64, 512, generator=gen).bfloat16()
+@pytest.mark.parametrize("N,H", [(64, 64), (200, 64), (64, 32), (256, 32)])
+def test_default_dispatch_at_v4_decode_shapes(N, H):
+    """The dispatched launch (default_config) at the models' shapes (V4.1's 64 heads, the mid-size model's 32; D =
+    512, 128 window + 512 gathered compressed keys, bf16) against the twin in fp32: the configurations the engine
+    runs (64 heads: two splits merged from registers at 64 rows, one at 200; 32 heads: 16-head programs with
+    two key splits at 64 rows, 32-head programs at 256)."""
+    gen = torch.Generator().manual_seed(N + H)
+    q = torch.randn(N, H, 512, generator=gen).bfloat16()
     win = torch.randn(N * 128, 512, generator=gen).bfloat16()
     cmp_ = torch.randn(N * 600, 512, generator=gen).bfloat16()
     wi = torch.arange(N)[:, None] * 128 + torch.arange(128)
     ci = torch.arange(N)[:, None] * 600 + torch.randperm(600, generator=gen)[:512]
     wi[3, 100:] = -1
-    sink = torch.randn(64, generator=gen)
+    sink = torch.randn(H, generator=gen)
     ref = sparse_attention_torch(q.float(), win.float(), wi, sink, cmp_.float(), ci)
     out = sparse_attention(*on_dev((q, win, wi, sink, cmp_, ci))).cpu().float()
     assert float((out - ref).norm() / ref.norm()) < 1e-2

@@ -1,11 +1,13 @@
 """Index glue kernels: twins vs the rule applied element by element in Python; Triton vs twin on awkward shapes
-(G not a power of two, one row, strided scores / ids as the engine slices them, with and without candidates).
-Outputs start poisoned (conftest)."""
+(G not a power of two, one row, strided scores / ids as the engine slices them, with and without candidates); the
+select layer's chain of kernels launched back to back against the twins. Outputs start poisoned (conftest)."""
 import pytest
 import torch
 
+from deepinfer_sg.kernels.decode_attention import sparse_attention_torch, sparse_attention_triton
 from deepinfer_sg.kernels.index_rows import (entry_rows_torch, entry_rows_triton, visible_scores_torch,
                                              visible_scores_triton)
+from deepinfer_sg.kernels.indexer import _select, indexer_scores_torch, indexer_scores_triton, topk_select_triton
 from helpers import on_dev, to_cpu
 
 
@@ -63,3 +65,32 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="candidate mask"):
         visible_scores_triton(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long),
                               1, torch.ones(2, 7, dtype=torch.bool))
+
+
+def test_select_layer_chain_back_to_back():
+    """The engine's select layer as one chain of launches with no host sync between them (on a GPU each is a
+    programmatic dependent launch, so every read of the previous kernel's output must come after its wait):
+    index scores -> visible entries -> top-k select -> entry rows -> sparse attention, run twice, against the
+    twins. Each output starts poisoned, so a read that overtakes its producer shows up."""
+    g = torch.Generator().manual_seed(5)
+    T, Hi, Di, G, k, H, D, W = 6, 4, 16, 45, 8, 4, 32, 12
+    iq, w = torch.randn(T, Hi, Di, generator=g), torch.randn(T, Hi, generator=g)
+    keys = torch.randn(T * G, Di, generator=g)
+    start, count = torch.arange(T) * G, torch.randint(0, G + 1, (T,), generator=g)
+    pos = torch.randint(0, 2 * G, (T,), generator=g)
+    q, win = torch.randn(T, H, D, generator=g), torch.randn(T * W, D, generator=g)
+    win_idx = torch.arange(T * W).view(T, W)
+    win_idx[:, :5] = -1
+    kv, sink = torch.randn(T * G, D, generator=g), torch.randn(H, generator=g)
+    _, masked = visible_scores_torch(indexer_scores_torch(iq, w, keys, start, count, G), pos, count, 2)
+    ids = _select(masked, k)[0]
+    rows = entry_rows_torch(ids, start, count, 16)
+    want = sparse_attention_torch(q, win, win_idx, sink, kv, rows)
+    d = on_dev((iq, w, keys, start, count, pos, q, win, win_idx, kv, sink))
+    for _ in range(2):
+        scores = indexer_scores_triton(*d[:5], G)
+        got_ids, _ = topk_select_triton(visible_scores_triton(scores, d[5], d[4], 2)[1], k, sorted=False)
+        got_rows = entry_rows_triton(got_ids, d[3], d[4], 16)
+        out = sparse_attention_triton(d[6], d[7], d[8], d[10], d[9], got_rows).cpu()
+        assert torch.equal(got_ids.cpu().sort(1).values, ids.sort(1).values)
+        assert torch.allclose(out, want, atol=1e-5, rtol=1e-5)

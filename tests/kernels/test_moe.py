@@ -174,12 +174,15 @@ def _e2m1_by_hand(code: int) -> float:
 @pytest.mark.parametrize("tma,H,F,bk", [(True, 64, 64, 32), (False, 96, 80, 64), (True, 64, 96, 128),
                                         (True, 96, 64, 64)])
 def test_packed_fp4_weights(tma, H, F, bk):
-    """Packed FP4 experts (two E2M1 codes a byte, low nibble first) with 1x32 group shifts up to 23 (and one of
-    126): the twin decodes them as the bit formula says; the kernels decode them in registers with the shifts
+    """Packed FP4 experts (two E2M1 codes a byte, low nibble first) with 1x32 group shifts up to 23 (and a row
+    of 126): the twin decodes them as the bit formula says; the kernels decode them in registers with the shifts
     folded in (compiled: the inline-PTX bf16 decode; the interpreter: the plain one) and equal both the twin and
     the same weights repacked to fp8 (the same values: e2m1 is a subset of e4m3) up to the order of the fp32 sums
-    (at most one bf16 rounding step apart). H=96 / F=80 leave a partial 32-group, and steps of bk = 64 / 128
-    columns partial steps; F=80's 40-byte rows rule out tensor descriptors."""
+    (at most one bf16 rounding step apart). Row 1 of expert 0's three weights has every group at shift 126 and a
+    row scale of 2**120, so its decoded weights are bf16 subnormals (codes 0.5, 1) and small normals that carry
+    its output channel: a decode that flushed them or clamped the shift fails the per-element check. H=96 /
+    F=80 leave a partial 32-group, and steps of bk = 64 / 128 columns partial steps; F=80's 40-byte rows rule out
+    tensor descriptors."""
     gen = torch.Generator().manual_seed(11 + H + F)
     T, E, K = 19, 4, 2
     x, ids, wts, _, _, _ = _inputs(gen, T, H, F, E, K)
@@ -191,14 +194,17 @@ def test_packed_fp4_weights(tma, H, F, bk):
         fp8.append(torch.tensor([_e2m1_by_hand(c) for c in range(16)])[codes.long()].to(torch.float8_e4m3fn))
         g = torch.randint(0, 24, (E, -(-k // 32), n), generator=gen, dtype=torch.uint8)
         g[:, 0, :] = 0
-        g[0, -1, 1] = 126                        # the largest exact shift (a bf16 subnormal when decoded alone)
+        g[0, :, 1] = 126                         # the largest exact shift (bf16 subnormals for codes 0.5 and 1)
         shifts.append(g)
-        scales.append(torch.exp2(torch.randint(-12, -6, (E, n), generator=gen).float()))
+        sc = torch.exp2(torch.randint(-12, -6, (E, n), generator=gen).float())
+        sc[0, 1] = 2.0 ** 120                    # ... in a row of its own, so that its products count (below)
+        scales.append(sc)
     kw = dict(scales=tuple(scales), shifts=tuple(shifts), shift_rows=1)
     e, r, c = 2, 5, 7                                                    # one weight decoded by hand
     code = (int(packed[2][e, r, c // 2].view(torch.uint8)) >> (4 * (c % 2))) & 15
     assert dequantize_expert(packed[2][e], scales[2][e], shifts[2][e])[r, c].item() == \
         _e2m1_by_hand(code) * float(scales[2][e, r]) * 2.0 ** -int(shifts[2][e, c // 32, r])
+    assert (ids == 0).any()                                              # expert 0's row 1 is used
     ref = moe_experts_torch(x, ids, wts, *packed, swiglu_limit=4.0, **kw)
     assert torch.equal(ref, moe_experts_torch(x, ids, wts, *fp8, swiglu_limit=4.0, **kw))
     x16 = x.to(torch.bfloat16)
@@ -215,6 +221,33 @@ def test_packed_fp4_weights(tma, H, F, bk):
             moe_experts_triton(x16[:, :60], ids, wts, packed[0][..., :30], packed[1][..., :30], packed[2][:, :60],
                                scales=(scales[0], scales[1], scales[2][:, :60]),
                                shifts=(shifts[0][:, :2], shifts[1][:, :2], shifts[2][:, :, :60]))
+
+
+@pytest.mark.parametrize("T,E", [(24, 2), (5, 3)])
+def test_packed_fp4_tiles_per_shape(T, E):
+    """w4_tiles' two rules (8 uncapped warps for 32-row blocks; 64-row gate/up tiles under one wave of programs)
+    hold at the mid-size shape and leave V4.1's (decode, and prefill's 64-row blocks) alone, and their tiles give
+    the twin's results: T=24 pairs of each of 2 experts make 32-row blocks, 3 experts of 128 rows a small grid."""
+    mid = dict(K=6, E=64, F=1024, device="cpu")
+    assert moe_mod.w4_tiles(256, **mid)["num_warps"] == 8 and moe_mod.w4_tiles(256, **mid)["maxnreg"] is None
+    assert moe_mod.w4_tiles(8, **mid)["block_n"] == 64 and moe_mod.w4_tiles(8, **mid)["down"][0] == 128
+    assert moe_mod.w4_tiles(64, **mid) is moe_mod.W4_TILES
+    assert all(moe_mod.w4_tiles(t, 6, 384, 2304, "cpu") is moe_mod.W4_TILES for t in (8, 64, 256, 4096))  # V4.1
+    gen = torch.Generator().manual_seed(T * E)
+    H = F = 128
+    K = 2
+    x, ids, wts, _, _, _ = _inputs(gen, T, H, F, E, K)
+    ws = tuple(torch.randint(0, 256, (E, n, k // 2), generator=gen, dtype=torch.uint8) for n, k in ((F, H), (F, H),
+                                                                                                    (H, F)))
+    kw = dict(scales=tuple(torch.exp2(torch.randint(-8, -4, (E, n), generator=gen).float()) for n in (F, F, H)),
+              shifts=tuple(torch.randint(0, 8, (E, k // 32, n), generator=gen, dtype=torch.uint8)
+                           for n, k in ((F, H), (F, H), (H, F))), shift_rows=1)
+    tiles = moe_mod.w4_tiles(T, K, E, F, on_dev(x).device)
+    assert (tiles["num_warps"] == 8) == (T == 24) and (tiles["block_n"] == 64) == (T == 5)
+    x16 = x.to(torch.bfloat16)
+    ref = moe_experts_torch(x16.float(), ids, wts, *ws, swiglu_limit=4.0, **kw)
+    out = moe_experts_triton(*on_dev((x16, ids, wts) + ws), swiglu_limit=4.0, **on_dev(kw), **tiles).cpu()
+    assert (out.float() - ref).norm() / ref.norm() < 1e-2
 
 
 def test_tma_preconditions():

@@ -127,6 +127,33 @@ def test_shared_tickets_are_left_zero_and_a_capture_without_them_runs_unsplit(mo
     assert torch.allclose(split.float(), unsplit.float(), atol=2e-2 * unsplit.float().abs().max())
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+def test_a_chain_of_launches_reads_each_output_after_it_is_written(monkeypatch, pdl):
+    """The shared expert's two products and a third (split-K) one back to back, each reading the one before's
+    output: launched with programmatic dependent launch on a Hopper GPU (kernels.backend.PDL; off elsewhere), a
+    kernel reading its input before its wait would see the poisoned output. Compiled: the weight prefetch before
+    the wait (PF) on and off give the same bits."""
+    from deepinfer_sg.kernels import backend, skinny
+    monkeypatch.setattr(backend, "PDL", pdl)
+    g = torch.Generator().manual_seed(21)
+    x = (torch.randn(7, 256, generator=g) * 0.3).to(torch.bfloat16)
+    w1, w3 = ((torch.randn(96, 256, generator=g) * 0.2).to(torch.bfloat16) for _ in range(2))
+    w2 = (torch.randn(256, 96, generator=g) * 0.2).to(torch.bfloat16)
+    w4 = (torch.randn(40, 256, generator=g) * 0.2).to(torch.bfloat16)
+    h = skinny_linear_torch(x, w1, glu=(w3, 1.0))
+    want = skinny_linear_torch(skinny_linear_torch(h, w2), w4).float()
+
+    def chain():
+        h = skinny_linear_triton(on_dev(x), on_dev(w1), glu=(on_dev(w3), 1.0))
+        return to_cpu(skinny_linear_triton(skinny_linear_triton(h, on_dev(w2)), on_dev(w4), config={"SPLIT": 2,
+                                                                                                     "BK": 64}))
+    got = chain().float()
+    assert torch.allclose(got, want, atol=3e-2 * want.abs().max(), rtol=2e-2)
+    if not INTERPRETING:
+        monkeypatch.setattr(skinny, "PREFETCH", not skinny.PREFETCH)
+        assert torch.equal(chain().float(), got)
+
+
 def test_bad_shapes_are_refused_with_the_shapes():
     with pytest.raises(ValueError, match="in 2 groups"):
         skinny_linear_triton(torch.randn(3, 10), torch.randn(4, 4), groups=2)
