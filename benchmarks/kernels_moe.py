@@ -756,8 +756,11 @@ def _hc_runner(kind, T, kw):
     run = _hc_launches(kind, use, kw)
 
     def with_pdl(s, p):             # (set at every call: the sweep's graphs capture the launches as set here)
-        backend.PDL = pdl
-        return run(s, p)
+        was, backend.PDL = backend.PDL, pdl
+        try:
+            return run(s, p)
+        finally:
+            backend.PDL = was
     return with_pdl
 
 
@@ -882,7 +885,8 @@ POST_MIX_BUILDS = (("bt16 s64 k64", 16, 64, 64, 1, 4, False, 0), ("bt16 s128 k64
 def compile_cases():
     """(name, kernel, extra pointer types, constexprs, warps) for kernels.py --compile-check."""
     desc_t = dict(w1_desc="constexpr", w3_desc="constexpr", w2_desc="constexpr")
-    fused = dict(M=4, NZP=32, PRECISION="ieee", UPCAST=False, ITERS=20, FAST=True, TAIL=True, PF=True, FORM=7)
+    fused = dict(M=4, NZP=32, PRECISION="ieee", UPCAST=False, ITERS=20, FAST=True, TAIL=True, PF=True, FORM=7,
+                 PDL=False)
     fz = dict(r_ptr="*bf16", cnt_ptr="*i32", norm_eps="fp32", hc_eps="fp32", post_mult="fp32")
     cases = [
         ("moe align", moe._align_kernel, dict(ids_ptr="*i64", slot_pair_ptr="*i32", block_expert_ptr="*i32"),
@@ -930,9 +934,9 @@ def compile_cases():
         ("hc prefill parts", hc_mix._hc_fused_kernel, dict(fz, fn_ptr="*bf16"),
          dict(fused, BT=128, BK=64, SPLIT=2048, MODE=2, NW=1, TPW=128, SPC=2, PF=False), 8),
         ("hc post + pre", hc_mix._hc_post_kernel, dict(r_ptr="*bf16", y_ptr="*bf16", y2_ptr="*bf16", out_ptr="*bf16",
-                                                       x_ptr="*bf16"), dict(M=4, BH=256, PRE=True, Y2=True), 1),
+                                                       x_ptr="*bf16"), dict(M=4, BH=256, PRE=True, Y2=True, PDL=False), 1),
     ]
-    pm = dict(NZP=32, UPCAST=False, ITERS=20, FAST=True, SPC=32, TAIL=True, FORM=7)
+    pm = dict(NZP=32, UPCAST=False, ITERS=20, FAST=True, SPC=32, TAIL=True, FORM=7, PDL=False)
     pz = dict(r_ptr="*bf16", y_ptr="*bf16", y2_ptr="*bf16", out_ptr="*bf16", x_ptr="*bf16", cnt_ptr="*i32",
               norm_eps="fp32", hc_eps="fp32", post_mult="fp32", x_eps="fp32")
     for label, bt, sp, bk, mode, w, y2, norm in POST_MIX_BUILDS:

@@ -223,7 +223,8 @@ def window_index(plan: BatchPlan, past_lens, W: int, decoder: bool) -> Deferred:
 def window_idx(rows: torch.Tensor, W: int) -> torch.Tensor:
     """win_idx [T, W] into the flat window pool (-1 = no key) from `window_index`'s rows [T, 2] (device; inside
     the step's graph; made once per step and shared by the layers): as the attention kernel reads them, int32 on
-    CUDA (read from the low words of the uploaded int64 values, all far below 2^31), int64 for the torch twin.
+    CUDA (read from the low words of the uploaded little-endian int64 values, all of magnitude below 2^31), int64
+    for the torch twin.
     Three launches (the row positions and the window's start folded into the rows on the host: the device arithmetic
     from positions and the int32 conversion were eight)."""
     if rows.is_cuda:
@@ -625,7 +626,7 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
     # being made again by every segment (one_window: every layer of the step reads one window list)
     handed = Handoff(R, pre, post, comb, q) if prev_e == BOUNDARY else None
     kinds, freqs, ratios = model._turn_kinds()
-    if handed is not None and handed.turns is not None:
+    if handed is not None:
         tab = handed.turns
         if one_window and meta:
             win_of[per[1].data_ptr()] = handed.win_idx
@@ -673,7 +674,7 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
     first = 0 if prev_e is None or prev_e == BOUNDARY else 1
     ahead = _engram_ahead(model, full, first, per, n, token_ids)
     if prev_e is None:
-        R, a = model.embed_streams(token_ids)
+        R, a = model.embed_streams(token_ids, reuse=True)
         x = None
     elif handed is not None:
         R, a, x = handed.R, handed.a, handed.x

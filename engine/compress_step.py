@@ -171,7 +171,8 @@ def compress_rows(model, attn, xn: torch.Tensor, ring_kv, ring_g, tok_kv_dst, to
     """Device side (pure, inside the step's graph): the layer's compressor rows from its attention-norm output
     xn [T, H], written in place into the rings and arenas at the rows `plan_layer` chose (module docstring).
     proj: [wkv(xn), wgate(xn) if gated] when already computed (engine/projections.py). turn: the rotation at gpos
-    as a rope.Turns when the caller has it (made once per step and ratio: batched.span), else made here."""
+    as a rope.Turns when the caller has it (the step's one rope.step_turns table, made by its first segment:
+    batched.span), else made here."""
     comp = attn.compressor
     kv = comp.wkv(xn) if proj is None else proj[0]
     # model.fused_rope: the fused launches (the ring write + pool as 2 kernels.ring_pool launches instead of ~9; the

@@ -46,7 +46,7 @@ from torch import nn
 
 from .config import LayerSpec, ModelConfig
 from .mhc import hc_post, hc_pre
-from .model import Block
+from .model import Block, first_stream
 from .norm import RMSNorm
 from .rope import rope_cos_sin
 
@@ -288,8 +288,7 @@ def draft_backbone(model, caches: Sequence, golden: torch.Tensor, n: int | None 
 
     h = model.embed(tokens)
     R = h.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()   # [B*n, M, H]
-    a = torch.zeros(h.shape[0], c.hc_mult, device=h.device)
-    a[:, 0] = 1.0                                               # the first sub-layer reads stream 0
+    a = first_stream(h.shape[0], c.hc_mult, h.device)           # the first sub-layer reads stream 0
     for li, layer in enumerate(mtp):
         pre, post, comb = layer.mixes(R, "attn")
         x = hc_pre(R, a)

@@ -37,7 +37,8 @@ class Indexer(nn.Module):
         """-> (iq [T, Hi, Di] before RoPE, head weights [T, Hi] fp32 incl. Hi^-0.5). wx: weights_proj(x) when
         already computed (engine/projections.py). also: a further factor of the head weights (the score kernel's
         Di^-0.5), folded into their conversion: one launch, the product of fp32(wx) and fp32(Hi^-0.5 also) (a
-        one-element fp32 tensor: torch computes in fp32), where two factors one after the other cost three."""
+        one-element fp32 tensor: torch computes in fp32), where two factors one after the other cost three. One
+        rounding instead of two: the same bits when Hi^-0.5 is exact (Hi a power of 4), else at most the last bit."""
         iq = self.wq_b(qr).view(qr.shape[0], self.n_heads, self.idx_dim)
         wx = self.weights_proj(x) if wx is None else wx
         if also == 1.0:

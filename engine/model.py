@@ -168,7 +168,7 @@ def _on_host(t: torch.Tensor) -> bool:
     return t.device.type == "cpu"
 
 
-def _first_stream(T: int, M: int, device) -> torch.Tensor:
+def first_stream(T: int, M: int, device) -> torch.Tensor:
     """Read-out weights [T, M] fp32 that take stream 0."""
     a = torch.zeros(T, M, device=device)
     a[:, 0] = 1.0
@@ -665,16 +665,19 @@ class Model(nn.Module):
                                else ctx.captures[i][ctx.rows] for i in c.dspark_target_layer_ids], dim=-1)
         return StepOutput(logits=logits, draft_features=feats, hidden=hfin)
 
-    def embed_streams(self, ids: torch.Tensor):
+    def embed_streams(self, ids: torch.Tensor, reuse: bool = False):
         """Token ids [T] -> (R [T, M, H] every stream the embedding, a: the first sub-layer's read-out weights
-        (shifted mHC: stream 0) or None)."""
+        (shifted mHC: stream 0) or None). reuse: take `a` from a constant kept per token count (no launches; the
+        fast path, whose token counts are few and small: prefill lengths would each keep one for good)."""
         c = self.config
         h = self.embed(ids)
         R = h.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()         # [T, M, H]
         a = None
-        if c.hc_shifted:   # the first sub-layer reads stream 0 (a constant per token count: no launches)
+        if c.hc_shifted and reuse:   # the first sub-layer reads stream 0
             a = made_once(("stream 0", h.shape[0], c.hc_mult), h.device,
-                          lambda: _first_stream(h.shape[0], c.hc_mult, h.device))
+                          lambda: first_stream(h.shape[0], c.hc_mult, h.device))
+        elif c.hc_shifted:
+            a = first_stream(h.shape[0], c.hc_mult, h.device)
         return R, a
 
     def collapse_streams(self, R: torch.Tensor, a) -> torch.Tensor:

@@ -5,7 +5,7 @@ clamped-SwiGLU routed experts and one shared expert. Parameter names follow Deep
 
 The decode step's form (`MoE.forward_grouped`, CUDA): the gate is one kernels.router launch (GEMM + scores + top-k +
 weights), the routed experts one grouped kernels.moe call, and the shared expert runs beside both on a second
-stream (engine/streams.py), its front half one kernels.skinny launch for few rows (`Expert.forward_fast`). On the
+stream (engine/streams.py), two kernels.skinny launches for few rows (`Expert.forward_fast`). On the
 CPU the same calls run the torch twins, which are these modules' formulas: the same results bit for bit.
 
 Routed experts kept quantized (`MoE.keep_quantized`, done by the loader for FP8/FP4 checkpoints on CUDA): the
@@ -51,7 +51,7 @@ class KeptExperts:
     experts' 1x32 groups, 32: FP8 experts' 32x32 blocks). The fp8 kernel widens the weights to fp16 (exact for e4m3
     and e2m1 values) and applies the shifts to fp32 partial products, so no shift calls for bf16 widening; the
     packed FP4 kernel folds each group's shift into the weights as it decodes them to bf16 (exact up to shift 126)
-    and multiplies them with the activations in bf16 (kernels/moe.py W4_TILES)."""
+    and multiplies them with the activations in bf16 (kernels/moe.py w4_tiles)."""
     w1: torch.Tensor    # float8_e4m3fn [E, F, H] (packed FP4: uint8 [E, F, H/2], two E2M1 codes a byte)
     w3: torch.Tensor    # float8_e4m3fn [E, F, H]
     w2: torch.Tensor    # float8_e4m3fn [E, H, F] (packed: uint8 [E, H, F/2])

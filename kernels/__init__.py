@@ -53,13 +53,15 @@ in float64, as in the torch twin: fp32 sums misplace the cut of flat rows); samp
 Gumbel-max over lane masses, then the token inside it by inverse CDF (exact; sampling.py says why);
 speculative_accept's Triton path is up to 11 launches (5 when the host says no row filters); sparse_attention runs
 all 64 heads per program (unchained: Q.K^T split over the two warpgroups, window keys then compressed keys in 64-key
-blocks) with SM-count // N key splits combined inside the launch; fewer heads run 16-head programs.
+blocks) with SM-count // N key splits combined inside the launch; fewer heads run 16- or 32-head programs with
+key splits (`default_config`).
 On Hopper nearly every kernel of the decode step and of sampling is launched with programmatic dependent launch
 (`backend.pdl_kw`): it may be scheduled while the kernel before it finishes and waits on the device (`pdl_wait`)
 before it stores anything or reads what an earlier kernel wrote; only constant inputs (weights) are read, or
-prefetched to L2, before the wait. DEEPINFER_SG_PDL=0 turns it off; CUDA graphs capture the launches. Exceptions:
-the sampling pass in front of the top-p rejection chain and the speculative step's own kernels keep plain
-launches (not measured as a gain).
+prefetched to L2, before the wait. DEEPINFER_SG_PDL=0 turns it off; CUDA graphs capture the launches. Plain
+launches (not measured as a gain): the sampling pass in front of the top-p rejection chain, the histogram path's
+kernels (threshold.py's hist / select / gather / tau) and the speculative step's own kernels (its row expansion,
+statistics and acceptance).
 
 Decode-step kernels the engine calls from their modules (each with its torch twin in the same file):
     router.gate_route (MoE gate GEMM + scores + top-k + weights, one split-K launch in row blocks of 16),

@@ -23,9 +23,11 @@ program per table row / per (token, stream). hashed_rows: T (N-1) H rows of W + 
 table in pinned host memory), one program per token and HASH_ROWS_BLOCK rows: latency-bound, the mid-size step's
 graphs took 0.27 ms longer at batch 256 (7.75 against 7.48 ms for the same step with the rows uploaded by the host:
 ~3.2 MB at ~12 GB/s), no longer at batch 8 / 64 (4.08 / 5.16 against 4.09 / 5.15), session 10 R2.
-PDL (backend.pdl_kw: each kernel waits before its first read of the step's data and its first store; the gate's
-weights and the hash's primes / offsets are read before the wait): session 12 R2 on the H200, a mid-size Engram layer,
-16 calls in a CUDA graph (benchmarks/model_forward.py --engram-kernels), PDL off -> on, T = 8 / 64 / 256:
+PDL (backend.pdl_kw: each kernel waits before its first read of the step's data and its first store; the hash's
+primes / offsets, uploaded once, are read before the wait; the gate's weight after it, since engram.py makes that
+product with a torch launch on first use and after a weight change): session 12 R2 (the gate then read its weight
+before the wait) on the H200, a mid-size Engram layer, 16 calls in a CUDA graph (benchmarks/model_forward.py
+--engram-kernels), PDL off -> on, T = 8 / 64 / 256:
 hashed_rows 6.74 -> 6.42, 14.72 -> 14.50, 44.38 -> 44.61 us (bound by its reads over PCIe: neutral); engram_gate
 2.28 -> 1.95, 2.76 -> 2.41, 4.74 -> 4.61 us. Kept for all three kernels (_rows_kernel, not timed, runs only where
 the host looks the rows up or hashes their ids: memory-mapped tables, token ids on the device).
@@ -131,8 +133,9 @@ def _gate_kernel(r_ptr, kv_ptr, w_ptr, out_ptr, H, M, kv_stride, eps, BLOCK_H: t
     m = tl.program_id(1)
     h = tl.arange(0, BLOCK_H)
     ok = h < H
-    w = tl.load(w_ptr + m * H + h, mask=ok, other=0.0)     # (a weight: read before the wait)
+    # (the weight too after the wait: the engine's gate weight is a product the kernel before may have just made)
     pdl_wait(PDL)
+    w = tl.load(w_ptr + m * H + h, mask=ok, other=0.0)
     r = tl.load(r_ptr + (t * M + m) * H + h, mask=ok, other=0.0).to(tl.float32)
     key = tl.load(kv_ptr + t * kv_stride + m * H + h, mask=ok, other=0.0).to(tl.float32)
     value = tl.load(kv_ptr + t * kv_stride + M * H + h, mask=ok, other=0.0).to(tl.float32)

@@ -625,7 +625,6 @@ PREFETCH_SHIFTED = True
 W4_TILES = dict(block_n=128, block_k=128, num_warps=4, num_stages=3, maxnreg=(168, 128))
 
 
-
 def w4_tiles(T: int, K: int, E: int, F: int, device) -> dict:
     """W4_TILES for T tokens routed to K of E experts of F gate/up rows (session 12, H200, us a call in a chain of
     20 layers, mid-size H=2048 F=1024 E=64 K=6; HEAD's tiles -> these, PDL on, round 3):
@@ -637,12 +636,14 @@ def w4_tiles(T: int, K: int, E: int, F: int, device) -> dict:
       T=64 1671-1678 against 1556-1581).
     - A gate/up grid under one wave of 3 programs an SM (at most min(T*K, E) experts x F/128 tiles; mid-size T=8)
       takes 64-row tiles, twice the programs: 61.9-62.1 -> 56.3-56.5 (59.0-59.2 with PDL off); with 8 warps too
-      80.9-81.8. At mid-size T=64 (512 programs) 64-row tiles gave 90.1-90.7 against 88.6-88.9 (round 2).
+      80.9-81.8. At mid-size T=64 (512 programs) 64-row tiles gave 90.1-90.7 against 88.6-88.9 (round 2). Only
+      at 16-row blocks, where it was measured.
     V4.1 decode shapes (T = 8 / 64 / 256) keep W4_TILES: 16-row blocks, 864+ gate/up programs."""
-    if default_block_m(T, K, E) == 32:
+    block_m = default_block_m(T, K, E)
+    if block_m == 32:
         return dict(W4_TILES, num_warps=8, maxnreg=None)
     bn, bk, warps, stages = (W4_TILES[k] for k in ("block_n", "block_k", "num_warps", "num_stages"))
-    if min(T * K, E) * _cdiv(F, bn) < 3 * sm_count(device):
+    if block_m == 16 and min(T * K, E) * _cdiv(F, bn) < 3 * sm_count(device):
         return dict(W4_TILES, block_n=64, down=(bn, bk, warps, stages))
     return W4_TILES
 

@@ -152,7 +152,7 @@ def gate_route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
         return w, idx
     BE = max(16, triton.next_power_of_2(E))
     # (row blocks of 16: FUSED_MAX_ROWS says why; PF: kernels.skinny.product_tile's prefetch before the PDL wait)
-    cfg = {"BM": 16, "BK": 128, "PF": skinny.PREFETCH and not INTERPRETING, **(config or {})}
+    cfg = {"BM": 16, "BK": 128, "PF": skinny.prefetch_on(), **(config or {})}
     cfg.setdefault("SPLIT", max(1, min(16, H // (2 * cfg["BK"]))))
     m_tiles = triton.cdiv(T, cfg["BM"])
     k_split, split, tk = split_k(H, cfg["BK"], cfg["SPLIT"], m_tiles, x.device, site="router")

@@ -517,7 +517,7 @@ def sample_triton(logits, params: RowParams, bitmask=None, mask_rows=None, seg: 
     n_l = triton.cdiv(V, seg) * lanes
     lane_max = torch.empty((R, n_l), dtype=torch.float32, device=logits.device) if rejecting and \
         rejection.HOT_LANES else None
-    # the pass is PDL-launched itself (threshold.py beside PDL has the numbers) except before the rejection chain,
+    # the pass is PDL-launched itself (threshold.py's PDL comment has the numbers) except before the rejection chain,
     # where it was not measured apart (session 12's R3: 21.4-21.5 / 30.4 us against HEAD's 21.1-21.2 / 30.2-30.3
     # at B=64, peaked / flat rows, together with a rewritten mass-above pass since deleted): a plain launch there
     launch = dict(PDL=pdl_kw()["PDL"]) if rejecting else pdl_kw()

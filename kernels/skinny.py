@@ -195,7 +195,12 @@ def launch_config(T: int, N: int, K: int, groups: int, elsize: int = 2) -> dict:
     split = 1
     while split < 8 and tiles * split < 2 * 132 and K >= 2 * BK * (2 * split) and 2 * split * T * 32 <= K:
         split *= 2
-    return dict(BM=BM, BN=BN, BK=BK, SPLIT=split, num_warps=4, num_stages=4, PF=PREFETCH and not INTERPRETING)
+    return dict(BM=BM, BN=BN, BK=BK, SPLIT=split, num_warps=4, num_stages=4, PF=prefetch_on())
+
+
+def prefetch_on() -> bool:
+    """Whether product_tile asks the L2 for its first weights before the PDL wait (compiled kernels only: PTX)."""
+    return PREFETCH and not INTERPRETING
 
 
 def split_k(K: int, BK: int, SPLIT: int, n_tiles: int, device, site: str, given: torch.Tensor | None = None):

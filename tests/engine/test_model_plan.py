@@ -53,6 +53,8 @@ def test_planned_ahead_decode_equals_forward_step(graphs, device_tail, monkeypat
     plan = m.plan_step(rows_of(0))
     outs = []
     for k in range(len(schedule)):
+        # (device ids: the Engram slots of the prepared segments are hashed at plan time, none is left for launch)
+        assert plan.segments and not (device_tail and any(s.late for s in plan.segments))
         out = m.launch(plan, ids[k])
         plan = m.plan_step(rows_of(k + 1)) if k + 1 < len(schedule) else None   # before step k's outputs are read
         outs.append(out)

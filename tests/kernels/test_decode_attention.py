@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from deepinfer_sg.kernels.decode_attention import sparse_attention, sparse_attention_torch, sparse_attention_triton
+from deepinfer_sg.kernels.decode_attention import (default_config, sparse_attention, sparse_attention_torch,
+                                                   sparse_attention_triton)
 from deepinfer_sg.kernels.backend import tickets
 from helpers import DEVICE, on_dev
 
@@ -217,12 +218,12 @@ def test_32_head_programs_match_formula(splits):
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="V4 decode shapes: too slow for the interpreter; runs compiled")
-@pytest.mark.parametrize("N,H", [(64, 64), (200, 64), (64, 32), (256, 32)])
+@pytest.mark.parametrize("N,H", [(64, 64), (200, 64), (64, 32), (128, 32), (256, 32)])
 def test_default_dispatch_at_v4_decode_shapes(N, H):
     """The dispatched launch (default_config) at the models' shapes (V4.1's 64 heads, the mid-size model's 32; D =
     512, 128 window + 512 gathered compressed keys, bf16) against the twin in fp32: the configurations the engine
     runs (64 heads: two splits merged from registers at 64 rows, one at 200; 32 heads: 16-head programs with
-    two key splits at 64 rows, 32-head programs at 256)."""
+    two key splits at 64 rows, 32-head programs with two splits at 128 rows and one at 256)."""
     gen = torch.Generator().manual_seed(N + H)
     q = torch.randn(N, H, 512, generator=gen).bfloat16()
     win = torch.randn(N * 128, 512, generator=gen).bfloat16()
@@ -234,3 +235,25 @@ def test_default_dispatch_at_v4_decode_shapes(N, H):
     ref = sparse_attention_torch(q.float(), win.float(), wi, sink, cmp_.float(), ci)
     out = sparse_attention(*on_dev((q, win, wi, sink, cmp_, ci))).cpu().float()
     assert float((out - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("N,n_keys,want", [(32, 640, (16, 4)), (64, 640, (16, 2)), (128, 640, (32, 2)),
+                                           (256, 640, (32, 1)), (64, 57, (16, 1)), (256, 57, (32, 1))])
+def test_default_config_for_32_heads(N, n_keys, want):
+    """default_config's rule for fewer than 64 heads (its docstring's table: 16-head programs while they can take
+    two key splits of at least two 64-key blocks each, else 32-head programs once they fill the SMs) on an H200's
+    132 SMs: (block_h, splits) at the mid-size model's 32 heads, D = 512, 128 + 512 keys and the step's short rows."""
+    cfg = default_config(N, 32, 512, n_keys)
+    assert (cfg["block_h"], cfg["splits"]) == want and cfg["num_warps"] == 4 and cfg["block_k"] == 64
+
+
+def test_scale_is_a_run_time_argument():
+    """Two scales through the same compiled kernel (the scale is a plain float argument, not a constexpr) against
+    the twin at each."""
+    gen = torch.Generator().manual_seed(77)
+    q, win_kv, win_idx, cmp_kv, cmp_idx, sink = _inputs(gen, N=5, H=16, D=32, Kw=24, Kc=20)
+    for scale in (0.05, 0.3):
+        ref = sparse_attention_torch(q, win_kv, win_idx, sink, cmp_kv, cmp_idx, scale=scale).double()
+        out = sparse_attention_triton(*on_dev((q, win_kv, win_idx, sink, cmp_kv, cmp_idx)), scale=scale,
+                                      block_h=16, block_k=16, num_warps=4).cpu().double()
+        assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), scale

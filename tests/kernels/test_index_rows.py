@@ -79,7 +79,7 @@ def test_select_layer_chain_back_to_back():
     start, count = torch.arange(T) * G, torch.randint(0, G + 1, (T,), generator=g)
     pos = torch.randint(0, 2 * G, (T,), generator=g)
     q, win = torch.randn(T, H, D, generator=g), torch.randn(T * W, D, generator=g)
-    win_idx = torch.arange(T * W).view(T, W)
+    win_idx = torch.arange(T * W, dtype=torch.int32).view(T, W)     # (int32 as the engine gives it: no cast launch)
     win_idx[:, :5] = -1
     kv, sink = torch.randn(T * G, D, generator=g), torch.randn(H, generator=g)
     _, masked = visible_scores_torch(indexer_scores_torch(iq, w, keys, start, count, G), pos, count, 2)
