@@ -157,6 +157,10 @@ def compile_check():
     for name, fn, extra, consts, warps in cases:
         types = dict(ptr_types, **extra)
         params = list(inspect.signature(fn.fn).parameters)
+        # constexprs the case leaves at their defaults (e.g. PDL) are built as the launches build them, not typed as
+        # run-time values
+        consts = {**{p: v.default for p, v in inspect.signature(fn.fn).parameters.items()
+                     if "constexpr" in str(v.annotation) and v.default is not inspect.Parameter.empty}, **consts}
         sig = {p: "constexpr" if p in consts else types.get(p, "*fp32" if p.endswith("_ptr") else "i32")
                for p in params}
         # (integer arguments get no hint here, while real launches specialise those divisible by 16: a build

@@ -297,17 +297,11 @@ def _before_cfg(N, sms=132):
 BEFORE_FEW_HEADS = dict(block_h=16, block_k=64, num_warps=4, num_stages=2, splits=1)
 
 
-PDL_DEFAULT = backend.PDL       # programmatic dependent launch as the environment set it (DEEPINFER_SG_PDL)
-
-
 def pdl(on: bool, fn):
-    """fn with programmatic dependent launch on / off (`kernels.backend.PDL`, read at each launch)."""
+    """fn with programmatic dependent launch on / off (`kernels.backend.pdl_as`)."""
     def run():
-        was, backend.PDL = backend.PDL, on
-        try:
+        with backend.pdl_as(on):
             return fn()
-        finally:
-            backend.PDL = was
     return run
 
 
@@ -323,10 +317,10 @@ def bench_attention(bw, l2, batches):
             b = decode_attention.sparse_attention_torch(*s).float()
             cfg = decode_attention.default_config(N, heads, D, Kw + Kc, sms=sms)
             before, when = (_before_cfg(N), "session 6") if heads == H else (BEFORE_FEW_HEADS, "session 11")
-            runs = (("sparse attention", {}, PDL_DEFAULT,
+            runs = (("sparse attention", {}, backend.PDL,
                      "default dispatch: " + " ".join(f"{k}={v}" for k, v in cfg.items())),
                     ("  PDL off", {}, False, "the default dispatch, plain launches"),
-                    (f"  before ({when})", before, PDL_DEFAULT, " ".join(f"{k}={v}" for k, v in before.items())))
+                    (f"  before ({when})", before, backend.PDL, " ".join(f"{k}={v}" for k, v in before.items())))
             for label, kw, on, what in runs:
                 a = decode_attention.sparse_attention_triton(*s, **kw)
                 err = float((a.float() - b).norm() / b.norm())
@@ -370,7 +364,7 @@ def bench_select_layer(bw, l2):
     for G in S((1024, L), (64,)):
         nbytes = N * G * Di * 2 + N * (128 + k) * 512 * 2
         nxt = rotating(chain_inputs(N, Hi, Di, G), nbytes, l2)
-        for label, on in (("select layer", PDL_DEFAULT), ("  PDL off", False)):
+        for label, on in (("select layer", backend.PDL), ("  PDL off", False)):
             t = time_ms(pdl(on, lambda: select_layer(nxt(), G, k)))
             row(label, f"N={N} G={G} k={k} H={S(32, 16)}", t, None, nbytes, bw,
                 "index scores, visible, select, entry rows, attention (5 launches)")

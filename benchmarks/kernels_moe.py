@@ -555,32 +555,28 @@ def _sweep_pdl(bw, l2):
     launch then waits inside for the one before, its launch and scheduling hidden under that one's tail; the
     skinny products beside the GEMM library's (no PDL there) at the mid-size shapes (numbers: the module
     docstring's session 12). Run: K3_SWEEP=pdl python3 benchmarks/kernels.py --only hc --sweep --budget 15."""
-    keep = backend.PDL
     T = S(64, 5)
     jobs = [(f"{name} T={T}", "product", lambda g=g, n=n, k=k, glu=glu: _product_calls(T, g, n, k, glu, l2))
             for name, g, n, k, glu in _mid_products()]
     jobs += [(f"{name} T={t}", "small", lambda name=name, t=t: _small_calls(name, t)) for name, t in (
         ("gate_route", T), ("rmsnorm", T), ("rope q", T), ("ring write+pool", T), ("moe write-back", T),
         ("hc post", S(256, 7)), ("hc mixes", S(256, 7)))]
-    try:
-        for label, kind, make in jobs:
-            try:
-                calls, nb = make()
-                ts = []
-                for on in (False, True, False, True):
-                    backend.PDL = on
+    for label, kind, make in jobs:
+        try:
+            calls, nb = make()
+            ts = []
+            for on in (False, True, False, True):
+                with backend.pdl_as(on):
                     ts.append(time_ms(lambda: [c() for c in calls]) / len(calls))
-                note = "off / on / off / on " + " / ".join(f"{t * 1e3:.2f}" for t in ts) + " us"
-                if kind == "product":
-                    name, g, n, k, glu = next(p for p in _mid_products() if label.startswith(p[0] + " "))
-                    lib, _ = _product_calls(T, g, n, k, glu, l2, lib=True)
-                    note += f"; GEMM library {time_ms(lambda: [c() for c in lib]) / len(lib) * 1e3:.2f} us"
-                row("  sweep pdl", label, min(ts[1::2]), None, nb, bw, note)
-            except Exception as e:                  # noqa: BLE001 - one case must not end the sweep
-                emit(f"  sweep pdl {label}: FAILED {type(e).__name__}: {str(e)[:300]}")
-            calls = None
-    finally:
-        backend.PDL = keep
+            note = "off / on / off / on " + " / ".join(f"{t * 1e3:.2f}" for t in ts) + " us"
+            if kind == "product":
+                name, g, n, k, glu = next(p for p in _mid_products() if label.startswith(p[0] + " "))
+                lib, _ = _product_calls(T, g, n, k, glu, l2, lib=True)
+                note += f"; GEMM library {time_ms(lambda: [c() for c in lib]) / len(lib) * 1e3:.2f} us"
+            row("  sweep pdl", label, min(ts[1::2]), None, nb, bw, note)
+        except Exception as e:                  # noqa: BLE001 - one case must not end the sweep
+            emit(f"  sweep pdl {label}: FAILED {type(e).__name__}: {str(e)[:300]}")
+        calls = None
 
 
 def _moe_variants(T):
@@ -752,19 +748,13 @@ def _hc_runner(kind, T, kw):
     """run(inputs, parts) for a sweep case, with kernels.backend.PDL as its option pdl says (default: as set)."""
     kw = dict(kw)
     use = kw.pop("parts", hc_mix.parts_pay(T))
-    pdl = kw.pop("pdl", PDL_DEFAULT)
+    pdl = kw.pop("pdl", backend.PDL)
     run = _hc_launches(kind, use, kw)
 
     def with_pdl(s, p):             # (set at every call: the sweep's graphs capture the launches as set here)
-        was, backend.PDL = backend.PDL, pdl
-        try:
+        with backend.pdl_as(pdl):
             return run(s, p)
-        finally:
-            backend.PDL = was
     return with_pdl
-
-
-PDL_DEFAULT = backend.PDL       # programmatic dependent launch as the environment set it (cases may flip it)
 
 
 def _hc_launches(kind, use, kw):
@@ -885,12 +875,11 @@ POST_MIX_BUILDS = (("bt16 s64 k64", 16, 64, 64, 1, 4, False, 0), ("bt16 s128 k64
 def compile_cases():
     """(name, kernel, extra pointer types, constexprs, warps) for kernels.py --compile-check."""
     desc_t = dict(w1_desc="constexpr", w3_desc="constexpr", w2_desc="constexpr")
-    fused = dict(M=4, NZP=32, PRECISION="ieee", UPCAST=False, ITERS=20, FAST=True, TAIL=True, PF=True, FORM=7,
-                 PDL=False)
+    fused = dict(M=4, NZP=32, PRECISION="ieee", UPCAST=False, ITERS=20, FAST=True, TAIL=True, PF=True, FORM=7)
     fz = dict(r_ptr="*bf16", cnt_ptr="*i32", norm_eps="fp32", hc_eps="fp32", post_mult="fp32")
     cases = [
         ("moe align", moe._align_kernel, dict(ids_ptr="*i64", slot_pair_ptr="*i32", block_expert_ptr="*i32"),
-         dict(BM=16, EP=64, CH=512, PDL=False), 4),
+         dict(BM=16, EP=64, CH=512), 4),
         ("moe gate/up pointers", moe._gate_up_kernel, dict(desc_t, slot_pair_ptr="*i32", block_expert_ptr="*i32"),
          dict(BM=16, BN=64, BK=128, F32=False, TMA=False, FP8=False, w1_desc=None, w3_desc=None), 4),
         ("moe gate/up bk64 w8", moe._gate_up_kernel, dict(desc_t, slot_pair_ptr="*i32", block_expert_ptr="*i32"),
@@ -922,11 +911,11 @@ def compile_cases():
         ("moe w4 gate/up", moe._w4_gate_up_kernel, dict(slot_pair_ptr="*i32", block_expert_ptr="*i32",
                                                         w1_desc="tensordesc<i32[128,16]>",
                                                         w3_desc="tensordesc<i32[128,16]>", g1_ptr="*u8", g3_ptr="*u8"),
-         dict(BM=16, BN=128, BK=128, TMA=True, F32=False, GR=1, PDL=False), 4),
+         dict(BM=16, BN=128, BK=128, TMA=True, F32=False, GR=1), 4),
         ("moe w4 down", moe._w4_down_kernel, dict(y_ptr="*fp32", slot_pair_ptr="*i32", block_expert_ptr="*i32",
                                                   w2_desc="tensordesc<i32[128,16]>", g2_ptr="*u8"),
-         dict(BM=16, BN=128, BK=128, TMA=True, F32=False, GR=1, PDL=False), 4),
-        ("moe combine", moe._combine_kernel, dict(out_ptr="*bf16"), dict(K_TOP=6, BH=1024, PDL=False), 4),
+         dict(BM=16, BN=128, BK=128, TMA=True, F32=False, GR=1), 4),
+        ("moe combine", moe._combine_kernel, dict(out_ptr="*bf16"), dict(K_TOP=6, BH=1024), 4),
         ("hc T<=128 bt64 s256", hc_mix._hc_fused_kernel, fz,
          dict(fused, BT=64, BK=128, SPLIT=256, MODE=1, NW=64, TPW=1, SPC=128), 4),
         ("hc T<=256 parts", hc_mix._hc_fused_kernel, dict(fz, fn_ptr="*bf16"),
@@ -934,19 +923,16 @@ def compile_cases():
         ("hc prefill parts", hc_mix._hc_fused_kernel, dict(fz, fn_ptr="*bf16"),
          dict(fused, BT=128, BK=64, SPLIT=2048, MODE=2, NW=1, TPW=128, SPC=2, PF=False), 8),
         ("hc post + pre", hc_mix._hc_post_kernel, dict(r_ptr="*bf16", y_ptr="*bf16", y2_ptr="*bf16", out_ptr="*bf16",
-                                                       x_ptr="*bf16"), dict(M=4, BH=256, PRE=True, Y2=True, PDL=False), 1),
+                                                       x_ptr="*bf16"), dict(M=4, BH=256, PRE=True, Y2=True), 1),
     ]
-    pm = dict(NZP=32, UPCAST=False, ITERS=20, FAST=True, SPC=32, TAIL=True, FORM=7, PDL=False)
+    pm = dict(NZP=32, UPCAST=False, ITERS=20, FAST=True, SPC=32, TAIL=True, FORM=7)
     pz = dict(r_ptr="*bf16", y_ptr="*bf16", y2_ptr="*bf16", out_ptr="*bf16", x_ptr="*bf16", cnt_ptr="*i32",
               norm_eps="fp32", hc_eps="fp32", post_mult="fp32", x_eps="fp32")
     for label, bt, sp, bk, mode, w, y2, norm in POST_MIX_BUILDS:
         cases.append((f"hc post+mix {label}", hc_mix._hc_post_mix_kernel,
                       dict(pz, fn_ptr="*bf16") if mode == 2 else pz,
                       dict(pm, BT=bt, BK=bk, SPLIT=sp, MODE=mode, NW=bt, TPW=1, Y2=y2, NORM=norm, NSP=128), w))
-    # the grouped kernels' defaulted constexprs (block scales, packed FP4, PDL) must be given, or they become run-time
-    plain = dict(GS=False, GR=1, PF=False, PDL=False)
-    grouped = (moe._gate_up_kernel, moe._down_kernel)
-    return [(n, k, x, dict(plain, **c) if k in grouped else c, w) for n, k, x, c, w in cases]
+    return cases    # (kernels.py builds the constexprs a case leaves out at their defaults)
 
 
 if __name__ == "__main__":          # python benchmarks/kernels_moe.py warm I N  (see warm())

@@ -393,26 +393,24 @@ def sweep_pdl(bw, l2, batches=None):
     p0.9 (lane maxima + merge) and top-p0.95 peaked rows (the rejection chain) at B=64, off / on twice each (B=256:
     T=1 and top-k once each); with PDL on, whether a CUDA graph captures the launches (time_ms falls back to plain
     launches when not)."""
-    keep = kernel_backend.PDL
-    try:
-        for B in batches or S([64, 256], [3]):
-            for label, kw, masked, flags in (("T=1", dict(temperature=1.0, top_k=0, top_p=1.0), False,
-                                              dict(filters=False, reject=False)),
-                                             ("T=0.7 +mask", dict(temperature=0.7, top_k=0, top_p=1.0), True,
-                                              dict(filters=False, reject=False)),
-                                             ("top-k50 p0.9", dict(temperature=1.0, top_k=50, top_p=0.9), False,
-                                              LANE_ONLY),
-                                             ("top-p0.95 peak", dict(temperature=1.0, top_k=0, top_p=0.95), False,
-                                              TOP_P_ONLY)):
-                p = sampling.row_params(B, DEV, seed=torch.arange(B, device=DEV), position=0, **kw)
-                gen_rows = peaked_logits if "peak" in label else flat_logits
-                nxt = rotating(lambda: (gen_rows(B), rand_bitmask(B) if masked else None), B * V * 4, l2)
-                x, m = nxt()
-                want = sampling.sample_torch(x, p, m)
-                if B > S(64, 3) and label in ("T=0.7 +mask", "top-p0.95 peak"):
-                    continue                                         # B=256: two cases, once each
-                for on in (False, True, False, True)[:4 if B == S(64, 3) else 2]:
-                    kernel_backend.PDL = on
+    for B in batches or S([64, 256], [3]):
+        for label, kw, masked, flags in (("T=1", dict(temperature=1.0, top_k=0, top_p=1.0), False,
+                                          dict(filters=False, reject=False)),
+                                         ("T=0.7 +mask", dict(temperature=0.7, top_k=0, top_p=1.0), True,
+                                          dict(filters=False, reject=False)),
+                                         ("top-k50 p0.9", dict(temperature=1.0, top_k=50, top_p=0.9), False,
+                                          LANE_ONLY),
+                                         ("top-p0.95 peak", dict(temperature=1.0, top_k=0, top_p=0.95), False,
+                                          TOP_P_ONLY)):
+            p = sampling.row_params(B, DEV, seed=torch.arange(B, device=DEV), position=0, **kw)
+            gen_rows = peaked_logits if "peak" in label else flat_logits
+            nxt = rotating(lambda: (gen_rows(B), rand_bitmask(B) if masked else None), B * V * 4, l2)
+            x, m = nxt()
+            want = sampling.sample_torch(x, p, m)
+            if B > S(64, 3) and label in ("T=0.7 +mask", "top-p0.95 peak"):
+                continue                                         # B=256: two cases, once each
+            for on in (False, True, False, True)[:4 if B == S(64, 3) else 2]:
+                with kernel_backend.pdl_as(on):
                     same = float((sampling.sample_triton(x, p, m, **flags) == want).float().mean())
                     note = f"tokens = twin {same:.1%}"
                     if on and not DRY:
@@ -429,8 +427,6 @@ def sweep_pdl(bw, l2, batches=None):
                     t = time_ms(lambda: (lambda s: sampling.sample_triton(s[0], p, s[1], **flags))(nxt()))
                     row("  sweep pdl", f"B={B} {label} pdl={int(on)}", t, None,
                         B * V * 4 + (B * W * 4 if masked else 0), bw, note)
-    finally:
-        kernel_backend.PDL = keep
 
 
 def sweep_plain(bw, l2):

@@ -38,8 +38,9 @@ Printed per path: step time, tokens/s, the bytes one step must read (dense weigh
 step + the KV caches) and the roofline = measured read bandwidth / bytes per
 step, i.e. the speed of a perfect memory-bound implementation; plus the fast path's speed-up. After each batch:
 the device bytes the window slab and row arenas reserve against the rows in use (engine/arena.py).
-The header says whether PDL is on (kernels.backend.PDL); a "pdl" line after each path counts the launches of each
-kernel that takes a PDL flag, with it on and off (`pdl_census`: eager and capture steps; replays are not seen).
+The header says whether PDL is on (kernels.backend.PDL); with --pdl-census a "pdl" line after each path counts the
+launches of each kernel that takes a PDL flag, with it on and off (`pdl_census`: eager and capture steps; replays
+are not seen; its hooks cost the eager paths a Python call per Triton launch, so it is off by default).
 With OUT set, the table is also written to $OUT/model_forward.txt.
 
 Session 12 (H200, mid-size V4.1, fp4 experts, --decode 13 --warmup 3 --prompt 32, paths ahead + no-pdl + a temporary
@@ -548,7 +549,7 @@ def run(args):
         raise SystemExit(f"--warmup + --decode = {steps} > max_rollback {model.max_rollback}: the caches are "
                          "rolled back between the reference and the fast run")
     from deepinfer_sg.kernels import backend
-    pdl_counts = pdl_census()
+    pdl_counts = pdl_census() if args.pdl_census else None
     say(f"device {dev} ({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}), dtype {args.dtype}, "
         f"config {args.checkpoint or args.config}{' (no engram)' if args.no_engram else ''}, routed experts "
         f"{getattr(model, 'experts_kind', 'as loaded')}: "
@@ -596,7 +597,8 @@ def run(args):
             if fused_default is not None:
                 model.fused_mhc = (not fused_default) if path == other_mhc else fused_default
             undo = ABLATIONS.get(path, lambda m: None)(model)
-            pdl_counts.clear()
+            if pdl_counts is not None:
+                pdl_counts.clear()
             try:
                 with _routes_for(model, path, paths, results) as flips:
                     prof = cProfile.Profile() if path == "cprofile" else None
@@ -650,7 +652,8 @@ def run(args):
                  ", ".join(f"{k} {v:.3f}" for k, v in getattr(decode_run, "launch_parts", {}).items()))
             say(f"{'decode':8} {path:12} {B:5d} {step_s * 1e3:9.2f} {B / step_s:9.1f} {sb / 1e6:9.1f} {roof:11.1f} "
                 f"{B / step_s / roof:8.1%} {speed:>8} {diff:>12}   warm-up steps ms {decode_run.warm_ms}{host}")
-            say(f"{'pdl':8} {path:12} {B:5d} {_pdl_line(pdl_counts)}")
+            if pdl_counts is not None:
+                say(f"{'pdl':8} {path:12} {B:5d} {_pdl_line(pdl_counts)}")
         model.fast_decode = True
         if stacking:
             model.stack_projections = True
@@ -978,7 +981,6 @@ def engram_table(model: Model, batches: list[int], dev) -> None:
     weight, scale = eng.table.device_arrays(dev)
     consts = eng.hash_consts(dev)
     N, M, H, V = consts[1].shape[0], eng.hc_mult, eng.hidden_size, model.config.vocab_size
-    keep = backend.PDL
     say(f"{'engram':8} {'T':>4} {'rows off':>9} {'rows on':>8} {'gate off':>9} {'gate on':>8}  (us per call: "
         f"hashed_rows, engram_gate; 16 calls in a CUDA graph; PDL off / on)")
     for T in batches:
@@ -990,14 +992,11 @@ def engram_table(model: Model, batches: list[int], dev) -> None:
         kv = torch.randn(T, (M + 1) * H, device=dev, dtype=model.dtype)
         w = eng.gate_weight()
         got = []
-        try:
-            for on in (False, True):
-                backend.PDL = on
+        for on in (False, True):
+            with backend.pdl_as(on):
                 got.append(_graph_us([lambda: kg.hashed_rows(src, ids, consts, eng.spec.pad_token_id, weight, scale,
                                                              model.dtype)] * 16))
                 got.append(_graph_us([lambda: kg.engram_gate(R, kv, w, eng.eps)] * 16))
-        finally:
-            backend.PDL = keep
         say(f"{'engram':8} {T:4d} {got[0]:9.2f} {got[2]:8.2f} {got[1]:9.2f} {got[3]:8.2f}")
 
 
@@ -1150,6 +1149,9 @@ def main():
     ap.add_argument("--gemm-sweep", default="on", choices=["on", "off"], help="--gemms: also kernels.skinny's sweep")
     ap.add_argument("--gemms-only", action="store_true", help="only the --gemms table (no decode steps)")
     ap.add_argument("--no-engram", action="store_true", help="drop the Engram layers from --config")
+    ap.add_argument("--pdl-census", action="store_true",
+                    help="count each PDL-capable kernel's launches with PDL on / off per path (pre-run hooks: the "
+                         "eager paths then pay a Python call per Triton launch)")
     ap.add_argument("--reference-max-batch", type=int, default=None,
                     help="run the (slow) reference path only for batches up to this size")
     ap.add_argument("--threads", type=int, default=None,

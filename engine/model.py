@@ -547,7 +547,8 @@ class Model(nn.Module):
             # upload sent here, behind the previous step on the stream, and the ids in an upload of their own at
             # launch: that upload alone cost the launch's host 0.05-0.13 ms, as much as the whole one, and the host
             # time before the graph run was 0.19 / 0.32 / 0.41 ms at batch 8 / 64 / 256 against 0.15 / 0.20 / 0.42)
-            ctx.plan.positions, ctx.graph_ids = ctx.plan.defer(pos), ctx.plan.defer(np.zeros(off, dtype=np.int64))
+            ctx.plan.positions = ctx.plan.defer(ctx.plan.row_positions)     # (= pos, as an array)
+            ctx.graph_ids = ctx.plan.defer(np.zeros(off, dtype=np.int64))
             self._turn_kinds()     # (the frequencies on the device before any graph capture)
             if undo:
                 plan.saved = _compress_snapshot(self, seqs)

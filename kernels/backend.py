@@ -3,6 +3,7 @@
 Tests call the `*_triton` functions directly on CPU tensors with TRITON_INTERPRET=1 (set by tests/conftest.py),
 so the same kernels CI checks are the ones the H200 runs.
 """
+import contextlib
 import os
 
 import torch
@@ -120,6 +121,17 @@ def pdl_kw() -> dict:
     interpreter (no griddepcontrol there) and before Hopper (griddepcontrol needs sm_90)."""
     on = PDL and not INTERPRETING and _has_griddepcontrol()
     return dict(PDL=on, launch_pdl=True) if on else dict(PDL=False)
+
+
+@contextlib.contextmanager
+def pdl_as(on: bool):
+    """PDL on / off for the launches inside the block, then as it was (benchmarks time both ways in one process)."""
+    global PDL
+    was, PDL = PDL, on
+    try:
+        yield
+    finally:
+        PDL = was
 
 
 _SM90: dict = {}     # CUDA device index -> whether it is sm_90 or newer

@@ -444,11 +444,12 @@ def default_config(N: int, H: int, D: int, n_keys: int, elem_bytes: int = 2, sms
     # split costs more than it saves). 16-head programs while they can take two splits, else 32-head programs
     # (each key read once per row) if they fill the SMs
     slots, most = 2 * sms, max(1, triton.cdiv(n_keys, 64) // 2)
-    s32 = max(1, min(8, most, slots // max(N * triton.cdiv(H, 32), 1)))
-    if H > 16 and N * triton.cdiv(H, 16) > sms and N * triton.cdiv(H, 32) * s32 >= sms:
-        return dict(block_h=32, block_k=64, num_warps=4, num_stages=2, splits=s32)
-    return dict(block_h=16, block_k=64, num_warps=4, num_stages=2,
-                splits=max(1, min(8, most, slots // max(N * triton.cdiv(H, 16), 1))))
+
+    def splits(block_h: int) -> int:     # key splits that fill the slots, at most `most` and 8
+        return max(1, min(8, most, slots // max(N * triton.cdiv(H, block_h), 1)))
+    if H > 16 and N * triton.cdiv(H, 16) > sms and N * triton.cdiv(H, 32) * splits(32) >= sms:
+        return dict(block_h=32, block_k=64, num_warps=4, num_stages=2, splits=splits(32))
+    return dict(block_h=16, block_k=64, num_warps=4, num_stages=2, splits=splits(16))
 
 
 def sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None, scale=None,
