@@ -31,13 +31,13 @@ from deepinfer_sg.kernels.ring_pool import ring_pool, ring_pool_torch, ring_writ
 from deepinfer_sg.kernels.rmsnorm import rms_norm
 
 from .arena import arena_for
-from .rope import apply_rope, rope_cos_sin, turn_table
+from .rope import apply_rope, turn_table
 
 RING = 64    # >= max_rollback (16) + MAX_FAST_ROWS (16) + ratio: rows a rollback or this step can still need
 
 # a layer's inputs to compress_rows (after batched.ENTRY_INPUTS in `span`'s per-layer inputs); None where absent
-INPUTS = ("ring_kv", "ring_g", "tok_kv_dst", "tok_g_dst", "grp_kv", "grp_g", "gpos", "ent", "ent_dst", "lat",
-          "lat_dst", "ik", "ik_dst")
+INPUTS = ("ring_kv", "ring_g", "tok_kv_dst", "tok_g_dst", "grp_kv", "grp_g", "ent", "ent_dst", "lat", "lat_dst",
+          "ik", "ik_dst")
 
 
 def in_graph(model, attn) -> bool:
@@ -125,7 +125,7 @@ def plan_layer(model, attn, ctx, plan) -> list:
         ik, ik_first, ik_dst = rows_in(arena_for(model, i, "layer", "ikeys", ik_like),
                                        [s.cache.layers[i] for s in seqs])
     ring_kv = ring_g = None
-    host = {"gpos": grp * r, "ent_dst": ent_dst, "lat_dst": lat_dst}
+    host = {"ent_dst": ent_dst, "lat_dst": lat_dst}
     if ik is not None:
         host["ik_dst"] = ik_dst
     if comp.gated:
@@ -163,16 +163,16 @@ def plan_layer(model, attn, ctx, plan) -> list:
     if ik is not None:
         plan.pools[("ikeys", i)] = (ik if G else None, *plan.per_row([ik_first, counts], dev), G)
     return [ring_kv, ring_g, got.get("tok_kv_dst"), got.get("tok_gate_dst"), got.get("tok_kv_grp"),
-            got.get("tok_gate_grp"), got["gpos"], ent, got["ent_dst"], lat, got["lat_dst"], ik, got.get("ik_dst")]
+            got.get("tok_gate_grp"), ent, got["ent_dst"], lat, got["lat_dst"], ik, got.get("ik_dst")]
 
 
-def compress_rows(model, attn, xn: torch.Tensor, ring_kv, ring_g, tok_kv_dst, tok_g_dst, grp_kv, grp_g, gpos,
-                  ent, ent_dst, lat, lat_dst, ik, ik_dst, proj: list | None = None, turn=None) -> None:
+def compress_rows(model, attn, xn: torch.Tensor, ring_kv, ring_g, tok_kv_dst, tok_g_dst, grp_kv, grp_g, ent,
+                  ent_dst, lat, lat_dst, ik, ik_dst, turn, proj: list | None = None) -> None:
     """Device side (pure, inside the step's graph): the layer's compressor rows from its attention-norm output
     xn [T, H], written in place into the rings and arenas at the rows `plan_layer` chose (module docstring).
-    proj: [wkv(xn), wgate(xn) if gated] when already computed (engine/projections.py). turn: the rotation at gpos
-    as a rope.Turns when the caller has it (the step's one rope.step_turns table, made by its first segment:
-    batched.span), else made here."""
+    proj: [wkv(xn), wgate(xn) if gated] when already computed (engine/projections.py). turn: the rotation at each
+    row's group start, a rope.Turns (from the step's one rope.step_turns table, made by its first segment:
+    batched.span)."""
     comp = attn.compressor
     kv = comp.wkv(xn) if proj is None else proj[0]
     # model.fused_rope: the fused launches (the ring write + pool as 2 kernels.ring_pool launches instead of ~9; the
@@ -189,7 +189,7 @@ def compress_rows(model, attn, xn: torch.Tensor, ring_kv, ring_g, tok_kv_dst, to
     else:     # ratio 1: the entry is the token's own projection (its fp32 round trip was the identity: no launch)
         pooled = kv if kv.dtype == xn.dtype else kv.float().to(xn.dtype)
     latent = comp.norm(pooled)
-    cos, sin = (turn, None) if turn is not None else rope_cos_sin(model._freqs(attn.spec.rope), gpos)
+    cos, sin = turn, None
     fused = fused and ent.dtype == lat.dtype == xn.dtype
     turn = turn_table(cos, sin) if fused else None
     if fused:
