@@ -189,18 +189,17 @@ def compress_rows(model, attn, xn: torch.Tensor, ring_kv, ring_g, tok_kv_dst, to
     else:     # ratio 1: the entry is the token's own projection (its fp32 round trip was the identity: no launch)
         pooled = kv if kv.dtype == xn.dtype else kv.float().to(xn.dtype)
     latent = comp.norm(pooled)
-    cos, sin = turn, None
     fused = fused and ent.dtype == lat.dtype == xn.dtype
-    turn = turn_table(cos, sin) if fused else None
+    table = turn_table(turn, None) if fused else None
     if fused:
-        rms_norm(pooled, comp.norm.weight_fp32(), comp.norm.eps, turn, out=ent, rows=ent_dst)
+        rms_norm(pooled, comp.norm.weight_fp32(), comp.norm.eps, table, out=ent, rows=ent_dst)
     else:
-        ent.index_copy_(0, ent_dst, model._qdq(apply_rope(latent, cos, sin), "compressed").to(ent.dtype))
+        ent.index_copy_(0, ent_dst, model._qdq(apply_rope(latent, turn, None), "compressed").to(ent.dtype))
     lat.index_copy_(0, lat_dst, latent.to(lat.dtype))
     if ik is not None:
         idx = attn.indexer
         if fused and ik.dtype == xn.dtype:
-            rms_norm(idx.wk(latent), idx.k_norm.weight_fp32(), idx.k_norm.eps, turn, out=ik, rows=ik_dst)
+            rms_norm(idx.wk(latent), idx.k_norm.weight_fp32(), idx.k_norm.eps, table, out=ik, rows=ik_dst)
         else:
-            keys = model._qdq(apply_rope(idx.k_norm(idx.wk(latent)), cos, sin), "index")
+            keys = model._qdq(apply_rope(idx.k_norm(idx.wk(latent)), turn, None), "index")
             ik.index_copy_(0, ik_dst, keys.to(ik.dtype))

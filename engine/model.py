@@ -120,7 +120,6 @@ class StepPlan:
     """A step planned by `Model.plan_step`, run by `Model.launch` (or dropped by `Model.cancel`), once."""
     rows: list                     # StepRows, in chunk order
     ctx: "StepContext"             # what the step knows (the batched path's BatchPlan in ctx.plan)
-    pos: list                      # every row's position (host)
     total: int                     # tokens of the step
     fast: bool                     # the batched path (else the reference path, all of it at launch)
     saved: list | None = None      # the compressor states as they were (cancel restores them)
@@ -512,7 +511,7 @@ class Model(nn.Module):
             raise ValueError("forward_step needs at least one StepChunk")
         if len({id(r.cache) for r in rows}) != len(rows):
             raise ValueError("the same SequenceCache appears in two chunks of one step")
-        seqs, pos, off, every_row = [], [], 0, True
+        seqs, off, every_row = [], 0, True
         for k, r in enumerate(rows):
             n = int(r.n)
             if n <= 0:
@@ -523,10 +522,9 @@ class Model(nn.Module):
                 raise ValueError(f"logit_rows {r.logit_rows} > {self.yoco_keep} rows kept by YOCO compaction")
             L = r.cache.length
             seqs.append(_Seq(r.cache, L, n, off, L + n - self.yoco_keep if self.yoco_mode != "off" else None))
-            pos.extend(range(L, L + n))   # host-side: one copy later
             off += n
             every_row = every_row and r.logit_rows == n
-        plan = StepPlan(rows, StepContext(seqs, None, None), pos, off, batched.usable(self, [s.n for s in seqs]),
+        plan = StepPlan(rows, StepContext(seqs, None, None), off, batched.usable(self, [s.n for s in seqs]),
                         every_row=every_row)
         if not plan.fast:
             return plan
@@ -547,7 +545,7 @@ class Model(nn.Module):
             # upload sent here, behind the previous step on the stream, and the ids in an upload of their own at
             # launch: that upload alone cost the launch's host 0.05-0.13 ms, as much as the whole one, and the host
             # time before the graph run was 0.19 / 0.32 / 0.41 ms at batch 8 / 64 / 256 against 0.15 / 0.20 / 0.42)
-            ctx.plan.positions = ctx.plan.defer(ctx.plan.row_positions)     # (= pos, as an array)
+            ctx.plan.positions = ctx.plan.defer(ctx.plan.row_positions)
             ctx.graph_ids = ctx.plan.defer(np.zeros(off, dtype=np.int64))
             self._turn_kinds()     # (the frequencies on the device before any graph capture)
             if undo:
@@ -609,10 +607,11 @@ class Model(nn.Module):
                     ctx.token_ids = all_ids
                     ctx.graph_ids = self._graphs.stage("ids", all_ids)
             else:
+                pos = torch.from_numpy(ragged_arange([s.start for s in ctx.seqs], [s.n for s in ctx.seqs]))
                 if on_host:
-                    ctx.token_ids, ctx.positions = to_device_many([all_ids, plan.pos], dev)
+                    ctx.token_ids, ctx.positions = to_device_many([all_ids, pos], dev)
                 else:
-                    ctx.token_ids, ctx.positions = all_ids, to_device(plan.pos, dev)
+                    ctx.token_ids, ctx.positions = all_ids, to_device(pos, dev)
                 for kind in ("main", "compress"):
                     ctx.rope[kind] = rope_cos_sin(self._freqs(kind), ctx.positions)
             if c.engram_layer_ids:
