@@ -193,6 +193,18 @@ Measured (H200, copy ~4,250 GB/s, bf16 matmul 700-790 TFLOP/s; launch floor 0.7 
                          37.9-38.0 (on). Compiled tests: attention 34, indexer 40, index rows 16 passed (R2), attention
                          34 again (R3). The rows of `bench_attention`'s 32 heads, its PDL-off rows and
                          `bench_select_layer` came after the rounds: not yet run on a GPU.
+  session 13 (K2, a round script against session 12's files in the same run; us, each row timed twice) the select
+                         layer in the engine's three launches (the score kernel rotating the index queries, scaling
+                         the bf16 head weights and scoring only the visible entries; the select; the attention
+                         kernel making the entries' pool rows in its gather) against session 12's seven (weights
+                         multiply, rope, scores, visible, select, entry rows, attention), mid-size shapes: N=64 /
+                         256, G=64 31.8 / 59.6 -> 22.9 / 46.7, N=64 G=1024 57.6 -> 46.5-46.6, G=16384 133.7 -> 132.6
+                         (R3), N=8 G=64 26.1-26.2 -> 23.8-23.9 (R1); outputs bit-equal. Attention alone with entry
+                         ids, 128 + 512 keys: 32 heads N=64 28.4-28.6 -> 29.5, 64 heads 37.6 -> 37.1-37.2 (R3). The
+                         last program of more than two key splits merging from its registers lost (R2, numbers in
+                         kernels/decode_attention.py). Compiled tests: attention + indexer + index rows 118 passed
+                         (R2), attention + index rows 60 again (R3). `bench_select_layer`'s rows were not run in a
+                         round (the round script timed the same chain against session 12's files).
 """
 import os
 import sys
@@ -201,7 +213,7 @@ import time
 import torch
 import triton
 
-from deepinfer_sg.kernels import backend, decode_attention, index_rows, indexer
+from deepinfer_sg.kernels import backend, decode_attention, indexer
 from kbench import DEV, DRY, emit, rotating, row, S, time_ms
 
 TFLOPS = 700.0          # bf16 dense matmul rate for the flop floor until `matmul_rate` has measured it
@@ -338,36 +350,52 @@ def bench_attention(bw, l2, batches):
                     "compute + latency floor")
 
 
+ROPE_DIM = 64            # the index queries' rotated channels (V4.1 / the mid-size model)
+
+
 def chain_inputs(N, Hi, Di, G):
-    """The select layer's inputs: index queries, head weights, each row's G index keys, positions that see them
-    all, and attention inputs (32 heads) whose compressed pool holds each row's G entries."""
+    """The select layer's inputs as the step has them: index queries before RoPE, head weights as weights_proj
+    gives them (bf16, a column slice of the stacked product), the rows' rotations, each row's G index keys,
+    positions that see them all, and attention inputs (32 heads) whose compressed pool holds each row's G entries."""
     def make():
         q, win, wi, sink, kv, _ = attn_inputs(N, S(32, 16), 512 if not DRY else 64, 128 if not DRY else 16, 1, G)()
-        return (*indexer_inputs(N, Hi, Di, G)(), torch.full((N,), 2 * G, device=DEV), q, win, wi, sink, kv)
+        iq, _, keys, start, count = indexer_inputs(N, Hi, Di, G)()
+        wx = torch.randn(N, Hi + 16, device=DEV, dtype=torch.bfloat16)[:, 8:8 + Hi]
+        ang = torch.rand(N, S(ROPE_DIM, 16) // 2, device=DEV) * 6.283
+        turn = torch.stack([ang.cos(), ang.sin()], -1)
+        return iq, wx, turn, keys, start, count, torch.full((N,), 2 * G, device=DEV), q, win, wi, sink, kv
     return make
 
 
+def w_scale(Hi, Di):
+    """The index head weights' factor Hi^-0.5 Di^-0.5 (engine/indexer.py)."""
+    return Hi ** -0.5 * Di ** -0.5
+
+
 def select_layer(x, G, k):
-    """The engine's select layer as one chain of launches: index scores -> visible entries -> top-k select
-    (unsorted) -> entry rows -> sparse attention over the window and the selected entries."""
-    iq, w, keys, start, count, pos, q, win, wi, sink, kv = x
-    scores = indexer.indexer_scores_triton(iq, w, keys, start, count, G)
-    ids, _ = indexer.topk_select_triton(index_rows.visible_scores_triton(scores, pos, count, 2)[1], k, sorted=False)
-    rows = index_rows.entry_rows_triton(ids[:, :min(k, G)], start, count, k)
-    return decode_attention.sparse_attention_triton(q, win, wi, sink, kv, rows)
+    """The engine's select layer (session 13) as one chain of launches: index scores (the queries rotated, the
+    head weights scaled and the entries the positions see picked in the kernel) -> top-k select (unsorted) ->
+    sparse attention over the window and the selected entries (their pool rows made in the kernel's gather)."""
+    iq, wx, turn, keys, start, count, pos, q, win, wi, sink, kv = x
+    scores = indexer.indexer_scores_triton(iq, wx, keys, start, count, G, w_scale=w_scale(*iq.shape[1:]), turn=turn,
+                                           positions=pos, ratio=2)
+    ids, _ = indexer.topk_select_triton(scores, k, sorted=False)
+    return decode_attention.sparse_attention_triton(q, win, wi, sink, kv, ids[:, :min(k, G)], cmp_start=start,
+                                                    cmp_count=count)
 
 
 def bench_select_layer(bw, l2):
-    """The select layer's five launches back to back (CUDA graph), programmatic dependent launch on / off: each
-    kernel waits before its first load, so only launch latency and scheduling overlap."""
+    """The select layer's three launches back to back (CUDA graph), timed twice, and with programmatic dependent
+    launch off. Every kernel waits before its first load, so only launch latency and scheduling overlap. G = 64:
+    the mid-size step's shape (a 32-token prompt)."""
     N, Hi, Di, L, k = indexer_shape()
-    for G in S((1024, L), (64,)):
-        nbytes = N * G * Di * 2 + N * (128 + k) * 512 * 2
-        nxt = rotating(chain_inputs(N, Hi, Di, G), nbytes, l2)
-        for label, on in (("select layer", backend.PDL), ("  PDL off", False)):
+    for n, G in S(((64, 64), (256, 64), (64, 1024), (64, L)), ((2, 64),)):
+        nbytes = n * G * Di * 2 + n * (128 + min(k, G)) * 512 * 2
+        nxt = rotating(chain_inputs(n, Hi, Di, G), nbytes, l2)
+        for label, on in (("select layer", backend.PDL), ("  again", backend.PDL), ("  PDL off", False)):
             t = time_ms(pdl(on, lambda: select_layer(nxt(), G, k)))
-            row(label, f"N={N} G={G} k={k} H={S(32, 16)}", t, None, nbytes, bw,
-                "index scores, visible, select, entry rows, attention (5 launches)")
+            row(label, f"N={n} G={G} k={k} H={S(32, 16)}", t, None, nbytes, bw,
+                "index scores, select, attention (3 launches)")
 
 
 def indexer_inputs(N, Hi, Di, L):

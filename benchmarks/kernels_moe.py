@@ -184,6 +184,25 @@ call, % of the touched experts' bytes at copy bandwidth; round 3):
   61% / 22%, long scoreboard and not selected 1.01 each. At T=256 (32-row blocks, capped 4-warp builds) long
   scoreboard 1.72 / 3.20 (the spilled registers' loads), issue 40 / 41%; at 8 warps 0.84 / 1.38, 56 / 55%.
   Compiled MoE tests: 29 of 29 pass (round 3).
+
+Session 13, mHC at the mid-size hidden 2048 (K4; .round scripts timing HEAD's kernels/hc_mix.py beside the tree in
+the same run, 16 calls back to back in a CUDA graph, PDL on; H200, us a call): the write-back + mixes tiles that
+fill the GPU once, the norm inside up to 256 tokens, fn parts from 32 tokens: MoE write-back T = 8 / 32 / 64 / 256
+7.95 / 12.41 / 10.78 / 18.65 -> 7.13 / 7.21 / 8.27 / 17.38 (R3; kernels/hc_mix.py's module docstring has every row).
+bench_moe_write_back now also runs at H = 2048.
+
+Session 13, routed experts and router (K3; the mid-size shape now read from engine/testing.midsize_v41_config; a
+.round script timing HEAD's kernels/moe.py and kernels/router.py beside the tree in the same run, chains of 20
+layers in a CUDA graph, two input sets alternating, PDL on; H200, copy 4225-4251 GB/s; us a layer):
+  the gate inside the router's launch up to 256 rows (router.FUSED_MAX_ROWS 64 -> 256; bench_router's rows, R3):
+      router alone T = 64 / 128 / 256 4.8 / 4.9 / 5.1 against the GEMM library + route kernel 7.0 / 7.6 / 7.6;
+      router + routed chain T = 128 / 256 110.7-111.7 / 151.6-151.7 -> 108.1-108.5 / 149.2-150.5
+  routed chain alone, HEAD = tree (R3) T = 64 / 256 87.7-87.9 / 133.3-133.9 (58 / 38% of the touched bytes)
+  measured and deleted (kernels/moe.py's notes): split-K gate/up (R1: T = 64 2 / 4 slices 97.1-97.5 / 100.9-101.5
+      against 87.9-88.5), 128-register caps (4 programs an SM), the alignment inside the router's launch (R2:
+      router + chain T = 8 / 64 / 256 63.8-67.2 / 94.8-95.3 / 153.9-155.3 against 61.4-62.3 / 92.1-92.3 /
+      152.4-153.4); the align launch's share of the chain: 2.1 / 5.5 us at T = 64 / 256 (R2)
+  fp8 rows path (FP8_TILES) PDL off / on, T = 64: 117.1-117.6 / 113.8-114.1 (81 / 84% of its bytes, R1): kept on
 """
 import math
 import os
@@ -204,7 +223,21 @@ SWEEP_S = float(os.environ.get("K3_SWEEP_S", "40"))
 SWEEP_PARTS = os.environ.get("K3_SWEEP", "hc,moe").split(",")
 HC_SHARE_LEFT = 0.45 if "moe" in SWEEP_PARTS else 0.0
 
-TOY = dict(H=S(2048, 64), F=S(1024, 32), E=S(64, 4), K=S(6, 2))
+
+def _midsize():
+    """The mid-size V4.1 decode step's shapes, as engine/testing.midsize_v41_config (model_forward's --config
+    midsize) has them: hidden 2048, 32 heads of 512 with 64 rotated channels, q / o LoRA ranks 768 / 512 in 4 output
+    groups, 64 experts of 1024 (top 6); tiny ones for --dry."""
+    from deepinfer_sg.engine.testing import midsize_v41_config
+    c = midsize_v41_config()["text_config"]
+    return dict(H=S(c["hidden_size"], 64), heads=S(c["num_attention_heads"], 2), hd=S(c["head_dim"], 64),
+                rope=S(c["qk_rope_head_dim"], 16), ql=S(c["q_lora_rank"], 48), ol=S(c["o_lora_rank"], 32),
+                groups=S(c["o_groups"], 2), inter=S(c["moe_intermediate_size"], 32),
+                experts=S(c["n_routed_experts"], 8), top=S(c["num_experts_per_tok"], 2))
+
+
+MID = _midsize()
+TOY = dict(H=MID["H"], F=MID["inter"], E=MID["experts"], K=MID["top"])      # the mid-size experts
 REAL = dict(H=S(5120, 64), F=S(2304, 48), E=S(384, 6), K=S(6, 2))
 
 
@@ -285,6 +318,24 @@ def bench_moe(bw, l2, batches):
             s = s4 = sc = None
             if not DRY:
                 torch.cuda.empty_cache()
+    bench_router(bw, S((64, 128, 256), (5,)))
+
+
+def bench_router(bw, batches):
+    """The mid-size router (gate GEMM + sqrt-softplus scores + biased top-6 + weights) at each row count: the gate
+    inside one launch (router.gate_route_triton) against the GEMM library then router.route's kernel (the dispatch
+    above FUSED_MAX_ROWS), 16 calls back to back in a CUDA graph over 16 gate weights; bytes: the gate weight."""
+    m = MID
+    H, E, K = m["H"], m["experts"], m["top"]
+    ws = [torch.randn(E, H, device=DEV, dtype=torch.bfloat16) * H ** -0.5 for _ in range(16)]
+    b = torch.randn(E, device=DEV) * 0.1
+    F_ = torch.nn.functional
+    for T in batches:
+        x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+        fused = time_ms(lambda: [router.gate_route_triton(x, w, b, K, 1.5) for w in ws]) / len(ws)
+        lib = time_ms(lambda: [router.route(F_.linear(x, w), b, K, 1.5) for w in ws]) / len(ws)
+        row("router gate + top-k", f"mid T={T} H={H} E={E} K={K}", fused, None, E * H * 2, bw,
+            f"GEMM library + route kernel {lib * 1e3:.1f} us (dispatch: fused up to {router.FUSED_MAX_ROWS} rows)")
 
 
 @triton.jit
@@ -352,6 +403,7 @@ def bench_hc(bw, l2, batches):
     bench_post_mix(bw, l2, S((8, 16, 64, 256), (5,)), one)
     bench_post_mix(bw, l2, S((8, 64), (5,)), one, H=S(2048, 32))        # the mid-size decode step's shape
     bench_moe_write_back(bw, l2, S((8, 16, 32, 64, 256), (5,)), one)
+    bench_moe_write_back(bw, l2, S((8, 32, 64, 256), (5,)), one, H=S(2048, 32))      # the mid-size decode step's
 
 
 def _post_mix_inputs(T, M, H):
@@ -383,7 +435,7 @@ def post_mix_err(a, s):
 def _post_mix_kernel(s):
     """The write-back + mixes kernel at its default tiles, with fn's cached parts where hc_post_mix_apply uses
     them (it takes the kernel up to hc_mix.POST_MIX_MAX_T tokens only)."""
-    big = hc_mix.parts_pay(s[0].shape[0])
+    big = hc_mix.parts_pay(s[0].shape[0], post_mix=True)
     return hc_mix.hc_post_mix_triton(*s, fn_parts=hc_mix.fn_parts_cached(s[5]) if big else None)
 
 
@@ -426,7 +478,8 @@ def _write_back(s, fused=True, moe=True):
 
 def bench_moe_write_back(bw, l2, batches, one, H=S(5120, 64)):
     """The write-backs with the next input's RMSNorm inside (x_norm) and, after the MoE, its two addends (y2):
-    one launch up to hc_mix.POST_MIX_NORM_MAX_T tokens, against the (add +) write-back + norm launches."""
+    one launch wherever its grid is resident at once (hc_mix.hc_post_mix_apply), against the (add +) write-back
+    + norm launches."""
     M = 4
     for T in batches:
         nb = _post_mix_bytes(T, M, H) + T * H * 2
@@ -476,12 +529,6 @@ def sweep(bw, l2):
         _sweep_moe(bw)
     if "pdl" in SWEEP_PARTS:
         _sweep_pdl(bw, l2)
-
-
-# The mid-size V4.1 decode step's shapes (engine/testing.midsize_v41_config): hidden 2048, 32 heads of 512 with 64
-# rotated channels, q / o LoRA ranks 768 / 512 in 4 output groups, 64 experts of 1024 (top 6)
-MID = dict(H=S(2048, 64), heads=S(32, 2), hd=S(512, 64), rope=S(64, 16), ql=S(768, 48), ol=S(512, 32), groups=S(4, 2),
-           inter=S(1024, 32), experts=S(64, 8))
 
 
 def _mid_products():
@@ -540,7 +587,7 @@ def _small_calls(name, T):
             return ring_pool.ring_pool(rkv, rg, grp, grp, torch.bfloat16)
         return [lambda kv=kv: step(kv) for kv in kvs] * 4, T * W * (2 * 2 + 2 * 4 + 2 * 4 * 4 + 2)
     ss = [_moe_write_back_inputs(T, 4, H) for _ in range(4)]
-    if name == "hc post":                               # the write-back + read-out (beyond POST_MIX_NORM_MAX_T)
+    if name == "hc post":                               # the write-back + read-out (where not one launch)
         return [lambda s=s: hc_mix.hc_post_apply(*s[:5]) for s in ss] * 4, T * 4 * H * 2 * 2 + T * H * 2 * 2
     if name == "hc mixes":
         return [lambda s=s: hc_mix.hc_mixes(*s[:1], *s[5:8]) for s in ss] * 4, T * 4 * H * 2 + 24 * 4 * H * 4

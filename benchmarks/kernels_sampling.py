@@ -202,6 +202,18 @@ H200 numbers (torch 2.11 / Triton 3.6; copy 4,250-4,275 GB/s; us, fraction of co
                                 Kept (not before the rejection chain, not measured apart there). The top-p
                                 variants (the mass-above pass in reverse segment order, several segments per
                                 program, HOTCAP 128) lost and were deleted: kernels/rejection.py has their numbers.
+  session 13 rounds 1-3 (2026-12-01; copy 4,228-4,247 GB/s; HEAD in the same run, twice each; the R2 / R3 compiled
+  tests beside them), top-p alone by rejection (.round scripts timing sample_triton with TOP_P_ONLY, as this file's
+  rows do): the mass-above pass's weights as one FFMA + exp2 per token, the row's (m, zmin, z of the proposals)
+  handed over by the tokens kernel, the sampling pass PDL-launched in front of the chain (kernels/rejection.py):
+    R3, B=64 / 256          top-p0.9 flat 30.5 / 86.3 -> 26.4-26.5 / 80.4-80.5 (26% -> 29% / 36% -> 39%); top-p0.95
+                            peak 20.9 / 55.8-55.9 -> 19.6 / 54.8 (37% -> 40% / 56% -> 57%); tokens = twin 100%
+    rows past 4 proposals   (the finish's loops over a row) flat rows at B=64: p 0.7 47.6 (R3) / 71.2 (R2), p 0.5
+                            821 (R2: rows reach the bisection), against 26.4 at p 0.9; the pass with all 8 proposals
+                            does not build (Triton 3.6 asserts on the finish at NP = 8)
+    T=0.7 +mask (R2)        B=64 13.1-13.2 (61-62%; 56% in session 12's R1), B=256 42.0-42.2 (76-77%); the mask row
+                            read after the block's loads (deleted: kernels/sampling.py beside SMALL_SHAPE) 13.1-13.2
+                            and 40.2-41.9
 """
 import os
 

@@ -12,8 +12,9 @@ Per batch size: one prefill step (every sequence's random prompt), then `--decod
 engine/step_graphs.py; the first warm-up step at a batch size runs eager, the second captures) compared with the
 eager fast path (max |diff|: "exact" when bit for bit equal); "ahead": the graphs path with each step planned while
 the device runs the previous one (Model.plan_step / launch, as engine/step_pipeline.py does; step time = the period
-between two steps' ends; printed with the host ms of launch, split at the graph run, and of the overlapped plan, and
-the device time of the last step's graphs replayed back to back: the step without its host gaps; the caches are
+between two steps' ends; printed with the device time of the last step's graphs replayed back to back: the step
+without its host gaps, then a "host" line (the host ms of launch, split at the graph run, and of the overlapped
+plan) and a "parts" line (host ms of named engine functions, `_time_launch_parts`); the caches are
 copied before those replays and put back after, and the line says whether the replays changed them: "unchanged",
 "unchanged but the dump rows" (only the row arenas' dump rows differ: benign, see `graphs_back_to_back`) or
 "CHANGED" with the rows that differ),
@@ -53,6 +54,23 @@ to back). Session start (V1): b8 3.82 / 3.63, b64 4.99 / 4.51, b256 8.19 / 7.57.
       4.57 / 4.23, 7.89 / 7.34 (the PDL-on path then also sent the upload at plan time: deleted, engine/model.py);
   R3 (the final code): PDL on b64 4.68 / 4.16 (36.3% of the roofline), b256 7.94 / 6.38; off b64 4.80 / 4.40 (35.4%).
 PDL takes 0.16-0.30 ms off the device's step (back to back) at every batch; the folded launches 0.06-0.31 ms.
+
+Session 13, the host's per-sequence work (H200, same command, paths ahead + a "base" ablation with HEAD's host
+functions swapped in + control, one process per round; ms step / graphs back to back; host ms launch after the graph
+run + plan): R2 b256 base 9.31 / 6.12 (1.86 + 6.77), ahead 6.79 / 6.06 (1.10 + 5.02), control 6.83 / 5.99 (1.08 +
+5.10); b64 base 4.36 / 3.96, ahead 4.23 / 3.85, control 4.31 / 3.97; b8 3.42 / 3.38 / 3.41. R3 (a faster host):
+b256 base 6.95 / 6.00 (1.24 + 5.05), ahead 6.81 / 5.99 (1.08 + 4.64), control 6.83 / 6.00 (1.11 + 4.88); b64 4.29 /
+3.92, 4.19 / 3.81, 4.26 / 3.92; b8 3.50 / 3.19, 3.41 / 3.20, 3.48 / 3.20. At 256 the plan and the launch's tail
+had outgrown the device step in R2: the plan's compressor snapshot (0.67-0.92 ms, R1) is now the undo log
+compress_step.plan_layer writes while it reads the states anyway; the arenas and rings set every state's row tuples
+by C-level maps and skip the rows-elsewhere check when each state still holds what they gave it last
+(arena.RowArena.give / kept); Model._advance and the Engram windows read the caches' recent tokens by
+comprehensions (R2 / R3 at 256: advance 1.03 / 0.76 -> 0.68-0.71 ms, the plan's Engram windows 0.42 / 0.31 -> 0.21);
+a segment's input shapes and graph key are kept while its inputs are the same objects (R3 0.43 -> 0.30 ms). What
+plan_layer's share alone did is not settled: 2.99-3.17 against 3.45 ms (R2), 2.76-2.88 against 2.33 plus the
+snapshot (R3). The paths' logits are copied into one buffer per path after each step and the step's own freed
+(kept, every launch's fresh fp32 logits [T, V] needed a new device block: R1's `.to` calls cost the host 5-7 ms over
+13 steps, R2's 1 ms).
 
 `--profile` then looks at where one fast decode step's time goes, per batch size (fresh caches, after warm-up;
 every batch's host-clock and cProfile measurements first, then the torch.profiler ones: once CUPTI is attached it
@@ -283,7 +301,13 @@ def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, wa
             end = time.perf_counter()
         dt = end - t
         all_times.append(dt)
-        logits.append(out.logits.float())
+        if not logits:     # (one buffer for the path's logits, its steps' rows copied in after each step's sync)
+            logits = list(torch.empty((len(toks_per_step), *out.logits.shape), dtype=torch.float32,
+                                      device=out.logits.device))
+        logits[s].copy_(out.logits)
+        _sync(dev)
+        del out      # (the step's own logits freed, as an engine's sampler frees them: with each step's kept, every
+        # launch's fresh fp32 logits [T, V] needed a new device block; the copy is outside the timed period)
         if counter.ids:   # (graph replays run no Python hooks: the eager / capture steps' expert counts stand in)
             experts.append(sum(n * per_expert[i] for i, n in counter.hits().items()))
             decode_run.expert_bytes = experts[-1]
@@ -506,7 +530,7 @@ def _time_launch_parts(model, acc: dict):
              ("plan send", batched.BatchPlan, "send"), ("engram rows / ids", M.Model, "_engram_rows"),
              ("plan: segment inputs", M.Model, "_segment"), ("plan: windows", batched, "prepare_windows"),
              ("plan: engram windows", M.Model, "_windows_prep"), ("plan: compressors", compress_step, "plan_layer"),
-             ("plan: snapshot", M, "_compress_snapshot"), ("plan: span inputs", batched, "span_inputs")]
+             ("plan: span inputs", batched, "span_inputs"), ("send: pinned copy", step_graphs._Pinned, "copy")]
     try:
         from deepinfer_sg.engine.engram import Engram
         parts.append(("engram lookup", Engram, "packed_values"))
@@ -641,17 +665,19 @@ def run(args):
                 speed = f"{results.get('reference', results[against])[0] / step_s:7.1f}x"
             if path == "routes":
                 speed = f"{flips[0]} flips"
-            host = "" if not (path == "ahead" or path in ABLATIONS) else \
+            timed_ahead = path == "ahead" or path in ABLATIONS
+            replays = "" if not timed_ahead else \
                 (f"   graphs back to back {decode_run.replay_ms:.2f} ms (caches "
                  f"{ {True: 'unchanged', 'dump': 'unchanged but the dump rows', False: 'CHANGED, restored', None: '-'}[graphs_back_to_back.kept]}"
-                 f"{'' if graphs_back_to_back.kept in (True, None) else ': ' + '; '.join(graphs_back_to_back.changed)}); "
-                 f"host ms: launch {decode_run.host_ms[0]:.2f} (before the graph run {decode_run.host_ms[2]:.2f}, of it "
-                 f"to the segments {decode_run.host_ms[5]:.2f}, "
-                 f"in it {decode_run.host_ms[3]:.2f}, after {decode_run.host_ms[4]:.2f}) + plan "
-                 f"{decode_run.host_ms[1]:.2f} (overlapped); parts ms: " +
-                 ", ".join(f"{k} {v:.3f}" for k, v in getattr(decode_run, "launch_parts", {}).items()))
+                 f"{'' if graphs_back_to_back.kept in (True, None) else ': ' + '; '.join(graphs_back_to_back.changed)})")
             say(f"{'decode':8} {path:12} {B:5d} {step_s * 1e3:9.2f} {B / step_s:9.1f} {sb / 1e6:9.1f} {roof:11.1f} "
-                f"{B / step_s / roof:8.1%} {speed:>8} {diff:>12}   warm-up steps ms {decode_run.warm_ms}{host}")
+                f"{B / step_s / roof:8.1%} {speed:>8} {diff:>12}   warm-up steps ms {decode_run.warm_ms}{replays}")
+            if timed_ahead:     # (the host's parts on lines of their own: short enough to read whole)
+                h = decode_run.host_ms
+                say(f"{'host':8} {path:12} {B:5d} launch {h[0]:.2f} ms (before the graph run {h[2]:.2f}, of it to the "
+                    f"segments {h[5]:.2f}; in it {h[3]:.2f}; after it {h[4]:.2f}) + plan {h[1]:.2f} (overlapped)")
+                say(f"{'parts':8} {path:12} {B:5d} " +
+                    ", ".join(f"{k} {v:.3f}" for k, v in getattr(decode_run, "launch_parts", {}).items()))
             if pdl_counts is not None:
                 say(f"{'pdl':8} {path:12} {B:5d} {_pdl_line(pdl_counts)}")
         model.fast_decode = True
@@ -885,7 +911,7 @@ def device_gaps(spans: list, over_us: float = 5.0) -> str:
 # eager step runs, and every kernel is charged to the innermost range around its launch
 def _part_hooks():
     from deepinfer_sg import kernels as K
-    from deepinfer_sg.engine import attention, batched, compress_step, indexer, model as M, moe, norm
+    from deepinfer_sg.engine import attention, batched, compress_step, model as M, moe, norm
     parts = [("pre_attention", batched, "pre_attention"), ("post_attention", batched, "post_attention"),
              ("mhc.mixes", M.Block, "mixes"), ("mhc.pre", batched, "hc_pre"), ("mhc.post", batched, "hc_post"),
              ("mhc.post+mixes", batched, "hc_post_and_mixes"),
@@ -893,8 +919,7 @@ def _part_hooks():
              ("attn.q", attention.Attention, "project_q"), ("attn.kv", attention.Attention, "project_kv"),
              ("attn.kv", attention.Attention, "store_kv"),
              ("attn.out", attention.Attention, "output"), ("rope", attention, "apply_rope"),
-             ("rope", batched, "apply_rope"), ("index.q", indexer.Indexer, "queries"),
-             ("index.select", batched, "select_ids"), ("index.rows", batched, "entry_rows"),
+             ("index.q", batched, "step_queries"), ("index.select", batched, "select_ids"),
              ("window_idx", batched, "window_idx"), ("attend", batched, "attend"),
              ("sparse_attention", batched, "sparse_attention"), ("compress", compress_step, "compress_rows"),
              ("moe", moe.MoE, "forward_grouped"), ("moe.gate", moe.Gate, "forward"),

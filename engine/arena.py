@@ -23,11 +23,14 @@ step may cause (engine/cache_memory.py), so a pool sized to the device never all
 """
 from __future__ import annotations
 
+import itertools
+import operator
 import weakref
 
 import numpy as np
 import torch
 
+from .cache import set_each
 from .transfer import ragged_arange, to_device_many
 
 # smallest slot capacity / slot count of a storage. Slots and rows double when they run out (each growth copies
@@ -106,6 +109,7 @@ class RowArena:
         self.data = self.flat[:0].view(0, 0, width)
         self.slots = Slots()
         self.moved_rows = 0                       # rows copied in from elsewhere so far (tests, benchmarks)
+        self._set: tuple | None = None            # (slots, row tuples) of the last `give` (`kept`)
 
     def _shape_for(self, slots: int, rows: int) -> tuple[int, int]:
         """(slots, rows per slot) after a growth that must hold `slots` live slots of `rows` rows: rows double
@@ -173,11 +177,12 @@ class RowArena:
             self.on_grow()
         return True
 
-    def reserve(self, states: list, counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+    def reserve(self, states: list, counts: list[int], log: list | None = None) -> tuple[torch.Tensor, list[int]]:
         """Room for counts[k] rows of states[k] in its slot: the arena grows as needed, rows a state holds
         elsewhere (fresh from the reference path, a deep copy, another arena) move in (one gather), and each state
         then holds (flat, its slot's first row, counts[k]) (None while 0). Its rows past what it held before are
-        the caller's to write (`append`, or a CUDA graph, engine/compress_step.py). -> (flat, each state's first
+        the caller's to write (`append`, or a CUDA graph, engine/compress_step.py). log: an undo log (`undo`) that
+        gets the states' row tuples as they were (after a growth re-pointed them). -> (flat, each state's first
         row). Cost: host work per state is a few attribute reads; a copy only for rows that move in."""
         from .compressor import Sources
         key = self.key
@@ -185,21 +190,50 @@ class RowArena:
         if self._grow(max(slots) + 1, max(counts)):
             slots = self.slots.of_all(states)  # (a growth renumbers the slots)
         flat, cap = self.flat, self.data.shape[1]
-        starts = [s * cap for s in slots]
-        src, mig_from, mig_to = Sources(0), [], []
-        for st, s0, m in zip(states, starts, counts):      # (one pass: this runs for every state of every step)
-            t = getattr(st, key)                           # (after a growth: re-pointed)
-            if t is not None and t[2] and (t[0] is not flat or t[1] != s0):   # rows elsewhere: move them in
+        starts = list(map(cap.__mul__, slots))
+        olds = list(map(operator.attrgetter(key), states))      # (after a growth: re-pointed)
+        if log is not None:
+            log.append((states, key, olds))
+        if self.kept(slots, olds):
+            away = []
+        else:
+            away = [k for k, (t, s0) in enumerate(zip(olds, starts))
+                    if t is not None and t[2] and (t[0] is not flat or t[1] != s0)]
+        if away:                              # rows elsewhere: move them in (one gather)
+            src, mig_from, mig_to = Sources(0), [], []
+            for k in away:
+                t, s0 = olds[k], starts[k]
                 base = src.base(t[0], None)
                 mig_from.extend(range(base + t[1], base + t[1] + t[2]))
                 mig_to.extend(range(s0, s0 + t[2]))
-            if m:                            # (a state with no rows keeps None, as on the reference path)
-                setattr(st, key, (flat, s0, m))
-        if mig_from:
             rows_from, rows_to = to_device_many([mig_from, mig_to], flat.device)
             flat.index_copy_(0, rows_to, src.cat(None, 0)[rows_from])
             self.moved_rows += len(mig_from)
+        if min(counts):
+            self.give(states, key, slots, list(zip(itertools.repeat(flat), starts, counts)))
+        else:
+            self.forget()
+            for st, s0, m in zip(states, starts, counts):
+                if m:                        # (a state with no rows keeps None, as on the reference path)
+                    setattr(st, key, (flat, s0, m))
         return flat, starts
+
+    def kept(self, slots: list, olds: list) -> bool:
+        """Whether the states are those of the last `give` (`slots` is Slots.of_all's list of then: the same
+        objects in the same order) and each still holds the tuple it got (`olds`: their tuples now): then none
+        holds rows elsewhere. C-level identity checks, no Python per state."""
+        last = self._set
+        return last is not None and last[0] is slots and all(map(operator.is_, olds, last[1]))
+
+    def give(self, states: list, key: str, slots: list, rows: list) -> None:
+        """states[k].<key> = rows[k] (their row tuples in this arena) for every k (cache.set_each: C-level maps),
+        remembered for `kept`."""
+        set_each(states, key, rows)
+        self._set = (slots, rows)
+
+    def forget(self) -> None:
+        """States were given rows another way than `give`: `kept` answers False until the next `give`."""
+        self._set = None
 
     def append(self, states: list, new: torch.Tensor, news: list[int]) -> tuple[torch.Tensor, list[int]]:
         """state.<name> += its news[s] rows of `new` [sum(news), width] (in state order), in place.
@@ -225,6 +259,20 @@ def arena_for(model, layer: int, part: str, name: str, like: torch.Tensor) -> Ro
         a = arenas[key] = RowArena(name, like.shape[-1], like.dtype, like.device, on_grow=model.reset_graphs,
                                    layer=layer, part=part)
     return a
+
+
+def undo(log: list) -> None:
+    """Put back what an undo log holds, last entry first: entries (objects, attribute name, their old values) or
+    (objects, attribute names, their old value tuples), made while the values were read anyway (`reserve`,
+    compress_step.plan_layer: a plan's undo costs no pass of its own over the states)."""
+    for objs, keys, vals in reversed(log):
+        if isinstance(keys, str):
+            for o, v in zip(objs, vals):
+                setattr(o, keys, v)
+        else:
+            for o, v in zip(objs, vals):
+                for k, x in zip(keys, v):
+                    setattr(o, k, x)
 
 
 class WindowSlab:

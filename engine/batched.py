@@ -14,14 +14,12 @@ Per layer:
     `update_compressed`: one projection over all rows, every completed group pooled in one batch, token
     projections kept by one gather, new entries / latents appended into the arenas: step_many);
   * everything else inside a segment (`span`, with inputs `span_inputs` made before it from host-side lengths):
-    the dense parts, the index selection (`select_ids`: scores for every row at once over its index pool, padded
-    to a power of two, then the top-k with the reference's tie rule (ties go to the lower entry id; relu makes
-    exact-zero ties common, so selection must not depend on an unstable top-k): on CUDA the exact select kernel
-    `kernels.indexer.topk_select_triton`, whose winners come as ascending ids (`topk_ids`), elsewhere the reference's
-    `topk_mask`; candidate blocks with the reference's `candidate_block_mask`), then `attend`: write the window
-    rows, `deepinfer_sg.kernels.sparse_attention` (Triton on CUDA, its torch twin on CPU) over the window rows
-    [T, W] and the selected entries' rows [T, bucket] (`entry_rows`; -1 = no key, padded to a power of two so
-    shapes hold for many steps).
+    the dense parts, the index selection (engine/indexer.py's `select_ids`: scores for every row at once over its
+    index pool, padded to a power of two so shapes hold for many steps, then the top-k with the reference's tie
+    rule; on CUDA the score kernel rotates the index queries, scales the head weights and scores only the visible
+    candidates, and the exact select kernel gives ascending ids), then `attend`: write the window rows,
+    `deepinfer_sg.kernels.sparse_attention` (Triton on CUDA, its torch twin on CPU) over the window rows [T, W]
+    and the selected entry ids (-1 = none; the kernel makes their pool rows from each row's start and count).
 Everything between two eager cache updates (V4.1: the whole step, embedding to head) is one pure function (`span`),
 run through step_graphs.SegmentGraphs: a CUDA graph on CUDA once a token count is warm, eager otherwise (same
 results bit for bit). Results equal the reference path to round-off (tests compare logits and cache states). The
@@ -41,8 +39,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-import deepinfer_sg.kernels.index_rows as _index_rows
-import deepinfer_sg.kernels.indexer as _kindexer
 from deepinfer_sg.kernels import sparse_attention
 from deepinfer_sg.kernels.backend import use_triton
 
@@ -50,9 +46,9 @@ from . import compress_step, projections, streams
 from .arena import arena_for
 from .compressor import Sources
 from .engram import WindowSource
-from .indexer import candidate_block_mask, topk_mask
+from .indexer import fused_scores, select_ids, step_queries
 from .mhc import ReadOut, hc_post, hc_post_and_mixes, hc_pre
-from .rope import Turns, apply_rope, step_turns
+from .rope import Turns, step_turns
 from .transfer import made_once, ragged_arange, to_device_many
 
 MAX_FAST_ROWS = 16   # chunks up to this many rows use the batched path (decode, verify); longer ones: reference
@@ -365,22 +361,6 @@ def update_compressed(model, attn, x: torch.Tensor, ctx, plan: BatchPlan) -> Non
         plan.pools[(kind, i)] = (buf, *plan.per_row([starts, counts], x.device), max(counts))
 
 
-def _index_scores(idx_mod, iq: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, start: torch.Tensor,
-                  count: torch.Tensor, G: int) -> torch.Tensor:
-    """I [T, G] fp32 = sum_h w * Di^-0.5 * relu(iq_h . ik_g) over each row's entries start..start+G (padded
-    columns hold -inf or whatever the clamped gather gives: callers mask them). w as `pre_attention` made it (when
-    the Triton kernel runs, already fp32 times Di^-0.5).
-
-    On CUDA the score kernel of deepinfer_sg.kernels.indexer reads the keys in place (no [T, G, Di] gather)."""
-    if _kindexer.use_triton(iq):    # w came scaled from pre_attention (inside the graph segment)
-        return _kindexer.indexer_scores_triton(iq, w, keys, start, count, G)
-    g = torch.arange(G, device=iq.device)
-    rows = (start[:, None] + g[None, :]).clamp(max=keys.shape[0] - 1)
-    k = keys[rows].float()                                                          # [T, G, Di]
-    s = torch.relu(torch.matmul(iq.float(), k.transpose(1, 2))) * idx_mod.idx_dim ** -0.5   # [T, Hi, G]
-    return (s * w.unsqueeze(-1)).sum(dim=1)
-
-
 def index_pool(model, attn, ctx, plan):
     """(keys, start [T], count [T], G) the layer's index selection reads: G padded to a power of two (scores past
     a row's count are masked), so a graph segment holding the selection keeps its shapes for many steps."""
@@ -391,56 +371,11 @@ def index_pool(model, attn, ctx, plan):
     return keys, start, count, (_bucket(G, None) if G else 0)
 
 
-def select_ids(idx_mod, iq, w, keys, start, count, positions, ratio: int, G: int, k: int, cand=None):
-    """Every row's index selection, as a pure function (eager, or inside a graph segment): the k best entries
-    (ties -> lower id) among each row's visible ones, start..start + count of `keys` that its position can see
-    (g < (p + 1) // ratio), and `cand` [T, G] where given. -> (ids [T, min(k, G)] ascending, -1 padded; visible
-    [T, G]; scores [T, G])."""
-    scores = _index_scores(idx_mod, iq, w, keys, start, count, G)
-    # visible entries and the scores of the others at -inf: one launch on CUDA (kernels/index_rows.py)
-    visible, masked = _index_rows.visible_scores(scores, positions, count, ratio, cand)
-    if _kindexer.use_triton(scores):
-        return _select(masked, k), visible, scores
-    return topk_ids(scores, visible if cand is None else visible & cand, k, triton=False), visible, scores
-
-
-def entry_rows(ids: torch.Tensor, start: torch.Tensor, count: torch.Tensor, k: int) -> torch.Tensor:
-    """Entry ids [T, w] (-1 = none) -> rows of the kv pool [T, bucket] for the attention kernel (-1 = no key;
-    ids past a row's count dropped), padded with -1 to a power of two (at most k) so shapes hold for many steps."""
-    return _index_rows.entry_rows(ids, start, count, _bucket(ids.shape[1], k))   # (int32 on CUDA: one launch)
-
-
-def topk_ids(scores: torch.Tensor, allowed: torch.Tensor, k: int, triton: bool | None = None) -> torch.Tensor:
-    """The entries of `topk_mask(scores, allowed, k)` (the k best allowed ones, ties -> lower id) as ids [T, min(k, G)]
-    ascending, -1 padded (what the attention kernel reads). triton (default: on CUDA): the select kernel, which
-    picks the same entries as the stable sort (allowed scores are finite; disallowed ones become -inf, never
-    selected) and with sorted=False returns its winners in ascending entry order, -1 padded at the end
-    (kernels/indexer.py's contract), so they are the ids as they are (2 launches instead of the mask's 6 + 5 to
-    turn it into ids; a re-sort here cost 2 more)."""
-    if not (_kindexer.use_triton(scores) if triton is None else triton):
-        return _mask_to_index(topk_mask(scores, allowed, k), k)
-    return _select(scores.masked_fill(~allowed, float("-inf")), k)
-
-
-def _select(masked: torch.Tensor, k: int) -> torch.Tensor:
-    """The select kernel on scores whose disallowed entries are -inf -> ids [T, min(k, G)] ascending, -1 padded."""
-    idx, _ = _kindexer.topk_select_triton(masked, k, sorted=False)
-    return idx[:, :min(k, masked.shape[1])]
-
-
 def _fit(mask: torch.Tensor, G: int) -> torch.Tensor:
     """Pad / cut a [T, G'] mask to G columns (pools of different sources can differ in their padding)."""
     if mask.shape[1] >= G:
         return mask[:, :G]
     return torch.nn.functional.pad(mask, (0, G - mask.shape[1]), value=False)
-
-
-def _mask_to_index(sel: torch.Tensor, k: int) -> torch.Tensor:
-    """bool [T, G] with <= k True per row -> entry ids [T, min(k, G)] ascending, -1 padded."""
-    G = sel.shape[1]
-    key = torch.where(sel, torch.arange(G, device=sel.device)[None, :], G)
-    idx = key.sort(dim=1).values[:, :min(k, G)]
-    return torch.where(idx < G, idx, torch.full_like(idx, -1))
 
 
 def pre_attention(model, block, R: torch.Tensor, a, cos: torch.Tensor, sin: torch.Tensor, e, side: dict | None = None,
@@ -486,13 +421,7 @@ def pre_attention(model, block, R: torch.Tensor, a, cos: torch.Tensor, sin: torc
     if parts is not None and side is not None and len(parts) > 2 + index:
         side["comp"] = parts[2 + index:]
     if index:
-        # the score kernel's head weights (_index_scores): fp32, times Di^-0.5 too
-        triton = _kindexer.use_triton(qr)
-        iq, w = attn.indexer.queries(qr, xn, wx=None if parts is None else parts[2],
-                                     also=attn.indexer.idx_dim ** -0.5 if triton else 1.0)
-        iq = model._qdq(apply_rope(iq, cos, sin), "index")
-        if triton:
-            w = w.contiguous()
+        iq, w = step_queries(model, attn.indexer, qr, xn, cos, sin, None if parts is None else parts[2])
     return R, pre, post, comb, xn, q, kv, iq, w, feat
 
 
@@ -621,7 +550,7 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
     c = model.config
     n = len(LAYER_INPUTS)
     n0 = len(ENTRY_INPUTS)
-    ids_of, cand_of, extra, win_of, rows_of = {}, {}, [], {}, {}
+    ids_of, cand_of, extra, win_of = {}, {}, [], {}
     # the step's rotations and window rows: made by the step's first segment, handed on at a BOUNDARY instead of
     # being made again by every segment (one_window: every layer of the step reads one window list)
     handed = Handoff(R, pre, post, comb, q) if prev_e == BOUNDARY else None
@@ -649,10 +578,10 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
             if G:
                 if spec.candidate_source is not None and cand is None:
                     cand = _fit(cand_of[spec.candidate_source], G)
-                ids, visible, scores = select_ids(attn.indexer, iq, w, keys, kstart, kcount, positions, spec.ratio, G,
-                                                  c.index_topk, cand)
-                if j == c.candidate_source_layer_id:
-                    cand_j = candidate_block_mask(scores, visible, c.candidate_block_size, c.candidate_topk_blocks)
+                ids, cand_j = select_ids(attn.indexer, iq, w, keys, kstart, kcount, positions, spec.ratio, G,
+                                         c.index_topk, cand, rope[spec.rope] if fused_scores(model, iq) else None,
+                                         (c.candidate_block_size, c.candidate_topk_blocks)
+                                         if j == c.candidate_source_layer_id else None)
             elif j == c.candidate_source_layer_id:
                 cand_j = torch.zeros((q.shape[0], 0), dtype=torch.bool, device=q.device)
             ids_of[j], cand_of[j] = ids, cand_j
@@ -661,14 +590,10 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
         elif kind == "all" and kv_pool is not None:
             g = torch.arange(G, device=q.device)[None, :]
             ids = torch.where(g < ((positions + 1) // spec.ratio)[:, None], g.expand(q.shape[0], -1), -1)
-        cmp_idx = None
-        if kv_pool is not None and ids is not None:   # (the layers reusing one selection over one pool share it)
-            key = (id(ids), id(kv_start), id(kv_count), kind == "all")
-            if key not in rows_of:
-                rows_of[key] = entry_rows(ids, kv_start, kv_count, c.index_topk if kind != "all" else G)
-            cmp_idx = rows_of[key]
         extra.extend([ids if kind == "select" else None, cand_j])
-        return attend(attn, q, kv, win_all, new_rows, win_idx, None if cmp_idx is None else kv_pool, cmp_idx)
+        entries = kv_pool is not None and ids is not None    # (the attention kernel makes their pool rows)
+        return attend(attn, q, kv, win_all, new_rows, win_idx, kv_pool if entries else None, ids if entries else None,
+                      kv_start, kv_count)
 
     feats = []
     first = 0 if prev_e is None or prev_e == BOUNDARY else 1
@@ -778,14 +703,15 @@ def span_inputs(model, attn, ctx, plan):
 
 
 def attend(attn, q: torch.Tensor, kv: torch.Tensor, win_all: torch.Tensor, new_rows: torch.Tensor,
-           win_idx: torch.Tensor, cmp_pool, cmp_idx) -> torch.Tensor:
+           win_idx: torch.Tensor, cmp_pool, ids, start, count) -> torch.Tensor:
     """Write this step's window rows kv [T, D] into the slab (rows new_rows of layer attn.layer_id; kv None: already
-    written, pre_attention's `store`) and attend: q [T, nh, D] over win_idx's window keys and cmp_idx's compressed
-    entries of cmp_pool -> [T, nh, D]."""
+    written, pre_attention's `store`) and attend: q [T, nh, D] over win_idx's window keys and the compressed entries
+    ids [T, w] of cmp_pool (row t's at pool rows start[t] + id for 0 <= id < count[t]; -1 = none) -> [T, nh, D]."""
     win_pool = window_pool(win_all, attn.layer_id)
     if kv is not None:
         win_pool.index_copy_(0, new_rows, kv.to(win_pool.dtype))
-    return sparse_attention(q, win_pool, win_idx, attn.attn_sink, cmp_pool, cmp_idx, scale=attn.scale)
+    return sparse_attention(q, win_pool, win_idx, attn.attn_sink, cmp_pool, ids, scale=attn.scale,
+                            cmp_start=None if ids is None else start, cmp_count=None if ids is None else count)
 
 
 def window_pool(win_all: torch.Tensor, layer: int) -> torch.Tensor:
@@ -823,11 +749,13 @@ def commit_windows(model, ctx, plan: BatchPlan) -> None:
     from .cache import WindowStack
     keep = model.config.sliding_window - 1 + model.max_rollback
     win = plan.win_all
-    for b, s in enumerate(ctx.seqs):
-        slot, end, ls = plan.win_slot[b], plan.win_end[b] + s.n, plan.win_lens[b]
+    for b, (s, slot, end, ls) in enumerate(zip(ctx.seqs, plan.win_slot, plan.win_end, plan.win_lens)):
+        end += s.n
         st = s.cache.windows
         if ls is None and st is not None and st.buf is win and st.slot == slot:
-            st.lo, st.hi = max(st.lo, end - keep), end
+            if end - keep > st.lo:
+                st.lo = end - keep
+            st.hi = end
         elif ls is None or len(set(ls)) == 1:
             m = plan.win_m[b] if ls is None else ls[0]
             st = WindowStack(win, slot, max(0, end - min(keep, m + s.n)), end)

@@ -25,6 +25,8 @@ writes into them (it makes new tensors).
 """
 from __future__ import annotations
 
+import collections
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +42,12 @@ def ring_rows(buf: torch.Tensor, off: int, n: int, ring: int) -> torch.Tensor:
 def _shorter(rows: tuple, n: int) -> tuple:
     """A (buffer, first row, rows[, ring]) tuple cut to at most n rows."""
     return (rows[0], rows[1], max(0, min(rows[2], n)), *rows[3:])
+
+
+def set_each(objs: list, attr: str, values) -> None:
+    """objs[k].<attr> = values[k] for every k, by C-level maps (no Python bytecode per object: the batched path sets
+    a few attributes of every sequence's states each step; a row tuple attribute is "_" + its name, `set_rows`)."""
+    collections.deque(map(setattr, objs, itertools.repeat(attr), values), maxlen=0)
 
 
 def _rows_property(name: str, doc: str):

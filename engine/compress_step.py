@@ -24,6 +24,9 @@ complete at ratio 2: noise next to the projections), three [T, D] row writes; ho
 """
 from __future__ import annotations
 
+import itertools
+import operator
+
 import numpy as np
 import torch
 
@@ -31,6 +34,7 @@ from deepinfer_sg.kernels.ring_pool import ring_pool, ring_pool_torch, ring_writ
 from deepinfer_sg.kernels.rmsnorm import rms_norm
 
 from .arena import arena_for
+from .cache import set_each
 from .rope import apply_rope, turn_table
 
 RING = 64    # >= max_rollback (16) + MAX_FAST_ROWS (16) + ratio: rows a rollback or this step can still need
@@ -61,33 +65,44 @@ def graph_layers(model) -> list[int]:
     return got[1]
 
 
-def _ring_reserve(arena, states, name: str) -> list[int]:
-    """Each state's token rows `name` in its ring slot of `arena` (RING rows per slot); rows held elsewhere
-    (the reference path's tensors, an eager gather buffer) are copied in at their positions' ring rows (one
-    gather + one index_copy for all such states). -> each state's slot."""
-    key = "_" + name
+# a state's token rows as plan_layer reads them (once, for both rings, the rows it keeps and the undo log)
+_TOK_FIELDS = ("tok_start", "_tok_kv", "_tok_gate")
+_TOK = operator.attrgetter(*_TOK_FIELDS)
+
+
+def _ring_slots(arena, states) -> list[int]:
+    """Each state's slot of a ring arena (RING rows per slot; the arena grows first when they do not fit)."""
     slots = arena.slots.of_all(states)
     if arena._grow(max(slots) + 1, RING):
         slots = arena.slots.of_all(states)     # (a growth renumbers the slots)
+    return slots
+
+
+def _ring_move_in(arena, states, slots, toks, which: int) -> None:
+    """Rows of a state's token rows (`toks`: its (tok_start, tok_kv, tok_gate) tuple, `which` 1 or 2) held
+    elsewhere (the reference path's tensors, an eager gather buffer) are copied into its ring slot at their
+    positions' ring rows (one gather + one index_copy for all such states)."""
+    if arena.kept(slots, list(map(operator.itemgetter(which), toks))):
+        return
     flat = arena.flat
     moved, dst = [], []
-    for st, slot in zip(states, slots):
-        t = getattr(st, key)
+    for st, tk, slot in zip(states, toks, slots):
+        t = tk[which]
         if t is None or not t[2] or (t[0] is flat and len(t) == 4 and t[1] // RING == slot):
             continue
-        moved.append(getattr(st, name))
-        dst.extend(slot * RING + p % RING for p in range(st.tok_start, st.tok_start + t[2]))
+        moved.append(getattr(st, _TOK_FIELDS[which][1:]))
+        dst.extend(slot * RING + p % RING for p in range(tk[0], tk[0] + t[2]))
     if moved:
         rows = torch.tensor(dst, dtype=torch.long).to(flat.device)
         flat.index_copy_(0, rows, torch.cat(moved).to(flat.dtype))
         arena.moved_rows += len(dst)
-    return slots
 
 
-def plan_layer(model, attn, ctx, plan) -> list:
+def plan_layer(model, attn, ctx, plan, log: list | None = None) -> list:
     """Host side of one layer's compressor step for this step's rows (before the graph): arena room, each row's
     destination rows, the states advanced to the end of the step (their rows are written by `compress_rows`),
-    the layer's pools in `plan.pools` (what batched.pool would give after the update).
+    the layer's pools in `plan.pools` (what batched.pool would give after the update). log: an undo log
+    (arena.undo) that gets every state value changed here as it was (Model.cancel puts them back).
     -> the layer's INPUTS (device tensors; the arenas' flat tensors at fixed addresses)."""
     i = attn.layer_id
     comp = attn.compressor
@@ -113,7 +128,7 @@ def plan_layer(model, attn, ctx, plan) -> list:
     like = torch.empty((0, D), dtype=dtype, device=dev)
 
     def rows_in(arena, owners):
-        flat, first = arena.reserve(owners, counts)
+        flat, first = arena.reserve(owners, counts, log)
         return flat, first, np.where(done, np.asarray(first, dtype=np.int64)[seq] + grp, arena.dump)
 
     ent, ent_first, ent_dst = rows_in(arena_for(model, i, "comp", "entries", like), states)
@@ -130,27 +145,39 @@ def plan_layer(model, attn, ctx, plan) -> list:
         host["ik_dst"] = ik_dst
     if comp.gated:
         f32 = torch.empty((0, W), dtype=torch.float32, device=dev)
-        ring_kv = arena_for(model, i, "comp", "tok_kv", f32)
-        ring_g = arena_for(model, i, "comp", "tok_gate", f32)
+        rings = (arena_for(model, i, "comp", "tok_kv", f32), arena_for(model, i, "comp", "tok_gate", f32))
+        ring_slots = [_ring_slots(a, states) for a in rings]     # (growths first: they re-point the states)
+        toks = list(map(_TOK, states))
+        if log is not None:
+            log.append((states, _TOK_FIELDS, toks))
         members = grp[:, None] * r + np.arange(r)[None, :]              # the group's positions [T, r]
-        ring_slots = []
-        for name, arena in (("tok_kv", ring_kv), ("tok_gate", ring_g)):
-            ring_slots.append(_ring_reserve(arena, states, name))
-            base = np.asarray(ring_slots[-1], dtype=np.int64)[seq] * RING
+        for which, (name, arena, slots) in enumerate(zip(("tok_kv", "tok_gate"), rings, ring_slots), start=1):
+            _ring_move_in(arena, states, slots, toks, which)
+            base = np.asarray(slots, dtype=np.int64)[seq] * RING
             host[name + "_dst"] = base + pos % RING
             host[name + "_grp"] = base[:, None] + members % RING
         # each state keeps its token rows from `keep` on (numpy over the states; then three attributes each)
-        held = np.asarray([st.tok_start if st._tok_kv is not None and st._tok_kv[2] else s0
-                           for st, s0 in zip(states, plan.starts)], dtype=np.int64)
+        held = np.asarray([tk[0] if tk[1] is not None and tk[1][2] else s0 for tk, s0 in zip(toks, plan.starts)],
+                          dtype=np.int64)
         keep = np.maximum(held, comp.keep_from(ends, model.max_rollback))
         first_kv = np.asarray(ring_slots[0], dtype=np.int64) * RING + keep % RING
         first_g = np.asarray(ring_slots[1], dtype=np.int64) * RING + keep % RING
-        for st, kp, e, a, b in zip(states, keep.tolist(), ends.tolist(), first_kv.tolist(), first_g.tolist()):
-            st.tok_start = kp
-            st._tok_kv = (ring_kv.flat, a, e - kp, RING) if e > kp else None
-            st._tok_gate = (ring_g.flat, b, e - kp, RING) if e > kp else None
-        ring_kv, ring_g = ring_kv.flat, ring_g.flat
+        ring_kv, ring_g = rings[0].flat, rings[1].flat
+        cnt = (ends - keep).tolist()
+        if min(cnt) > 0:     # (C-level maps: no Python per state, arena.RowArena.give)
+            set_each(states, "tok_start", keep.tolist())
+            for arena, slots, flat, first in zip(rings, ring_slots, (ring_kv, ring_g), (first_kv, first_g)):
+                arena.give(states, arena.key, slots,
+                           list(zip(itertools.repeat(flat), first.tolist(), cnt, itertools.repeat(RING))))
+        else:
+            for arena in rings:
+                arena.forget()
+            for st, kp, k, a, b in zip(states, keep.tolist(), cnt, first_kv.tolist(), first_g.tolist()):
+                st.tok_start = kp
+                st._tok_kv, st._tok_gate = ((ring_kv, a, k, RING), (ring_g, b, k, RING)) if k > 0 else (None, None)
     else:
+        if log is not None:
+            log.append((states, _TOK_FIELDS, list(map(_TOK, states))))
         for st, e in zip(states, ends.tolist()):
             st.tok_start, st._tok_kv, st._tok_gate = e, None, None
     names = list(host)

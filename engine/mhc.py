@@ -36,11 +36,10 @@ def hc_mixes(R: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch
 
 def hc_pre(R: torch.Tensor, pre: torch.Tensor, fast: bool = False) -> torch.Tensor:
     """Read one hidden [T, H] out of the streams: sum_j pre[:, j] * R[:, j] (fp32 math, R's dtype out).
-    fast: deepinfer_sg.kernels.hc_mix.hc_pre_apply (one Triton launch on CUDA instead of 3; same math)."""
-    if fast:
-        from deepinfer_sg.kernels.hc_mix import hc_pre_apply
-        return hc_pre_apply(R, pre)
-    return (pre.unsqueeze(-1) * R).sum(dim=1).to(R.dtype)
+    fast: deepinfer_sg.kernels.hc_mix.hc_pre_apply (one Triton launch on CUDA instead of 3; same math); else its
+    twin hc_pre_torch."""
+    from deepinfer_sg.kernels.hc_mix import hc_pre_apply, hc_pre_torch
+    return hc_pre_apply(R, pre) if fast else hc_pre_torch(R, pre)
 
 
 def hc_post(R: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fast: bool = False,

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import itertools
+import operator
 import re
 from dataclasses import dataclass, field
 
@@ -47,8 +49,9 @@ from torch import nn
 from deepinfer_sg import kernels
 
 from . import batched, compress_step, projections
+from .arena import undo as undo_log
 from .attention import Attention
-from .cache import LayerCache, SequenceCache
+from .cache import LayerCache, SequenceCache, set_each
 from .compressor import Sources
 from .config import LayerSpec, ModelConfig
 from .indexer import candidate_block_mask, topk_mask
@@ -122,7 +125,7 @@ class StepPlan:
     ctx: "StepContext"             # what the step knows (the batched path's BatchPlan in ctx.plan)
     total: int                     # tokens of the step
     fast: bool                     # the batched path (else the reference path, all of it at launch)
-    saved: list | None = None      # the compressor states as they were (cancel restores them)
+    saved: list | None = None      # the compressor states' undo log (arena.undo; cancel puts them back)
     segments: list = field(default_factory=list)   # graph segments prepared at plan time (V4: the first one)
     every_row: bool = False        # every chunk returns a logit row for each of its tokens (decode, verify)
     splits: list = field(default_factory=list)     # layers before which its graph is cut (batched.engram_splits at
@@ -162,6 +165,28 @@ class StepContext:
     engram_ids: dict = field(default_factory=dict)    # fast path: engram layer -> its row ids' upload slot, to fill
 
 
+_LENGTHS = operator.attrgetter("length", "floor", "max_rollback")     # what Model._advance moves on per cache
+
+
+def _counts(seqs) -> tuple:
+    """(rows, offset) of each of the step's sequences, int64 arrays."""
+    return (np.fromiter([s.n for s in seqs], np.int64, len(seqs)), np.fromiter([s.off for s in seqs], np.int64,
+                                                                                len(seqs)))
+
+
+def _recent_rows(caches, srcs: Sources) -> tuple:
+    """The caches' recent token ids as rows of `srcs` (each distinct buffer once, usually the last step's one):
+    (rows m [B], the first one's row in the sources [B]), int64, by comprehensions over the caches (not a loop
+    asking `srcs.base` per sequence)."""
+    tbs = [c._tokens for c in caches]
+    for buf in {id(t[0]): t[0] for t in tbs if t is not None and t[2]}.values():    # (in order of first use)
+        srcs.base(buf, None)
+    bases, B = srcs.bases, len(tbs)
+    m = np.fromiter([0 if t is None else t[2] for t in tbs], np.int64, B)
+    first = np.fromiter([bases[id(t[0])] + t[1] if t is not None and t[2] else 0 for t in tbs], np.int64, B)
+    return m, first
+
+
 def _on_host(t: torch.Tensor) -> bool:
     """Whether t is in host memory (the Engram windows' tail: then it goes up with the step's upload)."""
     return t.device.type == "cpu"
@@ -172,23 +197,6 @@ def first_stream(T: int, M: int, device) -> torch.Tensor:
     a = torch.zeros(T, M, device=device)
     a[:, 0] = 1.0
     return a
-
-
-def _compress_snapshot(model, seqs) -> list:
-    """The compressor states compress_step.plan_layer advances (what `Model.cancel` restores): a few numbers and
-    row tuples per (layer, sequence), no tensor copies."""
-    out = []
-    for i in compress_step.graph_layers(model):
-        for s in seqs:
-            lc = s.cache.layers[i]
-            st = lc.comp
-            out.append((lc, st, st.tok_start, st._tok_kv, st._tok_gate, st._entries, st._latents, lc._ikeys))
-    return out
-
-
-def _compress_restore(saved: list) -> None:
-    for lc, st, *v in saved:
-        st.tok_start, st._tok_kv, st._tok_gate, st._entries, st._latents, lc._ikeys = v
 
 
 class Block(nn.Module):
@@ -548,10 +556,12 @@ class Model(nn.Module):
             ctx.plan.positions = ctx.plan.defer(ctx.plan.row_positions)
             ctx.graph_ids = ctx.plan.defer(np.zeros(off, dtype=np.int64))
             self._turn_kinds()     # (the frequencies on the device before any graph capture)
-            if undo:
-                plan.saved = _compress_snapshot(self, seqs)
+            if undo:     # (compress_step.plan_layer logs the values it changes as it reads them)
+                plan.saved = []
             self._plan_fast(ctx, plan)
         except BaseException:
+            if plan.saved:
+                undo_log(plan.saved)
             self._open_plan = None
             self._graphs.abort_step()
             raise
@@ -566,7 +576,7 @@ class Model(nn.Module):
             raise RuntimeError("cancel: plan_step(undo=False) kept no state to restore")
         plan.state = "cancelled"
         if plan.fast:
-            _compress_restore(plan.saved)
+            undo_log(plan.saved)
             self._graphs.abort_step()
         if self._open_plan is plan:
             self._open_plan = None
@@ -623,13 +633,10 @@ class Model(nn.Module):
                     # from device ids the copy syncs, so it is made here, before any segment is queued)
                     if ctx.host_ids is None and len(ctx.engram_rows) < len(batched.engram_layers(self)):
                         ctx.windows = self._token_windows(ctx).cpu()
-                    missing = [i for i in batched.engram_layers(self) if self.layers[i].engram.table is None]
-                    if missing:
-                        raise RuntimeError(f"engram layers {missing}: no table loaded (set `.table`, see EngramTable)")
         except BaseException:
             if plan.fast:
                 if plan.saved is not None:
-                    _compress_restore(plan.saved)
+                    undo_log(plan.saved)
                 self._graphs.abort_step()
             raise
         chunks = plan.rows
@@ -717,6 +724,11 @@ class Model(nn.Module):
         (`_segment`; the copy itself is sent at launch)."""
         bp = ctx.plan
         layers = self.layers
+        # (checked here, before any state changes, not at launch: the launch's host work until the graph runs is
+        # time the device waits)
+        missing = [i for i in batched.engram_layers(self) if layers[i].engram.table is None]
+        if missing:
+            raise RuntimeError(f"engram layers {missing}: no table loaded (set `.table`, see EngramTable)")
         batched.prepare_windows(self, ctx, bp, self.embed.weight.new_empty((0, self.config.head_dim)))
         on_device = batched.engram_on_device(self) if self.config.engram_layer_ids else []
         if self.config.engram_layer_ids:     # (the Engram windows' index, from lengths: the launch only gathers)
@@ -740,7 +752,7 @@ class Model(nn.Module):
                     ctx.engram_rows[i] = src
                 else:     # (the caches' recent tokens on the device: row ids hashed on the host at launch, a sync)
                     ctx.engram_ids[i] = bp.defer(np.zeros((len(bp.row_seq), eng.spec.rows_per_token), dtype=np.int64))
-        ctx.compress = {i: compress_step.plan_layer(self, layers[i].attn, ctx, bp)
+        ctx.compress = {i: compress_step.plan_layer(self, layers[i].attn, ctx, bp, plan.saved)
                         for i in compress_step.graph_layers(self)}
         every_row = plan.every_row
         splits = plan.splits = batched.engram_splits(self, on_device)
@@ -902,9 +914,18 @@ class Model(nn.Module):
                 late.append((at + 3, j))
             else:
                 args[at + 3] = plan.resolve(got)
-        shapes = [None if t is None else tuple(t.shape) for t in args]
-        key = ("span", prev, full[0] if full else None, nxt, every_row if nxt is None else None, tuple(meta),
-               one_window) + (() if late else (tuple(shapes),))
+        head = ("span", prev, full[0] if full else None, nxt, every_row if nxt is None else None, tuple(meta),
+                one_window)
+        # (under graphs a steady step's inputs are the same objects as the last step's, the upload's views
+        # included: their shapes and the key are then those of last time, no shape read per input)
+        known = self.__dict__.setdefault("_segment_keys", {})
+        last = known.get((head, bool(late)))
+        if last is not None and len(last[0]) == len(args) and all(map(operator.is_, last[0], args)):
+            shapes, key = last[1], last[2]
+        else:
+            shapes = [None if t is None else tuple(t.shape) for t in args]
+            key = head + (() if late else (tuple(shapes),))
+            known[(head, bool(late))] = (args, shapes, key)
         fn = functools.partial(batched.span, self, prev, full, nxt, every_row, tuple(meta), one_window=one_window)
         return _Segment(cores, args, late, key, fn, shapes)
 
@@ -969,19 +990,15 @@ class Model(nn.Module):
         """(index [T, N] int64 NumPy into [this step's ids, tail], tail = the caches' recent ids and a -1): the
         token-independent part of `_token_windows`."""
         N = int(self.config.engram.get("max_ngram_size", 3))
-        T = sum(s.n for s in ctx.seqs)
+        seqs = ctx.seqs
+        ns, off = _counts(seqs)
+        T = int(ns.sum())
         srcs = Sources(T)      # [this step's ids, the caches' token buffers, -1]
-        cached = []
-        for s in ctx.seqs:
-            tb = s.cache._tokens
-            m = 0 if tb is None else tb[2]
-            cached.append((srcs.base(tb[0], None) + tb[1] if m else 0, m))
+        m, first = _recent_rows([s.cache for s in seqs], srcs)
         pad = srcs.at
         # per row r of sequence q (j = r - off_q) and k steps back: a new token of this step (j >= k), a cached
         # token (m_q + j >= k), or before the sequence start / beyond the kept ids (pad); numpy over [T, N]
-        ns = np.asarray([s.n for s in ctx.seqs], dtype=np.int64)
-        per = np.asarray([[s.off, base, m] for s, (base, m) in zip(ctx.seqs, cached)], dtype=np.int64)
-        off, base, m = (np.repeat(per[:, c], ns)[:, None] for c in range(3))
+        off, base, m = (np.repeat(a, ns)[:, None] for a in (off, first, m))
         j = np.arange(T, dtype=np.int64)[:, None] - off
         k = np.arange(N, dtype=np.int64)[None, :]
         idx = np.where(j >= k, off + j - k, np.where(m + j >= k, base + m + j - k, pad))
@@ -1003,16 +1020,16 @@ class Model(nn.Module):
         """Advance the step's sequences: cache.tokens += this step's ids (last keep_tokens kept) for every sequence
         with one gather (each cache then points at its rows of the result; the row list by numpy, no per-sequence
         tensor operations; on the host when the ids are, `_token_source`), cache.length += its rows (and the
-        rollback floor with it). One pass over the sequences reads, one writes."""
+        rollback floor with it). The per-sequence numbers are read into numpy arrays and written back by C-level
+        maps (cache.set_each), not by a loop over the sequences (benchmarks/model_forward.py's docstring, session
+        13: at batch 256 the loop cost ~1 ms of the host's time after the graph run)."""
         ids = Model._token_source(ctx)
+        seqs = ctx.seqs
+        caches = [s.cache for s in seqs]
         srcs = Sources(ids.shape[0])
-        per = []      # per sequence: rows, offset, kept ids, the first kept id's row in the sources, keep_tokens
-        for s in ctx.seqs:
-            cache = s.cache
-            tb = cache._tokens
-            m = 0 if tb is None else tb[2]
-            per.append((s.n, s.off, m, srcs.base(tb[0], None) + tb[1] if m else 0, cache.keep_tokens))
-        n, off, m, first, keep = np.asarray(per, dtype=np.int64).reshape(-1, 5).T
+        n, off = _counts(seqs)
+        m, first = _recent_rows(caches, srcs)
+        keep = np.fromiter([c.keep_tokens for c in caches], np.int64, len(caches))
         keep_old = np.minimum(m, np.maximum(0, keep - n))
         new = np.minimum(n, keep)
         starts = np.stack([first + m - keep_old, off + n - new], 1).reshape(-1)   # old part, new part of each
@@ -1020,11 +1037,13 @@ class Model(nn.Module):
         ends = np.cumsum(lens)
         idx = ragged_arange(starts, lens)
         out = srcs.cat(ids, 0)[to_device(torch.from_numpy(idx), ids.device)]
-        for s, b0, k in zip(ctx.seqs, (ends - lens)[0::2].tolist(), (keep_old + new).tolist()):
-            cache = s.cache
-            cache.set_rows("tokens", out, b0, k)
-            cache.length += s.n
-            cache.floor = max(cache.floor, cache.length - cache.max_rollback)
+        set_each(caches, "_tokens", list(zip(itertools.repeat(out), (ends - lens)[0::2].tolist(),
+                                             (keep_old + new).tolist())))     # (SequenceCache.set_rows for all)
+        length, floor, back = np.fromiter(itertools.chain.from_iterable(map(_LENGTHS, caches)), np.int64,
+                                          3 * len(caches)).reshape(-1, 3).T
+        length = length + n
+        set_each(caches, "length", length.tolist())
+        set_each(caches, "floor", np.maximum(floor, length - back).tolist())
 
     def _qdq(self, x: torch.Tensor, kind: str) -> torch.Tensor:
         if not self.quant_sim:

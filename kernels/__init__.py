@@ -59,15 +59,16 @@ On Hopper nearly every kernel of the decode step and of sampling is launched wit
 (`backend.pdl_kw`): it may be scheduled while the kernel before it finishes and waits on the device (`pdl_wait`)
 before it stores anything or reads what an earlier kernel wrote; only constant inputs (weights) are read, or
 prefetched to L2, before the wait. DEEPINFER_SG_PDL=0 turns it off; CUDA graphs capture the launches. Plain
-launches (not measured as a gain): the sampling pass in front of the top-p rejection chain, the histogram path's
-kernels (threshold.py's hist / select / gather / tau) and the speculative step's own kernels (its row expansion,
-statistics and acceptance).
+launches (not measured as a gain): the histogram path's kernels (threshold.py's hist / select / gather / tau) and
+the speculative step's own kernels (its row expansion, statistics and acceptance).
 
 Decode-step kernels the engine calls from their modules (each with its torch twin in the same file):
     router.gate_route (MoE gate GEMM + scores + top-k + weights, one split-K launch in row blocks of 16),
     skinny (few-row products such as the shared expert's w1/w3 + clamped SwiGLU in one launch), hc_mix.hc_post_mix
-    (mHC write-back plus the next sub-layer's mixes, up to 16 tokens), rope, rmsnorm, index_rows, engram_gate,
-    ring_pool.
+    (mHC write-back, the next sub-layer's mixes and its read-out norm in one launch while the grid fits on the GPU
+    at once), rope, rmsnorm, engram_gate, ring_pool; the indexer's score kernel takes the index queries before
+    RoPE, the bf16 head weights with their scale and each row's visible entries, and sparse_attention gathers
+    compressed entries by id from each sequence's pool rows (index_rows' visible mask runs only under quant_sim).
 Split launches (attention key splits, the indexer's one-launch select, mHC mixes, split-K products) count their
 programs on int32 tickets from backend.tickets(device, n, site): zeroed once per (device, site) and left zero by
 every launch; launches that may overlap on two streams use different sites.

@@ -4,6 +4,7 @@ Tests call the `*_triton` functions directly on CPU tensors with TRITON_INTERPRE
 so the same kernels CI checks are the ones the H200 runs.
 """
 import contextlib
+import functools
 import os
 
 import torch
@@ -94,18 +95,19 @@ def _indexed(device) -> torch.device:
     return device
 
 
-_SMS: dict = {}     # device -> multiprocessor count
+@functools.cache
+def _properties(index: int):
+    """A CUDA device's properties, asked once (launch-time rules read them on every launch)."""
+    return torch.cuda.get_device_properties(index)
 
 
 def sm_count(device) -> int:
-    """Multiprocessors of a CUDA device, asked once (132 on an H200; 132 for the interpreter and the CPU, so that
-    launch shapes under test are the H200's)."""
+    """Multiprocessors of a CUDA device (132 on an H200; 132 for the interpreter and the CPU, so that launch shapes
+    under test are the H200's)."""
     device = _indexed(device)
     if device.type != "cuda":
         return 132
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device]
+    return _properties(device.index).multi_processor_count
 
 
 # Programmatic dependent launch (Hopper): a kernel launched with `pdl_kw()` may be scheduled before the kernel
@@ -134,17 +136,9 @@ def pdl_as(on: bool):
         PDL = was
 
 
-_SM90: dict = {}     # CUDA device index -> whether it is sm_90 or newer
-
-
 def _has_griddepcontrol() -> bool:
-    """Whether the current CUDA device can run programmatic dependent launch (sm_90+), asked once per device."""
-    if not torch.cuda.is_available():
-        return False
-    d = torch.cuda.current_device()
-    if d not in _SM90:
-        _SM90[d] = torch.cuda.get_device_capability(d)[0] >= 9
-    return _SM90[d]
+    """Whether the current CUDA device can run programmatic dependent launch (sm_90+)."""
+    return torch.cuda.is_available() and _properties(torch.cuda.current_device()).major >= 9
 
 
 @triton.jit

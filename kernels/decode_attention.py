@@ -115,17 +115,35 @@ slots (R2 sweep): at N=64 16-head programs with 2 splits 28.3-28.6 (32-head 2 / 
 chained programs (16-head 29.1 against 28.3 stored, 32-head 31.8 against 30.9); two splits of a short row (the
 step's 37 window + 20 compressed keys at N=64: 14.0-14.3 against 12.9-13.0 unsplit), hence splits of at least two
 key blocks.
+Session 13 (R1-R3, against a copy of the session-12 file in the same run; us, each timed twice). Entry ids
+(cmp_start / cmp_count): the engine hands the select's int64 ids with each row's pool start and count, and the
+gather makes the pool rows (one launch a select layer less, kernels/index_rows.py's entry rows). Its first form
+(int64 arithmetic per key) spilled the 16-head programs (255 registers and 280 bytes of stack a thread against 205
+in a compile for sm_90): 32 heads N=64 / 8 28.9 / 14.4-14.5 -> 39.7 / 18.5, 64 heads N=64 37.9-38.0 -> 39.2 (R1);
+with the ids narrowed to int32 on load (rows and counts below 2^31, as the int32 rows before) 207 registers, no
+stack: 32 heads N=64 28.4-28.6 -> 29.5, 64 heads 37.6 -> 37.1-37.2 (R3; 128 + 512 keys, the kernel alone; the
+select layer's chain, a launch fewer, in kernels/indexer.py's docstring). Measured and removed: the last
+program of more than two splits merging the others' partials with its own from registers (`_combine_two`'s
+protocol: tickets first, a counter of stored partials, four column chunks), R2: 64 heads N=8 (8 splits) 29.4 ->
+30.3-30.7, N=32 (4 splits) 31.4 -> 35.1-35.2; 32 heads N=8 (5 splits of 16-head programs) 14.3 -> 18.2-18.3.
 """
 import torch
 import triton
 import triton.language as tl
 
 from .backend import empty, INTERPRETING, check, pdl_kw, pdl_wait, sm_count, tickets, use_triton
+from .index_rows import entry_rows_torch
 
 
-def _check(q, win_kv, win_idx, cmp_kv, cmp_idx, sink):
+def _check(q, win_kv, win_idx, cmp_kv, cmp_idx, sink, cmp_start=None, cmp_count=None):
     check(q.dim() == 3, f"q must be [rows, heads, head_dim], got {tuple(q.shape)}")
     N, H, D = q.shape
+    entries = cmp_start is not None
+    check(entries == (cmp_count is not None) and (not entries or cmp_idx is not None
+                                                   and cmp_start.shape == cmp_count.shape == (N,)),
+          f"cmp_start and cmp_count come together with cmp_idx, each [{N}], got "
+          f"{None if cmp_start is None else tuple(cmp_start.shape)} and "
+          f"{None if cmp_count is None else tuple(cmp_count.shape)}")
     check(win_kv.dim() == 2 and win_kv.shape[1] == D, f"win_kv must be [pool, {D}], got {tuple(win_kv.shape)}")
     check(win_idx.dim() == 2 and win_idx.shape[0] == N, f"win_idx must be [{N}, keys], got {tuple(win_idx.shape)}")
     if cmp_kv is not None or cmp_idx is not None:
@@ -137,10 +155,13 @@ def _check(q, win_kv, win_idx, cmp_kv, cmp_idx, sink):
 
 
 # ---------------------------------------------------------------------------------------------- torch twin
-def sparse_attention_torch(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None, scale=None):
-    _check(q, win_kv, win_idx, cmp_kv, cmp_idx, sink)
+def sparse_attention_torch(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None, scale=None, cmp_start=None,
+                           cmp_count=None):
+    _check(q, win_kv, win_idx, cmp_kv, cmp_idx, sink, cmp_start, cmp_count)
     N, H, D = q.shape
     scale = D ** -0.5 if scale is None else scale
+    if cmp_start is not None:       # entry ids -> pool rows
+        cmp_idx = entry_rows_torch(cmp_idx, cmp_start, cmp_count, cmp_idx.shape[1])
     keys = [win_kv[win_idx.long().clamp_min(0)]]
     valid = [win_idx >= 0]
     if cmp_kv is not None:
@@ -225,20 +246,24 @@ def _softmax_step(q, m, l, acc, k, ok, scale, it, scr_p, scr_a, IEEE: tl.constex
 
 
 @triton.jit
-def _gather(kv_ptr, idx_ptr, n_keys, row, kk, k1, D: tl.constexpr):
-    """Key block kk of the row: (keys [BLOCK_K, D], ok [BLOCK_K]); positions >= k1 and index -1 are not keys."""
-    idx = tl.load(idx_ptr + row * n_keys + kk, mask=kk < k1, other=-1).to(tl.int64)
-    ok = idx >= 0
-    k = tl.load(kv_ptr + tl.maximum(idx, 0)[:, None] * D + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
+def _gather(kv_ptr, idx_ptr, stride, row, kk, k1, base, lim, D: tl.constexpr):
+    """Key block kk of the row (its indices at idx_ptr + row * stride): (keys [BLOCK_K, D], ok [BLOCK_K]); positions
+    >= k1 and indices outside [0, lim) are not keys; index i is pool row base + i."""
+    idx = tl.load(idx_ptr + row * stride + kk, mask=kk < k1, other=-1).to(tl.int32)
+    ok = (idx >= 0) & (idx < lim)
+    k = tl.load(kv_ptr + (base + tl.maximum(idx, 0)).to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :],
+                mask=ok[:, None], other=0.0)
     return k, ok
 
 
 @triton.jit
-def _attend_pool(q, m, l, acc, it, kv_ptr, idx_ptr, n_keys, k0, k1, row, scale, scr_p, scr_a, D: tl.constexpr,
-                 BLOCK_K: tl.constexpr, IEEE: tl.constexpr, UNCHAIN: tl.constexpr, LAZY_SUM: tl.constexpr):
-    """Online softmax over the pool's keys [k0, k1) of this row (`it`: blocks so far, returned advanced)."""
+def _attend_pool(q, m, l, acc, it, kv_ptr, idx_ptr, stride, k0, k1, row, base, lim, scale, scr_p, scr_a,
+                 D: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, UNCHAIN: tl.constexpr,
+                 LAZY_SUM: tl.constexpr):
+    """Online softmax over the pool's keys [k0, k1) of this row (`it`: blocks so far, returned advanced); the
+    indices as `_gather` reads them."""
     for start in range(k0, k1, BLOCK_K):
-        k, ok = _gather(kv_ptr, idx_ptr, n_keys, row, start + tl.arange(0, BLOCK_K), k1, D)
+        k, ok = _gather(kv_ptr, idx_ptr, stride, row, start + tl.arange(0, BLOCK_K), k1, base, lim, D)
         m, l, acc = _softmax_step(q, m, l, acc, k, ok, scale, it, scr_p, scr_a, IEEE, UNCHAIN, LAZY_SUM)
         it += 1
     return m, l, acc, it
@@ -345,22 +370,30 @@ def _combine_two(acc, m, l, split, out_ptr, sink_ptr, part_m_ptr, part_l_ptr, pa
 
 @triton.jit
 def _sparse_attention_kernel(q_ptr, out_ptr, sink_ptr, win_kv_ptr, win_idx_ptr, n_win, cmp_kv_ptr, cmp_idx_ptr,
-                             n_cmp, H, scale, per_split, part_m_ptr, part_l_ptr, part_acc_ptr, cnt_ptr,
-                             scr_p_ptr, scr_a_ptr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                             HAS_CMP: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
-                             BLOCK_S: tl.constexpr, DC: tl.constexpr, UNCHAIN: tl.constexpr,
-                             LAZY_SUM: tl.constexpr, OWN: tl.constexpr, PDL: tl.constexpr = False):
+                             n_cmp, cmp_stride, cmp_start_ptr, cmp_count_ptr, H, scale, per_split, part_m_ptr,
+                             part_l_ptr, part_acc_ptr, cnt_ptr, scr_p_ptr, scr_a_ptr, D: tl.constexpr,
+                             BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, HAS_CMP: tl.constexpr,
+                             IEEE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, DC: tl.constexpr,
+                             UNCHAIN: tl.constexpr, LAZY_SUM: tl.constexpr, OWN: tl.constexpr,
+                             ENTRIES: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (head block, row, split): the split's slice [lo, hi) of the row's keys (window keys first, then
     compressed). Without SPLIT the one split starts from the sink and writes the output; with SPLIT it writes its
     partial (m, l, acc) and the last program of the (row, head block) to finish merges the splits and the sink
-    (ticket counter, reset to 0). PDL: everything it reads but the sink (q, the indices, both pools) is written
-    earlier in the step, so it waits before its first load."""
+    (ticket counter, reset to 0). ENTRIES: the compressed indices are the row's entry ids, pool row cmp_start[row]
+    + id for 0 <= id < cmp_count[row] (else no key). PDL: everything it reads but the sink (q, the indices, the
+    rows' starts and counts, both pools) is written earlier in the step, so it waits before its first load."""
     row = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     hok = heads < H
     dims = tl.arange(0, D)
     pdl_wait(PDL)
+    if ENTRIES:     # (pool rows and counts below 2^31, as the int32 rows the kernel reads otherwise)
+        c_base = tl.load(cmp_start_ptr + row).to(tl.int32)
+        c_lim = tl.load(cmp_count_ptr + row).to(tl.int32)
+    else:
+        c_base = 0
+        c_lim = 2**31 - 1
     q = tl.load(q_ptr + (row * H + heads[:, None]) * D + dims[None, :], mask=hok[:, None], other=0.0)
     q = q.to(win_kv_ptr.dtype.element_ty)
     if SPLIT:
@@ -382,12 +415,12 @@ def _sparse_attention_kernel(q_ptr, out_ptr, sink_ptr, win_kv_ptr, win_idx_ptr, 
     scr_p = scr_p_ptr + prog * (2 * BLOCK_H * BLOCK_K)
     scr_a = scr_a_ptr + prog * (2 * BLOCK_H)
     m, l, acc, it = _attend_pool(q, m, l, acc, it, win_kv_ptr, win_idx_ptr, n_win, tl.minimum(lo, n_win),
-                                 tl.minimum(hi, n_win), row, scale, scr_p, scr_a, D, BLOCK_K, IEEE, UNCHAIN,
-                                 LAZY_SUM)
+                                 tl.minimum(hi, n_win), row, 0, 2**31 - 1, scale, scr_p, scr_a, D, BLOCK_K, IEEE,
+                                 UNCHAIN, LAZY_SUM)
     if HAS_CMP:
-        m, l, acc, it = _attend_pool(q, m, l, acc, it, cmp_kv_ptr, cmp_idx_ptr, n_cmp, tl.maximum(lo - n_win, 0),
-                                     tl.minimum(tl.maximum(hi - n_win, 0), n_cmp), row, scale, scr_p, scr_a, D,
-                                     BLOCK_K, IEEE, UNCHAIN, LAZY_SUM)
+        m, l, acc, it = _attend_pool(q, m, l, acc, it, cmp_kv_ptr, cmp_idx_ptr, cmp_stride, tl.maximum(lo - n_win, 0),
+                                     tl.minimum(tl.maximum(hi - n_win, 0), n_cmp), row, c_base, c_lim, scale, scr_p,
+                                     scr_a, D, BLOCK_K, IEEE, UNCHAIN, LAZY_SUM)
     if LAZY_SUM:
         l = tl.sum(l, 1)
     if OWN:
@@ -455,15 +488,17 @@ def default_config(N: int, H: int, D: int, n_keys: int, elem_bytes: int = 2, sms
 def sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None, scale=None,
                             block_h: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                             num_stages: int | None = None, splits: int | None = None, unchain: bool | None = None,
-                            lazy_sum: bool | None = None):
+                            lazy_sum: bool | None = None, cmp_start=None, cmp_count=None):
     """Launch parameters left None come from `default_config`. splits > 1: key splits per row with fp32 partials
     [N, H, splits, D] (L2-resident at decode sizes), combined by the last program of each (row, head block).
     unchain: P and the rescale factors pass to the P@V dot through a per-program scratch (L1/L2; 2 x block_h x
     (block_k + 2) x 4 bytes per program) so Triton lays Q K^T out with the two warpgroups splitting the keys
     instead of both computing all of it (see `_accumulate`); compiled fp32 pools ignore it (the pipeliner cannot
     predicate the barrier in their loop). lazy_sum: the softmax denominators kept as per-column partial sums and
-    reduced once after the loop."""
-    _check(q, win_kv, win_idx, cmp_kv, cmp_idx, sink)
+    reduced once after the loop. cmp_start / cmp_count [N]: cmp_idx holds entry ids, row r's pool rows cmp_start[r]
+    + id for 0 <= id < cmp_count[r] (others no key: kernels/index_rows.py's `entry_rows_torch` in the kernel's
+    gather)."""
+    _check(q, win_kv, win_idx, cmp_kv, cmp_idx, sink, cmp_start, cmp_count)
     N, H, D = q.shape
     check(D >= 16 and D & (D - 1) == 0, f"head_dim must be a power of two >= 16 for the Triton path, got {D}")
     check(cmp_kv is None or cmp_kv.dtype == win_kv.dtype, "window and compressed pools must share a dtype")
@@ -471,7 +506,9 @@ def sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None,
     q, win_kv, win_idx = q.contiguous(), win_kv.contiguous(), win_idx.to(torch.int32).contiguous()
     has_cmp = cmp_kv is not None
     if has_cmp:
-        cmp_kv, cmp_idx = cmp_kv.contiguous(), cmp_idx.to(torch.int32).contiguous()
+        # (entry ids as the select gives them: int64, a column slice; no cast or copy launch)
+        cmp_kv = cmp_kv.contiguous()
+        cmp_idx = cmp_idx if cmp_start is not None and cmp_idx.stride(1) == 1 else cmp_idx.to(torch.int32).contiguous()
     n_win, n_cmp = win_idx.shape[1], cmp_idx.shape[1] if has_cmp else 0
     n_keys = n_win + n_cmp
     cfg = default_config(N, H, D, n_keys, win_kv.element_size(), sm_count(q.device))
@@ -503,10 +540,12 @@ def sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None,
         scr_a = torch.empty(progs * 2 * block_h, dtype=torch.float32, device=q.device)
     else:
         scr_p = scr_a = out
+    entries = cmp_start is not None
     _sparse_attention_kernel[grid](
         q, out, sink.float().contiguous(), win_kv, win_idx, n_win, cmp_kv if has_cmp else win_kv,
-        cmp_idx if has_cmp else win_idx, n_cmp, H, float(scale) * LOG2E.value, per_split, part_m, part_l, part_acc, cnt,
-        scr_p, scr_a, D=D,
+        cmp_idx if has_cmp else win_idx, n_cmp, cmp_idx.stride(0) if has_cmp else 0,
+        cmp_start.contiguous() if entries else win_idx, cmp_count.contiguous() if entries else win_idx, H,
+        float(scale) * LOG2E.value, per_split, part_m, part_l, part_acc, cnt, scr_p, scr_a, D=D, ENTRIES=entries,
         BLOCK_H=block_h, BLOCK_K=block_k, HAS_CMP=has_cmp, IEEE=ieee,
         SPLIT=splits > 1, BLOCK_S=max(2, triton.next_power_of_2(splits)), DC=min(D, 64),
         UNCHAIN=unchain, LAZY_SUM=cfg.get("lazy_sum", False) if lazy_sum is None else lazy_sum,
@@ -517,8 +556,11 @@ def sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None,
 
 def sparse_attention(q: torch.Tensor, win_kv: torch.Tensor, win_idx: torch.Tensor, sink: torch.Tensor,
                      cmp_kv: torch.Tensor | None = None, cmp_idx: torch.Tensor | None = None,
-                     scale: float | None = None) -> torch.Tensor:
-    """Sparse MQA decode attention with per-head sink (module docstring). scale defaults to D**-0.5."""
+                     scale: float | None = None, cmp_start: torch.Tensor | None = None,
+                     cmp_count: torch.Tensor | None = None) -> torch.Tensor:
+    """Sparse MQA decode attention with per-head sink (module docstring). scale defaults to D**-0.5. cmp_start /
+    cmp_count: cmp_idx holds entry ids (`sparse_attention_triton`)."""
     if use_triton(q):
-        return sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv, cmp_idx, scale)
-    return sparse_attention_torch(q, win_kv, win_idx, sink, cmp_kv, cmp_idx, scale)
+        return sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv, cmp_idx, scale, cmp_start=cmp_start,
+                                       cmp_count=cmp_count)
+    return sparse_attention_torch(q, win_kv, win_idx, sink, cmp_kv, cmp_idx, scale, cmp_start, cmp_count)

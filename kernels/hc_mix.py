@@ -40,6 +40,18 @@ the next kernel's programs must not take the slots their not-yet-started ones ne
 (benchmarks/kernels_moe.py's pdl sweep; mid-size H = 2048, 16 calls back to back in a CUDA graph; us, off -> on):
 the MoE write-back + mixes + norm T=64 11.02 / 11.01 -> 10.76 / 10.82, the write-back + read-out T=256 4.86 /
 4.87 -> 4.73 / 4.73, the mixes T=256 11.77 / 11.77 -> 11.54 / 11.54.
+Session 13 (the mid-size model's hidden 2048): the write-back + mixes launch takes tiles that fill the GPU once
+(_post_mix_tiles: 16- to 128-wide splits instead of 64 / 128; at T=64 its 64 programs left half the SMs idle: ncu,
+11.2K of 28.1K cycles active, 6% achieved occupancy), the read-out norm inside wherever the grid is resident at
+once (up to 256 tokens at H = 2048; 64 at 5120, as before) and fn's bf16 parts from 32 tokens (parts_pay). H200 R3
+(HEAD's module imported beside this one, 16 calls back to back in a CUDA graph, PDL on; us a call, HEAD -> this;
+R, R', y, y2, x and fp32 fn once take 0.27 / 0.86 / 2.90 us at 4250 GB/s at T = 8 / 64 / 256: 4 / 10 / 17% of
+this): the MoE write-back + norm + mixes at T = 8 / 16 / 32 / 64 / 128 / 256 7.95 / 8.06-8.08 / 12.41 / 10.78-10.80
+/ 14.46-14.48 / 18.65 -> 7.13-7.16 / 7.20 / 7.21 / 8.27 / 12.15 / 17.38-17.40 (T = 128 / 256: one launch instead
+of three); the attention one at T = 64 10.84-10.87 -> 8.20-8.23 (R2, T = 256: 18.75 -> 17.44); V4.1's H = 5120 at
+T = 32 / 64 12.51 / 14.81 -> 11.77 / 14.80 (T = 32: the parts). Where the time goes at T=64: the streaming pass
+alone 4.0 of 8.3 us (R1); the 20-step Sinkhorn 1.2 (one step: 7.05, R3); the rest of the tail (the wait for the
+block's partials, their loads through L2, the norm) ~3.
 """
 import weakref
 from dataclasses import dataclass
@@ -483,7 +495,7 @@ class _SplitLaunch:
     nw: int             # waiters per token block (programs that mix its tokens)
     tpw: int            # tokens each waiter mixes (power of two)
     spc: int            # splits' partials a waiter loads at once per token
-    cnt: torch.Tensor   # 2 ticket counters per token block (starts, stores), zero on entry and on exit
+    cnt: torch.Tensor | None    # 2 ticket counters per token block (starts, stores), zero on entry and on exit
     block_t: int        # tokens a program covers
     warps: int          # warps a program
     resident: bool      # whether the whole grid is resident at once (_one_wave)
@@ -512,8 +524,10 @@ def _grid(T: int, K: int, block_t: int, split: int, block_k: int) -> tuple:
     return split, min(block_k, split), triton.cdiv(K, split), triton.cdiv(T, block_t)
 
 
-def _split_launch(T: int, K: int, block_t: int, split: int, block_k: int, warps: int, waiters, spc, dev):
-    """The launch shape for T tokens over K columns (module docstring). Waiting is safe for the last starter of
+def _split_launch(T: int, K: int, block_t: int, split: int, block_k: int, warps: int, waiters, spc, dev,
+                  counters: bool = True):
+    """The launch shape for T tokens over K columns (module docstring); counters=False: without its ticket counters
+    (cnt None: _counters fetches them when the launch runs). Waiting is safe for the last starter of
     a token block (every other program of the block has started and waits for nothing); several waiters wait for
     programs that may not have started, so they are used only while the whole grid is resident at once (spinning
     programs would otherwise hold the slots the missing ones need: seen on the H200 at T=4096, 1280 programs);
@@ -523,10 +537,16 @@ def _split_launch(T: int, K: int, block_t: int, split: int, block_k: int, warps:
     nw = min(waiters or block_t, block_t, n_split) if resident else 1
     tpw = triton.next_power_of_2(-(-block_t // nw))
     spc = spc or min(triton.next_power_of_2(n_split), max(1, 256 // tpw))     # <= 8192 partial values at once
+    return _SplitLaunch(split, block_k, n_split, n_tb, nw, tpw, spc, _counters(dev, n_tb) if counters else None,
+                        block_t, warps, resident)
+
+
+def _counters(dev, n_tb: int) -> torch.Tensor:
+    """The 2 ticket counters per token block of a mixing launch (kernels.backend.tickets, TICKET_SITE)."""
     cnt = tickets(dev, 2 * n_tb, site=TICKET_SITE)
     check(cnt is not None, f"mHC mixes: no ticket counters for {n_tb} token blocks while a CUDA graph is being "
           "captured; run the step once before capturing it (warm-up)")
-    return _SplitLaunch(split, block_k, n_split, n_tb, nw, tpw, spc, cnt, block_t, warps, resident)
+    return cnt
 
 
 def split_fn_bf16(fn: torch.Tensor) -> torch.Tensor:
@@ -571,10 +591,13 @@ def _fused_tiles(T: int) -> dict:
     return dict(block_t=128, split=2048, block_k=64, num_warps=8, prefetch=False, num_stages=3)
 
 
-def parts_pay(T: int) -> bool:
-    """Whether fn's cached bf16 parts beat splitting fp32 fn in registers at T tokens (_fused_tiles; session 9
-    round 2, T=64 with tail form 7: 9.6 us against 9.9)."""
-    return T >= 64
+def parts_pay(T: int, post_mix: bool = False) -> bool:
+    """Whether fn's cached bf16 parts beat splitting fp32 fn in registers at T tokens: in the mixes kernel
+    (_fused_tiles; session 9 round 2, T=64 with tail form 7: 9.6 us against 9.9) from 64, in the write-back +
+    mixes kernel (post_mix) from 32 (session 13 R2, H = 2048, the MoE write-back at _post_mix_tiles' picks, us:
+    T = 32 7.39-7.46 against 8.24-8.31; T = 8 7.40-7.46 against 7.35-7.40; R3, H = 5120, T = 32: 11.77 against
+    12.51 for HEAD's fp32 fn at its same tiles)."""
+    return T >= (32 if post_mix else 64)
 
 
 def _precision() -> str:
@@ -884,8 +907,18 @@ def _hc_post_mix_kernel(r_ptr, y_ptr, y2_ptr, post_ptr, comb_ptr, a_ptr, out_ptr
                   NSP)
 
 
-def _post_mix_tiles(T: int) -> dict:
-    """The write-back + mixes kernel's tiles at T tokens (hidden columns). H200 session 8 (us, T = 8 / 64 / 256;
+def _post_mix_tiles(T: int, H: int, dev) -> dict:
+    """The write-back + mixes kernel's tiles at T tokens of H hidden columns: 16-token blocks, and the narrowest
+    split (16 to 128 columns, steps of up to 64) that keeps the grid within one program an SM, or 128-wide: the
+    programs' walks over their columns are chains of dependent loads, so the more programs the shorter each chain,
+    until programs share SMs. This reproduces every V4.1 (H = 5120) pick of sessions 8-10 (64-wide splits up to 16
+    tokens, 128-wide above). H200 session 13 R1 (the mid-size H = 2048, the MoE write-back with y2 and the read-out
+    norm, PDL on, us a call in a CUDA graph): T = 8 / 16 splits 64 (then the default) 7.89 / 8.03, 32 7.57 / 7.69,
+    16 7.12 / 7.18; T = 32 split 128 (then the default) 12.41, 64 8.18, 32 8.11; T = 64 split 128 (then the default)
+    10.76 (its streaming pass alone 6.51), 64 8.26 (4.04), 32 10.08 (256 programs); T = 128 128 12.55, 64 12.32.
+    R3 (fn parts from 32 tokens), programs of 2 / 1 warps at these tiles: T = 8 7.26 / 8.65 against 7.13 with 4;
+    T = 32 2 warps 7.84 against 7.21; T = 64 9.60 against 8.27.
+    H200 session 8 (us, T = 8 / 64 / 256;
     the two launches it replaces 11.8-12.4 / 14.7-15.0 / 24.6-25.3): 16-token blocks in 64-wide steps, 64-wide
     splits 9.0-9.4 / 16.3 / 34.0, 128-wide 12.5 / 15.4-15.5 / 29.7-29.9, 256-wide - / 20.1 / 30.0; 128-wide steps
     (spill) - / 21.7 / 42.6; 8 warps - / - / 53.6; 32-token blocks (fn tiles a stream ahead) - / 18.0 / 42.0.
@@ -893,24 +926,28 @@ def _post_mix_tiles(T: int) -> dict:
     the four streams unrolled 22.0 / 34.5 (T = 64 / 256; ~90-120 KB of shared memory a program), both 19.3 / 33.5.
     Its streaming pass alone takes 11.3 us at T = 64, as long as the two launches' (4.1 + 6.0): the
     sixteen-token dots against fn's columns do not hide under the write-back's traffic."""
-    return dict(block_t=16, split=64 if T <= 16 else 128, block_k=64, num_warps=4)
+    split, n_tb = 16, triton.cdiv(T, 16)
+    while split < 128 and n_tb * triton.cdiv(H, split) > sm_count(dev):
+        split *= 2
+    return dict(block_t=16, split=split, block_k=min(64, split), num_warps=4)
 
 
-# The write-back + mixes kernel replaces the two launches up to this many tokens (session 8 rounds 1-2: it wins at
-# T = 8, ties or loses at 64, loses at 256)
+# Without the read-out's norm the write-back + mixes kernel replaces the two launches up to this many tokens
+# (session 8 rounds 1-2, H = 5120: it wins at T = 8, ties or loses at 64, loses at 256). With it (x_norm) the one
+# launch also saves the norm launch, wherever its grid is resident at once (norm form 2): session 10 round 2
+# (H = 5120, us, T = 32 / 64): 13.8 / 15.1 against 15.1 / 16.7 for the write-back, mixes and norm launches;
+# session 13 R1 (H = 2048, the MoE write-back, T = 128 / 256): 12.55 / 17.44 against 14.20 / 18.74. (At H = 5120
+# the grid is resident up to 64 tokens.)
 POST_MIX_MAX_T = 16
-# With the read-out's RMSNorm in it too (x_norm) the one launch also saves the norm launch: up to this many tokens
-# (session 10 round 2, us, H = 5120, T = 32 / 64: 13.8 / 15.1 against 15.1 / 16.7 for the write-back, mixes and
-# norm launches; at 128 tokens the grid no longer fits one wave, and norm form 1 is slow)
-POST_MIX_NORM_MAX_T = 64
 
 
 def _post_mix_launch(T: int, H: int, dev, block_t=None, split=None, block_k=None, num_warps=None, waiters=None,
-                     spc=None) -> _SplitLaunch:
-    """The write-back + mixes launch's shape at T tokens of H hidden columns (_post_mix_tiles where not given)."""
-    t = _post_mix_tiles(T)
+                     spc=None, counters: bool = True) -> _SplitLaunch:
+    """The write-back + mixes launch's shape at T tokens of H hidden columns (_post_mix_tiles where not given;
+    counters as _split_launch)."""
+    t = _post_mix_tiles(T, H, dev)
     return _split_launch(T, H, block_t or t["block_t"], split or t["split"], block_k or t["block_k"],
-                         num_warps or t["num_warps"], waiters, spc, dev)
+                         num_warps or t["num_warps"], waiters, spc, dev, counters)
 
 
 def hc_post_mix_torch(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iters=20,
@@ -939,7 +976,7 @@ def hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-
     is resident at once, else 1). Cost: R read once, R' written once, y read, x written, fn read once per token
     block (L2 hits after the first), the partials through L2. only_partial: no mixing (benchmark: the mixes'
     outputs are left unwritten, and x is not normalised even with x_norm). launch: the launch shape already made
-    by _post_mix_launch (hc_post_mix_apply; the tile arguments are then not used)."""
+    by _post_mix_launch (hc_post_mix_apply, without its counters; the tile arguments are then not used)."""
     _check_apply(R, y, post, comb, next_pre, triton_path=True, y2=y2)
     check(next_pre is not None, "the write-back + mixes pass needs the next pre-mix")
     T, M, H = R.shape
@@ -971,7 +1008,8 @@ def hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-
         y = y.contiguous()
         _hc_post_mix_kernel[(L.n_tb, L.n_split)](
             R, y, y if y2 is None else y2.contiguous(), post.float().contiguous(), comb.float().contiguous(),
-            next_pre.float().contiguous(), out, x, w, z, L.cnt, base.float().contiguous(), scale.float().contiguous(),
+            next_pre.float().contiguous(), out, x, w, z, L.cnt if L.cnt is not None else _counters(dev, L.n_tb),
+            base.float().contiguous(), scale.float().contiguous(),
             mixes.pre, mixes.post, mixes.comb, nw.contiguous(), xsq, T, H, NZ, L.n_split, norm_eps, hc_eps,
             post_mult, x_eps, NZP=NZP, BT=L.block_t, BK=L.block_k, SPLIT=L.split, MODE=mode, UPCAST=INTERPRETING,
             NW=L.nw, TPW=L.tpw, SPC=L.spc, ITERS=iters, FAST=fast, TAIL=not only_partial,
@@ -997,18 +1035,17 @@ def hc_post_mix_apply(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-2
                       post_mult=2.0, y2=None, x_norm=None):
     """The write-back R' = post * y + comb^T R (y2: a second addend of y, hc_post_torch), the read-out x of R'
     with next_pre (x_norm = (fp32 weight, eps): RMSNorm-ed), and the mixes of R' for the sub-layer with
-    parameters (fn, base, scale): (R', x, HcMixes). On CUDA with 4 streams and up to POST_MIX_MAX_T tokens
-    (POST_MIX_NORM_MAX_T with x_norm) one launch (hc_post_mix_triton; fn as cached bf16 parts where hc_mixes
-    would use them), else hc_post_apply then hc_mixes (then kernels.rmsnorm.rms_norm; the twins on CPU)."""
+    parameters (fn, base, scale): (R', x, HcMixes). On CUDA with 4 streams one launch (hc_post_mix_triton; fn as
+    cached bf16 parts from 32 tokens, parts_pay) up to POST_MIX_MAX_T tokens, and with x_norm wherever its
+    grid is resident at once; else hc_post_apply then hc_mixes (then kernels.rmsnorm.rms_norm; the twins on CPU)."""
     T = R.shape[0]
-    most = max(POST_MIX_MAX_T, POST_MIX_NORM_MAX_T if x_norm is not None else 0)
-    L = _post_mix_launch(T, R.shape[2], R.device) if use_triton(R) and R.shape[1] == 4 and T <= most else None
+    L = _post_mix_launch(T, R.shape[2], R.device, counters=False) if use_triton(R) and R.shape[1] == 4 else None
     # the norm joins the launch only in its fast form (2: the whole grid resident at once); form 1 costs more than
-    # the separate norm launch (26.6 / 41.2 us at T = 8 / 64 on the H200, session 10), so a GPU too small for the
-    # grid keeps the write-back + mixes launch (up to POST_MIX_MAX_T tokens) and norms after it
-    fused_norm = L is not None and x_norm is not None and T <= POST_MIX_NORM_MAX_T and L.resident
+    # the separate norm launch (26.6 / 41.2 us at T = 8 / 64 on the H200, session 10), so a grid that is not
+    # resident keeps the write-back + mixes launch (up to POST_MIX_MAX_T tokens) and norms after it
+    fused_norm = L is not None and x_norm is not None and L.resident
     if L is not None and (T <= POST_MIX_MAX_T or fused_norm):
-        parts = fn_parts_cached(fn) if R.dtype == torch.bfloat16 and parts_pay(T) else None
+        parts = fn_parts_cached(fn) if R.dtype == torch.bfloat16 and parts_pay(T, post_mix=True) else None
         out, x, mixes = hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps, hc_eps, iters,
                                            post_mult, fn_parts=parts, y2=y2, x_norm=x_norm if fused_norm else None,
                                            launch=L)

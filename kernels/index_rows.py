@@ -1,18 +1,22 @@
-"""Index glue of the batched decode step's sparse attention, one launch each (Triton on CUDA, torch twins elsewhere).
+"""Index glue of the batched decode step's sparse attention (Triton on CUDA, torch twins elsewhere).
 
 * `visible_scores`: which compressed entries each query row may see, g < min((p + 1) // ratio, count) (its
   position p, the entries its sequence holds), optionally and-ed with a candidate mask, and the index scores
   with every other entry set to -inf (what the top-k select reads) -> (visible bool [T, G], masked fp32 [T, G]).
-* `entry_rows`: selected entry ids [T, w] (-1 = none; ids past the row's count dropped) -> rows of the kv pool
-  start + id, -1 padded to `width` columns, int32 on CUDA (what the attention kernel reads; int64 in the twin).
+  One launch; the step runs it only where the score kernel cannot pick the visible entries itself (quant_sim on
+  CUDA: engine/indexer.py's `select_ids`), and its twin is the score kernel's twin's last step.
+* `entry_rows_torch`: selected entry ids [T, w] (-1 = none; ids past the row's count dropped) -> rows of the kv
+  pool start + id, -1 padded to `width` columns: the attention twin's reading of entry ids (its kernel makes the
+  rows in its gather, kernels/decode_attention.py's cmp_start / cmp_count).
 
 Why: in torch each is a chain of ~8 small elementwise launches (arange, compares, and, not, masked_fill / pad,
 compares, add, where, cast) per index layer of every decode step, a few microseconds each inside the step's graph.
-Cost: one read and one write of the [T, G] / [T, width] tiles.
-Both are programmatic dependent launches (`pdl_kw`): a program waits before its first load (positions, counts,
-scores, ids: all written earlier in the step) and lets the next kernel launch once it has loaded (one short
-program a row). H200 (session 12 R2, back to back, PDL off -> on, us): visible N=64 / 256, G=1024 1.5 -> 1.2 /
-1.8 -> 1.3; entry rows 1.2 -> 0.9 / 1.4 -> 1.1.
+Cost: one read and one write of the [T, G] tile.
+A programmatic dependent launch (`pdl_kw`): a program waits before its first load (positions, counts, scores: all
+written earlier in the step) and lets the next kernel launch once it has loaded (one short program a row). H200
+(session 12 R2, back to back, PDL off -> on, us): visible N=64 / 256, G=1024 1.5 -> 1.2 / 1.8 -> 1.3; the entry rows
+kernel (session 12) 1.2 -> 0.9 / 1.4 -> 1.1, removed in session 13 with its launch (the attention kernel's gather
+makes the rows; the select layer's chain in benchmarks/kernels_attention.py).
 """
 from __future__ import annotations
 
@@ -79,39 +83,6 @@ def visible_scores(scores, positions, count, ratio: int, cand=None):
 
 
 def entry_rows_torch(ids: torch.Tensor, start: torch.Tensor, count: torch.Tensor, width: int) -> torch.Tensor:
-    """The twin: int64 [T, width] = start + id where 0 <= id < count (else -1), ids -1 padded to width columns."""
+    """int64 [T, width] = start + id where 0 <= id < count (else -1), ids -1 padded to width columns."""
     ent = torch.nn.functional.pad(ids, (0, width - ids.shape[1]), value=-1)
     return torch.where((ent >= 0) & (ent < count[:, None]), ent + start[:, None], -1)
-
-
-@triton.jit
-def _entry_rows_kernel(ids_ptr, start_ptr, count_ptr, out_ptr, W, ids_stride, WIDTH: tl.constexpr,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    t = tl.program_id(0)
-    c = tl.arange(0, BLOCK)
-    pdl_wait(PDL)
-    e = tl.load(ids_ptr + t * ids_stride + c, mask=c < W, other=-1)
-    n = tl.load(count_ptr + t)
-    rows = tl.where((e >= 0) & (e < n), e + tl.load(start_ptr + t), -1).to(tl.int32)
-    pdl_trigger(PDL)
-    tl.store(out_ptr + t * WIDTH + c, rows, mask=c < WIDTH)
-
-
-def entry_rows_triton(ids: torch.Tensor, start: torch.Tensor, count: torch.Tensor, width: int) -> torch.Tensor:
-    """The kernel: same contract as `entry_rows_torch`, int32 out (ids: any integer dtype, unit column stride)."""
-    T, W = ids.shape
-    check(W <= width and ids.stride(1) == 1 and start.shape == (T,) and count.shape == (T,),
-          f"entry_rows: ids {tuple(ids.shape)} (strides {ids.stride()}) into {width} columns, start "
-          f"{tuple(start.shape)}, count {tuple(count.shape)}")
-    out = empty((T, width), torch.int32, ids.device)
-    if T and width:
-        _entry_rows_kernel[(T,)](ids, start, count, out, W, ids.stride(0), WIDTH=width,
-                                 BLOCK=triton.next_power_of_2(width), **pdl_kw())
-    return out
-
-
-def entry_rows(ids, start, count, width: int) -> torch.Tensor:
-    """Dispatch: the kernel (int32) on CUDA, the twin (int64) elsewhere."""
-    if use_triton(ids):
-        return entry_rows_triton(ids, start, count, width)
-    return entry_rows_torch(ids, start, count, width)

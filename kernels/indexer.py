@@ -69,6 +69,16 @@ earlier in the step); the select lets the next kernel launch once its chunk is s
 triggers (a long row's grid is many waves), so unlike session 5's form (removed above) no select program takes an
 SM while scores remain to be computed. H200 (R2, back to back, PDL off -> on, us): scores N=64 / 256, L=1024 5.3 ->
 5.1 / 22.2 -> 22.0, select 6.3 -> 6.1 / 7.6 -> 7.3; the select layer's chain in benchmarks/kernels_attention.py.
+The engine's form (session 13, `indexer_scores_triton`'s keywords): the score kernel reads the head weights as
+weights_proj gives them (bf16, a column slice of the stacked product) and scales them (Hi^-0.5 Di^-0.5), rotates the
+queries' RoPE channels itself (kernels/rope.py's products), and scores only the entries each row's position sees
+(and its candidates), -inf elsewhere: the torch multiply, the rope launch and kernels/index_rows.py's visible
+launch before it are gone, and with the attention kernel making the selected entries' pool rows in its gather the
+select layer is three launches (scores, select, attention) instead of seven. H200, the chain back to back against
+session 12's files in the same run (mid-size: 32 index heads of 128, 32 attention heads of 512, 128 window keys,
+k = 512; us): R3 N=64 / 256, G=64 (the mid-size step's shape) 31.8 / 59.6 -> 22.9 / 46.7, N=64 G=1024 57.6 ->
+46.5-46.6, G=16384 133.7 -> 132.6 (24% -> 30% / 55% of the bytes); R1 N=8 G=64 26.1-26.2 -> 23.8-23.9 (with the
+attention's first entries form, which spilled: kernels/decode_attention.py).
 The candidate-block restriction of layers 24/28/... is expressed by the caller through key_start/key_len of a
 gathered pool, or by -inf scores (not selectable).
 Cost: N * max_len * Di * bytes(keys) read once, + N * max_len * 4 written and re-read from L2 by the select,
@@ -79,6 +89,8 @@ import triton
 import triton.language as tl
 
 from .backend import empty, INTERPRETING, check, pdl_kw, pdl_trigger, pdl_wait, tickets, use_triton
+from .index_rows import visible_scores_torch
+from .rope import apply_rope_torch
 
 
 def _check(iq, w, keys, key_start, key_len, k):
@@ -106,14 +118,19 @@ def _select(scores, k):
 
 
 # ---------------------------------------------------------------------------------------------- torch twin
-def indexer_scores_torch(iq, w, keys, key_start, key_len, max_len):
+def indexer_scores_torch(iq, w, keys, key_start, key_len, max_len, w_scale=1.0, turn=None, positions=None, ratio=1,
+                         cand=None):
+    """The twin of `indexer_scores_triton` (its keywords: the head weights times w_scale, the queries rotated by
+    turn first, only the entries visible to each row's position and in cand scored)."""
+    if turn is not None:
+        iq = apply_rope_torch(iq, turn)
     g = torch.arange(max_len, device=iq.device)
     visible = g[None, :] < key_len[:, None]
     rows = (key_start[:, None] + g[None, :]).clamp(0, max(keys.shape[0] - 1, 0))
     k = keys[rows].float()                                              # [N, L, Di]
     s = torch.relu(torch.einsum("nhd,nld->nhl", iq.float(), k))
-    scores = torch.einsum("nh,nhl->nl", w.float(), s)
-    return scores.masked_fill(~visible, float("-inf"))
+    scores = torch.einsum("nh,nhl->nl", w.float() * w_scale, s).masked_fill(~visible, float("-inf"))
+    return scores if positions is None else visible_scores_torch(scores, positions, key_len, ratio, cand)[1]
 
 
 def indexer_topk_torch(iq, w, keys, key_start, key_len, k, max_len=None):
@@ -137,26 +154,57 @@ def _score_block(q, w, keys_ptr, start, g, visible, DI: tl.constexpr, F32: tl.co
 
 
 @triton.jit
-def _indexer_score_kernel(iq_ptr, w_ptr, keys_ptr, start_ptr, len_ptr, out_ptr, max_len, HI,
+def _queries(iq_ptr, n, HI, turn_ptr, turn_stride, HP: tl.constexpr, DI: tl.constexpr, ROT: tl.constexpr):
+    """Row n's queries [HP, DI] in iq's dtype; ROT > 0: their last ROT channels (interleaved pairs) turned by the
+    row's rotation first, in fp32 and rounded back, with kernels/rope.py's products and sums (the pair's partner
+    loaded again at d ^ 1: an L1 hit)."""
+    h = tl.arange(0, HP)[:, None]
+    d = tl.arange(0, DI)[None, :]
+    at = iq_ptr + (n * HI + h) * DI
+    q = tl.load(at + d, mask=h < HI, other=0.0)
+    if ROT > 0:
+        rot = d >= DI - ROT
+        j = tl.where(rot, (d - (DI - ROT)) // 2, 0)
+        x = q.to(tl.float32)
+        partner = tl.load(at + (d ^ 1), mask=(h < HI) & rot, other=0.0).to(tl.float32)
+        c = tl.load(turn_ptr + n * turn_stride + j * 2, mask=rot, other=1.0)
+        s = tl.load(turn_ptr + n * turn_stride + j * 2 + 1, mask=rot, other=0.0)
+        y = tl.where((d % 2) == 1, partner * s + x * c, x * c - partner * s)
+        q = tl.where(rot, y, x).to(q.dtype)
+    return q
+
+
+@triton.jit
+def _indexer_score_kernel(iq_ptr, w_ptr, keys_ptr, start_ptr, len_ptr, out_ptr, max_len, HI, w_stride, w_scale,
+                          turn_ptr, turn_stride, pos_ptr, ratio, cand_ptr, cand_stride,
                           HP: tl.constexpr, DI: tl.constexpr, BLOCK_G: tl.constexpr, F32: tl.constexpr,
-                          BPP: tl.constexpr, PDL: tl.constexpr = False):
+                          BPP: tl.constexpr, ROT: tl.constexpr = 0, VIS: tl.constexpr = False,
+                          HAS_CAND: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (row, chunk of BPP blocks of BLOCK_G entries): the row's queries are loaded once per program;
-    BPP > 1 loops over the blocks (the key loads pipelined by num_stages). PDL: its every input is written earlier
-    in the step (queries, head weights, the index keys, the rows' starts and lengths), so it waits first. No early
-    trigger: a long row's grid is many waves, and a trigger in the block loop is a branch in the pipelined loop."""
+    BPP > 1 loops over the blocks (the key loads pipelined by num_stages). The head weights are read at a row
+    stride and scaled here (w_scale), the queries rotated here (ROT), and with VIS only the entries the row's
+    position sees (g < (p + 1) // ratio, and cand) are scored (their keys alone read), the others -inf: what the
+    engine's select reads, without the launches that made each of those inputs. PDL: its every input is written
+    earlier in the step (queries, head weights, the index keys, the rows' starts, lengths and positions, the
+    candidates), so it waits first. No early trigger: a long row's grid is many waves, and a trigger in the block
+    loop is a branch in the pipelined loop."""
     n = tl.program_id(0).to(tl.int64)
     g0 = tl.program_id(1) * (BPP * BLOCK_G)
     pdl_wait(PDL)
     n_keys = tl.load(len_ptr + n)
+    if VIS:
+        n_keys = tl.minimum(n_keys, (tl.load(pos_ptr + n) + 1) // ratio)
     start = tl.load(start_ptr + n).to(tl.int64)
     h = tl.arange(0, HP)
     if g0 < n_keys:
-        q = tl.load(iq_ptr + (n * HI + h[:, None]) * DI + tl.arange(0, DI)[None, :], mask=h[:, None] < HI,
-                    other=0.0)
-        w = tl.load(w_ptr + n * HI + h, mask=h < HI, other=0.0).to(tl.float32)
+        q = _queries(iq_ptr, n, HI, turn_ptr, turn_stride, HP, DI, ROT)
+        w = tl.load(w_ptr + n * w_stride + h, mask=h < HI, other=0.0).to(tl.float32) * w_scale
         for b in range(0, BPP):
             g = g0 + b * BLOCK_G + tl.arange(0, BLOCK_G)
-            score = _score_block(q, w, keys_ptr, start, g, g < n_keys, DI, F32)
+            ok = g < n_keys
+            if HAS_CAND:
+                ok = ok & (tl.load(cand_ptr + n * cand_stride + g, mask=ok, other=0) != 0)
+            score = _score_block(q, w, keys_ptr, start, g, ok, DI, F32)
             tl.store(out_ptr + n * max_len + g, score, mask=g < max_len)
     else:
         for b in range(0, BPP):
@@ -165,21 +213,44 @@ def _indexer_score_kernel(iq_ptr, w_ptr, keys_ptr, start_ptr, len_ptr, out_ptr, 
 
 
 def indexer_scores_triton(iq, w, keys, key_start, key_len, max_len, block_g: int = 128, num_warps: int = 4,
-                          blocks_per_program: int = 4, num_stages: int = 3):
+                          blocks_per_program: int = 4, num_stages: int = 3, *, w_scale: float = 1.0,
+                          turn: torch.Tensor | None = None, positions: torch.Tensor | None = None, ratio: int = 1,
+                          cand: torch.Tensor | None = None):
     """The score kernel alone: fp32 [N, max_len], -inf where not visible. blocks_per_program > 1: each program
     loops over that many blocks (queries loaded once, key loads pipelined by num_stages). Defaults: the H200
     sweeps (N=64, L=16384: 128-entry blocks, 4 per program, 4 warps, 3 stages 68-70 us = 92-94% of copy
-    bandwidth; one block per program with 8 warps, the session-2 form, 74-77 us)."""
+    bandwidth; one block per program with 8 warps, the session-2 form, 74-77 us).
+    The engine's form (each a launch less): w any float dtype at any row stride (a column slice of a product),
+    times w_scale in fp32; turn fp32 [N, R/2, 2] (kernels/rope.py's table): the queries' last R channels rotated
+    first; positions [N] (with ratio, and cand bool [N, max_len]): only the entries g < (p + 1) // ratio (and in
+    cand) scored, the others -inf (kernels/index_rows.py's `visible_scores` masked scores)."""
     N, Hi, Di = iq.shape
+    check(w.shape == (N, Hi), f"index head weights must be [{N}, {Hi}], got {tuple(w.shape)}")
+    check(turn is None or (turn.dim() == 3 and turn.shape[0] == N and turn.shape[2] == 2 and 2 * turn.shape[1] <= Di
+                           and turn.dtype == torch.float32 and turn.stride(1) == 2 and turn.stride(2) == 1),
+          f"index scores: turn {None if turn is None else (turn.dtype, tuple(turn.shape), turn.stride())} for "
+          f"queries {tuple(iq.shape)} (want fp32 [{N}, R/2, 2], R <= {Di}, pairs adjacent)")
+    check((cand is None or positions is not None) and (positions is None or positions.shape == (N,)),
+          f"index scores: positions {None if positions is None else tuple(positions.shape)} for {N} rows "
+          f"(candidates only with positions)")
+    check(cand is None or (cand.shape == (N, max_len) and cand.dtype == torch.bool and cand.stride(1) == 1),
+          f"index scores: candidate mask {None if cand is None else (cand.dtype, tuple(cand.shape))} for "
+          f"[{N}, {max_len}]")
     scores = empty((N, max_len), torch.float32, iq.device)
     if max_len > 0:
+        w = w if w.stride(1) == 1 else w.contiguous()
+        key_len = key_len.to(torch.int64).contiguous()
         grid = (N, triton.cdiv(max_len, block_g * blocks_per_program))
-        _indexer_score_kernel[grid](iq.contiguous(), w.contiguous(), keys.contiguous(),
-                                    key_start.to(torch.int64).contiguous(), key_len.to(torch.int64).contiguous(),
-                                    scores, max_len, Hi, HP=max(16, triton.next_power_of_2(Hi)), DI=Di,
+        _indexer_score_kernel[grid](iq.contiguous(), w, keys.contiguous(), key_start.to(torch.int64).contiguous(),
+                                    key_len, scores, max_len, Hi, w.stride(0), float(w_scale),
+                                    scores if turn is None else turn, 0 if turn is None else turn.stride(0),
+                                    key_len if positions is None else positions, ratio,
+                                    scores if cand is None else cand, 0 if cand is None else cand.stride(0),
+                                    HP=max(16, triton.next_power_of_2(Hi)), DI=Di,
                                     BLOCK_G=block_g, F32=keys.dtype == torch.float32 or INTERPRETING,
-                                    BPP=blocks_per_program, num_warps=num_warps, num_stages=num_stages,
-                                    **pdl_kw())
+                                    BPP=blocks_per_program, ROT=0 if turn is None else 2 * turn.shape[1],
+                                    VIS=positions is not None, HAS_CAND=cand is not None, num_warps=num_warps,
+                                    num_stages=num_stages, **pdl_kw())
     return scores
 
 

@@ -43,6 +43,14 @@ down kernel asking the L2 for its weight rows before its wait (round 1, V4.1 T=6
 the combine folded into the down kernel's epilogue (a ticket per token and H tile, the last pair adding the
 token's K rows in order: the same bits) 90.0-90.1, at T=256 (8 warps) 127.6-127.7 against 123.8-124.1, at T=8
 59.9-60.4 against 60.0-60.2, V4.1 T=8 319.4-325.1 against 316.7-317.5.
+The alignment launch's share of the chain (session 13 R2, mid-size, the chain handed HEAD's alignment made outside
+the graph): T=64 85.9-86.1 against 88.0-88.2, T=256 128.7-129.5 against 134.2-135.1. Measured and deleted: the
+alignment inside the router's launch (every block of rows ranking its pairs, the last to finish through a ticket
+laying out all of them, no launch of its own), router + chain T=8 / 64 / 256 63.8-67.2 / 94.8-95.3 / 153.9-155.3
+against 61.4-62.3 / 92.1-92.3 / 152.4-153.4 for HEAD's router then align launch (R2; R1's first form, 128 pairs a
+step in its last program: 65.0-69.1 / 103.4-103.6 / 158.7-159.9 against 62.4-62.6 / 92.6-93.0 / 153.5-154.3): the
+serial tail in one program (two tickets, two round trips to memory) costs more than the 64-program launch it
+replaces.
 """
 import torch
 import triton
@@ -620,8 +628,16 @@ PREFETCH_SHIFTED = True
 # without the caps and the launches' integer specialisations, 229 / 163): 16-row blocks, capped, gate/up 165 and
 # down 128, no spills; 32-row blocks capped 168 / 128 with 46 / 38 bytes spilled, at 8 warps uncapped (w4_tiles)
 # 119 / 105; 64-row gate/up tiles (w4_tiles' small grids) 117; 64-row blocks at 8 warps (not taken) 181 / 153.
-# None spill but the capped 32-row ones. The fp8 / bf16 grouped kernels take the same PDL waits and triggers
-# (not timed off / on: not the CUDA default).
+# None spill but the capped 32-row ones. The fp8 / bf16 grouped kernels take the same PDL waits and triggers: the
+# fp8 rows path (FP8_TILES) at mid-size T=64, 20-call chain, PDL off / on 117.1-117.6 / 113.8-114.1 us (81 / 84% of
+# its bytes; session 13 R1), so they keep them.
+# Session 13 (mid-size H=2048 F=1024 E=64 K=6, 20-call chains in a CUDA graph, HEAD's kernels in the same run, us a
+# call): the gate/up grid at T=64 is 1.3 waves of 3 programs an SM, but cutting H in slices does not pay. Measured
+# and deleted (R1): split-K gate/up (grid blocks x F tiles x slices; fp32 partials [slices, 2, slots, F] and a
+# ticket per tile, the last program adding them in slice order before the SwiGLU) at T=64 2 / 4 slices 97.1-97.5 /
+# 100.9-101.5, with 128-register caps 105.5-105.6, at T=256 2 slices 145.4-145.8, against HEAD's 87.9-88.5 /
+# 134.7-135.0; at T=8 60.6-61.2 against the unsplit build's 58.1. The run-time slice bounds alone cost the unsplit
+# capped 16-row build 5 us (93.2-93.7); 128-register caps for gate/up (4 programs an SM) 95.2 against that build.
 W4_TILES = dict(block_n=128, block_k=128, num_warps=4, num_stages=3, maxnreg=(168, 128))
 
 
@@ -638,12 +654,15 @@ def w4_tiles(T: int, K: int, E: int, F: int, device) -> dict:
       takes 64-row tiles, twice the programs: 61.9-62.1 -> 56.3-56.5 (59.0-59.2 with PDL off); with 8 warps too
       80.9-81.8. At mid-size T=64 (512 programs) 64-row tiles gave 90.1-90.7 against 88.6-88.9 (round 2). Only
       at 16-row blocks, where it was measured.
+    - 64-row blocks (prefill) take W4_TILES without register caps (the capped builds spill 688 / 320 bytes a
+      thread against the compiler's 224 / 0, sm_90). The caps are decided here only: moe_experts_triton applies
+      what it is given.
     V4.1 decode shapes (T = 8 / 64 / 256) keep W4_TILES: 16-row blocks, 864+ gate/up programs."""
     block_m = default_block_m(T, K, E)
-    if block_m == 32:
-        return dict(W4_TILES, num_warps=8, maxnreg=None)
+    if block_m > 16:
+        return dict(W4_TILES, num_warps=8 if block_m == 32 else 4, maxnreg=None)
     bn, bk, warps, stages = (W4_TILES[k] for k in ("block_n", "block_k", "num_warps", "num_stages"))
-    if block_m == 16 and min(T * K, E) * _cdiv(F, bn) < 3 * sm_count(device):
+    if min(T * K, E) * _cdiv(F, bn) < 3 * sm_count(device):
         return dict(W4_TILES, block_n=64, down=(bn, bk, warps, stages))
     return W4_TILES
 
@@ -685,7 +704,8 @@ def moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit=10.0, block_m=N
     prefetch (None: PREFETCH_SHIFTED with shifts, else off): activations and shifts loaded a K step ahead.
     Packed FP4 (uint8 weights, always with shifts) goes through the swapped-operand kernels (_w4_*: the tiles
     and `down` as above, block_k a multiple of 32; in dims must be multiples of 8); maxnreg (gate/up, down):
-    register caps of those two builds (None: the compiler's choice), so more programs fit an SM."""
+    register caps of those two builds (None: the compiler's choice, which w4_tiles picks for all but 16-row
+    blocks), so more programs fit an SM."""
     _check(x, ids, weights, w1, w3, w2, scales, shifts, shift_rows)
     T, H = x.shape
     K = ids.shape[1]
@@ -735,10 +755,7 @@ def moe_experts_triton(x, ids, weights, w1, w3, w2, swiglu_limit=10.0, block_m=N
     y = empty((T * K, H), torch.float32, x.device)
     x = x.contiguous()
     if w4:
-        # (the caps were measured at 16-row blocks; at 32 rows the launched builds spill 46 / 38 bytes a thread, so
-        # w4_tiles takes 8 uncapped warps there; at 64 rows, prefill, they spill 688 / 320 against the compiler's
-        # 224 / 0 in an sm_90 build: no caps there)
-        caps = maxnreg if maxnreg and block_m <= 32 else (None, None)
+        caps = maxnreg or (None, None)
         _w4_gate_up_kernel[(n_blocks, triton.cdiv(F, block_n))](x, w1, w3, d1, d3, s1, s3, g1, g3, h, slot_pair,
                                                                 block_expert, H, F, K, float(swiglu_limit),
                                                                 BM=block_m, BN=block_n, BK=block_k, TMA=tma,

@@ -30,7 +30,14 @@ it: 31.2 / 84.7 against 29.7 / 81.5); the row mass s comes from the pass's progr
 rescaled to its max: the mass-above pass need not read lanes that hold nothing above a proposal); a last launch
 (`_reject_finish_kernel`, per row) takes the first proposal whose mass above is < p * s (`_row_token`). A row whose
 PROPOSALS proposals all miss runs the rest of the rule in that program (loops over the row: proposals PROPOSALS ..
-NMAX - 1, then the row-wide tau bisection and the restricted draw): exact, slow, rare.
+NMAX - 1, then the row-wide tau bisection and the restricted draw): exact, slow, rare at p >= 0.9, not below.
+A row misses 4 proposals with probability up to (1 - p)^4 (flat rows, measured mass: p 0.9 1.0e-4, 0.8 1.6e-3,
+0.7 8.1e-3, 0.5 6.2e-2; peaked rows a little less), so a call has such a row 0.6% / 10% / 40% / 98% of the time at
+B=64 and 2.5% / 34% / 88% / 100% at B=256; misses 8 (the bisection) 1e-8 / 2.6e-6 / 6.5e-5 / 3.9e-3. Session 13,
+whole call on flat rows at B=64 (us, rows from kernels_sampling.flat_logits): p 0.9 26.4, p 0.7 47.6 (R3) and 71.2
+(R2), p 0.5 821 (R2: rows reach the bisection); B=256 p 0.8 80.9 (R2). The pass computing all NMAX proposals
+(NP = 8) does not build: Triton 3.6 asserts in TritonGPUCoalesce (SmallVector index) on `_reject_finish_kernel`
+with NP = 8 (R3).
 Session 11: the mass-above programs first compare their segment's program maxima (the pass's) with the smallest
 proposal: a segment with nothing above any proposal stores zeros without loading its lane maxima (R3, B=64, twice
 each: peaked p0.95 rows 24.1 / 24.1 -> 22.2 / 22.2 us, flat p0.9 rows 31.2 / 31.3 -> 30.9 / 31.4); the pass packs
@@ -41,6 +48,16 @@ that the tokens kernel draws inside a winning lane in one sweep of its tokens in
 whole call at B=64 against HEAD in that run: peaked 23.9 / 23.9 -> 21.9 / 21.8 us (33% -> 36% of copy bandwidth),
 flat 31.1 / 31.1 -> 30.5 / 30.8 (25-26%); B=256 was cut by the rounds' budgets (not measured).
 Session 12, that code at B=256 (R1): peaked 56.8-56.9 us (55%), flat 87.5-87.6 (36%); B=64 21.7 / 30.7-30.8.
+Session 13 (whole call, us, HEAD in the same run, twice each; copy 4,228-4,242 GB/s): the mass-above pass's weights
+as one FFMA and one exp2 per token with no -inf select (`_weights`: 2,560 -> 2,048 SASS instructions, 96 -> 128
+registers); the tokens kernel hands each row's (m, zmin, z of the proposals) to the mass-above programs, which load
+them beside their segment's program maxima and lane maxima in one round (before: the row's 64 program maxima and the
+tokens, then the tokens' logits, then the lane maxima: three more dependent rounds); the sampling pass PDL-launched
+in front of the chain (kernels/sampling.py beside its launch). R2, B=64: flat p0.9 30.4 / 30.4 -> 26.4 / 26.4 (25%
+-> 30% of copy bandwidth), peaked p0.95 21.5 / 21.5 -> 19.6 / 19.6 (36% -> 40%); B=256 flat 86.6 / 90.3 -> 80.6 /
+80.7 (39%), peaked 55.6 / 55.6 -> 54.7 / 54.7 (57%). The arithmetic alone (R2): 28.4 / 20.7 at B=64. Measured and
+deleted (R1): the new mass-above pass at 4 warps (64 registers, full occupancy): B=64 flat 27.4 / 28.1 against
+27.1 / 27.6 at 2 warps, peaked 21.7 / 21.6 against 21.6 / 21.6, B=256 flat 84.3 / 84.3 against 82.5 / 82.7.
 Its kernels (R1, torch.profiler, PDL off, B=64, us): peaked: pass 11.9, mass above 4.9, tokens 3.1, finish 2.3;
 flat: mass above 13.6 (33 MB at 2.4 TB/s: instruction- and occupancy-bound), pass 12.3, tokens 3.3, finish 2.4.
 Deleted after session 12 (whole call, us, HEAD in the same run; B=64 twice each): the mass-above programs taking
@@ -241,29 +258,38 @@ def _row_mass(pmax_ptr, pmass_ptr, row, n_prog, NPP: tl.constexpr):
 
 
 @triton.jit
-def _tokens_kernel(packed_ptr, tok_ptr, dec_ptr, logits_ptr, inv_t_ptr, greedy_ptr, top_k_ptr, top_p_ptr, keys_ptr,
-                   tau_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, done_ptr, DONE: tl.constexpr,
+def _tokens_kernel(packed_ptr, tok_ptr, dec_ptr, zrow_ptr, pmax_ptr, logits_ptr, inv_t_ptr, greedy_ptr, top_k_ptr,
+                   top_p_ptr, keys_ptr, tau_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, done_ptr,
+                   DONE: tl.constexpr,
                    HAS_MASK: tl.constexpr, HAS_TAU: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr,
                    NPQ: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, FAST: tl.constexpr,
                    PDL: tl.constexpr = False):
     """Program (row): tok[row, j] = the token of proposal j (the best packed lane over the row's programs, its
     token drawn inside it by `lane_token`; greedy rows: the packed argmax), -1 where the best score is -inf (nothing
     allowed); only proposal 0 for rows that are not top-p alone. Once per row, so the mass-above programs and the
-    finish only load the tokens (each (row, segment) program drawing them itself cost more than the pass saved:
-    session 8 R1, the mass-above pass 19.4 / 72.8 us against 16.6 / 46.3 at B=64 / 256).
+    finish only read its results (each (row, segment) program drawing the tokens itself cost more than the pass
+    saved: session 8 R1, the mass-above pass 19.4 / 72.8 us against 16.6 / 46.3 at B=64 / 256).
     dec[row] = the row's token when known here (the top-k merge's draw, proposal 0 of a row that is not top-p
-    alone), else -2: the mass-above pass and the finish decide it."""
+    alone), else -2: the mass-above pass and the finish decide it.
+    zrow[row] = (m, zmin, z of each proposal's token) for the mass-above pass (m: the row max from the pass's
+    program maxima; zmin: the smallest proposal's z, +inf where no mass above is needed: a decided row, or one
+    with nothing allowed), so that its programs read them in the same round as their segment's program maxima: a
+    segment with nothing above zmin (every segment of a peaked row but the leaders') then costs one round of loads
+    and a store."""
     pdl_wait(PDL)
     pdl_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
     dec = tl.full([], -2, tl.int64)
     if DONE:
         dec = tl.load(done_ptr + row)
+    jj = tl.arange(0, NPQ)
+    m = float("-inf")
+    zs = tl.full([NPQ], float("inf"), tl.float32)
     if dec == -2:
         i = tl.arange(0, NPP)
-        jj = tl.arange(0, NPQ)
         pk = tl.load(packed_ptr + (row * n_prog + i)[:, None] * NP + jj[None, :],
                      mask=(i < n_prog)[:, None] & (jj < NP)[None, :], other=MIN_PACKED_C)
+        m = tl.max(tl.load(pmax_ptr + row * n_prog + i, mask=i < n_prog, other=float("-inf")), 0)
         best = tl.max(pk, 0)
         toks = _unpack(best)
         live = (best >> 32) > NEG_INF_KEY_C
@@ -284,6 +310,12 @@ def _tokens_kernel(packed_ptr, tok_ptr, dec_ptr, logits_ptr, inv_t_ptr, greedy_p
         toks = tl.where(live, toks, -1)
         tl.store(tok_ptr + row * NPQ + jj, toks, mask=jj < NP)
         dec = tl.where(alone, dec, tl.sum(tl.where(jj == 0, toks, 0), 0))
+        if (dec == -2) & (m > float("-inf")):
+            zs = tl.load(logits_ptr + row * V + toks, mask=jj < NP, other=float("inf")).to(tl.float32) * \
+                tl.load(inv_t_ptr + row)
+    tl.store(zrow_ptr + row * (NPQ + 2) + 2 + jj, zs)
+    tl.store(zrow_ptr + row * (NPQ + 2), m)
+    tl.store(zrow_ptr + row * (NPQ + 2) + 1, tl.min(zs, 0))
     tl.store(dec_ptr + row, dec)
 
 
@@ -300,66 +332,72 @@ def _above_sums(z, e, zs, jj, NP: tl.constexpr, NPQ: tl.constexpr):
 
 
 @triton.jit
-def _above_kernel(logits_ptr, tok_ptr, dec_ptr, pmax_ptr, part_ptr, inv_t_ptr, bitmask_ptr, mask_rows_ptr,
+def _weights(z, ref):
+    """exp(z - m) as 2^(z log2 e - ref), ref = m log2 e: one FFMA and one MUFU.EX2 per token; a banned or padding
+    token (z = -inf) weighs 2^-inf = 0 with no select. tl.exp took ~5 more instructions per token (a multiply, the
+    denormal range check and its two scalings) and the -inf select two: 2,560 -> 2,128 SASS instructions in the
+    mass-above kernel (4 proposals; 2,048 with the row statistics), 96 -> 127 registers (`exp2_w`'s asm: 255)."""
+    return tl.exp2(z * 1.4426950408889634 - ref)
+
+
+@triton.jit
+def _above_kernel(logits_ptr, zrow_ptr, pmax_ptr, part_ptr, inv_t_ptr, bitmask_ptr, mask_rows_ptr,
                   bitmask_stride, V, n_prog, n_seg, lane_ptr, n_lanes, hot_ptr, HAS_MASK: tl.constexpr,
                   NP: tl.constexpr, NPP: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, VEC: tl.constexpr,
                   FAST: tl.constexpr, NPQ: tl.constexpr = 8, HOT: tl.constexpr = False, HOTCAP: tl.constexpr = 32,
-                  PDL: tl.constexpr = False):
-    """Program (row, segment) of a top-p-alone row (dec = -2, `_tokens_kernel`): part[row, segment, j] = the mass
-    above proposal j, as sum exp(z - m) (m: the row max from the pass's program maxima): fp32 inside a lane (LW
-    terms), fp64 across lanes (`_above_sums`). The proposals' tokens (`_tokens_kernel`) and z in one load each.
-    A segment whose programs' maxima (the pass's) are all at or below the smallest proposal's z holds nothing above
-    any proposal: zeros, nothing else read. HOT: only the lanes whose max (stored by the pass) exceeds the
-    smallest proposal's z can hold a token above a proposal; when at most HOTCAP of the segment's lanes do, only
+                  PER: tl.constexpr = 1, PDL: tl.constexpr = False):
+    """Program (row, segment) of an open top-p-alone row (zmin < +inf, `_tokens_kernel`): part[row, segment, j] =
+    the mass above proposal j, as sum exp(z - m) (m: the row max from the pass's program maxima): fp32 inside a lane
+    (LW terms), fp64 across lanes (`_above_sums`). The row's (m, zmin, z of the proposals) come from
+    `_tokens_kernel`, loaded beside the segment's PER program maxima (the pass's): a segment whose maxima are all at
+    or below zmin holds nothing above any proposal: zeros, nothing else read. HOT: only the lanes whose max (stored
+    by the pass) exceeds zmin can hold a token above a proposal; when at most HOTCAP of the segment's lanes do, only
     those are gathered (a lane list through a small scratch), else the whole segment is read (lane_ptr: the lane
-    maxima). Other rows return at once."""
+    maxima). Other rows store nothing."""
     pdl_wait(PDL)
     pdl_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
-    if tl.load(dec_ptr + row) == -2:
-        i = tl.arange(0, NPP)
-        pmx = tl.load(pmax_ptr + row * n_prog + i, mask=i < n_prog, other=float("-inf"))
-        m = tl.max(pmx, 0)
-        if m > float("-inf"):
-            start = seg * (LANES * LW)
-            inv_t = tl.load(inv_t_ptr + row)
-            o = (row * n_seg + seg) * NP
-            jj = tl.arange(0, NPQ)
-            toks = tl.load(tok_ptr + row * NPQ + jj, mask=jj < NP, other=0)
-            zs = tl.load(logits_ptr + row * V + toks, mask=jj < NP, other=0.0).to(tl.float32) * inv_t
-            zmin = tl.min(tl.where(jj < NP, zs, float("inf")), 0)
-            per = n_prog // n_seg                                  # the pass's programs of one segment
-            seg_max = tl.max(tl.where((i >= seg * per) & (i < seg * per + per), pmx, float("-inf")), 0)
-            warm = seg_max > zmin
-            if warm == 0:      # (not `seg_max <= zmin`: with a NaN neither test holds and the part went unwritten)
-                tl.store(part_ptr + o + jj, tl.zeros([NPQ], tl.float64), mask=jj < NP)
-            n_hot = HOTCAP + 1
-            if HOT & warm:
-                lane = tl.arange(0, LANES)
-                lm = tl.load(lane_ptr + row * n_lanes + seg * LANES + lane)
-                hot = lm > zmin
-                n_hot = tl.sum(hot.to(tl.int32), 0)
-                if n_hot <= HOTCAP:
-                    hp = hot_ptr + (row * n_seg + seg) * HOTCAP
-                    tl.store(hp + tl.cumsum(hot.to(tl.int32), 0) - 1, lane, mask=hot)
-                    tl.debug_barrier()                              # the lane list's stores before its loads
-                    h = tl.arange(0, HOTCAP)
-                    hl = tl.load(hp + h, mask=h < n_hot, other=0)
-                    t = start + hl[:, None] + tl.arange(0, LW)[None, :] * LANES
-                    mrow = -1
-                    if HAS_MASK:
-                        mrow = tl.load(mask_rows_ptr + row)
-                    # padding lanes point past V: load_z's one bounds check masks them
-                    zh = load_z(logits_ptr, row, tl.where((h < n_hot)[:, None], t, V), V, inv_t, bitmask_ptr, mrow,
-                                bitmask_stride, HAS_MASK)
-                    eh = tl.where(zh > float("-inf"), tl.exp(zh - m), 0.0)
-                    tl.store(part_ptr + o + jj, _above_sums(zh, eh, zs, jj, NP, NPQ), mask=jj < NP)
-            if warm & (n_hot > HOTCAP):
-                z, pos = row_block_z(logits_ptr, bitmask_ptr, mask_rows_ptr, inv_t_ptr, row, start, V,
-                                     bitmask_stride, HAS_MASK, LANES, LW, LANES, 0, VEC, FAST)
-                e = tl.where(z > float("-inf"), tl.exp(z - m), 0.0)
-                tl.store(part_ptr + o + jj, _above_sums(z, e, zs, jj, NP, NPQ), mask=jj < NP)
+    zr = zrow_ptr + row * (NPQ + 2)
+    jj = tl.arange(0, NPQ)
+    m = tl.load(zr)
+    zmin = tl.load(zr + 1)
+    zs = tl.load(zr + 2 + jj)
+    inv_t = tl.load(inv_t_ptr + row)
+    seg_max = tl.max(tl.load(pmax_ptr + row * n_prog + seg * PER + tl.arange(0, PER)), 0)
+    lane = tl.arange(0, LANES)
+    lm = tl.full([LANES], float("inf"), tl.float32)
+    if HOT:     # the segment's lane maxima in the same round (1 KB, read whether or not the segment needs them)
+        lm = tl.load(lane_ptr + row * n_lanes + seg * LANES + lane)
+    if zmin != float("inf"):   # (a NaN zmin still writes its part: the finish reads it)
+        start = seg * (LANES * LW)
+        ref = m * 1.4426950408889634
+        o = (row * n_seg + seg) * NP
+        warm = seg_max > zmin
+        if warm == 0:          # (not `seg_max <= zmin`: with a NaN neither test holds and the part went unwritten)
+            tl.store(part_ptr + o + jj, tl.zeros([NPQ], tl.float64), mask=jj < NP)
+        n_hot = HOTCAP + 1
+        if HOT & warm:
+            hot = lm > zmin
+            n_hot = tl.sum(hot.to(tl.int32), 0)
+            if n_hot <= HOTCAP:
+                hp = hot_ptr + (row * n_seg + seg) * HOTCAP
+                tl.store(hp + tl.cumsum(hot.to(tl.int32), 0) - 1, lane, mask=hot)
+                tl.debug_barrier()                              # the lane list's stores before its loads
+                h = tl.arange(0, HOTCAP)
+                hl = tl.load(hp + h, mask=h < n_hot, other=0)
+                t = start + hl[:, None] + tl.arange(0, LW)[None, :] * LANES
+                mrow = -1
+                if HAS_MASK:
+                    mrow = tl.load(mask_rows_ptr + row)
+                # padding lanes point past V: load_z's one bounds check masks them
+                zh = load_z(logits_ptr, row, tl.where((h < n_hot)[:, None], t, V), V, inv_t, bitmask_ptr, mrow,
+                            bitmask_stride, HAS_MASK)
+                tl.store(part_ptr + o + jj, _above_sums(zh, _weights(zh, ref), zs, jj, NP, NPQ), mask=jj < NP)
+        if warm & (n_hot > HOTCAP):
+            z, pos = row_block_z(logits_ptr, bitmask_ptr, mask_rows_ptr, inv_t_ptr, row, start, V, bitmask_stride,
+                                 HAS_MASK, LANES, LW, LANES, 0, VEC, FAST)
+            tl.store(part_ptr + o + jj, _above_sums(z, _weights(z, ref), zs, jj, NP, NPQ), mask=jj < NP)
 
 
 @triton.jit
@@ -488,16 +526,17 @@ def reject_finish(logits, params, bitmask, mrows, packed, pmax, pmass, lane_max,
     if STAGES < 1:
         return out
     flags = dict(HAS_MASK=has_mask, NP=np_, NPP=npp, NPQ=npq, LANES=lanes, LW=seg // lanes, FAST=not interpreting)
-    _tokens_kernel[(R,)](packed, toks, dec, logits, params.inv_temperature, params.greedy, params.top_k, params.top_p,
-                         params.keys, tau if tau is not None else pmax, bm, mr, stride, V, n_prog, drawn,
+    zrow = torch.empty((R, npq + 2), dtype=torch.float32, device=dev)
+    _tokens_kernel[(R,)](packed, toks, dec, zrow, pmax, logits, params.inv_temperature, params.greedy, params.top_k,
+                         params.top_p, params.keys, tau if tau is not None else pmax, bm, mr, stride, V, n_prog, drawn,
                          DONE=drawn is not None, HAS_TAU=tau is not None, num_warps=1, **flags, **pdl_kw())
     hot = lane_max is not None
     hotcap = min(HOTCAP, lanes)
     hot_buf = torch.empty((R, n_seg, hotcap) if hot else (1,), dtype=torch.int32, device=dev)
-    _above_kernel[(R, n_seg)](logits, toks, dec, pmax, part, params.inv_temperature, bm, mr, stride, V, n_prog, n_seg,
+    _above_kernel[(R, n_seg)](logits, zrow, pmax, part, params.inv_temperature, bm, mr, stride, V, n_prog, n_seg,
                               lane_max if hot else pmax, lane_max.shape[1] if hot else 0, hot_buf,
-                              VEC=max(1, lanes // (32 * warps)), HOT=hot, HOTCAP=hotcap, num_warps=warps, **flags,
-                              **pdl_kw())
+                              VEC=max(1, lanes // (32 * warps)), HOT=hot, HOTCAP=hotcap, PER=n_prog // n_seg,
+                              num_warps=warps, **flags, **pdl_kw())
     if STAGES < 2:
         return out
     _reject_finish_kernel[(R,)](logits, toks, dec, pmax, pmass, part, out, params.inv_temperature, params.top_p,

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .backend import check, empty, pdl_kw, pdl_trigger, pdl_wait, sm_count, use_triton
-from .rope import apply_rope_torch
+from .backend import check, empty, pdl_kw, pdl_trigger, pdl_wait, use_triton
+from .rope import apply_rope_torch, one_wave
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -89,7 +89,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, turn: tor
         _rms_norm_kernel[(n,)](xc, weight.contiguous(), out, turn.contiguous() if turn is not None else weight,
                                rows if rows is not None else weight, D, xc.stride(0) if xc.dim() == 2 else D, eps,
                                R=R, ROPE=turn is not None, SCATTER=rows is not None, BLOCK_D=BLOCK_D,
-                               EARLY=n <= sm_count(x.device), num_warps=4 if BLOCK_D <= 2048 else 8, **pdl_kw())
+                               EARLY=one_wave(n, x.device), num_warps=4 if BLOCK_D <= 2048 else 8, **pdl_kw())
     return out
 
 

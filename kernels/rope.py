@@ -28,6 +28,13 @@ import triton.language as tl
 from .backend import check, empty, pdl_kw, pdl_trigger, pdl_wait, sm_count, use_triton
 
 
+def one_wave(programs: int, device) -> bool:
+    """Whether a grid of `programs` programs starts in one wave (at most one an SM): then its programs may let the
+    next kernel launch at once (`pdl_trigger` first: the next kernel's waiting programs cannot hold back ours, all
+    already started). The rule of this module's and kernels/rmsnorm.py's early triggers."""
+    return programs <= sm_count(device)
+
+
 def apply_rope_torch(x: torch.Tensor, turn: torch.Tensor) -> torch.Tensor:
     """The twin (and the CPU path): x [T, ..., D], turn fp32 [T, R/2, 2] -> x with its last R channels rotated."""
     r = turn.shape[-2] * 2
@@ -82,7 +89,7 @@ def apply_rope_triton(x: torch.Tensor, turn: torch.Tensor) -> torch.Tensor:
     BLOCK_H = max(1, min(triton.next_power_of_2(H), 4096 // BLOCK_D))
     grid = (T, triton.cdiv(H, BLOCK_H))
     _rope_kernel[grid](xc, turn.contiguous(), out, H, D=D, R=R, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
-                       EARLY=grid[0] * grid[1] <= sm_count(x.device), **pdl_kw())
+                       EARLY=one_wave(grid[0] * grid[1], x.device), **pdl_kw())
     return out
 
 

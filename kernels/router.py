@@ -179,8 +179,12 @@ def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
 # experts, hidden 2048, top 6; us at 8 / 16 / 32 / 64 rows), session 9 R1: one launch in row blocks of 16 5.4 / 5.5 /
 # 5.7 / 5.8 (the same bits as one block), in one block of all rows 5.5 / 5.6 / 8.8 / 10.9 (one program's tail over
 # 64 rows is the longer part), the GEMM library + `route`'s kernel 7.2 / 7.5 / 7.8 / 8.0, the GEMM + the torch tail
-# 25.6 / 25.9 / 27.2 / 28.4
-FUSED_MAX_ROWS = 64
+# 25.6 / 25.9 / 27.2 / 28.4. Session 13 R3 (PDL on): 256 rows too (16 row blocks x 8 slices, one wave of 128
+# programs): 16 calls back to back (benchmarks/kernels_moe.py bench_router) at 64 / 128 / 256 rows 4.8 / 4.9 / 5.1
+# against the GEMM library + `route`'s kernel 7.0 / 7.6 / 7.6; the router + the packed-FP4 routed chain (20 layers
+# in a CUDA graph, K3's .round script) at 128 / 256 rows 108.1-108.5 / 149.2-150.5 against 110.7-111.7 /
+# 151.6-151.7 us a layer
+FUSED_MAX_ROWS = 256
 
 
 def gate_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):

@@ -443,6 +443,14 @@ def may_filter(params: RowParams, V: int) -> bool:
 # 14.3 against 128x4 14.5 / 14.6 / 14.6 (256x4 15.3, 128x2 20.8, 64x1 15.3). MASK_FIRST on those masks 15.0 / 16.1
 # against 14.5 / 14.6, on grammar-like masks (2% allowed, runs of 512 tokens) 11.4 / 11.9 against 14.5 / 13.5:
 # off by default (the benchmark's masks are the random ones); a caller that knows its masks are sparse can ask.
+# Session 13, T=0.7 + mask at B=64 (56% of copy bandwidth in session 12's R1, 61-62% in this session's R2 beside the
+# compiled tests): the masked pass's full-segment code issues ~23 SASS instructions per token against ~17 unmasked
+# at the same shape (a 4-byte word load, its -1 default, the bit test and the select per token; the logits loads
+# 4-byte at one lane per thread), and its programs read their mask row before any load of their block (a second
+# dependent round trip). Measured and deleted (R2, twice each, us, HEAD in the same run): each program loading its
+# own row's mask words beside its logits and reading mask_rows after them (reloading when it names another row):
+# B=64 13.1 / 13.2 against 13.1 / 13.2, the engine's form (every 4th row unmasked, -1) 12.3 / 12.2 against 12.6 /
+# 12.6, B=256 40.2 / 41.9 against 42.0 / 42.2 and 41.7 / 41.8 against 41.6 / 40.8: the round trip is hidden.
 PASS_SHAPE = (256, 2)           # unmasked rows from 128 rows (below: SMALL_SHAPE)
 SMALL_SHAPE = (128, 2)
 MASKED_SHAPE = (128, 4)         # masked rows from 128 rows (below: MASKED_SMALL_SHAPE)
@@ -517,10 +525,9 @@ def sample_triton(logits, params: RowParams, bitmask=None, mask_rows=None, seg: 
     n_l = triton.cdiv(V, seg) * lanes
     lane_max = torch.empty((R, n_l), dtype=torch.float32, device=logits.device) if rejecting and \
         rejection.HOT_LANES else None
-    # the pass is PDL-launched itself (threshold.py's PDL comment has the numbers) except before the rejection chain,
-    # where it was not measured apart (session 12's R3: 21.4-21.5 / 30.4 us against HEAD's 21.1-21.2 / 30.2-30.3
-    # at B=64, peaked / flat rows, together with a rewritten mass-above pass since deleted): a plain launch there
-    launch = dict(PDL=pdl_kw()["PDL"]) if rejecting else pdl_kw()
+    # the pass is PDL-launched itself (threshold.py's PDL comment has the numbers), in front of the rejection chain
+    # too since session 13 (R2, top-p alone, B=64 flat / peaked, twice each: 26.4 / 26.4 and 19.6 / 19.6 us against
+    # 26.6 / 26.5 and 20.1 / 20.1 with a plain launch; B=256 80.6-80.7 / 54.7 against 80.8 / 54.9-55.0)
     _segment_kernel[(R, n_prog)](
         logits, packed, params.inv_temperature, params.greedy, tau, params.keys,
         bitmask if has_mask else logits, mrows if has_mask else packed, bitmask.stride(0) if has_mask else 0,
@@ -530,7 +537,7 @@ def sample_triton(logits, params: RowParams, bitmask=None, mask_rows=None, seg: 
         REJECT=rejecting, pmax_ptr=pmax, pmass_ptr=pmass,
         lane_ptr=lane_max if lane_max is not None else pmax, n_lanes=n_l,
         top_k_ptr=params.top_k, top_p_ptr=params.top_p, HOT=lane_max is not None, NPR=triton.next_power_of_2(np_),
-        num_warps=warps, **launch)
+        num_warps=warps, **pdl_kw())
     if rejecting:
         return rejection.reject_finish(logits, params, bitmask, mrows, packed, pmax, pmass, lane_max, drawn, seg,
                                        lanes, np_, INTERPRETING, tau if has_tau else None)

@@ -15,7 +15,10 @@ rows, GEMM library in brackets): wo_b 2048 x 2048 6.7 / 7.3 (6.5 / 6.6), stacked
 a chain of dependent loads). Variants measured and dropped: RoPE of the input inside the
 product (attention output + `wo_a`: 35 / 129 us against 14 / 15 for rope + bmm + copy) and RMSNorm + RoPE of the
 output (q_norm + `wq_b` + rope: 23 / 31 us against 13 / 14): the rotation's extra loads and the per-program
-prologue cost more than the launches they saved.
+prologue cost more than the launches they saved. Session 13 R1 (H200, PDL on, 16 calls in a CUDA graph, weights
+rotating past the L2, us at 8 / 64 rows): wq_b then the rope launch, GEMM library 10.1 / 11.3, this kernel 13.6 /
+11.7; the rotation in this kernel's epilogue (the tile's even / odd columns split in registers, one launch) 12.9 /
+15.5: deleted.
 Cost: G*N*K weight elements read once per BM rows (T <= BM: once), x read G*N/BN times, T*G*N written (split-K:
 plus SPLIT fp32 partial tiles written and read back).
 

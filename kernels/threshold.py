@@ -88,8 +88,8 @@ HB_CUT = 512          # bins of the tau pass's histogram narrowing a top-p-alone
 # 49.4 / 49.8), so its own kernels (stats, accept) keep plain launches; its filtered rows' lane path uses PDL.
 # Session 12: the passes themselves (the sampling pass, the lane maxima) are PDL-launched too, waiting first (only
 # their launch overlaps the kernel before). R2 (B=64, twice each, us, HEAD -> now; everything PDL off in the same
-# run): T=1 11.1 / 11.1 -> 10.6 / 11.0 (11.8 / 11.9); top-k50 p0.9 21.2 / 21.2 -> 21.0 / 21.1 (22.4 / 22.1). Not
-# the sampling pass before the rejection chain (kernels/sampling.py beside its launch says why).
+# run): T=1 11.1 / 11.1 -> 10.6 / 11.0 (11.8 / 11.9); top-k50 p0.9 21.2 / 21.2 -> 21.0 / 21.1 (22.4 / 22.1). The
+# sampling pass before the rejection chain too since session 13 (kernels/sampling.py beside its launch).
 
 
 @triton.jit

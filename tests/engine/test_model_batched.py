@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from deepinfer_sg.engine import batched, testing
+from deepinfer_sg.engine import batched, indexer, testing
 from deepinfer_sg.engine.config import ModelConfig
 from deepinfer_sg.engine.model import Model, StepChunk
 
@@ -203,7 +203,7 @@ def test_triton_kernels_as_wired_give_the_reference_logits(monkeypatch):
 
 @pytest.mark.parametrize("G,k", [(5, 8), (40, 8), (33, 16)])
 def test_topk_ids_by_the_select_kernel_equal_the_reference_mask(G, k):
-    """batched.topk_ids: the select kernel's winners (Triton, by the interpreter) sorted to ids, against the
+    """engine/indexer.py's topk_ids: the select kernel's winners (Triton, by the interpreter) sorted to ids, against the
     reference's `topk_mask` turned into ascending ids by hand; relu-like exact ties, rows with fewer allowed entries
     than k, rows with none."""
     from deepinfer_sg.engine.indexer import topk_mask
@@ -218,4 +218,4 @@ def test_topk_ids_by_the_select_kernel_equal_the_reference_mask(G, k):
         ids = row.nonzero().flatten()
         want[r, :ids.numel()] = ids
     for triton in (False, True):
-        assert torch.equal(batched.topk_ids(scores, allowed, k, triton=triton), want), triton
+        assert torch.equal(indexer.topk_ids(scores, allowed, k, triton=triton), want), triton

@@ -7,6 +7,7 @@ import torch
 from deepinfer_sg.kernels.decode_attention import (default_config, sparse_attention, sparse_attention_torch,
                                                    sparse_attention_triton)
 from deepinfer_sg.kernels.backend import tickets
+from deepinfer_sg.kernels.index_rows import entry_rows_torch
 from helpers import DEVICE, on_dev
 
 
@@ -70,6 +71,28 @@ def test_triton_matches_twin(H, D, Kw, Kc, dtype, tol):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("splits,unchain", [(1, False), (2, True), (3, False)])
+def test_entry_ids_match_pool_rows(splits, unchain):
+    """Compressed keys given as entry ids (cmp_start / cmp_count: the kernel makes the pool rows, as
+    kernels/index_rows.py's `entry_rows`): int64 ids in a column slice (as the select hands them), ids at or past
+    a row's count and -1 not keys, a row with count 0; the same bits as the rows form, and the twin's form agrees."""
+    gen = torch.Generator().manual_seed(60 + splits)
+    q, win_kv, win_idx, cmp_kv, _, sink = _inputs(gen, N=5, H=20, D=32, Kw=12)
+    start = torch.tensor([0, 7, 3, 12, 9])
+    count = torch.tensor([9, 0, 11, 18, 4])
+    ids = torch.randint(-1, 19, (5, 40), generator=gen)[:, 3:36]           # 33 ids a row, row stride 40
+    rows = entry_rows_torch(ids, start, count, ids.shape[1])
+    assert torch.equal(sparse_attention_torch(q, win_kv, win_idx, sink, cmp_kv, ids, cmp_start=start,
+                                              cmp_count=count),
+                       sparse_attention_torch(q, win_kv, win_idx, sink, cmp_kv, rows))
+    kw = dict(block_h=16, block_k=16, splits=splits, unchain=unchain)
+    want = sparse_attention_triton(*on_dev((q, win_kv, win_idx, sink, cmp_kv, rows)), **kw).cpu()
+    got = sparse_attention_triton(*on_dev((q, win_kv, win_idx, sink, cmp_kv, ids)), cmp_start=on_dev(start),
+                                  cmp_count=on_dev(count), **kw).cpu()
+    assert torch.equal(got, want)
+    assert torch.allclose(got.double(), _naive(q, win_kv, win_idx, cmp_kv, rows, sink), atol=1e-5, rtol=1e-5)
+
+
 def test_bad_shapes_raise():
     gen = torch.Generator().manual_seed(1)
     q, win_kv, win_idx, cmp_kv, cmp_idx, sink = _inputs(gen)
@@ -77,6 +100,8 @@ def test_bad_shapes_raise():
         sparse_attention(q, win_kv, win_idx, sink[:-1], cmp_kv, cmp_idx)
     with pytest.raises(ValueError, match="win_idx"):
         sparse_attention(q, win_kv, win_idx[:-1], sink)
+    with pytest.raises(ValueError, match="cmp_start"):
+        sparse_attention(q, win_kv, win_idx, sink, cmp_kv, cmp_idx, cmp_start=torch.zeros(5, dtype=torch.long))
 
 
 @pytest.mark.parametrize("splits,unchain,lazy,block_h", [
@@ -208,12 +233,13 @@ def _check_twice(seed, dtype, **kw):
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="V4 decode shapes: too slow for the interpreter; runs compiled")
-@pytest.mark.parametrize("N,H", [(64, 64), (200, 64), (64, 32), (128, 32), (256, 32)])
+@pytest.mark.parametrize("N,H", [(64, 64), (200, 64), (8, 64), (33, 64), (64, 32), (128, 32), (256, 32), (8, 32)])
 def test_default_dispatch_at_v4_decode_shapes(N, H):
     """The dispatched launch (default_config) at the models' shapes (V4.1's 64 heads, the mid-size model's 32; D =
     512, 128 window + 512 gathered compressed keys, bf16) against the twin in fp32: the configurations the engine
-    runs (64 heads: two splits merged from registers at 64 rows, one at 200; 32 heads: 16-head programs with
-    two key splits at 64 rows, 32-head programs with two splits at 128 rows and one at 256)."""
+    runs (64 heads: two splits merged from registers at 64 rows, one at 200, eight / four stored and merged by
+    the last program at 8 / 33 rows; 32 heads: 16-head programs with two key splits at 64 rows and five at 8,
+    32-head programs with two splits at 128 rows and one at 256)."""
     gen = torch.Generator().manual_seed(N + H)
     q = torch.randn(N, H, 512, generator=gen).bfloat16()
     win = torch.randn(N * 128, 512, generator=gen).bfloat16()

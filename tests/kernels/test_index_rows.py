@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from deepinfer_sg.kernels.decode_attention import sparse_attention_torch, sparse_attention_triton
-from deepinfer_sg.kernels.index_rows import (entry_rows_torch, entry_rows_triton, visible_scores_torch,
-                                             visible_scores_triton)
+from deepinfer_sg.kernels.index_rows import entry_rows_torch, visible_scores_torch, visible_scores_triton
 from deepinfer_sg.kernels.indexer import _select, indexer_scores_torch, indexer_scores_triton, topk_select_triton
+from deepinfer_sg.kernels.rope import apply_rope_torch
 from helpers import on_dev, to_cpu
 
 
@@ -47,21 +47,7 @@ def test_entry_rows_twin_is_the_rule():
     assert got.tolist() == [[100, 103, -1, -1], [-1, 201, 202, -1]]
 
 
-@pytest.mark.parametrize("T,w,width", [(1, 16, 16), (5, 11, 16), (9, 64, 64), (4, 100, 128)])
-def test_entry_rows_triton_matches_twin(T, w, width):
-    g = torch.Generator().manual_seed(T + w)
-    ids = torch.randint(-1, 2 * w, (T, w + 5), generator=g)[:, :w]       # (a column slice, as the engine passes)
-    start = torch.randint(0, 10_000, (T,), generator=g)
-    count = torch.randint(0, 2 * w, (T,), generator=g)
-    want = entry_rows_torch(ids, start, count, width)
-    got = to_cpu(entry_rows_triton(on_dev(ids), on_dev(start), on_dev(count), width))
-    assert got.dtype == torch.int32 and torch.equal(got.long(), want)
-
-
 def test_bad_shapes_are_refused():
-    with pytest.raises(ValueError, match="entry_rows"):
-        entry_rows_triton(torch.zeros(2, 9, dtype=torch.long), torch.zeros(2, dtype=torch.long),
-                          torch.zeros(2, dtype=torch.long), 8)
     with pytest.raises(ValueError, match="candidate mask"):
         visible_scores_triton(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long),
                               1, torch.ones(2, 7, dtype=torch.bool))
@@ -70,11 +56,15 @@ def test_bad_shapes_are_refused():
 def test_select_layer_chain_back_to_back():
     """The engine's select layer as one chain of launches with no host sync between them (on a GPU each is a
     programmatic dependent launch, so every read of the previous kernel's output must come after its wait):
-    index scores -> visible entries -> top-k select -> entry rows -> sparse attention, run twice, against the
-    twins. Each output starts poisoned, so a read that overtakes its producer shows up."""
+    index scores (queries rotated, head weights scaled, the visible entries picked in the kernel) -> top-k select
+    -> sparse attention over the selected entry ids (pool rows made in its gather), run twice, against the twins
+    (visible entries and entry rows as this file's twins make them). Each output starts poisoned, so a read that
+    overtakes its producer shows up."""
     g = torch.Generator().manual_seed(5)
     T, Hi, Di, G, k, H, D, W = 6, 4, 16, 45, 8, 4, 32, 12
-    iq, w = torch.randn(T, Hi, Di, generator=g), torch.randn(T, Hi, generator=g)
+    iq, w = torch.randn(T, Hi, Di, generator=g), torch.randn(T, Hi + 2, generator=g).to(torch.bfloat16)[:, 1:-1]
+    ang = torch.rand(T, 4, generator=g) * 6.3
+    turn = torch.stack([ang.cos(), ang.sin()], -1)
     keys = torch.randn(T * G, Di, generator=g)
     start, count = torch.arange(T) * G, torch.randint(0, G + 1, (T,), generator=g)
     pos = torch.randint(0, 2 * G, (T,), generator=g)
@@ -82,15 +72,13 @@ def test_select_layer_chain_back_to_back():
     win_idx = torch.arange(T * W, dtype=torch.int32).view(T, W)     # (int32 as the engine gives it: no cast launch)
     win_idx[:, :5] = -1
     kv, sink = torch.randn(T * G, D, generator=g), torch.randn(H, generator=g)
-    _, masked = visible_scores_torch(indexer_scores_torch(iq, w, keys, start, count, G), pos, count, 2)
-    ids = _select(masked, k)[0]
-    rows = entry_rows_torch(ids, start, count, 16)
-    want = sparse_attention_torch(q, win, win_idx, sink, kv, rows)
-    d = on_dev((iq, w, keys, start, count, pos, q, win, win_idx, kv, sink))
+    scores = indexer_scores_torch(apply_rope_torch(iq, turn), w.float() * 0.5, keys, start, count, G)
+    ids = _select(visible_scores_torch(scores, pos, count, 2)[1], k)[0]
+    want = sparse_attention_torch(q, win, win_idx, sink, kv, entry_rows_torch(ids, start, count, 16))
+    d = on_dev((iq, w, keys, start, count, turn, pos, q, win, win_idx, kv, sink))
     for _ in range(2):
-        scores = indexer_scores_triton(*d[:5], G)
-        got_ids, _ = topk_select_triton(visible_scores_triton(scores, d[5], d[4], 2)[1], k, sorted=False)
-        got_rows = entry_rows_triton(got_ids, d[3], d[4], 16)
-        out = sparse_attention_triton(d[6], d[7], d[8], d[10], d[9], got_rows).cpu()
+        masked = indexer_scores_triton(*d[:5], G, w_scale=0.5, turn=d[5], positions=d[6], ratio=2)
+        got_ids, _ = topk_select_triton(masked, k, sorted=False)
+        out = sparse_attention_triton(d[7], d[8], d[9], d[11], d[10], got_ids, cmp_start=d[3], cmp_count=d[4]).cpu()
         assert torch.equal(got_ids.cpu().sort(1).values, ids.sort(1).values)
         assert torch.allclose(out, want, atol=1e-5, rtol=1e-5)

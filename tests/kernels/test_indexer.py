@@ -116,11 +116,10 @@ def test_twin_select_is_stable():
 
 
 def test_engine_topk_ids_through_the_kernel():
-    """engine/batched.py's CUDA selection (`topk_ids` through the select kernel) gives the entries of the
+    """engine/indexer.py's CUDA selection (`topk_ids` through the select kernel) gives the entries of the
     reference's stable `topk_mask`, ascending and -1 padded, with ties, zeros / -0.0, entries not allowed and rows
     with fewer allowed entries than k."""
-    from deepinfer_sg.engine import batched
-    from deepinfer_sg.engine.indexer import topk_mask
+    from deepinfer_sg.engine.indexer import topk_ids, topk_mask
     gen = torch.Generator().manual_seed(11)
     for T, G, k in ((5, 300, 40), (5, 240, 12)):
         s = torch.randn(T, G, generator=gen).round() * torch.randn(T, 1, generator=gen).sign()
@@ -128,7 +127,7 @@ def test_engine_topk_ids_through_the_kernel():
         allowed = torch.rand(T, G, generator=gen) < 0.7
         allowed[2, 30:] = False                                          # fewer allowed entries than k
         allowed[3] = False                                               # none
-        got = batched.topk_ids(on_dev(s), on_dev(allowed), k, triton=True).cpu()
+        got = topk_ids(on_dev(s), on_dev(allowed), k, triton=True).cpu()
         mask = topk_mask(s, allowed, k)
         want = torch.full((T, min(k, G)), -1)
         for t in range(T):
@@ -165,6 +164,38 @@ def test_looped_score_kernel_matches_twin(block_g, bpp):
                                 blocks_per_program=bpp).cpu()
     assert torch.equal(torch.isinf(got), torch.isinf(ref))
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,with_cand", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)])
+def test_engine_form_of_the_score_kernel(dtype, with_cand):
+    """The score kernel as the batched step runs it (engine/indexer.py's `select_ids`): head weights in bf16 at a
+    row stride (a column slice of the stacked product) times w_scale, the queries' last 16 channels rotated by the
+    rows' turns in the kernel, and only the entries each row's position sees (and its candidates) scored, -inf
+    elsewhere: against the twin (rope, scores, visible mask one after the other), and in fp32 against the kernels
+    it replaces (kernels/rope.py, the plain score kernel, kernels/index_rows.py) to round-off."""
+    from deepinfer_sg.kernels.index_rows import visible_scores_triton
+    from deepinfer_sg.kernels.indexer import indexer_scores_triton
+    from deepinfer_sg.kernels.rope import apply_rope_triton
+    gen = torch.Generator().manual_seed(3 + with_cand)
+    iq, _, keys, start, length = _inputs(gen, Hi=5, Di=32, dtype=dtype)
+    w = torch.randn(4, 9, generator=gen).to(torch.bfloat16)[:, 2:7]
+    ang = torch.rand(4, 8, generator=gen) * 6.3
+    turn = torch.stack([ang.cos(), ang.sin()], -1)
+    pos = torch.tensor([5, 13, 200, 40])                         # (row 2 sees all its entries, the others fewer)
+    cand = torch.rand(4, 70, generator=gen) < 0.6 if with_cand else None
+    kw = dict(w_scale=0.3, turn=turn, positions=pos, ratio=2, cand=cand)
+    ref = indexer_scores_torch(iq, w, keys, start, length, 70, **kw)
+    got = to_cpu(indexer_scores_triton(*on_dev((iq, w, keys, start, length)), 70, block_g=16, blocks_per_program=2,
+                                       **on_dev(kw)))
+    assert torch.equal(torch.isinf(got), torch.isinf(ref)) and bool(torch.isinf(ref).any())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got, ref, rtol=tol, atol=tol * 10)
+    if dtype == torch.float32:
+        d = on_dev((iq, w, keys, start, length, turn, pos, cand))
+        old = indexer_scores_triton(apply_rope_triton(d[0], d[5]), d[1].float() * 0.3, *d[2:5], 70)
+        old = to_cpu(visible_scores_triton(old, d[6], d[4], 2, d[7])[1])
+        assert torch.equal(torch.isinf(got), torch.isinf(old))
+        assert torch.allclose(got, old, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("G,k,chunks", [(200, 24, None), (330, 16, 3), (20, 32, None)])
@@ -264,3 +295,28 @@ def test_fused_select_matches_stable_sort(sorted_, chunks):
     for _ in range(2 if sorted_ else 1):
         _check_select(s, 24, sorted_, chunks=chunks, fused=True)
         assert int(tickets(DEVICE, 12, site="indexer").abs().sum()) == 0
+
+
+@pytest.mark.parametrize("G,block,top", [(64, 8, 8), (64, 8, 9), (61, 8, 8), (200, 8, 6), (200, 8, 30), (5, 8, 1)])
+def test_candidate_blocks_are_the_rule(G, block, top):
+    """engine/indexer.py's `candidate_block_mask` against the rule written out per row: block score = max over
+    its visible entries, the block of the row's last visible entry always kept, the `top` best blocks kept (ties
+    -> lower block), entries of kept blocks that are visible; at most `top` blocks (its shortcut: the mask is
+    `visible` itself) and more."""
+    from deepinfer_sg.engine.indexer import candidate_block_mask
+    gen = torch.Generator().manual_seed(G + block + top)
+    T = 7
+    s = torch.randn(T, G, generator=gen).round()                         # ties between blocks
+    n_vis = torch.randint(0, G + 1, (T,), generator=gen)
+    n_vis[0] = 0
+    visible = torch.arange(G)[None, :] < n_vis[:, None]
+    got = candidate_block_mask(s, visible, block, top)
+    for t in range(T):
+        n = int(n_vis[t])
+        best = {}
+        for g in range(n):
+            best[g // block] = max(best.get(g // block, float("-inf")), float(s[t, g]))
+        if n:
+            best[(n - 1) // block] = float("inf")
+        kept = sorted(best, key=lambda b: (-best[b], b))[:top]
+        assert got[t].tolist() == [g < n and g // block in kept for g in range(G)]

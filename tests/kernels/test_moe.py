@@ -223,16 +223,19 @@ def test_packed_fp4_weights(tma, H, F, bk):
                                shifts=(shifts[0][:, :2], shifts[1][:, :2], shifts[2][:, :, :60]))
 
 
-@pytest.mark.parametrize("T,E", [(24, 2), (5, 3)])
-def test_packed_fp4_tiles_per_shape(T, E):
-    """w4_tiles' two rules (8 uncapped warps for 32-row blocks; 64-row gate/up tiles under one wave of programs)
-    hold at the mid-size shape and leave V4.1's (decode, and prefill's 64-row blocks) alone, and their tiles give
-    the twin's results: T=24 pairs of each of 2 experts make 32-row blocks, 3 experts of 128 rows a small grid."""
+@pytest.mark.parametrize("T,E", [(24, 2), (5, 3), (40, 2)])
+def test_packed_fp4_tiles_per_shape(T, E, monkeypatch):
+    """w4_tiles' rules (8 uncapped warps for 32-row blocks; no caps for 64-row blocks; 64-row gate/up tiles under
+    one wave of programs) hold at the mid-size shape and leave V4.1's decode alone; moe_experts (CUDA's dispatch
+    forced, the kernels interpreted) launches exactly the tiles w4_tiles picks, and those builds give the twin's
+    results: T=24 pairs of each of 2 experts make 32-row blocks, 3 experts of 128 rows a small grid, T=40 of 2
+    experts 64-row blocks."""
     mid = dict(K=6, E=64, F=1024, device="cpu")
     assert moe_mod.w4_tiles(256, **mid)["num_warps"] == 8 and moe_mod.w4_tiles(256, **mid)["maxnreg"] is None
     assert moe_mod.w4_tiles(8, **mid)["block_n"] == 64 and moe_mod.w4_tiles(8, **mid)["down"][0] == 128
     assert moe_mod.w4_tiles(64, **mid) is moe_mod.W4_TILES
-    assert all(moe_mod.w4_tiles(t, 6, 384, 2304, "cpu") is moe_mod.W4_TILES for t in (8, 64, 256, 4096))  # V4.1
+    assert all(moe_mod.w4_tiles(t, 6, 384, 2304, "cpu") is moe_mod.W4_TILES for t in (8, 64, 256))  # V4.1 decode
+    assert moe_mod.w4_tiles(4096, 6, 384, 2304, "cpu") == dict(moe_mod.W4_TILES, maxnreg=None)   # prefill
     gen = torch.Generator().manual_seed(T * E)
     H = F = 128
     K = 2
@@ -244,9 +247,15 @@ def test_packed_fp4_tiles_per_shape(T, E):
                            for n, k in ((F, H), (F, H), (H, F))), shift_rows=1)
     tiles = moe_mod.w4_tiles(T, K, E, F, on_dev(x).device)
     assert (tiles["num_warps"] == 8) == (T == 24) and (tiles["block_n"] == 64) == (T == 5)
+    assert (tiles["maxnreg"] is None) == (T != 5) and moe_mod.default_block_m(T, K, E) == {24: 32, 5: 16, 40: 64}[T]
+    picked = []
+    real = moe_mod.moe_experts_triton
+    monkeypatch.setattr(moe_mod, "use_triton", lambda t: True)
+    monkeypatch.setattr(moe_mod, "moe_experts_triton", lambda *a, **k: picked.append(k) or real(*a, **k))
     x16 = x.to(torch.bfloat16)
     ref = moe_experts_torch(x16.float(), ids, wts, *ws, swiglu_limit=4.0, **kw)
-    out = moe_experts_triton(*on_dev((x16, ids, wts) + ws), swiglu_limit=4.0, **on_dev(kw), **tiles).cpu()
+    out = moe_experts(*on_dev((x16, ids, wts) + ws), swiglu_limit=4.0, **on_dev(kw)).cpu()
+    assert len(picked) == 1 and {k: picked[0][k] for k in tiles} == tiles
     assert (out.float() - ref).norm() / ref.norm() < 1e-2
 
 

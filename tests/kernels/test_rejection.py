@@ -149,13 +149,13 @@ def test_mass_above_pass_skips_cold_segments(monkeypatch):
     class Spy:                   # the lane maxima the pass stored; the mass-above pass on poisoned cold segments
         def __getitem__(self, grid):
             def launch(*args, **kw):
-                seen["lane_max"] = args[12].clone().cpu()
+                seen["lane_max"] = args[11].clone().cpu()
                 poisoned = args[0].clone()
                 poisoned[:5, 256:] = 50.0
-                args[12][:5, 64:] = 50.0
-                args[4].fill_(float("nan"))                              # the parts, poisoned
+                args[11][:5, 64:] = 50.0
+                args[3].fill_(float("nan"))                              # the parts, poisoned
                 real[grid](poisoned, *args[1:], **kw)
-                seen["part"] = args[4].clone().cpu()
+                seen["part"] = args[3].clone().cpu()
             return launch
     monkeypatch.setattr(rejection, "_above_kernel", Spy())
     got = sample_triton(on_dev(logits), params_on_dev(p), on_dev(bm), on_dev(mrows), seg=256, lanes=64).cpu()
