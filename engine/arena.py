@@ -264,7 +264,7 @@ def arena_for(model, layer: int, part: str, name: str, like: torch.Tensor) -> Ro
 def undo(log: list) -> None:
     """Put back what an undo log holds, last entry first: entries (objects, attribute name, their old values) or
     (objects, attribute names, their old value tuples), made while the values were read anyway (`reserve`,
-    compress_step.plan_layer: a plan's undo costs no pass of its own over the states)."""
+    compress_step.plan_layer: the plan's common path logs what it reads anyway; its ungated path makes one pass)."""
     for objs, keys, vals in reversed(log):
         if isinstance(keys, str):
             for o, v in zip(objs, vals):

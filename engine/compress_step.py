@@ -156,7 +156,7 @@ def plan_layer(model, attn, ctx, plan, log: list | None = None) -> list:
             base = np.asarray(slots, dtype=np.int64)[seq] * RING
             host[name + "_dst"] = base + pos % RING
             host[name + "_grp"] = base[:, None] + members % RING
-        # each state keeps its token rows from `keep` on (numpy over the states; then three attributes each)
+        # each state keeps its token rows from `keep` on (numpy over the states; then set_each's bulk writes)
         held = np.asarray([tk[0] if tk[1] is not None and tk[1][2] else s0 for tk, s0 in zip(toks, plan.starts)],
                           dtype=np.int64)
         keep = np.maximum(held, comp.keep_from(ends, model.max_rollback))

@@ -74,17 +74,19 @@ def topk_mask(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tens
     return sel & allowed
 
 
-def candidate_block_mask(scores: torch.Tensor, visible: torch.Tensor, block: int, top_blocks: int) -> torch.Tensor:
+def candidate_block_mask(scores: torch.Tensor, visible: torch.Tensor, block: int, top_blocks: int,
+                         masked: bool = False) -> torch.Tensor:
     """Candidate blocks (V4.1): entries split in blocks of `block` from entry 0; block score = max I over its
     visible entries; the block holding each query's last visible entry is always kept; keep `top_blocks` best.
     Returns boolean [n, G]: entries inside kept blocks (and visible). With at most `top_blocks` blocks every block
-    holding a visible entry is kept: the mask is `visible` itself (no launch; the torch chain below is ~30)."""
+    holding a visible entry is kept: the mask is `visible` itself (no launch; the torch chain below is ~30).
+    masked: the scores are already -inf outside `visible` (the fused score kernel's), so not masked again."""
     n, G = scores.shape
     nb = (G + block - 1) // block
     if nb <= top_blocks:
         return visible
     pad = nb * block - G
-    s = scores.masked_fill(~visible, float("-inf"))
+    s = scores if masked else scores.masked_fill(~visible, float("-inf"))
     s = F.pad(s, (0, pad), value=float("-inf")).view(n, nb, block).amax(-1)        # [n, nb]
     n_vis = visible.sum(-1)                                                           # [n]
     last_block = (n_vis - 1).clamp(min=0) // block
@@ -146,7 +148,7 @@ def select_ids(idx_mod, iq, w, keys, start, count, positions, ratio: int, G: int
                                                  turn=turn_table(*rot), positions=positions, ratio=ratio, cand=cand)
         # (visible entries have finite scores: the candidate source has no candidates of its own)
         return _select(masked, k), None if blocks is None else candidate_block_mask(masked, masked > float("-inf"),
-                                                                                      *blocks)
+                                                                                      *blocks, masked=True)
     scores = _index_scores(idx_mod, iq, w, keys, start, count, G)
     # visible entries and the scores of the others at -inf: one launch on CUDA (kernels/index_rows.py)
     visible, masked = _index_rows.visible_scores(scores, positions, count, ratio, cand)

@@ -395,7 +395,9 @@ class Model(nn.Module):
     def reset_graphs(self) -> None:
         """Forget the captured CUDA graphs (they read the weights where they were at capture time): needed after
         replacing parameters by other tensors or an Engram layer's table (graphs read its pinned rows by address);
-        moving or casting the model (`to`, `set_dtype`) does it itself."""
+        moving or casting the model (`to`, `set_dtype`) does it itself. Arena growth calls it too: the segments'
+        remembered inputs (`_segment_keys`) go with the graphs, so the replaced buffers they hold are freed."""
+        self.__dict__.pop("_segment_keys", None)
         if hasattr(self, "_graphs"):
             self._graphs.reset()
 

@@ -10,7 +10,8 @@ host ms): at batch 256 / 64 / 8 the plan took 4.5-5.7 / 1.8-2.2 / 1.2-1.4 ms and
 2.0-2.6 / 2.1-2.4 ms a step, the room a serving loop has for the step's grammar masks on the same thread. In a
 round whose host ran ~1.5x slower (R3: plan 7.1-7.6 ms at 256) the plan passed the device time and the step
 grew from 8.3 to 10.0-10.4 ms: at 256 rows the plan's per-sequence Python (compress_step.plan_layer's ~2.2-3.6 ms
-of arena and ring bookkeeping, the compressor snapshot, Model._advance after the launch) is the next host lever.
+of arena and ring bookkeeping, Model._advance after the launch; session 13 dropped the compressor snapshot for
+an undo log) is the next host lever.
 
 Contract: `forward(chunks)` is `model.forward_step(chunks)` (same StepOutput, same cache updates, bit for bit):
 it launches with the plan made ahead when that plan was made for exactly these chunks (the same caches in the same

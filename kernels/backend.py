@@ -101,6 +101,13 @@ def _properties(index: int):
     return torch.cuda.get_device_properties(index)
 
 
+def one_wave(programs: int, device) -> bool:
+    """Whether a grid of `programs` programs starts in one wave (at most one an SM): then its programs may let the
+    next kernel launch at once (`pdl_trigger` first: the next kernel's waiting programs cannot hold back ours, all
+    already started); kernels/hc_mix.py sizes its write-back tiles by it."""
+    return programs <= sm_count(device)
+
+
 def sm_count(device) -> int:
     """Multiprocessors of a CUDA device (132 on an H200; 132 for the interpreter and the CPU, so that launch shapes
     under test are the H200's)."""

@@ -8,7 +8,8 @@ vector of that position (MQA, one KV head), so a key is read once and used for b
   s_j = scale * (q_h . k_j);   m = max(max_j s_j, sink_h)
   o_h = sum_j exp(s_j - m) k_j / (sum_j exp(s_j - m) + exp(sink_h - m))        (empty key set: o_h = 0)
 
-Shapes: q [N, H, D], win_kv [Pw, D], win_idx [N, Kw] int, cmp_kv [Pc, D], cmp_idx [N, Kc] int (optional),
+Shapes: q [N, H, D], win_kv [Pw, D], win_idx [N, Kw] int, cmp_kv [Pc, D], cmp_idx [N, Kc] int (optional; pool rows,
+or with cmp_start / cmp_count [N] entry ids: row cmp_start[n] + id when 0 <= id < cmp_count[n]),
 sink [H] fp32; returns [N, H, D] in q's dtype. Duplicate keys count twice (they are different vectors in V4).
 Triton: grid (head blocks, rows, key splits); a program runs an online softmax over its slice of the row's keys
 for block_h heads (block_h = 64 = all heads: each gathered key read once, the heads the M of wgmma tiles), the

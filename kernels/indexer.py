@@ -5,7 +5,7 @@ For query row n (one decode/verify token) and each visible compressed entry g of
 then the k highest-scoring entries (fewer if fewer are visible; the rest -1). Ties: the lower entry id wins (the
 doc leaves ties open; the engine's stable `topk_mask` fixes them this way, and relu makes exact-zero ties common).
 
-Shapes: iq [N, Hi, Di], w [N, Hi] (fp32), index_keys [P, Di] (a pool; row n's entries are
+Shapes: iq [N, Hi, Di], w [N, Hi] (any float dtype, read at its row stride, times w_scale), index_keys [P, Di] (a pool; row n's entries are
 index_keys[key_start[n] + g] for g < key_len[n]), k int. Returns (idx int64 [N, k] entry numbers g, -1 padded;
 scores fp32 [N, k], -inf padded), best first.
 Triton, two launches:
@@ -79,8 +79,8 @@ session 12's files in the same run (mid-size: 32 index heads of 128, 32 attentio
 k = 512; us): R3 N=64 / 256, G=64 (the mid-size step's shape) 31.8 / 59.6 -> 22.9 / 46.7, N=64 G=1024 57.6 ->
 46.5-46.6, G=16384 133.7 -> 132.6 (24% -> 30% / 55% of the bytes); R1 N=8 G=64 26.1-26.2 -> 23.8-23.9 (with the
 attention's first entries form, which spilled: kernels/decode_attention.py).
-The candidate-block restriction of layers 24/28/... is expressed by the caller through key_start/key_len of a
-gathered pool, or by -inf scores (not selectable).
+The candidate-block restriction of layers 24/28/... is expressed by the caller through `cand` (a [N, max_len] mask
+of the entries each row may score), key_start/key_len of a gathered pool, or -inf scores (not selectable).
 Cost: N * max_len * Di * bytes(keys) read once, + N * max_len * 4 written and re-read from L2 by the select,
 + N * chunks * k * 12 bytes of candidates (L2).
 """
@@ -203,7 +203,7 @@ def _indexer_score_kernel(iq_ptr, w_ptr, keys_ptr, start_ptr, len_ptr, out_ptr, 
             g = g0 + b * BLOCK_G + tl.arange(0, BLOCK_G)
             ok = g < n_keys
             if HAS_CAND:
-                ok = ok & (tl.load(cand_ptr + n * cand_stride + g, mask=ok, other=0) != 0)
+                ok = ok & (tl.load(cand_ptr + n * cand_stride + g, mask=ok & (g < max_len), other=0) != 0)
             score = _score_block(q, w, keys_ptr, start, g, ok, DI, F32)
             tl.store(out_ptr + n * max_len + g, score, mask=g < max_len)
     else:

@@ -336,7 +336,7 @@ def _weights(z, ref):
     """exp(z - m) as 2^(z log2 e - ref), ref = m log2 e: one FFMA and one MUFU.EX2 per token; a banned or padding
     token (z = -inf) weighs 2^-inf = 0 with no select. tl.exp took ~5 more instructions per token (a multiply, the
     denormal range check and its two scalings) and the -inf select two: 2,560 -> 2,128 SASS instructions in the
-    mass-above kernel (4 proposals; 2,048 with the row statistics), 96 -> 127 registers (`exp2_w`'s asm: 255)."""
+    mass-above kernel (4 proposals; 2,048 with the row statistics), 96 -> 128 registers (`exp2_w`'s asm: 255)."""
     return tl.exp2(z * 1.4426950408889634 - ref)
 
 

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .backend import check, empty, pdl_kw, pdl_trigger, pdl_wait, use_triton
-from .rope import apply_rope_torch, one_wave
+from .backend import check, empty, one_wave, pdl_kw, pdl_trigger, pdl_wait, use_triton
+from .rope import apply_rope_torch
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -25,14 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import check, empty, pdl_kw, pdl_trigger, pdl_wait, sm_count, use_triton
-
-
-def one_wave(programs: int, device) -> bool:
-    """Whether a grid of `programs` programs starts in one wave (at most one an SM): then its programs may let the
-    next kernel launch at once (`pdl_trigger` first: the next kernel's waiting programs cannot hold back ours, all
-    already started). The rule of this module's and kernels/rmsnorm.py's early triggers."""
-    return programs <= sm_count(device)
+from .backend import check, empty, one_wave, pdl_kw, pdl_trigger, pdl_wait, use_triton
 
 
 def apply_rope_torch(x: torch.Tensor, turn: torch.Tensor) -> torch.Tensor:

@@ -345,3 +345,32 @@ def test_an_upload_alternates_its_two_host_buffers():
     dev = torch.full((6,), -9)
     p.copy(b, dev)
     assert torch.equal(dev, torch.arange(6) + 100) and [e.records for e in p.done] == [3, 3] and p.next == 0
+
+
+def test_arena_growth_frees_the_replaced_buffers():
+    """Arenas that grow (more slots as sequences join, more rows as they lengthen) give their old buffers back:
+    nothing the fast path keeps between steps (the graphs, the segments' remembered inputs) holds one. Oracle: a
+    weak reference to every arena buffer a step replaced is dead after a collection."""
+    import gc
+    import weakref
+    m = _random_model(testing.tiny_v41_config(), seed=3)
+    m._graphs = SegmentGraphs(emulate=True, warm=1)
+    vocab = m.config.vocab_size
+    g = torch.Generator().manual_seed(3)
+    caches, seen = [], {}
+    for step in range(40):
+        fresh = []
+        if step % 4 == 0 and len(caches) < 10:
+            caches.append(m.new_cache())
+            fresh = [StepChunk(caches[-1], torch.randint(0, vocab, (6,), generator=g), 1)]
+        m.forward_step(fresh + [StepChunk(c, torch.randint(0, vocab, (1,), generator=g), 1) for c in caches[:-1]]
+                       if fresh else [StepChunk(c, torch.randint(0, vocab, (1,), generator=g), 1) for c in caches])
+        for d in (m.__dict__.get("_window_slabs", {}), m.__dict__.get("_row_arenas", {})):
+            for a in d.values():
+                seen.setdefault(id(a.data), weakref.ref(a.data))
+    live = {id(a.data) for d in (m.__dict__.get("_window_slabs", {}), m.__dict__.get("_row_arenas", {}))
+            for a in d.values()}
+    replaced = [r for k, r in seen.items() if k not in live]
+    assert replaced, "no arena grew: the test needs more steps or sequences"
+    gc.collect()
+    assert all(r() is None for r in replaced), f"{sum(r() is not None for r in replaced)} replaced buffers alive"

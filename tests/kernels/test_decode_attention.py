@@ -74,7 +74,7 @@ def test_triton_matches_twin(H, D, Kw, Kc, dtype, tol):
 @pytest.mark.parametrize("splits,unchain", [(1, False), (2, True), (3, False)])
 def test_entry_ids_match_pool_rows(splits, unchain):
     """Compressed keys given as entry ids (cmp_start / cmp_count: the kernel makes the pool rows, as
-    kernels/index_rows.py's `entry_rows`): int64 ids in a column slice (as the select hands them), ids at or past
+    kernels/index_rows.py's `entry_rows_torch`): int64 ids in a column slice (as the select hands them), ids at or past
     a row's count and -1 not keys, a row with count 0; the same bits as the rows form, and the twin's form agrees."""
     gen = torch.Generator().manual_seed(60 + splits)
     q, win_kv, win_idx, cmp_kv, _, sink = _inputs(gen, N=5, H=20, D=32, Kw=12)

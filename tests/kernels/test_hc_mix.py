@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from deepinfer_sg.kernels.backend import sm_count
 from deepinfer_sg.kernels.hc_mix import hc_mixes, hc_mixes_torch, hc_mixes_triton
 from helpers import DEVICE, on_dev, to_cpu
 
@@ -370,6 +371,8 @@ def test_post_mix_apply_at_the_mid_size_shape(T, monkeypatch):
     y2 = torch.randn(T, H, generator=gen).to(torch.bfloat16)
     _, fn, base, scale = _params(gen, 1, 4, H)
     w = torch.rand(H, generator=gen) + 0.5
+    if DEVICE == "cuda" and sm_count(torch.device("cuda")) >= 132:      # (an H200: the grid resident at once)
+        monkeypatch.setattr(hc_mix, "rms_norm", lambda *a: pytest.fail("the read-out norm ran as its own launch"))
     out, x, m = hc_mix.hc_post_mix_apply(*on_dev((R, y, post, comb, a, fn, base, scale)), y2=on_dev(y2),
                                          x_norm=(on_dev(w), 1e-6))
     out, x = to_cpu((out, x))

@@ -311,6 +311,9 @@ def test_candidate_blocks_are_the_rule(G, block, top):
     n_vis[0] = 0
     visible = torch.arange(G)[None, :] < n_vis[:, None]
     got = candidate_block_mask(s, visible, block, top)
+    # the fused path's form: scores already -inf outside visible, not masked again
+    assert torch.equal(candidate_block_mask(s.masked_fill(~visible, float("-inf")), visible, block, top, masked=True),
+                       got)
     for t in range(T):
         n = int(n_vis[t])
         best = {}

@@ -49,14 +49,16 @@ def test_fallback_draws_are_independent_of_the_proposals():
     assert abs(int((toks == 7).sum()) - n / 2) <= 5 * (n / 4) ** 0.5
 
 
-@pytest.mark.parametrize("proposals,hot,hotcap", [(1, True, 32), (3, True, 32), (4, True, 32), (4, True, 2),
-                                                 (4, False, 32)])
-def test_kernels_draw_the_twins_tokens_with_fallbacks_and_mixed_rows(proposals, hot, hotcap, monkeypatch):
+@pytest.mark.parametrize("proposals,hot,hotcap,shape", [(1, True, 32, None), (3, True, 32, None), (4, True, 32, None),
+                                                       (4, True, 2, None), (4, False, 32, None),
+                                                       (4, True, 32, (32, 1)), (4, False, 32, (32, 1))])
+def test_kernels_draw_the_twins_tokens_with_fallbacks_and_mixed_rows(proposals, hot, hotcap, shape, monkeypatch):
     """Top-p-alone rows at several p (0.01 on flat rows: the finish's loops over the row run, up to the bisection
     and the restricted draw), masked and unmasked, a row with nothing allowed, beside greedy, plain, top-k (the
     lane merge draws them) and top-k > 64 rows (tau first: the pass cuts at it, so the pick inside the winning
     lane must too): the kernels' tokens are the twin's, with the mass-above pass gathering only the lanes above
-    the smallest proposal (HOT_LANES; HOTCAP 2 sends most segments to the whole read) or reading every lane."""
+    the smallest proposal (HOT_LANES; HOTCAP 2 sends most segments to the whole read) or reading every lane; with
+    programs of 32 lanes (shape) a segment is two programs of the pass (PER 2, as the engine's default shapes)."""
     monkeypatch.setattr(rejection, "HOT_LANES", hot)
     monkeypatch.setattr(rejection, "HOTCAP", hotcap)
     gen = torch.Generator().manual_seed(proposals)
@@ -72,7 +74,7 @@ def test_kernels_draw_the_twins_tokens_with_fallbacks_and_mixed_rows(proposals, 
     p = row_params(R, "cpu", temperature, top_k, top_p, seed=torch.arange(R) * 31 + 1, position=torch.arange(R) + 4)
     want = sample_torch(logits, p, bm, mrows, seg=256, lanes=64)
     got = sample_triton(on_dev(logits), params_on_dev(p), on_dev(bm), on_dev(mrows), seg=256, lanes=64,
-                        proposals=proposals).cpu()
+                        proposals=proposals, shape=shape).cpu()
     assert torch.equal(got, want)
     assert int(got[8]) == -1
     for r in range(R):
@@ -126,12 +128,13 @@ def test_rejection_draw_twin_gives_minus_one_on_empty_rows():
     assert rejection_draw_torch(z, p, seg=16, lanes=4).tolist() == [-1, 3]
 
 
-def test_mass_above_pass_skips_cold_segments(monkeypatch):
+@pytest.mark.parametrize("shape", [None, (32, 1)])
+def test_mass_above_pass_skips_cold_segments(shape, monkeypatch):
     """The mass-above pass never reads a segment whose program maxima (the pass's) lie at or below every proposal,
     neither its logits nor its lane maxima: peaked rows whose leaders sit in the first of four segments, masked
     and unmasked, beside a nearly uniform row, with the other segments' logits and lane maxima replaced by a huge
     value for that pass alone: their parts are zeros and every token is the twin's. The lane maxima the pass
-    stored are the definition's."""
+    stored are the definition's. shape (32, 1): two programs of the pass a segment (PER 2)."""
     gen = torch.Generator().manual_seed(5)
     R, vocab = 6, 1000
     logits = torch.randn(R, vocab, generator=gen) * 0.5
@@ -158,7 +161,8 @@ def test_mass_above_pass_skips_cold_segments(monkeypatch):
                 seen["part"] = args[3].clone().cpu()
             return launch
     monkeypatch.setattr(rejection, "_above_kernel", Spy())
-    got = sample_triton(on_dev(logits), params_on_dev(p), on_dev(bm), on_dev(mrows), seg=256, lanes=64).cpu()
+    got = sample_triton(on_dev(logits), params_on_dev(p), on_dev(bm), on_dev(mrows), seg=256, lanes=64,
+                        shape=shape).cpu()
     assert torch.equal(got, want)
     part = seen["part"]
     assert not bool(part.isnan().any())                                  # every part written

@@ -75,7 +75,7 @@ def test_bad_bias_is_refused_with_the_shapes():
 # (rows, hidden, experts, top-k, config): several row blocks, hidden not a multiple of BK, experts not a power of two,
 # split-K by default, forced to several / no slices
 GATE_CASES = [(5, 300, 13, 4, None), (20, 256, 64, 6, {"BM": 16, "SPLIT": 3, "BK": 32}), (3, 96, 8, 1, {"SPLIT": 1}),
-              (33, 200, 100, 7, {"BK": 16})]
+              (33, 200, 100, 7, {"BK": 16}), (200, 256, 64, 6, {"SPLIT": 2, "BK": 64})]
 
 
 @pytest.mark.parametrize("case", GATE_CASES)
