@@ -177,6 +177,13 @@ class RowArena:
             self.on_grow()
         return True
 
+    def slots_for(self, states: list, rows: int) -> list[int]:
+        """Each state's slot, the arena grown first where the slots or `rows` rows a slot do not fit."""
+        slots = self.slots.of_all(states)
+        if self._grow(max(slots) + 1, rows):
+            slots = self.slots.of_all(states)  # (a growth renumbers the slots)
+        return slots
+
     def reserve(self, states: list, counts: list[int], log: list | None = None) -> tuple[torch.Tensor, list[int]]:
         """Room for counts[k] rows of states[k] in its slot: the arena grows as needed, rows a state holds
         elsewhere (fresh from the reference path, a deep copy, another arena) move in (one gather), and each state
@@ -186,9 +193,7 @@ class RowArena:
         row). Cost: host work per state is a few attribute reads; a copy only for rows that move in."""
         from .compressor import Sources
         key = self.key
-        slots = self.slots.of_all(states)
-        if self._grow(max(slots) + 1, max(counts)):
-            slots = self.slots.of_all(states)  # (a growth renumbers the slots)
+        slots = self.slots_for(states, max(counts))
         flat, cap = self.flat, self.data.shape[1]
         starts = list(map(cap.__mul__, slots))
         olds = list(map(operator.attrgetter(key), states))      # (after a growth: re-pointed)

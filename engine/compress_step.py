@@ -70,14 +70,6 @@ _TOK_FIELDS = ("tok_start", "_tok_kv", "_tok_gate")
 _TOK = operator.attrgetter(*_TOK_FIELDS)
 
 
-def _ring_slots(arena, states) -> list[int]:
-    """Each state's slot of a ring arena (RING rows per slot; the arena grows first when they do not fit)."""
-    slots = arena.slots.of_all(states)
-    if arena._grow(max(slots) + 1, RING):
-        slots = arena.slots.of_all(states)     # (a growth renumbers the slots)
-    return slots
-
-
 def _ring_move_in(arena, states, slots, toks, which: int) -> None:
     """Rows of a state's token rows (`toks`: its (tok_start, tok_kv, tok_gate) tuple, `which` 1 or 2) held
     elsewhere (the reference path's tensors, an eager gather buffer) are copied into its ring slot at their
@@ -146,7 +138,7 @@ def plan_layer(model, attn, ctx, plan, log: list | None = None) -> list:
     if comp.gated:
         f32 = torch.empty((0, W), dtype=torch.float32, device=dev)
         rings = (arena_for(model, i, "comp", "tok_kv", f32), arena_for(model, i, "comp", "tok_gate", f32))
-        ring_slots = [_ring_slots(a, states) for a in rings]     # (growths first: they re-point the states)
+        ring_slots = [a.slots_for(states, RING) for a in rings]     # (growths first: they re-point the states)
         toks = list(map(_TOK, states))
         if log is not None:
             log.append((states, _TOK_FIELDS, toks))

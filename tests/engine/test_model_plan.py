@@ -31,6 +31,17 @@ def _setup(seed=5):
     return m, caches, g
 
 
+def _twins(seed: int, graphs: bool):
+    """A model with its caches after the prompts, and a deep copy of both (the reference that sees no plan), each
+    with emulated graphs on or off."""
+    m, caches, g = _setup(seed=seed)
+    ref_m, ref_caches = copy.deepcopy(m), copy.deepcopy(caches)
+    for mm in (m, ref_m):
+        mm._graphs = SegmentGraphs(emulate=True, warm=1)
+        mm.cuda_graphs = graphs
+    return m, caches, g, ref_m, ref_caches
+
+
 @pytest.mark.parametrize("graphs,device_tail", [(False, False), (True, False), (True, True)])
 def test_planned_ahead_decode_equals_forward_step(graphs, device_tail, monkeypatch):
     """device_tail: the caches' recent token ids taken for device tensors (as on CUDA after ids given on the
@@ -75,17 +86,43 @@ def test_planned_ahead_decode_equals_forward_step(graphs, device_tail, monkeypat
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_a_cancelled_plan_leaves_the_caches_as_they_were(graphs):
-    m, caches, g = _setup(seed=6)
-    ref_m, ref_caches = copy.deepcopy(m), copy.deepcopy(caches)
-    for mm in (m, ref_m):
-        mm._graphs = SegmentGraphs(emulate=True, warm=1)
-        mm.cuda_graphs = graphs
+    m, caches, g, ref_m, ref_caches = _twins(6, graphs)
     V = m.config.vocab_size
     for k in range(7):
         ids = torch.randint(0, V, (len(caches),), generator=g)
         if k % 2 == 0:     # a plan for a step that does not happen (e.g. a request finished): cancelled
             # (lengths 30 + k and 45 + k complete ratio-2 / ratio-4 groups on some steps: counts advance)
             m.cancel(m.plan_step([StepRows(c, 2, 1) for c in caches[1:]]))
+        out = m.forward_step([StepChunk(c, ids[b:b + 1], 1) for b, c in enumerate(caches)])
+        want = ref_m.forward_step([StepChunk(c, ids[b:b + 1], 1) for b, c in enumerate(ref_caches)])
+        assert torch.equal(out.logits, want.logits), f"step {k}"
+        for b, (x, y) in enumerate(zip(caches, ref_caches)):
+            _same(_state(x), _state(y), f"step {k}, cache {b}")
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_plan_that_fails_midway_leaves_the_caches_as_they_were(graphs, monkeypatch):
+    """plan_step raising after some compressing layers were planned (their states' rows reserved and token rows
+    changed): the undo log puts every state back, and the next steps equal a model that never saw that plan."""
+    m, caches, g, ref_m, ref_caches = _twins(7, graphs)
+    real = model_mod.compress_step.plan_layer
+    calls = {"n": 0}
+
+    def fails_on_the_last(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == len(model_mod.compress_step.graph_layers(m)):
+            raise RuntimeError("planned failure")
+        return real(*a, **k)
+    monkeypatch.setattr(model_mod.compress_step, "plan_layer", fails_on_the_last)
+    with pytest.raises(RuntimeError, match="planned failure"):
+        m.plan_step([StepRows(c, 1, 1) for c in caches])
+    assert calls["n"] >= 2, "the failure did not come after some layers were planned"
+    monkeypatch.setattr(model_mod.compress_step, "plan_layer", real)
+    for b, (x, y) in enumerate(zip(caches, ref_caches)):
+        _same(_state(x), _state(y), f"after the failed plan, cache {b}")
+    V = m.config.vocab_size
+    for k in range(3):
+        ids = torch.randint(0, V, (len(caches),), generator=g)
         out = m.forward_step([StepChunk(c, ids[b:b + 1], 1) for b, c in enumerate(caches)])
         want = ref_m.forward_step([StepChunk(c, ids[b:b + 1], 1) for b, c in enumerate(ref_caches)])
         assert torch.equal(out.logits, want.logits), f"step {k}"
