@@ -402,7 +402,7 @@ def bench_hc(bw, l2, batches):
             f"err/max {err:.1e} (bf16 ulps); {achievable / t:.0%} of max(launch floor, bytes/bw); twin ~9 launches")
     bench_post_mix(bw, l2, S((8, 16, 64, 256), (5,)), one)
     bench_post_mix(bw, l2, S((8, 64), (5,)), one, H=S(2048, 32))        # the mid-size decode step's shape
-    bench_moe_write_back(bw, l2, S((8, 16, 32, 64, 256), (5,)), one)
+    bench_moe_write_back(bw, l2, S((8, 16, 32, 64, 80, 96, 256), (5,)), one)     # (80, 96: resident at once on an H200)
     bench_moe_write_back(bw, l2, S((8, 32, 64, 256), (5,)), one, H=S(2048, 32))      # the mid-size decode step's
 
 

@@ -43,7 +43,9 @@ the MoE write-back + mixes + norm T=64 11.02 / 11.01 -> 10.76 / 10.82, the write
 Session 13 (the mid-size model's hidden 2048): the write-back + mixes launch takes tiles that fill the GPU once
 (_post_mix_tiles: 16- to 128-wide splits instead of 64 / 128; at T=64 its 64 programs left half the SMs idle: ncu,
 11.2K of 28.1K cycles active, 6% achieved occupancy), the read-out norm inside wherever the grid is resident at
-once (up to 256 tokens at H = 2048; 96 at 5120, where 65-96 tokens are not timed) and fn's bf16 parts from 32 tokens (parts_pay). H200 R3
+once (up to 256 tokens at H = 2048; 96 at 5120: session 13, MoE / attention write-back at T = 80 15.9 /
+15.6 us, T = 96 17.0 / 16.7, against 21.3 / 18.7 and 21.8 / 19.0 for the write-back + norm launches) and fn's
+bf16 parts from 32 tokens (parts_pay). H200 R3
 (HEAD's module imported beside this one, 16 calls back to back in a CUDA graph, PDL on; us a call, HEAD -> this;
 R, R', y, y2, x and fp32 fn once take 0.27 / 0.86 / 2.90 us at 4250 GB/s at T = 8 / 64 / 256: 4 / 10 / 17% of
 this): the MoE write-back + norm + mixes at T = 8 / 16 / 32 / 64 / 128 / 256 7.95 / 8.06-8.08 / 12.41 / 10.78-10.80
@@ -937,7 +939,7 @@ def _post_mix_tiles(T: int, H: int, dev) -> dict:
 # launch also saves the norm launch, wherever its grid is resident at once (norm form 2): session 10 round 2
 # (H = 5120, us, T = 32 / 64): 13.8 / 15.1 against 15.1 / 16.7 for the write-back, mixes and norm launches;
 # session 13 R1 (H = 2048, the MoE write-back, T = 128 / 256): 12.55 / 17.44 against 14.20 / 18.74. (At H = 5120
-# the grid is resident up to 96 tokens on an H200; 65-96 not timed.)
+# the grid is resident up to 96 tokens on an H200: T = 80 / 96 in the module docstring.)
 POST_MIX_MAX_T = 16
 
 
