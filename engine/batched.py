@@ -368,7 +368,7 @@ def index_pool(model, attn, ctx, plan):
     spec = attn.spec
     kind, src = ("icomp", attn.layer_id) if c.compressor_style == "v4" else ("ikeys", spec.index_k_source)
     keys, start, count, G = pool(model, plan, ctx.seqs, kind, src, plan.device)
-    return keys, start, count, (_bucket(G, None) if G else 0)
+    return keys, start, count, (_bucket(G) if G else 0)
 
 
 def _fit(mask: torch.Tensor, G: int) -> torch.Tensor:
@@ -692,7 +692,7 @@ def span_inputs(model, attn, ctx, plan):
         if kind == "consumer":
             got["ids"] = plan.topk.get(spec.index_source)
         elif kind == "all":
-            G = _bucket(Gk, None) if Gk else 0
+            G = _bucket(Gk) if Gk else 0
         elif kind == "select":
             keys, kstart, kcount, G = index_pool(model, attn, ctx, plan)
             got.update(keys=keys, kstart=kstart, kcount=kcount)
@@ -732,12 +732,12 @@ def window_rows(model, attn, plan: BatchPlan) -> Deferred:
     return window_index(plan, past_lens, c.sliding_window, decoder)
 
 
-def _bucket(n: int, cap: int | None) -> int:
-    """n rounded up to a power of two (>= 16), at most cap (when n <= cap)."""
+def _bucket(n: int) -> int:
+    """n rounded up to a power of two (>= 16)."""
     b = 16
     while b < n:
         b *= 2
-    return b if cap is None or n > cap else min(b, cap)
+    return b
 
 
 def commit_windows(model, ctx, plan: BatchPlan) -> None:

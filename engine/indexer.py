@@ -37,14 +37,17 @@ class Indexer(nn.Module):
             self.wk = nn.Linear(head_dim, idx_dim, bias=False)
             self.k_norm = RMSNorm(idx_dim, eps)
 
+    def raw_queries(self, qr: torch.Tensor, x: torch.Tensor, wx: torch.Tensor | None = None):
+        """-> (iq [T, Hi, Di] before RoPE, weights_proj(x) as it is); wx: that product when already computed."""
+        return self.wq_b(qr).view(qr.shape[0], self.n_heads, self.idx_dim), self.weights_proj(x) if wx is None else wx
+
     def queries(self, qr: torch.Tensor, x: torch.Tensor, wx: torch.Tensor | None = None, also: float = 1.0):
         """-> (iq [T, Hi, Di] before RoPE, head weights [T, Hi] fp32 incl. Hi^-0.5). wx: weights_proj(x) when
         already computed (engine/projections.py). also: a further factor of the head weights (the score kernel's
         Di^-0.5), folded into their conversion: one launch, the product of fp32(wx) and fp32(Hi^-0.5 also) (a
         one-element fp32 tensor: torch computes in fp32), where two factors one after the other cost three. One
         rounding instead of two: the same bits when Hi^-0.5 is exact (Hi a power of 4), else at most the last bit."""
-        iq = self.wq_b(qr).view(qr.shape[0], self.n_heads, self.idx_dim)
-        wx = self.weights_proj(x) if wx is None else wx
+        iq, wx = self.raw_queries(qr, x, wx)
         if also == 1.0:
             return iq, wx.float() * self.n_heads ** -0.5
         f = self.n_heads ** -0.5 * also
@@ -113,7 +116,7 @@ def step_queries(model, idx: Indexer, qr: torch.Tensor, x: torch.Tensor, cos, si
     (the rotation and the scaling were a launch each). Else the queries rotated (and fake-quantized) and the
     weights fp32 times Hi^-0.5 (on CUDA Di^-0.5 too: the plain score kernel's weights)."""
     if fused_scores(model, qr):
-        return idx.wq_b(qr).view(qr.shape[0], idx.n_heads, idx.idx_dim), idx.weights_proj(x) if wx is None else wx
+        return idx.raw_queries(qr, x, wx)
     iq, w = idx.queries(qr, x, wx=wx, also=idx.idx_dim ** -0.5 if _kindexer.use_triton(qr) else 1.0)
     return model._qdq(apply_rope(iq, cos, sin), "index"), w
 

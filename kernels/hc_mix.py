@@ -497,7 +497,6 @@ class _SplitLaunch:
     nw: int             # waiters per token block (programs that mix its tokens)
     tpw: int            # tokens each waiter mixes (power of two)
     spc: int            # splits' partials a waiter loads at once per token
-    cnt: torch.Tensor | None    # 2 ticket counters per token block (starts, stores), zero on entry and on exit
     block_t: int        # tokens a program covers
     warps: int          # warps a program
     resident: bool      # whether the whole grid is resident at once (_one_wave)
@@ -526,10 +525,10 @@ def _grid(T: int, K: int, block_t: int, split: int, block_k: int) -> tuple:
     return split, min(block_k, split), triton.cdiv(K, split), triton.cdiv(T, block_t)
 
 
-def _split_launch(T: int, K: int, block_t: int, split: int, block_k: int, warps: int, waiters, spc, dev,
-                  counters: bool = True):
-    """The launch shape for T tokens over K columns (module docstring); counters=False: without its ticket counters
-    (cnt None: _counters fetches them when the launch runs). Waiting is safe for the last starter of
+def _split_launch(T: int, K: int, block_t: int, split: int, block_k: int, warps: int, waiters, spc, dev):
+    """The launch shape for T tokens over K columns (module docstring; its ticket counters are fetched by
+    `_counters` when the launch runs, so a shape asked only for its residency takes none). Waiting is safe for the
+    last starter of
     a token block (every other program of the block has started and waits for nothing); several waiters wait for
     programs that may not have started, so they are used only while the whole grid is resident at once (spinning
     programs would otherwise hold the slots the missing ones need: seen on the H200 at T=4096, 1280 programs);
@@ -539,8 +538,7 @@ def _split_launch(T: int, K: int, block_t: int, split: int, block_k: int, warps:
     nw = min(waiters or block_t, block_t, n_split) if resident else 1
     tpw = triton.next_power_of_2(-(-block_t // nw))
     spc = spc or min(triton.next_power_of_2(n_split), max(1, 256 // tpw))     # <= 8192 partial values at once
-    return _SplitLaunch(split, block_k, n_split, n_tb, nw, tpw, spc, _counters(dev, n_tb) if counters else None,
-                        block_t, warps, resident)
+    return _SplitLaunch(split, block_k, n_split, n_tb, nw, tpw, spc, block_t, warps, resident)
 
 
 def _counters(dev, n_tb: int) -> torch.Tensor:
@@ -654,7 +652,8 @@ def hc_mixes_triton(residual, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iter
     comb = empty((T, M, M), torch.float32, dev)
     base, scale = base.float().contiguous(), scale.float().contiguous()
     fast = (FAST_RCP_DEFAULT if fast_rcp is None else fast_rcp) and _CAN_RCP
-    _hc_fused_kernel[(L.n_tb, L.n_split)](r, w, z, L.cnt, base, scale, pre, post, comb, T, K, NZ, L.n_split,
+    cnt = _counters(dev, L.n_tb)
+    _hc_fused_kernel[(L.n_tb, L.n_split)](r, w, z, cnt, base, scale, pre, post, comb, T, K, NZ, L.n_split,
                                           norm_eps, hc_eps, post_mult, M=M, NZP=NZP, BT=block_t, BK=L.block_k,
                                           SPLIT=L.split, MODE=mode, PRECISION="ieee" if split_fn else precision,
                                           UPCAST=INTERPRETING, NW=L.nw, TPW=L.tpw, SPC=L.spc, ITERS=iters,
@@ -944,12 +943,11 @@ POST_MIX_MAX_T = 16
 
 
 def _post_mix_launch(T: int, H: int, dev, block_t=None, split=None, block_k=None, num_warps=None, waiters=None,
-                     spc=None, counters: bool = True) -> _SplitLaunch:
-    """The write-back + mixes launch's shape at T tokens of H hidden columns (_post_mix_tiles where not given;
-    counters as _split_launch)."""
+                     spc=None) -> _SplitLaunch:
+    """The write-back + mixes launch's shape at T tokens of H hidden columns (_post_mix_tiles where not given)."""
     t = _post_mix_tiles(T, H, dev)
     return _split_launch(T, H, block_t or t["block_t"], split or t["split"], block_k or t["block_k"],
-                         num_warps or t["num_warps"], waiters, spc, dev, counters)
+                         num_warps or t["num_warps"], waiters, spc, dev)
 
 
 def hc_post_mix_torch(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iters=20,
@@ -978,7 +976,7 @@ def hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-
     is resident at once, else 1). Cost: R read once, R' written once, y read, x written, fn read once per token
     block (L2 hits after the first), the partials through L2. only_partial: no mixing (benchmark: the mixes'
     outputs are left unwritten, and x is not normalised even with x_norm). launch: the launch shape already made
-    by _post_mix_launch (hc_post_mix_apply, without its counters; the tile arguments are then not used)."""
+    by _post_mix_launch (hc_post_mix_apply; the tile arguments are then not used)."""
     _check_apply(R, y, post, comb, next_pre, triton_path=True, y2=y2)
     check(next_pre is not None, "the write-back + mixes pass needs the next pre-mix")
     T, M, H = R.shape
@@ -1010,7 +1008,7 @@ def hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-
         y = y.contiguous()
         _hc_post_mix_kernel[(L.n_tb, L.n_split)](
             R, y, y if y2 is None else y2.contiguous(), post.float().contiguous(), comb.float().contiguous(),
-            next_pre.float().contiguous(), out, x, w, z, L.cnt if L.cnt is not None else _counters(dev, L.n_tb),
+            next_pre.float().contiguous(), out, x, w, z, _counters(dev, L.n_tb),
             base.float().contiguous(), scale.float().contiguous(),
             mixes.pre, mixes.post, mixes.comb, nw.contiguous(), xsq, T, H, NZ, L.n_split, norm_eps, hc_eps,
             post_mult, x_eps, NZP=NZP, BT=L.block_t, BK=L.block_k, SPLIT=L.split, MODE=mode, UPCAST=INTERPRETING,
@@ -1041,7 +1039,7 @@ def hc_post_mix_apply(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-2
     cached bf16 parts from 32 tokens, parts_pay) up to POST_MIX_MAX_T tokens, and with x_norm wherever its
     grid is resident at once; else hc_post_apply then hc_mixes (then kernels.rmsnorm.rms_norm; the twins on CPU)."""
     T = R.shape[0]
-    L = _post_mix_launch(T, R.shape[2], R.device, counters=False) if use_triton(R) and R.shape[1] == 4 else None
+    L = _post_mix_launch(T, R.shape[2], R.device) if use_triton(R) and R.shape[1] == 4 else None
     # the norm joins the launch only in its fast form (2: the whole grid resident at once); form 1 costs more than
     # the separate norm launch (26.6 / 41.2 us at T = 8 / 64 on the H200, session 10), so a grid that is not
     # resident keeps the write-back + mixes launch (up to POST_MIX_MAX_T tokens) and norms after it

@@ -201,7 +201,7 @@ def test_engine_form_of_the_score_kernel(dtype, with_cand):
 @pytest.mark.parametrize("G,k,chunks", [(200, 24, None), (330, 16, 3), (20, 32, None)])
 def test_unsorted_select_is_already_in_id_order(G, k, chunks):
     """sorted=False returns the winners as ascending entry ids, then -1 padding, on every select path (one program
-    per row, the chunked two-launch select, k > G): exactly what engine/batched.py's `topk_ids` gets after
+    per row, the chunked two-launch select, k > G): exactly what engine/indexer.py's `topk_ids` gets after
     re-sorting, so that sort is the identity (and `idx[:, :min(k, G)]` is its result)."""
     from deepinfer_sg.kernels.indexer import topk_select_triton
     gen = torch.Generator().manual_seed(G + k)
