@@ -205,6 +205,21 @@ Measured (H200, copy ~4,250 GB/s, bf16 matmul 700-790 TFLOP/s; launch floor 0.7 
                          kernels/decode_attention.py). Compiled tests: attention + indexer + index rows 118 passed
                          (R2), attention + index rows 60 again (R3). `bench_select_layer`'s rows were not run in a
                          round (the round script timed the same chain against session 12's files).
+  session 14 (K2, a round script against session 13's files in the same run; us, each row timed twice) the engine's
+                         attention launch with RoPE inside (q turned as it loads, the output turned back before it
+                         is stored) against rope + attention + inverse rope, entry ids: 32 heads N=64 / 256 / 8
+                         33.5-34.4 / 84.1 / 17.3-17.7 -> 31.0-31.3 / 72.2-72.4 / 15.5-15.8, the step's short rows
+                         (37 + 20 keys) N=64 18.1-18.2 -> 15.0, 64 heads N=64 44.4 -> 42.3-42.4; with the window keys
+                         made from each row's (first, skip) in the gather too 29.9-30.2 / 70.9 / 15.5-15.9 / 11.5 /
+                         42.2 (R1; the window list's three launches a step were 6.7-7.3 us; of the bytes at 4,250
+                         GB/s, 32 heads N=64 32% -> 36%, N=256 52% -> 61%, 64 heads 27% -> 28%). `step_form`'s rows
+                         (`bench_attention`) time the same two forms. The "all"-kind layers' entries made in the
+                         gather (visible) against their id list's five launches + attention, 400 of G = 512 entries
+                         visible: 32 heads N=64 39.5-39.6 -> 27.8-27.9 (23% -> 33%), N=256 80.0-80.1 -> 61.3-61.4
+                         (46% -> 60%), 64 heads N=64 51.3-51.4 -> 37.5 (20% -> 27%) (R2). R3 repeated R1's rows
+                         within 0.7 us (32 heads N=256 with the window rows 69.8-70.2, 62%). Compiled tests:
+                         attention + indexer 102 of 111 passed in R2 (9 select tests cut by its time limit), those 9
+                         in R3.
 """
 import os
 import sys
@@ -213,9 +228,12 @@ import time
 import torch
 import triton
 
-from deepinfer_sg.kernels import backend, decode_attention, indexer
+from deepinfer_sg.engine.indexer import index_score_scale
+from deepinfer_sg.engine.testing import midsize_v41_config
+from deepinfer_sg.kernels import backend, decode_attention, indexer, rope
 from kbench import DEV, DRY, emit, rotating, row, S, time_ms
 
+MIDSIZE = midsize_v41_config()["text_config"]
 TFLOPS = 700.0          # bf16 dense matmul rate for the flop floor until `matmul_rate` has measured it
 _RATE = {}
 
@@ -340,6 +358,7 @@ def bench_attention(bw, l2, batches):
                 tt = time_ms(lambda: decode_attention.sparse_attention_torch(*nxt())) if label[0] != " " else None
                 row(label, f"N={N} H={heads} D={D} keys={Kw}+{Kc}", t, tt, nbytes, bw,
                     attn_note(t, byte_us, flop_us, err) + f"; {what}")
+            step_form(s, N, heads, Kw, f"N={N} H={heads} D={D} keys={Kw}+{Kc}", nxt, nbytes, bw, byte_us, flop_us)
             if heads == H:
                 # the same work with every row's keys among 32 rows of the pool (L2 hits): the kernel's time without
                 # HBM traffic, i.e. its compute + latency floor at this launch configuration (V4.1's 64 heads)
@@ -350,7 +369,31 @@ def bench_attention(bw, l2, batches):
                     "compute + latency floor")
 
 
-ROPE_DIM = 64            # the index queries' rotated channels (V4.1 / the mid-size model)
+def step_form(s, N, heads, Kw, shape, nxt, nbytes, bw, byte_us, flop_us):
+    """The engine's launch (session 14): RoPE inside (q turned as it loads, the output turned back before it is
+    stored) and the window keys made in the gather from each row's (first, skip), against the three launches it
+    replaces (rope on q, attention over the window's id list, inverse rope on the output); the same inputs."""
+    ang = torch.rand(N, S(ROPE_DIM, 16) // 2, device=DEV) * 6.283
+    turn, inv = torch.stack([ang.cos(), ang.sin()], -1), torch.stack([ang.cos(), -ang.sin()], -1)
+    rows = torch.stack([torch.arange(N, device=DEV) * Kw, torch.zeros(N, dtype=torch.int64, device=DEV)], 1)
+
+    def inside(x):
+        q, win, wi, sink, cmp_, ci = x
+        return decode_attention.sparse_attention_triton(q, win, rows, sink, cmp_, ci, turn=turn, window=Kw)
+
+    def apart(x):
+        q, win, wi, sink, cmp_, ci = x
+        o = decode_attention.sparse_attention_triton(rope.apply_rope_triton(q, turn), win, wi, sink, cmp_, ci)
+        return rope.apply_rope_triton(o, inv)
+    b = decode_attention.sparse_attention_torch(*s, turn=turn).float()
+    for label, fn in (("  rope, window inside", inside), ("  rope apart (3)", apart)):
+        err = float((fn(s).float() - b).norm() / b.norm())
+        t = time_ms(lambda: fn(nxt()))
+        row(label, shape, t, None, nbytes, bw,
+            attn_note(t, byte_us, flop_us, err) + ("; one launch" if fn is inside else "; rope, attention, rope"))
+
+
+ROPE_DIM = MIDSIZE["qk_rope_head_dim"]        # the rotated channels (V4.1 / the mid-size model)
 
 
 def chain_inputs(N, Hi, Di, G):
@@ -367,18 +410,13 @@ def chain_inputs(N, Hi, Di, G):
     return make
 
 
-def w_scale(Hi, Di):
-    """The index head weights' factor Hi^-0.5 Di^-0.5 (engine/indexer.py)."""
-    return Hi ** -0.5 * Di ** -0.5
-
-
 def select_layer(x, G, k):
     """The engine's select layer (session 13) as one chain of launches: index scores (the queries rotated, the
     head weights scaled and the entries the positions see picked in the kernel) -> top-k select (unsorted) ->
     sparse attention over the window and the selected entries (their pool rows made in the kernel's gather)."""
     iq, wx, turn, keys, start, count, pos, q, win, wi, sink, kv = x
-    scores = indexer.indexer_scores_triton(iq, wx, keys, start, count, G, w_scale=w_scale(*iq.shape[1:]), turn=turn,
-                                           positions=pos, ratio=2)
+    scores = indexer.indexer_scores_triton(iq, wx, keys, start, count, G, w_scale=index_score_scale(*iq.shape[1:]),
+                                           turn=turn, positions=pos, ratio=2)
     ids, _ = indexer.topk_select_triton(scores, k, sorted=False)
     return decode_attention.sparse_attention_triton(q, win, wi, sink, kv, ids[:, :min(k, G)], cmp_start=start,
                                                     cmp_count=count)
@@ -642,6 +680,13 @@ def compile_cases():
          dict(attn, LAZY_SUM=True, SPLIT=True), 8),
         ("attention H<64 PDL", decode_attention._sparse_attention_kernel, types,
          dict(attn, BLOCK_H=16, UNCHAIN=False, PDL=True), 4),
+        # the engine's forms: RoPE inside, the window from each row's (first, skip), entry ids (or every visible one)
+        *[(f"attention step{' all' if vis else ''} {h}h", decode_attention._sparse_attention_kernel,
+           dict(types, scr_q_ptr="*bf16", win_idx_ptr="*i64", cmp_idx_ptr="*i64", cmp_start_ptr="*i64",
+                cmp_count_ptr="*i64"),
+           dict(attn, BLOCK_H=h, UNCHAIN=h == 64, LAZY_SUM=h == 64, SPLIT=True, OWN=h == 64, PDL=True, ROT=64,
+                WINDOW=True, ENTRIES=True, VISIBLE=vis), 8 if h == 64 else 4)
+          for h, vis in ((16, False), (64, False), (16, True))],
         *[(f"select {stage}{' sorted' if srt else ''}", indexer._topk_select_kernel,
            dict(_SELECT_PTRS, map_ptr="*i64" if mp else "*fp32"),
            dict(BLOCK=blk, RESIDENT=True, SORTED=srt, KP=512, MAP=mp, FW=0.3, WIDTH=2.0, TOPR=4, FUSE=False,

@@ -203,6 +203,15 @@ layers in a CUDA graph, two input sets alternating, PDL on; H200, copy 4225-4251
       router + chain T = 8 / 64 / 256 63.8-67.2 / 94.8-95.3 / 153.9-155.3 against 61.4-62.3 / 92.1-92.3 /
       152.4-153.4); the align launch's share of the chain: 2.1 / 5.5 us at T = 64 / 256 (R2)
   fp8 rows path (FP8_TILES) PDL off / on, T = 64: 117.1-117.6 / 113.8-114.1 (81 / 84% of its bytes, R1): kept on
+
+Session 14, routed experts and router (K3; .round scripts, HEAD's router beside the tree, us a call): V4.1's gate
+(384 experts) in one launch as expert tiles up to router.TILED_MAX_ROWS = 16 rows, `route` a row a warp above 256
+experts (kernels/router.py has every row; bench_router's V4.1 rows time both). The mid-size packed-FP4 chain at
+T = 256 (R3, 20-call chain): the tree's tiles 114.1-114.5 (44% of 216 MB at 4250 GB/s) against 4 warps
+130.3-130.7, 4 stages 118.7, 64-wide gate/up tiles 160.5: kept. ncu (R1, T = 256): gate/up 65.9 us, 2 programs
+an SM (119 registers, 8 warps), issue slots 56% busy, ALU pipe 50%, stalls per issue barrier 1.14, not selected
+1.07, long scoreboard 0.96, L2 hit 45%; down 44.6 us (105 registers), issue 55%, long scoreboard 1.50, barrier
+0.95: both about half instruction-bound (the FP4 decode) and half waiting, at 2.1 / 1.5 TB/s.
 """
 import math
 import os
@@ -318,24 +327,26 @@ def bench_moe(bw, l2, batches):
             s = s4 = sc = None
             if not DRY:
                 torch.cuda.empty_cache()
-    bench_router(bw, S((64, 128, 256), (5,)))
+    bench_router(bw, S((64, 128, 256), (5,)), (MID["H"], MID["experts"], MID["top"]), "mid")
+    bench_router(bw, S((8, 16, 64, 256), (5,)), (S(5120, 64), S(384, 300), 6), "V4.1")
 
 
-def bench_router(bw, batches):
-    """The mid-size router (gate GEMM + sqrt-softplus scores + biased top-6 + weights) at each row count: the gate
-    inside one launch (router.gate_route_triton) against the GEMM library then router.route's kernel (the dispatch
-    above FUSED_MAX_ROWS), 16 calls back to back in a CUDA graph over 16 gate weights; bytes: the gate weight."""
-    m = MID
-    H, E, K = m["H"], m["experts"], m["top"]
+def bench_router(bw, batches, shape, name):
+    """The router (gate GEMM + sqrt-softplus scores + biased top-k + weights) at each row count: the gate inside one
+    launch (router.gate_route_triton; above 256 experts in expert tiles) against the GEMM library then
+    router.route's kernel (the dispatch above FUSED_MAX_ROWS, or TILED_MAX_ROWS for tiled gates), 16 calls back to
+    back in a CUDA graph over 16 gate weights; bytes: the gate weight."""
+    H, E, K = shape
     ws = [torch.randn(E, H, device=DEV, dtype=torch.bfloat16) * H ** -0.5 for _ in range(16)]
     b = torch.randn(E, device=DEV) * 0.1
     F_ = torch.nn.functional
+    most = router.FUSED_MAX_ROWS if router.one_tile(E, 2) else router.TILED_MAX_ROWS
     for T in batches:
         x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
         fused = time_ms(lambda: [router.gate_route_triton(x, w, b, K, 1.5) for w in ws]) / len(ws)
         lib = time_ms(lambda: [router.route(F_.linear(x, w), b, K, 1.5) for w in ws]) / len(ws)
-        row("router gate + top-k", f"mid T={T} H={H} E={E} K={K}", fused, None, E * H * 2, bw,
-            f"GEMM library + route kernel {lib * 1e3:.1f} us (dispatch: fused up to {router.FUSED_MAX_ROWS} rows)")
+        row("router gate + top-k", f"{name} T={T} H={H} E={E} K={K}", fused, None, E * H * 2, bw,
+            f"GEMM library + route kernel {lib * 1e3:.1f} us (dispatch: fused up to {most} rows)")
 
 
 @triton.jit
@@ -586,7 +597,25 @@ def _small_calls(name, T):
             ring_pool.ring_write(kv[0], kv[1], rkv, rg, dst, dst)
             return ring_pool.ring_pool(rkv, rg, grp, grp, torch.bfloat16)
         return [lambda kv=kv: step(kv) for kv in kvs] * 4, T * W * (2 * 2 + 2 * 4 + 2 * 4 * 4 + 2)
+    if name.startswith("q_norm + kv store"):         # the two norms after the stacked wq_a + wkv product
+        ql, hd, n = m["ql"], m["hd"], 4 * T + 8
+        st = [torch.randn(T, ql + hd, **bf) for _ in range(8)]
+        wq, wkv = torch.rand(ql, device=DEV) + 0.5, torch.rand(hd, device=DEV) + 0.5
+        ang = torch.rand(T, m["rope"] // 2, device=DEV) * 20
+        turn, pool = torch.stack([ang.cos(), ang.sin()], -1), torch.randn(n, hd, **bf)
+        rows = torch.randperm(n, device=DEV)[:T]
+
+        def two(x):
+            rmsnorm.rms_norm(x[:, ql:], wkv, 1e-6, turn, pool, rows)
+            return rmsnorm.rms_norm(x[:, :ql], wq, 1e-6)
+        one = lambda x: rmsnorm.rms_norm_pair(x[:, :ql], wq, 1e-6, x[:, ql:], wkv, 1e-6, turn, pool, rows)  # noqa
+        f = one if name.endswith("pair") else two
+        return [lambda x=x: f(x) for x in st] * 2, 4 * T * (ql + hd)
     ss = [_moe_write_back_inputs(T, 4, H) for _ in range(4)]
+    if name.startswith("write-back chain"):             # engine/mhc's DEFER_MIXES off / on ("deferred")
+        ss = [s + (torch.randn(H, H, **bf) * H ** -0.5,) for s in ss]
+        return [lambda s=s: _write_back_chain(s, name.endswith("deferred")) for s in ss] * 4, \
+            2 * (_post_mix_bytes(T, 4, H) + T * H * 2)
     if name == "hc post":                               # the write-back + read-out (where not one launch)
         return [lambda s=s: hc_mix.hc_post_apply(*s[:5]) for s in ss] * 4, T * 4 * H * 2 * 2 + T * H * 2 * 2
     if name == "hc mixes":
@@ -594,6 +623,34 @@ def _small_calls(name, T):
     # "moe write-back": the write-back of the routed + shared outputs, the read-out normalised, the next mixes
     return ([lambda s=s: hc_mix.hc_post_mix_apply(*s[:8], y2=s[8], x_norm=s[9]) for s in ss] * 4,
             _post_mix_bytes(T, 4, H) + T * H * 2)
+
+
+def _write_back_chain(s, defer):
+    """Two write-backs + mixes + norm (engine/mhc.hc_post_and_mixes, the MoE's then the attention's) with four
+    products by lin [H, H] after each (a stand-in sub-layer), the mixes' tail inside the launch or deferred to the
+    side stream (the second write-back and the end join it), at any token count (hc_mix.DEFER_MAX_T raised)."""
+    from types import SimpleNamespace
+    from deepinfer_sg.engine import mhc
+    R, y, post, comb, pre, fn, base, scale, y2, (w, eps), lin = s
+    c = SimpleNamespace(rms_norm_eps=eps, hc_eps=1e-6, hc_sinkhorn_iters=20, hc_post_mult=2.0)
+    blk = SimpleNamespace(config=c, hc_ffn_fn=fn, hc_ffn_base=base, hc_ffn_scale=scale, hc_attn_fn=fn,
+                          hc_attn_base=base, hc_attn_scale=scale)
+    norm = SimpleNamespace(weight_fp32=lambda: w, eps=eps)
+
+    def sub(x):
+        for _ in range(4):
+            x = torch.nn.functional.linear(x, lin)
+        return x
+    was = mhc.DEFER_MIXES, hc_mix.DEFER_MAX_T
+    mhc.DEFER_MIXES, hc_mix.DEFER_MAX_T = defer, R.shape[0]
+    try:
+        R1, ro = mhc.hc_post_and_mixes(blk, "ffn", R, y, post, comb, pre, y2=y2, norm=norm)
+        R2, ro2 = mhc.hc_post_and_mixes(blk, "attn", R1, sub(ro.x), ro.post, ro.comb, ro.pre, norm=norm)
+        out = sub(ro2.x)
+        mhc._join_mixes()
+    finally:
+        mhc.DEFER_MIXES, hc_mix.DEFER_MAX_T = was
+    return R2, out
 
 
 def _sweep_pdl(bw, l2):
@@ -606,7 +663,9 @@ def _sweep_pdl(bw, l2):
     jobs = [(f"{name} T={T}", "product", lambda g=g, n=n, k=k, glu=glu: _product_calls(T, g, n, k, glu, l2))
             for name, g, n, k, glu in _mid_products()]
     jobs += [(f"{name} T={t}", "small", lambda name=name, t=t: _small_calls(name, t)) for name, t in (
-        ("gate_route", T), ("rmsnorm", T), ("rope q", T), ("ring write+pool", T), ("moe write-back", T),
+        ("gate_route", T), ("rmsnorm", T), ("q_norm + kv store", T), ("q_norm + kv store pair", T), ("rope q", T),
+        ("ring write+pool", T), ("moe write-back", T), ("write-back chain", T), ("write-back chain deferred", T),
+        ("write-back chain", S(8, 3)), ("write-back chain deferred", S(8, 3)),
         ("hc post", S(256, 7)), ("hc mixes", S(256, 7)))]
     for label, kind, make in jobs:
         try:

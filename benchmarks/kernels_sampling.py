@@ -214,6 +214,18 @@ H200 numbers (torch 2.11 / Triton 3.6; copy 4,250-4,275 GB/s; us, fraction of co
     T=0.7 +mask (R2)        B=64 13.1-13.2 (61-62%; 56% in session 12's R1), B=256 42.0-42.2 (76-77%); the mask row
                             read after the block's loads (deleted: kernels/sampling.py beside SMALL_SHAPE) 13.1-13.2
                             and 40.2-41.9
+  session 14 rounds 1-3 (2026-12-01; copy 4,224-4,250 GB/s; HEAD in the same run; .round scripts timing sample_triton
+  with sample_from_logits' host flags, every row top-p alone, each input set timed apart: a set with a row missing the
+  proposals the mass-above pass tests costs more), B=64 flat rows unless said, us:
+    R2 (final form: 8 proposals in the pass when some row has p < 0.85, rows missing the first 4 finished from the
+    lane maxima, kernels/rejection.py `_open_row_token`)
+                            p 0.9 24.8 (HEAD 24.5; 31% / 32%); p 0.5 38.6 / 52.3 / 56.8 (1 / 5 / 6 such rows;
+                            20% / 15% / 14%; HEAD ~821, session 13); p 0.7 29.4 (none) / 52.3 (one; HEAD 267.4 on
+                            that set); p 0.8 52.0 (one); peaked p 0.95 19.0 (HEAD 18.3), p 0.5 31.5; B=256 p 0.9
+                            83.8 (HEAD 80.2 in R1). Tokens = twin on every row of every set.
+    R1 (first form, NMAX 4: every such row through tau and the restricted draw; replaced)
+                            p 0.5 48.5-48.7 and 71.7, p 0.7 / 0.8 with one such row 82.8 / 87.8, B=256 p 0.5 134.6;
+                            tau on the 8,192 block always (OPEN_SMALL 0) 62.3 against 48.7
 """
 import os
 
@@ -256,7 +268,9 @@ def bench_sampling(bw, l2, batches):
                  ("sample top-k50 +mask", dict(temperature=0.7, top_k=50, top_p=1.0), True, flat_logits),
                  ("sample top-p0.95 peak", dict(temperature=1.0, top_k=0, top_p=0.95), False, peaked_logits),
                  # top-p alone on flat rows: ~2,000 candidates in the bracketed bins (the bisection until session 5)
-                 ("sample top-p0.9 flat", dict(temperature=1.0, top_k=0, top_p=0.9), False, flat_logits)]
+                 ("sample top-p0.9 flat", dict(temperature=1.0, top_k=0, top_p=0.9), False, flat_logits),
+                 # most rows miss every proposal of some call: the finish's draw from the lane maxima
+                 ("sample top-p0.5 flat", dict(temperature=1.0, top_k=0, top_p=0.5), False, flat_logits)]
         for name, kw, masked, gen_rows in cases:
             p = sampling.row_params(B, DEV, seed=torch.arange(B, device=DEV),
                                     position=torch.arange(B, device=DEV) + 7, **kw)
@@ -386,7 +400,8 @@ def sweep(bw, l2):
     batches = S([64, 256], [3])
     floors(bw, l2, batches)
     SWEPT.append(True)
-    parts = dict(pdl=sweep_pdl, threshold=sweep_threshold, reject=sweep_reject, spec_one=sweep_spec_one,
+    parts = dict(pdl=sweep_pdl, threshold=sweep_threshold, reject=sweep_reject, top_p_p=sweep_top_p_p,
+                 spec_one=sweep_spec_one,
                  plain=sweep_plain, top_p_tune=sweep_top_p_tune, top_p=sweep_top_p, shapes=sweep_shapes,
                  spec=sweep_speculative)
     chosen = os.environ.get("K1_SWEEP")                    # a comma list of the parts to run (default: all)
@@ -501,6 +516,29 @@ def sweep_spec_one(bw, l2):
         row("  sweep spec", f"B={B}x{L} residual finish {'folded' if one else 'apart'}", t, None, R * V * 4, bw,
             f"equal to twin {same:.1%}")
     speculative.ONE_LAUNCH_RESIDUAL = False
+
+
+def sweep_top_p_p(bw, l2):
+    """Top-p alone at p 0.5 / 0.7 / 0.8 / 0.9 / 0.95 on flat and peaked rows, B=64 and 256: the whole call on four
+    input sets each (a set decides whether some row misses every proposal: then the finish draws it from the lane
+    maxima, kernels/rejection.py `_open_row_token`), each set timed (median of graph replays), with how many of its
+    rows were open (the twin's count) and whether its tokens are the twin's."""
+    for B in S([64, 256], [3]):
+        for kind, gen_rows in (("flat", flat_logits), ("peak", peaked_logits)):
+            for top_p in (0.5, 0.7, 0.8, 0.9, 0.95):
+                times, opened, same = [], 0, 1.0
+                for i in range(S(4, 1)):
+                    x = gen_rows(B)
+                    p = sampling.row_params(B, DEV, 1.0, 0, top_p, seed=torch.arange(B, device=DEV) + 1000 * i,
+                                            position=7)
+                    same = min(same, float((sampling.sample_triton(x, p, **TOP_P_ONLY) ==
+                                            sampling.sample_torch(x, p)).float().mean()))
+                    opened += int(sampling.open_rows_torch(x, p).sum())
+                    times.append(time_ms(lambda: sampling.sample_triton(x, p, **TOP_P_ONLY)))
+                t = sum(times) / len(times)
+                row("  sweep top-p p", f"B={B} {kind} p{top_p} ({len(times)} sets)", t, None, B * V * 4, bw,
+                    f"sets {' / '.join(f'{u * 1e3:.1f}' for u in times)} us; open rows {opened}; "
+                    f"tokens = twin {same:.1%}")
 
 
 def sweep_reject(bw, l2):
@@ -757,14 +795,34 @@ def compile_cases():
         ("sample segment np4", sampling._segment_kernel, seg_types,
          dict(HAS_MASK=False, HAS_TAU=False, LANES=256, LW=16, PL=128, VEC=2, FAST=True, DONE=False, MASK_FIRST=False,
               NP=4, REJECT=True, HOT=True, NPR=4), 2),
+        ("sample segment np8", sampling._segment_kernel, seg_types,
+         dict(HAS_MASK=False, HAS_TAU=False, LANES=256, LW=16, PL=128, VEC=2, FAST=True, DONE=False, MASK_FIRST=False,
+              NP=8, REJECT=True, HOT=True, NPR=8, PDL=True), 2),
         ("reject tokens", rejection._tokens_kernel, dict(rej_types, tok_ptr="*i64", dec_ptr="*i64", zrow_ptr="*fp32"),
          dict(DONE=True, HAS_MASK=True, HAS_TAU=True, NP=4, NPP=64, NPQ=8, LANES=256, LW=16, FAST=True), 1),
+        ("reject tokens np8", rejection._tokens_kernel, dict(rej_types, tok_ptr="*i64", dec_ptr="*i64",
+                                                             zrow_ptr="*fp32"),
+         dict(DONE=False, HAS_MASK=False, HAS_TAU=False, NP=8, NPP=64, NPQ=16, LANES=256, LW=16, FAST=True, NA=4,
+              PDL=True), 1),
         ("reject mass above", rejection._above_kernel, dict(rej_types, zrow_ptr="*fp32", lane_ptr="*fp32",
                                                             hot_ptr="*i32"),
-         dict(HAS_MASK=True, NP=4, NPP=64, LANES=256, LW=16, VEC=4, FAST=True, NPQ=8, HOT=True, HOTCAP=32, PER=2), 2),
+         dict(HAS_MASK=True, NP=4, LANES=256, LW=16, VEC=4, FAST=True, NPQ=8, HOT=True, HOTCAP=32, PER=2), 2),
+        ("reject mass above np8", rejection._above_kernel, dict(rej_types, zrow_ptr="*fp32", lane_ptr="*fp32",
+                                                                hot_ptr="*i32"),
+         dict(HAS_MASK=False, NP=4, LANES=256, LW=16, VEC=4, FAST=True, NPQ=16, HOT=True, HOTCAP=32, PER=2, NAQ=8,
+              PDL=True), 2),
         ("reject finish", rejection._reject_finish_kernel, dict(rej_types, tok_ptr="*i64", dec_ptr="*i64",
-                                                                pmass_ptr="*fp32"),
-         dict(HAS_MASK=True, NP=4, NPP=64, NPQ=8, NSP=32, NMAX=8, LANES=256, LW=16, BLOCK=1024, FAST=True), 4),
+                                                                pmass_ptr="*fp32", list_ptr="*i32"),
+         dict(HAS_MASK=True, NP=8, NPP=64, NPQ=16, NSP=32, NMAX=8, LANES=256, LW=16, BLOCK=1024, FAST=True, HOT=True,
+              NG=8192, LC=512, CMAX=8192, KP=128, HB=512, SMALL=1024, NA=4), 16),
+        ("reject finish np4", rejection._reject_finish_kernel, dict(rej_types, tok_ptr="*i64", dec_ptr="*i64",
+                                                                    pmass_ptr="*fp32", list_ptr="*i32"),
+         dict(HAS_MASK=False, NP=4, NPP=64, NPQ=8, NSP=32, NMAX=8, LANES=256, LW=16, BLOCK=1024, FAST=True, HOT=True,
+              NG=8192, LC=512, CMAX=8192, KP=128, HB=512, SMALL=1024, NA=4, PDL=True), 16),
+        ("reject finish cold", rejection._reject_finish_kernel, dict(rej_types, tok_ptr="*i64", dec_ptr="*i64",
+                                                                     pmass_ptr="*fp32", list_ptr="*i32"),
+         dict(HAS_MASK=False, NP=4, NPP=64, NPQ=8, NSP=32, NMAX=8, LANES=256, LW=16, BLOCK=1024, FAST=True,
+              PDL=True), 16),
         ("spec stats pass", speculative._stats_kernel, {"pack_ptr": "*i64"},
          dict(HAS_MASK=True, HAS_TAU=False, LANES=256, LW=16, PL=256, VEC=4, NB=64, FAST=True, NP=1), 2),
         ("spec stats pass np4", speculative._stats_kernel, {"pack_ptr": "*i64", "solved_ptr": "*i8"},

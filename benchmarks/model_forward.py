@@ -14,7 +14,9 @@ eager fast path (max |diff|: "exact" when bit for bit equal); "ahead": the graph
 the device runs the previous one (Model.plan_step / launch, as engine/step_pipeline.py does; step time = the period
 between two steps' ends; printed with the device time of the last step's graphs replayed back to back: the step
 without its host gaps, then a "host" line (the host ms of launch, split at the graph run, and of the overlapped
-plan) and a "parts" line (host ms of named engine functions, `_time_launch_parts`); the caches are
+plan; the device ms from the first graph launch to the end of the last, by CUDA events: the step's graphs as they
+ran, their launch latency included; each timed step's period) and a "parts" line (host ms of named engine
+functions, `_time_launch_parts`); the caches are
 copied before those replays and put back after, and the line says whether the replays changed them: "unchanged",
 "unchanged but the dump rows" (only the row arenas' dump rows differ: benign, see `graphs_back_to_back`) or
 "CHANGED" with the rows that differ),
@@ -30,6 +32,7 @@ instead of kernels.skinny), "serial-shared" (the shared experts after the routed
 them on a second: engine/streams.py), "host-engram" (the Engram rows looked up on the host, the graph cut before
 each Engram layer, instead of gathered by the device from the pinned tables), "no-pdl" (every kernel launched
 without programmatic dependent launch: kernels.backend.PDL off, as DEEPINFER_SG_PDL=0 does for a process),
+"launch-send" (the step's upload sent at launch with the token ids in it: model.send_ahead off),
 "control" (nothing changed: the drift between paths of one run), "cprofile" (the same under cProfile: the host
 functions of the timed steps' launch + plan by own time, $OUT/cprofile_ahead_B<batch>.txt; its times are the
 profiler's, not the engine's); with
@@ -64,13 +67,36 @@ b256 base 6.95 / 6.00 (1.24 + 5.05), ahead 6.81 / 5.99 (1.08 + 4.64), control 6.
 had outgrown the device step in R2: the plan's compressor snapshot (0.67-0.92 ms, R1) is now the undo log
 compress_step.plan_layer writes while it reads the states anyway; the arenas and rings set every state's row tuples
 by C-level maps and skip the rows-elsewhere check when each state still holds what they gave it last
-(arena.RowArena.give / kept); Model._advance and the Engram windows read the caches' recent tokens by
-comprehensions (R2 / R3 at 256: advance 1.03 / 0.76 -> 0.68-0.71 ms, the plan's Engram windows 0.42 / 0.31 -> 0.21);
-a segment's input shapes and graph key are kept while its inputs are the same objects (R3 0.43 -> 0.30 ms). What
-plan_layer's share alone did is not settled: 2.99-3.17 against 3.45 ms (R2), 2.76-2.88 against 2.33 plus the
+(arena.RowArena.give / kept then; session 14's per-slot arrays since); Model._advance and the Engram windows read
+the caches' recent tokens by comprehensions (R2 / R3 at 256: advance 1.03 / 0.76 -> 0.68-0.71 ms, the plan's
+Engram windows 0.42 / 0.31 -> 0.21); a segment's input shapes and graph key are kept while its inputs are the
+same objects (R3 0.43 -> 0.30 ms). What plan_layer's
+share alone did is not settled: 2.99-3.17 against 3.45 ms (R2), 2.76-2.88 against 2.33 plus the
 snapshot (R3). The paths' logits are copied into one buffer per path after each step and the step's own freed
 (kept, every launch's fresh fp32 logits [T, V] needed a new device block: R1's `.to` calls cost the host 5-7 ms over
 13 steps, R2's 1 ms).
+
+Session 14, the host's per-sequence state in arrays (H200, same command, paths ahead / "base" (HEAD's compressor
+and token host functions swapped in, upload sent at launch) / "launch-send" / control in one process; ms step /
+device; host ms launch after the graph run + plan). The compressors' rows as per-arena count / first-row arrays
+(cache.ArenaRows, arena.RowArena.held / update: a steady step reads and sets no state attribute) and the window
+slab's lo / hi arrays (WindowSlab.held): plan: compressors at 256 1.00-1.16 ms against base 2.58 (R1), 1.22-1.30
+against 2.88 (R2); the whole plan 2.51-2.80 against 4.36 (R1), 2.99-3.09 against 4.78 (R2); at 64 0.48-0.53 against
+0.74 (R1). R1's host kept every path's step off the host at 256 (6.71-6.82 ms, device 5.97); in R2 a slow phase of
+the host (the first paths at 64) made base host-bound: step 5.02 ms (plan 3.48 + 0.96 after the graph run against
+4.07 of device) against ahead's 4.53 in the same phase (plan 2.48 + 0.91): what V1's b64 5.43 / 3.85 was (its
+PDL-off process on a faster phase: 4.56 / 4.17). Windows (cross-round): commit windows at 256 0.10-0.14 -> 0.05-0.07
+ms, plan: windows 0.14-0.18 -> 0.10-0.12. The step's remaining gap to the device is the launch until the graph runs
+(0.19-0.22 ms at 64, 0.36-0.45 at 256) plus the graph's own launch latency (its device time as run, by events,
+4.07 / 6.08-6.12 ms against 3.95 / 5.82-6.00 replayed back to back). The upload sent at the end of plan_step with
+the ids copied in by the first graph (model.send_ahead) against "launch-send" (R2): before the graph run 0.19 vs
+0.22 ms at 64, 0.36 vs 0.45 at 256; step 4.30 vs 4.34, 6.58 vs 6.64 (control; ahead 6.60). A pinned -> device copy
+alone costs the host ~10 us at 3-94 KB (R1, .round copy test), yet "send: pinned copy" measures 0.05-0.15 ms.
+R3 (the final code, with the session's kernels, K2's window rows / RoPE inside attention and the q_norm + kv store
+pair; paths fast / ahead / base / launch-send; a slower host): b256 ahead 6.50 ms (25.9% of the roofline; device
+5.98 as run, 5.81 back to back; "exact" against the eager fast path), base 7.26 (host-bound: plan 5.34 + 1.21 after
+the graph run, compressors 3.26 against ahead's 1.48), launch-send 6.55; b64 ahead 4.08 (39.9%; device 3.76 / 3.63),
+base 4.39, launch-send 4.31; before the graph run 0.27 / 0.40 ms at 64 / 256 against launch-send's 0.44 / 0.48.
 
 `--profile` then looks at where one fast decode step's time goes, per batch size (fresh caches, after warm-up;
 every batch's host-clock and cProfile measurements first, then the torch.profiler ones: once CUPTI is attached it
@@ -244,12 +270,19 @@ def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, wa
         real_run = g.run
 
         keys = []      # the segments the last step ran (graphs_back_to_back replays them)
+        # events around the step's graph runs (CUDA): the device time of the step as it ran, its launch latency in it
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if dev.type == "cuda" else None
+        graph_ms = []
 
         def run(*a, **k):
+            if ev is not None and not marks:
+                ev[0].record()
             t = time.perf_counter()
             out = real_run(*a, **k)
             marks.append((t, time.perf_counter()))
-            keys.append(a[0])
+            if ev is not None:
+                ev[1].record()
+            keys.append(a[0] if k.get("pre") is None else a[0] + ("pre",))     # (its key as SegmentGraphs.run keeps it)
             return out
         g.run = run
         real_layers = model._layers_fast
@@ -286,6 +319,8 @@ def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, wa
             if s >= warmup:
                 launch_ms.append((t1 - t0) * 1e3)
                 plan_ms.append((t2 - t1) * 1e3)
+                if ev is not None and marks:
+                    graph_ms.append(ev[0].elapsed_time(ev[1]))
                 if marks:
                     split.append(((marks[0][0] - t0) * 1e3, (marks[-1][1] - marks[0][0]) * 1e3,
                                   (t1 - marks[-1][1]) * 1e3, (entered[0] - t0) * 1e3))
@@ -318,6 +353,7 @@ def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, wa
             bytes_.append(dense + experts[-1] + sum(c.nbytes() for c in caches))
         free = time.perf_counter()   # (the bookkeeping above, ~13 ms at batch 64, is not the model's)
     decode_run.warm_ms = [round(t * 1e3, 1) for t in all_times[:warmup]]   # first steps: compiles, graph capture
+    decode_run.step_ms = [round(t * 1e3, 2) for t in times]     # the timed steps (a slow one among them: the median)
     decode_run.host_ms = None
     if ahead:
         decode_run.replay_ms = graphs_back_to_back(model, sum(r.n for r in rows), dev, keys)
@@ -326,7 +362,8 @@ def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, wa
         n = max(1, len(toks_per_step) - warmup)
         decode_run.launch_parts = {k: v / n for k, v in parts_ms.items()}
         decode_run.host_ms = (statistics.median(launch_ms), statistics.median(plan_ms),
-                              *(statistics.median(x[k] for x in split) if split else float("nan") for k in range(4)))
+                              *(statistics.median(x[k] for x in split) if split else float("nan") for k in range(4)),
+                              statistics.median(graph_ms) if graph_ms else float("nan"))
     return statistics.median(times), sum(bytes_) / len(bytes_), logits   # median: robust to a stray slow step
 
 
@@ -446,6 +483,12 @@ def _no_pdl(model):
     return _patched(model, lambda: setattr(backend, "PDL", False), lambda: setattr(backend, "PDL", orig))
 
 
+def _launch_send(model):
+    """The "launch-send" path: the step's upload, token ids in it, sent at launch (model.send_ahead off) instead of at
+    the end of plan_step with the ids copied in by the first graph. -> undo()."""
+    return _patched(model, lambda: setattr(model, "send_ahead", False), lambda: setattr(model, "send_ahead", True))
+
+
 def _control(model):
     """The "control" path: nothing changed, the graphs captured again, measured after the other paths (how far the
     same code drifts between paths of one run). -> undo()."""
@@ -455,8 +498,8 @@ def _control(model):
 # paths that change one engine choice for their duration (only when named in --paths): graphs + plan-ahead steps,
 # compared with the fast path (a changed rounding can flip MoE routes: the difference is then not rounding)
 ABLATIONS = {"torch-gate": _gate_by("torch"), "gemm-gate": _gate_by("gemm"), "torch-shared": _shared_by_torch,
-             "serial-shared": _serial_shared, "host-engram": _host_engram, "no-pdl": _no_pdl, "control": _control,
-             "cprofile": _control}
+             "serial-shared": _serial_shared, "host-engram": _host_engram, "no-pdl": _no_pdl,
+             "launch-send": _launch_send, "control": _control, "cprofile": _control}
 
 
 def pdl_census() -> dict:
@@ -530,7 +573,8 @@ def _time_launch_parts(model, acc: dict):
              ("plan send", batched.BatchPlan, "send"), ("engram rows / ids", M.Model, "_engram_rows"),
              ("plan: segment inputs", M.Model, "_segment"), ("plan: windows", batched, "prepare_windows"),
              ("plan: engram windows", M.Model, "_windows_prep"), ("plan: compressors", compress_step, "plan_layer"),
-             ("plan: span inputs", batched, "span_inputs"), ("send: pinned copy", step_graphs._Pinned, "copy")]
+             ("plan: span inputs", batched, "span_inputs"), ("send: pinned copy", step_graphs._Pinned, "copy"),
+             ("fill ids", batched.BatchPlan, "fill")]
     try:
         from deepinfer_sg.engine.engram import Engram
         parts.append(("engram lookup", Engram, "packed_values"))
@@ -675,7 +719,8 @@ def run(args):
             if timed_ahead:     # (the host's parts on lines of their own: short enough to read whole)
                 h = decode_run.host_ms
                 say(f"{'host':8} {path:12} {B:5d} launch {h[0]:.2f} ms (before the graph run {h[2]:.2f}, of it to the "
-                    f"segments {h[5]:.2f}; in it {h[3]:.2f}; after it {h[4]:.2f}) + plan {h[1]:.2f} (overlapped)")
+                    f"segments {h[5]:.2f}; in it {h[3]:.2f}; after it {h[4]:.2f}) + plan {h[1]:.2f} (overlapped); "
+                    f"the graph runs as timed by the device {h[6]:.2f}; steps ms {decode_run.step_ms}")
                 say(f"{'parts':8} {path:12} {B:5d} " +
                     ", ".join(f"{k} {v:.3f}" for k, v in getattr(decode_run, "launch_parts", {}).items()))
             if pdl_counts is not None:
@@ -920,7 +965,7 @@ def _part_hooks():
              ("attn.kv", attention.Attention, "store_kv"),
              ("attn.out", attention.Attention, "output"), ("rope", attention, "apply_rope"),
              ("index.q", batched, "step_queries"), ("index.select", batched, "select_ids"),
-             ("window_idx", batched, "window_idx"), ("attend", batched, "attend"),
+             ("attend", batched, "attend"),
              ("sparse_attention", batched, "sparse_attention"), ("compress", compress_step, "compress_rows"),
              ("moe", moe.MoE, "forward_grouped"), ("moe.gate", moe.Gate, "forward"),
              ("moe.shared", moe.Expert, "forward"), ("moe.shared", moe.Expert, "forward_fast"),

@@ -9,12 +9,17 @@ arena, viewed flat [slots * cap, width], is the attention / indexer pool as it i
 slot * cap), so no pool is concatenated either.
 
 Contract: the states (CompressorState / LayerCache) keep their rows as (buffer, first row, rows) (cache.py);
-`append` points each at (flat arena, slot * cap, rows). A state whose rows live elsewhere (fresh from the reference
-path, a deep copy, another arena) is moved into its slot first (one gather for all of them). A slot belongs to its
-state until the state is garbage-collected (weakref.finalize). Rows past a state's count (after a rollback) are
-free and overwritten by its next append; nothing else reads them. When a slot runs out of rows or the arena out of
-slots the arena grows (one copy: rows per slot doubled, slots compacted to the live ones) and every live state's
-tuple is re-pointed (addresses change only then).
+here each state's attribute holds its slot's `cache.ArenaRows`, which reads that tuple from the arena's per-slot
+arrays `first` / `count` (numpy, indexed by slot). A step changes every state's rows by writing those arrays for
+all its slots at once (`update`: no Python per state, no attribute written); a rollback writes its slot's count
+through the same object. `held` answers whether the step's states still hold their objects (one identity check
+over them, against the last `hold`); when not (rows set by the reference path, a deep copy, another arena, a
+first step) the slow path `place` points them at their slots again, a state whose rows live elsewhere moved into
+its slot first (one gather for all of them). A slot belongs to its state until the state is garbage-collected
+(weakref.finalize). Rows past a state's count (after a rollback) are free and overwritten by its next append;
+nothing else reads them. When a slot runs out of rows or the arena out of slots the arena grows (one copy: rows
+per slot doubled, slots compacted to the live ones), renumbering the slots' objects and re-pointing a state that
+holds a plain tuple into the old storage (addresses change only then).
 Memory: slots * cap rows, cap = the longest sequence's rows rounded up to a power of two (>= MIN_ROWS),
 slots a power of two (>= the live sequences at the last growth): sequences of
 very different lengths reserve the longest one's rows each (a paged arena, blocks of rows per sequence, is the next
@@ -30,7 +35,7 @@ import weakref
 import numpy as np
 import torch
 
-from .cache import set_each
+from .cache import ArenaRows, set_each
 from .transfer import ragged_arange, to_device_many
 
 # smallest slot capacity / slot count of a storage. Slots and rows double when they run out (each growth copies
@@ -97,11 +102,13 @@ class Slots:
 
 class RowArena:
     def __init__(self, name: str, width: int, dtype: torch.dtype, device: torch.device, on_grow=None,
-                 layer: int | None = None, part: str | None = None):
+                 layer: int | None = None, part: str | None = None, ring: int | None = None):
         self.name = name                          # the states' attribute (entries, latents, ikeys)
         self.layer, self.part = layer, part       # whose rows (arena_for): cache.layers[layer].<part> (memory books)
         self.on_grow = on_grow                    # called after the address changed (the model drops its graphs)
         self.key = "_" + name
+        self.ring = ring                          # rows wrap around a ring of this many (compress_step's token rows)
+        self._get = operator.attrgetter(self.key)
         # flat [slots * cap + 1, width]: every slot's rows, then one dump row (writes made inside a CUDA graph for
         # rows that complete nothing go there); data [slots, cap, width] views the slots. ONE flat object: states'
         # tuples are recognized by identity
@@ -109,7 +116,11 @@ class RowArena:
         self.data = self.flat[:0].view(0, 0, width)
         self.slots = Slots()
         self.moved_rows = 0                       # rows copied in from elsewhere so far (tests, benchmarks)
-        self._set: tuple | None = None            # (slots, row tuples) of the last `give` (`kept`)
+        # per slot: the first row in flat and the rows its state holds (read through the slot's ArenaRows)
+        self.first = np.zeros(0, dtype=np.int64)
+        self.count = np.zeros(0, dtype=np.int64)
+        self._rows: list = []                     # per slot: its ArenaRows (made on first use)
+        self._held: tuple | None = None           # (ArenaRows list, slots int64) of the last `hold`, state order
 
     def _shape_for(self, slots: int, rows: int) -> tuple[int, int]:
         """(slots, rows per slot) after a growth that must hold `slots` live slots of `rows` rows: rows double
@@ -169,10 +180,15 @@ class RowArena:
                 else:
                     data[:len(src), :C] = old_data[torch.tensor(src, device=old_data.device)]
             self.data, self.flat = data, store
+        first, count, objs = np.zeros(S2, dtype=np.int64), np.zeros(S2, dtype=np.int64), [None] * S2
         for a, b, st in moves:
+            if a < len(self._rows) and self._rows[a] is not None:
+                objs[b], objs[b].slot = self._rows[a], b
+                first[b], count[b] = b * C2 + (self.first[a] - a * C), self.count[a]
             t = getattr(st, self.key)
-            if t is not None and t[0] is old:
+            if type(t) is tuple and t[0] is old:
                 setattr(st, self.key, (self.flat, b * C2 + (t[1] - a * C), *t[2:]))
+        self.first, self.count, self._rows, self._held = first, count, objs, None
         if self.on_grow is not None and S * C:      # (nothing can have read an empty arena)
             self.on_grow()
         return True
@@ -184,26 +200,74 @@ class RowArena:
             slots = self.slots.of_all(states)  # (a growth renumbers the slots)
         return slots
 
-    def reserve(self, states: list, counts: list[int], log: list | None = None) -> tuple[torch.Tensor, list[int]]:
-        """Room for counts[k] rows of states[k] in its slot: the arena grows as needed, rows a state holds
-        elsewhere (fresh from the reference path, a deep copy, another arena) move in (one gather), and each state
-        then holds (flat, its slot's first row, counts[k]) (None while 0). Its rows past what it held before are
-        the caller's to write (`append`, or a CUDA graph, engine/compress_step.py). log: an undo log (`undo`) that
-        gets the states' row tuples as they were (after a growth re-pointed them). -> (flat, each state's first
-        row). Cost: host work per state is a few attribute reads; a copy only for rows that move in."""
+    def rows_of(self, slot: int) -> ArenaRows:
+        """The slot's ArenaRows (one object per slot, renumbered with it by a growth)."""
+        obj = self._rows[slot]
+        if obj is None:
+            obj = self._rows[slot] = ArenaRows(self, slot)
+        return obj
+
+    def held(self, states: list) -> np.ndarray | None:
+        """Each state's slot (int64) when the states are those of the last `hold`, in its order, and each still
+        holds its slot's ArenaRows (C-level identity checks, no Python per state); else None."""
+        last = self._held
+        if last is None or len(last[0]) != len(states) or not all(map(operator.is_, map(self._get, states),
+                                                                      last[0])):
+            return None
+        return last[1]
+
+    def hold(self, states: list, slots: list, first=None, count=None, log: list | None = None) -> np.ndarray:
+        """Point each state at its slot's ArenaRows, with (first, count) rows when given (the rows already in
+        place; else the caller's `update` sets them), the old attribute values logged (`undo`). -> the slots
+        (int64)."""
+        objs = list(map(self.rows_of, slots))
+        at = np.asarray(slots, dtype=np.int64)
+        if count is not None:
+            self.first[at], self.count[at] = first, count
+        if log is not None:
+            log.append((states, self.key, list(map(self._get, states))))
+        set_each(states, self.key, objs)
+        self._held = (objs, at)
+        return at
+
+    def update(self, states: list, slots: np.ndarray, count: np.ndarray, first=None, log: list | None = None) -> None:
+        """The states (at `slots`, holding their ArenaRows: `held`) now hold `count` rows (from `first`, when
+        given): the arrays written for all slots at once, their old values logged (`undo`)."""
+        if log is not None:
+            log.append((self, slots, self.first[slots], self.count[slots]))
+        if first is not None:
+            self.first[slots] = first
+        self.count[slots] = count
+        self._none(states, count, log)
+
+    def _none(self, states: list, count: np.ndarray, log: list | None) -> None:
+        """States given no rows hold None, as on the reference path (a rollback to none leaves its ArenaRows,
+        read as no rows, as a cut tuple was); `held` then answers None until the next `hold`."""
+        if count.all():
+            return
+        zero = [states[k] for k in np.flatnonzero(count == 0).tolist()]
+        if log is not None:
+            log.append((zero, self.key, list(map(self._get, zero))))
+        set_each(zero, self.key, itertools.repeat(None, len(zero)))
+        self._held = None
+
+    def place(self, states: list, rows: int, log: list | None = None) -> np.ndarray:
+        """Each state's slot (int64), room for `rows` rows a slot made and every state holding its slot's
+        ArenaRows with the rows it held (`count`): the arena grows as needed and rows a state holds elsewhere
+        (fresh from the reference path, a deep copy, another arena) move in (one gather). The common case (the
+        same states as last time, each holding its object, rows that fit) is one identity check (`held`)."""
+        slots = self.held(states)
+        if slots is not None and rows <= self.data.shape[1]:
+            return slots
         from .compressor import Sources
-        key = self.key
-        slots = self.slots_for(states, max(counts))
+        slots = self.slots_for(states, rows)
         flat, cap = self.flat, self.data.shape[1]
         starts = list(map(cap.__mul__, slots))
-        olds = list(map(operator.attrgetter(key), states))      # (after a growth: re-pointed)
-        if log is not None:
-            log.append((states, key, olds))
-        if self.kept(slots, olds):
-            away = []
-        else:
-            away = [k for k, (t, s0) in enumerate(zip(olds, starts))
-                    if t is not None and t[2] and (t[0] is not flat or t[1] != s0)]
+        # (a state's own slot's object stays; another one, of another arena or slot, as the tuple it reads)
+        olds = [t.rows() if type(t) is ArenaRows and (t.arena is not self or t.slot != s) else t
+                for t, s in zip(map(self._get, states), slots)]
+        away = [k for k, (t, s0) in enumerate(zip(olds, starts))
+                if t is not None and t[2] and type(t) is not ArenaRows and (t[0] is not flat or t[1] != s0)]
         if away:                              # rows elsewhere: move them in (one gather)
             src, mig_from, mig_to = Sources(0), [], []
             for k in away:
@@ -214,31 +278,17 @@ class RowArena:
             rows_from, rows_to = to_device_many([mig_from, mig_to], flat.device)
             flat.index_copy_(0, rows_to, src.cat(None, 0)[rows_from])
             self.moved_rows += len(mig_from)
-        if min(counts):
-            self.give(states, key, slots, list(zip(itertools.repeat(flat), starts, counts)))
-        else:
-            self.forget()
-            for st, s0, m in zip(states, starts, counts):
-                if m:                        # (a state with no rows keeps None, as on the reference path)
-                    setattr(st, key, (flat, s0, m))
-        return flat, starts
+        return self.hold(states, slots, starts, [0 if t is None else t[2] for t in olds], log)
 
-    def kept(self, slots: list, olds: list) -> bool:
-        """Whether the states are those of the last `give` (`slots` is Slots.of_all's list of then: the same
-        objects in the same order) and each still holds the tuple it got (`olds`: their tuples now): then none
-        holds rows elsewhere. C-level identity checks, no Python per state."""
-        last = self._set
-        return last is not None and last[0] is slots and all(map(operator.is_, olds, last[1]))
-
-    def give(self, states: list, key: str, slots: list, rows: list) -> None:
-        """states[k].<key> = rows[k] (their row tuples in this arena) for every k (cache.set_each: C-level maps),
-        remembered for `kept`."""
-        set_each(states, key, rows)
-        self._set = (slots, rows)
-
-    def forget(self) -> None:
-        """States were given rows another way than `give`: `kept` answers False until the next `give`."""
-        self._set = None
+    def reserve(self, states: list, counts, log: list | None = None) -> tuple[torch.Tensor, np.ndarray]:
+        """Room for counts[k] rows of states[k] in its slot (`place`), each state then holding counts[k] rows
+        from its slot's first row. Its rows past what it held before are the caller's to write (`append`, or a
+        CUDA graph, engine/compress_step.py). log: an undo log (`undo`) that gets what changes as it was.
+        -> (flat, each state's first row, int64)."""
+        counts = np.asarray(counts, dtype=np.int64)
+        slots = self.place(states, int(counts.max()), log)
+        self.update(states, slots, counts, log=log)
+        return self.flat, self.first[slots]
 
     def append(self, states: list, new: torch.Tensor, news: list[int]) -> tuple[torch.Tensor, list[int]]:
         """state.<name> += its news[s] rows of `new` [sum(news), width] (in state order), in place.
@@ -248,29 +298,32 @@ class RowArena:
         flat, starts = self.reserve(states, [o + k for o, k in zip(olds, news)])
         n_new = sum(news)
         if n_new:
-            first = np.asarray(starts, dtype=np.int64) + np.asarray(olds, dtype=np.int64)
-            dst = torch.from_numpy(ragged_arange(first, news))
+            dst = torch.from_numpy(ragged_arange(starts + np.asarray(olds, dtype=np.int64), news))
             flat.index_copy_(0, to_device_many([dst], flat.device)[0], new.to(flat.dtype))
-        return flat, starts
+        return flat, starts.tolist()
 
 
-def arena_for(model, layer: int, part: str, name: str, like: torch.Tensor) -> RowArena:
+def arena_for(model, layer: int, part: str, name: str, like: torch.Tensor, ring: int | None = None) -> RowArena:
     """The model's arena for the rows `name` of layer `layer`'s state `part` (comp, icomp, layer: the LayerCache
-    itself) in like's width / dtype / device (made on first use)."""
+    itself) in like's width / dtype / device (made on first use; ring: its rows wrap around rings of that many)."""
     arenas = model.__dict__.setdefault("_row_arenas", {})
     key = (layer, part, name, like.shape[-1], like.dtype, like.device)
     a = arenas.get(key)
     if a is None:
         a = arenas[key] = RowArena(name, like.shape[-1], like.dtype, like.device, on_grow=model.reset_graphs,
-                                   layer=layer, part=part)
+                                   layer=layer, part=part, ring=ring)
     return a
 
 
 def undo(log: list) -> None:
-    """Put back what an undo log holds, last entry first: entries (objects, attribute name, their old values) or
-    (objects, attribute names, their old value tuples), made while the values were read anyway (`reserve`,
-    compress_step.plan_layer: the plan's common path logs what it reads anyway; its ungated path makes one pass)."""
-    for objs, keys, vals in reversed(log):
+    """Put back what an undo log holds, last entry first: entries (objects, attribute name, their old values),
+    (objects, attribute names, their old value tuples) or (arena, slots, their old first rows, counts): made
+    before the values change (`RowArena.hold` / `update`, compress_step.plan_layer)."""
+    for objs, keys, *vals in reversed(log):
+        if isinstance(objs, RowArena):
+            objs.first[keys], objs.count[keys] = vals
+            continue
+        vals = vals[0]
         if isinstance(keys, str):
             for o, v in zip(objs, vals):
                 setattr(o, keys, v)
@@ -283,13 +336,13 @@ def undo(log: list) -> None:
 class WindowSlab:
     """Every sequence's sliding-window keys of every layer at fixed addresses: data [L, slots, cap, D].
 
-    A sequence (its SequenceCache) owns one slot; its WindowStack is (data, slot, lo, hi): rows lo..hi of the
-    slot hold its last hi - lo keys of every layer, and a step writes its new rows at hi.. in place (the attention
-    kernel reads data[layer] flat as its window pool). When a slot's rows would pass cap, the kept rows move to
-    the slot's start first (once every ~cap - keep steps). Slots are freed with their cache (weakref.finalize);
-    when the slots run out the slab grows (slots doubled, compacted to the live ones, renumbered; one copy),
-    re-points every live stack and calls `on_grow` (the
-    model drops its CUDA graphs, which read the old address)."""
+    A sequence (its SequenceCache) owns one slot; its WindowStack is (slab, slot): rows lo[slot]..hi[slot] of the
+    slot hold its last hi - lo keys of every layer (the per-slot arrays `lo` / `hi`), and a step writes its new rows
+    at hi.. in place (the attention kernel reads data[layer] flat as its window pool) and moves every sequence's
+    lo / hi at once (batched.commit_windows). When a slot's rows would pass cap, the kept rows move to the slot's
+    start first (once every ~cap - keep steps). Slots are freed with their cache (weakref.finalize); when the
+    slots run out the slab grows (slots doubled, compacted to the live ones, renumbered; one copy), renumbers every
+    live stack and calls `on_grow` (the model drops its CUDA graphs, which read the old address)."""
 
     def __init__(self, layers: int, width: int, keep: int, max_rows: int, dtype: torch.dtype,
                  device: torch.device, on_grow=None):
@@ -299,6 +352,25 @@ class WindowSlab:
             self.data = torch.zeros((layers, 0, self.cap, width), dtype=dtype, device=device)
         self.on_grow = on_grow
         self.slots = Slots()
+        self.lo = np.zeros(0, dtype=np.int64)     # per slot: its stack's first and end row (WindowStack.lo / hi)
+        self.hi = np.zeros(0, dtype=np.int64)
+        self._held: tuple | None = None           # (stacks, slots int64) of the last `hold`, in cache order
+
+    def held(self, caches: list) -> np.ndarray | None:
+        """Each cache's slot (int64) when the caches are those of the last `hold`, in its order, each still holding
+        its stack with every layer attached (a detach calls `forget`): C-level identity checks; else None."""
+        last = self._held
+        if last is None or len(last[0]) != len(caches) or not all(map(operator.is_, map(_WINDOWS, caches),
+                                                                      last[0])):
+            return None
+        return last[1]
+
+    def hold(self, stacks: list, slots) -> None:
+        """The step's caches hold these stacks (every layer attached), in cache order (`held`)."""
+        self._held = (stacks, np.asarray(slots, dtype=np.int64))
+
+    def forget(self) -> None:
+        self._held = None
 
     def slots_for(self, caches: list) -> list[int]:
         """Each cache's slot (handed out on first use; the slab grows once when they do not fit)."""
@@ -322,10 +394,12 @@ class WindowSlab:
                 self.data[:, :len(src)] = old[:, :len(src)]
             elif src:
                 self.data[:, :len(src)] = old[:, torch.tensor(src, device=old.device)]
+        lo, hi = np.zeros(S2, dtype=np.int64), np.zeros(S2, dtype=np.int64)
         for a, b, cache in moves:
             st = cache.windows
-            if st is not None and st.buf is old and st.slot == a:
-                st.buf, st.slot = self.data, b
+            if st is not None and st.slab is self and st.slot == a:
+                lo[b], hi[b], st.slot = self.lo[a], self.hi[a], b
+        self.lo, self.hi, self._held = lo, hi, None
         if self.on_grow is not None and S:
             self.on_grow()
 
@@ -336,6 +410,9 @@ class WindowSlab:
         """Bytes of one slot (every layer's window rows of one sequence)."""
         L, _, C, D = self.data.shape
         return L * C * D * self.data.element_size()
+
+
+_WINDOWS = operator.attrgetter("windows")
 
 
 def window_slab(model, like: torch.Tensor, max_rows: int) -> WindowSlab:

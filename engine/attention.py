@@ -18,13 +18,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_sg.kernels.rmsnorm import rms_norm
+from deepinfer_sg.kernels.rmsnorm import rms_norm, rms_norm_pair
 
 from .compressor import Compressor
 from .config import LayerSpec, ModelConfig
 from .indexer import Indexer
 from .norm import RMSNorm, rms_normalize
 from .rope import apply_rope, turn_table
+
+
+def rope_inside(model) -> bool:
+    """Whether the batched step's attention kernel applies the RoPE of q and the inverse RoPE of its output
+    (kernels.sparse_attention's `turn`: q's rope channels turned as they load, the output's turned back before it
+    is stored, instead of a rope launch on each side: two launches a layer fewer; the output's turned channels
+    rounded once instead of twice). With model.fused_rope, unless quant_sim (that path keeps the separate
+    rotations, rounded as the reference rounds them before its FP8 QDQ of the wo_a input). Measured:
+    kernels/decode_attention.py's docstring."""
+    return model.fused_rope and not model.quant_sim
 
 
 def attend_with_sink(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, sinks: torch.Tensor,
@@ -73,14 +83,28 @@ class Attention(nn.Module):
                 del self.indexer.wq_b, self.indexer.weights_proj
 
     # ---- building blocks ----
-    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, xa: torch.Tensor | None = None):
+    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, xa: torch.Tensor | None = None,
+                  rope: bool = True):
         """x [T, H] (attn-norm output) -> (q [T, nh, D] rotated, qr [T, Lq] for the indexer). xa: wq_a(x) when
-        already computed (engine/projections.py)."""
-        qr = self.q_norm(self.wq_a(x) if xa is None else xa)
-        q = self.wq_b(qr).view(x.shape[0], self.nh, self.D)
+        already computed (engine/projections.py). rope=False: q before its RoPE (`rope_inside`)."""
+        return self._q_heads(self.q_norm(self.wq_a(x) if xa is None else xa), cos, sin, rope)
+
+    def project_q_store_kv(self, x: torch.Tensor, cos, sin, pool: torch.Tensor, rows: torch.Tensor, xa: torch.Tensor,
+                           xkv: torch.Tensor, rope: bool = True):
+        """`project_q` and `store_kv` from the stacked products xa = wq_a(x) and xkv = wkv(x): q_norm and the window
+        kv's norm + rotation + slab write as one kernels.rmsnorm launch on CUDA (`rms_norm_pair`: the same bits as
+        the two launches) -> (q, qr) as project_q."""
+        qn, kn = self.q_norm, self.kv_norm
+        qr, _ = rms_norm_pair(xa, qn.weight_fp32(), qn.eps, xkv, kn.weight_fp32(), kn.eps,
+                              turn_table(cos, sin).to(x.device), out=pool, rows=rows)
+        return self._q_heads(qr, cos, sin, rope)
+
+    def _q_heads(self, qr: torch.Tensor, cos, sin, rope: bool):
+        """q_norm's output qr [T, Lq] -> (q [T, nh, D], rotated unless rope=False, qr)."""
+        q = self.wq_b(qr).view(qr.shape[0], self.nh, self.D)
         if self.config.q_norm:
             q = rms_normalize(q, self.config.rms_norm_eps)
-        return apply_rope(q, cos, sin), qr
+        return apply_rope(q, cos, sin) if rope else q, qr
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    xkv: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,8 +125,9 @@ class Attention(nn.Module):
                 for i in range(0, q.shape[0], block)]
         return torch.cat(outs) if outs else q.new_zeros(q.shape)
 
-    def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """o [T, nh, D] -> [T, H]: inverse RoPE at the query positions, then the grouped low-rank projection.
+    def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: bool = True) -> torch.Tensor:
+        """o [T, nh, D] -> [T, H]: inverse RoPE at the query positions (rope=False: o has had it, `rope_inside`),
+        then the grouped low-rank projection.
         (Measured and dropped, session 7: the rotation inside a few-row Triton GEMM for `wo_a` (kernels.skinny),
         35 / 129 us at 8 / 64 rows of the mid-size model against 14 / 15 us for rope + bmm + copy; session 8 R1:
         wo_a, wo_b, wq_b and the stacked xn projections all by split-K kernels.skinny, the whole mid-size step
@@ -110,7 +135,8 @@ class Attention(nn.Module):
         the GEMM library.)"""
         T = o.shape[0]
         G = self.config.o_groups
-        o = apply_rope(o, cos, sin, inverse=True)
+        if rope:
+            o = apply_rope(o, cos, sin, inverse=True)
         g = o.reshape(T, G, -1)                                            # heads 0..nh/G-1 -> group 0, ...
         if self.act_qdq is not None:
             g = self.act_qdq(g)

@@ -44,12 +44,13 @@ from deepinfer_sg.kernels.backend import use_triton
 
 from . import compress_step, projections, streams
 from .arena import arena_for
+from .attention import rope_inside
 from .compressor import Sources
 from .engram import WindowSource
 from .indexer import fused_scores, select_ids, step_queries
 from .mhc import ReadOut, hc_post, hc_post_and_mixes, hc_pre
-from .rope import Turns, step_turns
-from .transfer import made_once, ragged_arange, to_device_many
+from .rope import Turns, step_turns, turn_table
+from .transfer import ragged_arange, to_device_many
 
 MAX_FAST_ROWS = 16   # chunks up to this many rows use the batched path (decode, verify); longer ones: reference
 
@@ -81,6 +82,8 @@ class BatchPlan:
     # holds its past rows up to row win_end[s] (win_m[s] rows), its new rows follow; win_lens[s] = per-layer past
     # window lengths, or None when all L layers hold win_m[s] rows (the sequence's WindowStack)
     win_all: torch.Tensor | None = None
+    win_slab: object = None                       # the WindowSlab of win_all
+    win_held: bool = False                        # every sequence's stack in its slot, held (WindowSlab.held)
     win_slot: list = field(default_factory=list)
     win_end: list = field(default_factory=list)
     win_m: list = field(default_factory=list)
@@ -194,7 +197,8 @@ def usable(model, chunks_rows: list[int]) -> bool:
 
 # ------------------------------------------------------------------------------------------------ index tensors
 def window_index(plan: BatchPlan, past_lens, W: int, decoder: bool) -> Deferred:
-    """Each row's (first, skip) for `window_idx` (host arithmetic, uploaded with the step's other index lists).
+    """Each row's (first, skip) for the attention kernel's window gather (host arithmetic, uploaded with the step's
+    other index lists).
 
     Sequence s's key at position kp sits at row slot_s * cap + win_end[s] + (kp - start_s) of the flat window pool
     win_all[layer].view(slots * cap, D): base = slot_s * cap + win_end[s] - start_s. A row at position p sees key
@@ -216,36 +220,36 @@ def window_index(plan: BatchPlan, past_lens, W: int, decoder: bool) -> Deferred:
     return rows
 
 
-def window_idx(rows: torch.Tensor, W: int) -> torch.Tensor:
-    """win_idx [T, W] into the flat window pool (-1 = no key) from `window_index`'s rows [T, 2] (device; inside
-    the step's graph; made once per step and shared by the layers): as the attention kernel reads them, int32 on
-    CUDA (read from the low words of the uploaded little-endian int64 values, all of magnitude below 2^31), int64
-    for the torch twin.
-    Three launches (the row positions and the window's start folded into the rows on the host: the device arithmetic
-    from positions and the int32 conversion were eight)."""
-    if rows.is_cuda:
-        rows = rows.view(torch.int32)[:, 0::2]
-    j = made_once(("arange", W, rows.dtype), rows.device,
-                  lambda: torch.arange(W, dtype=rows.dtype, device=rows.device))
-    return torch.where(j >= rows[:, 1:2], rows[:, 0:1] + j, -1)
-
-
 def prepare_windows(model, ctx, plan: BatchPlan, like: torch.Tensor) -> None:
     """Place this step's sequences in the model's window slab (engine/arena.py; dtype/device of `like`) and record
     where their rows go. A sequence whose stack already lives in its slot costs nothing (unless its rows must move
     to the slot's start: once every ~cap - keep steps); windows from elsewhere (the reference path, a copy) are
-    copied in, right-aligned at the same row for every layer. Once per step."""
+    copied in, right-aligned at the same row for every layer. Once per step. The common case (the caches of the last
+    step, each holding its stack: WindowSlab.held) is numpy over the slab's per-slot arrays."""
     from .arena import window_slab
     L = len(model.layers)
     slab = window_slab(model, like, MAX_FAST_ROWS)
+    caches = [s.cache for s in ctx.seqs]
+    plan.win_slab, data, cap = slab, slab.data, slab.cap
+    held = slab.held(caches)
+    if held is not None:
+        lo, hi = slab.lo[held], slab.hi[held]
+        for k in np.flatnonzero(hi + np.asarray(plan.ns, dtype=np.int64) > cap).tolist():   # (rare: see below)
+            slot, m = int(held[k]), int(hi[k] - lo[k])
+            data[:, slot, :m] = data[:, slot, lo[k]:hi[k]].clone()
+            lo[k], hi[k] = slab.lo[slot], slab.hi[slot] = 0, m
+        plan.win_all, plan.win_slot, plan.win_end, plan.win_m = data, held, hi, hi - lo
+        plan.win_lens, plan.win_uniform, plan.win_held = [None] * len(caches), True, True
+        plan.win_new_rows = plan.defer(ragged_arange(held * cap + hi, plan.ns))
+        return
     ends, ms, lens = [], [], []
-    slots = slab.slots_for([s.cache for s in ctx.seqs])     # (may grow the slab: read slab.data after this)
-    data, cap = slab.data, slab.cap
+    slots = slab.slots_for(caches)     # (may grow the slab: read slab.data after this)
+    data = slab.data
     for s, slot in zip(ctx.seqs, slots):
         st = s.cache.windows
         if st is not None and st.attached == L:
             m = st.m
-            if st.buf is data and st.slot == slot:
+            if st.slab is slab and st.slot == slot:
                 end = st.hi
                 if end + s.n > cap:        # move the kept rows to the slot's start
                     data[:, slot, :m] = data[:, slot, st.lo:st.hi].clone()
@@ -408,14 +412,16 @@ def pre_attention(model, block, R: torch.Tensor, a, cos: torch.Tensor, sin: torc
     parts = (None if model.quant_sim or not model.stack_projections   # [q_a, kv, (w), (the compressor's)]
              else projections.xn_products(model, attn, xn))
     fused = model.fused_rope and not model.quant_sim
-    q, qr = attn.project_q(xn, cos, sin, xa=None if parts is None else parts[0])
     xkv = None if parts is None else parts[1]
     pool = None if store is None else window_pool(store[0], i)
-    if pool is not None and fused and pool.dtype == xn.dtype:
-        attn.store_kv(xn, cos, sin, pool, store[1], xkv=xkv)
-        kv = None
+    stored = pool is not None and fused and pool.dtype == xn.dtype
+    if stored and parts is not None:     # (q_norm and the window kv's store in one launch: kernels.rmsnorm's pair)
+        q, qr = attn.project_q_store_kv(xn, cos, sin, pool, store[1], parts[0], xkv, rope=not rope_inside(model))
     else:
-        kv = model._qdq(attn.project_kv(xn, cos, sin, xkv=xkv), "window")
+        q, qr = attn.project_q(xn, cos, sin, xa=None if parts is None else parts[0], rope=not rope_inside(model))
+        if stored:
+            attn.store_kv(xn, cos, sin, pool, store[1], xkv=xkv)
+    kv = None if stored else model._qdq(attn.project_kv(xn, cos, sin, xkv=xkv), "window")
     iq = w = None
     index = attn.spec.index_source == i
     if parts is not None and side is not None and len(parts) > 2 + index:
@@ -434,7 +440,7 @@ def post_attention(model, block, o: torch.Tensor, R: torch.Tensor, pre: torch.Te
     (mhc.hc_post_and_mixes), and the MoE write-back reads out the next sub-layer's input the same way, with the
     next layer's attention mixes where nothing changes R in between (no Engram mix there: the read-out is then a
     mhc.ReadOut for its pre_attention). -> (R, a, that read-out or None)."""
-    y = block.attn.output(o, cos, sin)
+    y = block.attn.output(o, cos, sin, rope=not rope_inside(model))
     # the grouped expert kernel bypasses the experts' Linear modules, so not with quant_sim's input hooks
     fast_moe = not model.quant_sim
     if not (model.fused_mhc and model.config.hc_shifted):
@@ -489,15 +495,13 @@ BOUNDARY = "layer boundary"
 
 class Handoff(NamedTuple):
     """What a segment ending at a BOUNDARY hands the next one (V4.1: the cuts before Engram layers). It travels in
-    the first five slots of the layer chain (R, pre, post, comb, q: the graph runner takes tensors in order), so
-    `span` names them on both sides. turns: the step's rotations made once by its first segment (rope.step_turns'
-    table, the rows of Model._turn_kinds); win_idx: the window indices when one list serves every layer of the
-    step, else None."""
+    the first four slots of the layer chain (R, pre, post, comb: the graph runner takes tensors in order), so
+    `span` names them on both sides. turns: the step's rotations made once by its first segment
+    (rope.step_turns' table, the rows of Model._turn_kinds)."""
     R: torch.Tensor
     a: torch.Tensor
     x: torch.Tensor
     turns: torch.Tensor
-    win_idx: torch.Tensor | None
 
 
 def engram_layers(model) -> list[int]:
@@ -536,7 +540,7 @@ def engram_splits(model, on_device: list[int] | None = None) -> list[int]:
 
 
 def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv, iq, w, token_ids, positions,
-         win_all, new_rows, *per, one_window: bool = False):
+         win_all, new_rows, *per):
     """The work between two eager cache updates, as one pure function of its inputs (a CUDA-graph segment, see
     step_graphs.py): the rest of layer `prev_e` (its selection / attention over q, kv, iq, w and the MoE; None: the
     embedding instead; BOUNDARY: nothing, the streams R, pre-mix a = `pre` and read-out x = `post` come from the
@@ -544,35 +548,27 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
     collapse, norm and, with every_row, the head; BOUNDARY: nothing). meta[k] = (core kind, index G) and
     per[k] = LAYER_INPUTS of each layer with a core here ([prev_e] + full), then next_e's engram rows.
     -> (pre_attention's outputs of next_e, (hidden, logits in the head's dtype or None), or at a BOUNDARY a
-    `Handoff`, which the next segment takes in its (R, pre, post, comb, q) slots), then per core layer its DSpark
+    `Handoff`, which the next segment takes in its (R, pre, post, comb) slots), then per core layer its DSpark
     features (None for prev_e), its selected ids and candidate blocks (None where it has none)."""
     layers = model.layers
     c = model.config
     n = len(LAYER_INPUTS)
     n0 = len(ENTRY_INPUTS)
-    ids_of, cand_of, extra, win_of = {}, {}, [], {}
-    # the step's rotations and window rows: made by the step's first segment, handed on at a BOUNDARY instead of
-    # being made again by every segment (one_window: every layer of the step reads one window list)
-    handed = Handoff(R, pre, post, comb, q) if prev_e == BOUNDARY else None
+    ids_of, cand_of, extra = {}, {}, []
+    # the step's rotations: made by the step's first segment, handed on at a BOUNDARY instead of being made again
+    # by every segment
+    handed = Handoff(R, pre, post, comb) if prev_e == BOUNDARY else None
     kinds, freqs, ratios = model._turn_kinds()
-    if handed is not None:
-        tab = handed.turns
-        if one_window and meta:
-            win_of[per[1].data_ptr()] = handed.win_idx
-    else:
-        tab = step_turns(freqs, ratios, positions)
+    tab = handed.turns if handed is not None else step_turns(freqs, ratios, positions)
     turn_of = {kr: Turns(tab[0, c], tab[1, c]) for c, kr in enumerate(kinds)}     # ((rope kind, ratio) -> Turns)
     rope = {k: (turn_of[(k, 1)], None) for k in ("main", "compress")}
 
     def core(k, j, q, kv, iq, w):
         e, win_rows, kv_pool, kv_start, kv_count, ids, keys, kstart, kcount, cand = per[n * k:n * k + n0]
-        if win_rows.data_ptr() not in win_of:     # (layers with the same past lengths share the rows)
-            win_of[win_rows.data_ptr()] = window_idx(win_rows, c.sliding_window)
-        win_idx = win_of[win_rows.data_ptr()]
         kind, G = meta[k]
         attn = layers[j].attn
         spec = attn.spec
-        cand_j = None
+        cand_j = visible = None
         if kind == "select":
             ids = None
             if G:
@@ -588,12 +584,11 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
         elif kind == "consumer" and ids is None:
             ids = ids_of.get(spec.index_source)
         elif kind == "all" and kv_pool is not None:
-            g = torch.arange(G, device=q.device)[None, :]
-            ids = torch.where(g < ((positions + 1) // spec.ratio)[:, None], g.expand(q.shape[0], -1), -1)
+            visible = (positions, spec.ratio, G)        # (every entry the row sees: the kernel makes their ids)
         extra.extend([ids if kind == "select" else None, cand_j])
-        entries = kv_pool is not None and ids is not None    # (the attention kernel makes their pool rows)
-        return attend(attn, q, kv, win_all, new_rows, win_idx, kv_pool if entries else None, ids if entries else None,
-                      kv_start, kv_count)
+        entries = kv_pool is not None and (ids is not None or visible is not None)   # (the kernel makes pool rows)
+        return attend(attn, q, kv, win_all, new_rows, win_rows, kv_pool if entries else None, ids if entries else None,
+                      kv_start, kv_count, turn_table(*rope[spec.rope]) if rope_inside(model) else None, visible)
 
     feats = []
     first = 0 if prev_e is None or prev_e == BOUNDARY else 1
@@ -630,7 +625,7 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
     if ahead:
         streams.join(next(iter(ahead.values()))[2])
     if next_e == BOUNDARY:
-        return (*Handoff(R, a, x, tab, next(iter(win_of.values())) if one_window and win_of else None), *tail)
+        return (*Handoff(R, a, x, tab), *tail)
     if next_e is None:
         hfin = x if x is not None else model.collapse_streams(R, a)    # (shifted mHC: the last read-out)
         # (the logits in the head's dtype: the caller's conversion to fp32 is also their copy out of a graph's buffer)
@@ -703,15 +698,21 @@ def span_inputs(model, attn, ctx, plan):
 
 
 def attend(attn, q: torch.Tensor, kv: torch.Tensor, win_all: torch.Tensor, new_rows: torch.Tensor,
-           win_idx: torch.Tensor, cmp_pool, ids, start, count) -> torch.Tensor:
+           win_rows: torch.Tensor, cmp_pool, ids, start, count, turn: torch.Tensor | None = None,
+           visible: tuple | None = None) -> torch.Tensor:
     """Write this step's window rows kv [T, D] into the slab (rows new_rows of layer attn.layer_id; kv None: already
-    written, pre_attention's `store`) and attend: q [T, nh, D] over win_idx's window keys and the compressed entries
-    ids [T, w] of cmp_pool (row t's at pool rows start[t] + id for 0 <= id < count[t]; -1 = none) -> [T, nh, D]."""
+    written, pre_attention's `store`) and attend: q [T, nh, D] over its window keys (`window_index`'s rows [T, 2]:
+    the kernel makes each row's W key rows from its (first, skip)) and the compressed entries ids [T, w] of cmp_pool
+    (row t's at pool rows start[t] + id for 0 <= id < count[t]; -1 = none; or with visible = (positions, ratio, G)
+    every entry id g < G with g < (p + 1) // ratio) -> [T, nh, D]. turn: the rows' RoPE turns (rope.turn_table)
+    when q comes before its RoPE (attention.rope_inside): the kernel turns q and turns its output back."""
     win_pool = window_pool(win_all, attn.layer_id)
     if kv is not None:
         win_pool.index_copy_(0, new_rows, kv.to(win_pool.dtype))
-    return sparse_attention(q, win_pool, win_idx, attn.attn_sink, cmp_pool, ids, scale=attn.scale,
-                            cmp_start=None if ids is None else start, cmp_count=None if ids is None else count)
+    entries = cmp_pool is not None
+    return sparse_attention(q, win_pool, win_rows, attn.attn_sink, cmp_pool, ids, scale=attn.scale,
+                            cmp_start=start if entries else None, cmp_count=count if entries else None, turn=turn,
+                            window=attn.config.sliding_window, visible=visible)
 
 
 def window_pool(win_all: torch.Tensor, layer: int) -> torch.Tensor:
@@ -742,27 +743,38 @@ def _bucket(n: int) -> int:
 
 def commit_windows(model, ctx, plan: BatchPlan) -> None:
     """Advance every sequence's windows to the end of this step: its WindowStack points at its slab slot (rows
-    written in place this step; no copies). A sequence whose layers held windows of different lengths (after a
-    YOCO-compacted prefill) gets one view per layer instead."""
+    written in place this step; no copies; when the plan found every stack held, numpy over the slab's per-slot
+    arrays). A sequence whose layers held windows of different lengths (after a YOCO-compacted prefill) gets one
+    view per layer instead."""
     if plan.win_all is None:
         return
     from .cache import WindowStack
     keep = model.config.sliding_window - 1 + model.max_rollback
-    win = plan.win_all
+    slab, win = plan.win_slab, plan.win_all
+    if plan.win_held:
+        end = plan.win_end + np.asarray(plan.ns, dtype=np.int64)
+        slab.lo[plan.win_slot] = np.maximum(slab.lo[plan.win_slot], end - keep)
+        slab.hi[plan.win_slot] = end
+        return
+    stacks = []
     for b, (s, slot, end, ls) in enumerate(zip(ctx.seqs, plan.win_slot, plan.win_end, plan.win_lens)):
         end += s.n
         st = s.cache.windows
-        if ls is None and st is not None and st.buf is win and st.slot == slot:
+        if ls is None and st is not None and st.slab is slab and st.slot == slot:
             if end - keep > st.lo:
                 st.lo = end - keep
             st.hi = end
         elif ls is None or len(set(ls)) == 1:
             m = plan.win_m[b] if ls is None else ls[0]
-            st = WindowStack(win, slot, max(0, end - min(keep, m + s.n)), end)
+            st = WindowStack(slab, slot)
+            st.lo, st.hi = max(0, end - min(keep, m + s.n)), end
             for k, lc in enumerate(s.cache.layers):
                 lc.attach(st, k)
             s.cache.windows = st
         else:
             for k, lc in enumerate(s.cache.layers):
                 lc.win = win[k, slot, end - min(keep, ls[k] + s.n):end]
-            s.cache.windows = None
+            s.cache.windows = st = None
+        stacks.append(st)
+    if None not in stacks:
+        slab.hold(stacks, plan.win_slot)

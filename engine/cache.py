@@ -18,7 +18,9 @@ compressed entries whose group is no longer complete become invisible and are re
 Storage: the batched decode path (engine/batched.py) keeps every sequence's rows of one kind at fixed addresses
 (engine/arena.py: a window slab, per-layer arenas), so the tensor attributes above (`tok_kv`, `tok_gate`,
 `entries`, `latents`, `ikeys`, `tokens`, the WindowStack) are stored as (buffer, first row, rows) and sliced only
-when read: updating a sequence is setting three numbers, and a rollback only shortens the row count. The slab
+when read: updating a sequence is setting three numbers, and a rollback only shortens the row count. In an
+arena the tuple is an `ArenaRows` (the arena's per-slot arrays hold its numbers: a step updates every sequence's
+rows of the arena by writing those arrays at once). The slab
 and arenas are written in place (a sequence's rows past its count belong to it and are overwritten by its next
 step), so a slice read from a cache is valid until that sequence's next fast step; the reference path never
 writes into them (it makes new tensors).
@@ -39,8 +41,36 @@ def ring_rows(buf: torch.Tensor, off: int, n: int, ring: int) -> torch.Tensor:
     return buf[base + (off - base + torch.arange(n, device=buf.device)) % ring]
 
 
-def _shorter(rows: tuple, n: int) -> tuple:
-    """A (buffer, first row, rows[, ring]) tuple cut to at most n rows."""
+class ArenaRows:
+    """The (buffer, first row, rows[, ring]) tuple of a state's rows in its slot of an engine/arena.py RowArena,
+    read from the arena's per-slot arrays when indexed (one object per slot, kept by its state from step to step:
+    the batched path writes the arrays for all slots at once instead of a new tuple per state)."""
+    __slots__ = ("arena", "slot")
+
+    def __init__(self, arena, slot: int):
+        self.arena, self.slot = arena, slot
+
+    def rows(self) -> tuple:
+        a, s = self.arena, self.slot
+        t = (a.flat, int(a.first[s]), int(a.count[s]))
+        return t if a.ring is None else (*t, a.ring)
+
+    def __len__(self) -> int:
+        return 3 if self.arena.ring is None else 4
+
+    def __getitem__(self, k):
+        return self.rows()[k]
+
+    def __iter__(self):
+        return iter(self.rows())
+
+
+def _shorter(rows, n: int):
+    """A (buffer, first row, rows[, ring]) tuple cut to at most n rows (an ArenaRows: its count cut in place)."""
+    if type(rows) is ArenaRows:
+        a, s = rows.arena, rows.slot
+        a.count[s] = max(0, min(int(a.count[s]), n))
+        return rows
     return (rows[0], rows[1], max(0, min(rows[2], n)), *rows[3:])
 
 
@@ -61,6 +91,8 @@ def _rows_property(name: str, doc: str):
         rows = getattr(self, key)
         if rows is None:
             return None
+        if type(rows) is ArenaRows:
+            rows = rows.rows()
         if len(rows) == 4:
             return ring_rows(*rows)
         buf, off, n = rows
@@ -122,22 +154,42 @@ class CompressorState(_RowsMixin):
         return n
 
 
-@dataclass
 class WindowStack:
     """Every layer's window of one sequence as one tensor t [L, m, D] (layer k of the model = t[k]). The batched
-    decode path writes all layers' windows of all sequences in one buffer per step and points each sequence at its
-    part, t = buf[:, slot, lo:hi] (engine/batched.py), instead of one tensor per (sequence, layer); the slice is
-    made only when `t` is read. `attached` counts the layers whose `win` still reads from here (writing a layer's
-    `win` detaches that layer)."""
-    buf: torch.Tensor                     # [L, S, cap, D] a step's window buffer (or [L, m, D] when slot is None)
-    slot: int | None
-    lo: int
-    hi: int
-    attached: int = 0
+    decode path keeps all layers' windows of all sequences in one slab (engine/arena.py WindowSlab) and points each
+    sequence at its part, t = slab.data[:, slot, lo:hi] (engine/batched.py), instead of one tensor per (sequence,
+    layer); the slice is made only when `t` is read. lo / hi live in the slab's per-slot arrays (a step moves every
+    sequence's window by writing them at once). `attached` counts the layers whose `win` still reads from here
+    (writing a layer's `win` detaches that layer)."""
+    __slots__ = ("slab", "slot", "attached")
+
+    def __init__(self, slab, slot: int, attached: int = 0):
+        self.slab, self.slot, self.attached = slab, slot, attached
+
+    @property
+    def buf(self) -> torch.Tensor:
+        """[L, S, cap, D] the slab's data."""
+        return self.slab.data
+
+    @property
+    def lo(self) -> int:
+        return int(self.slab.lo[self.slot])
+
+    @lo.setter
+    def lo(self, v: int) -> None:
+        self.slab.lo[self.slot] = v
+
+    @property
+    def hi(self) -> int:
+        return int(self.slab.hi[self.slot])
+
+    @hi.setter
+    def hi(self, v: int) -> None:
+        self.slab.hi[self.slot] = v
 
     @property
     def t(self) -> torch.Tensor:
-        return self.buf[:, self.lo:self.hi] if self.slot is None else self.buf[:, self.slot, self.lo:self.hi]
+        return self.slab.data[:, self.slot, self.lo:self.hi]
 
     @property
     def m(self) -> int:
@@ -165,6 +217,7 @@ class LayerCache(_RowsMixin):
     def win(self, value: torch.Tensor | None) -> None:
         if self._stack is not None:
             self._stack.attached -= 1
+            self._stack.slab.forget()      # (the stack no longer holds every layer: WindowSlab.held)
             self._stack = None
         self._win = value
 

@@ -15,7 +15,9 @@ Here the work is made fixed-size per token, so it runs inside the one graph of t
   * the V4.1 index keys of a layer that owns them (k_norm(wk(latent)), rotated at the group's position) come from
     the same row's latent, written the same way.
 The host side (`plan_layer`, before the graph) only does arithmetic on positions: arena room (growth, rows moved in
-from the reference path: rare), each row's destination rows, and the states' counts after the step.
+from the reference path: rare), each row's destination rows, and the states' counts after the step, written into
+each arena's per-slot arrays for all states at once (arena.RowArena.update: each state keeps its slot's
+cache.ArenaRows from step to step, so a steady step sets no state attribute but the rings' tok_start).
 Same math as Compressor.step_many (the eager path, still used by V4's overlapping compressors and index
 compressors), row for row, so results are equal bit for bit (with model.fused_rope on CUDA the entry's and index
 key's norm + rotation + write run as one kernels.rmsnorm launch: the same steps and roundings in one kernel).
@@ -65,17 +67,16 @@ def graph_layers(model) -> list[int]:
     return got[1]
 
 
-# a state's token rows as plan_layer reads them (once, for both rings, the rows it keeps and the undo log)
+# a state's token rows as plan_layer reads them on its slow path (for both rings, the rows it keeps, the undo log)
 _TOK_FIELDS = ("tok_start", "_tok_kv", "_tok_gate")
 _TOK = operator.attrgetter(*_TOK_FIELDS)
+_TOK_START = operator.attrgetter("tok_start")
 
 
 def _ring_move_in(arena, states, slots, toks, which: int) -> None:
     """Rows of a state's token rows (`toks`: its (tok_start, tok_kv, tok_gate) tuple, `which` 1 or 2) held
     elsewhere (the reference path's tensors, an eager gather buffer) are copied into its ring slot at their
     positions' ring rows (one gather + one index_copy for all such states)."""
-    if arena.kept(slots, list(map(operator.itemgetter(which), toks))):
-        return
     flat = arena.flat
     moved, dst = [], []
     for st, tk, slot in zip(states, toks, slots):
@@ -90,40 +91,77 @@ def _ring_move_in(arena, states, slots, toks, which: int) -> None:
         arena.moved_rows += len(dst)
 
 
+def _rings(model, i, comp, states, starts, ends, dev, log):
+    """The gated compressor's two token-row rings of layer i (`RING` rows a slot), every state then holding the
+    rows it keeps after the step -> (rings, each state's slot in each (int64), where each state keeps from).
+    The common case (`RowArena.held`: the same states, each holding its slots' objects) reads no state: a state's
+    ring rows end at its length (`held` below), and tok_start is written for all at once."""
+    f32 = torch.empty((0, comp.wkv.weight.shape[0]), dtype=torch.float32, device=dev)
+    rings = tuple(arena_for(model, i, "comp", name, f32, ring=RING) for name in ("tok_kv", "tok_gate"))
+    slots = [a.held(states) for a in rings]
+    fast = slots[0] is not None and slots[1] is not None
+    if fast:      # (the rows a state holds end at its length: plan_layer / a rollback keep it so)
+        held = starts - rings[0].count[slots[0]]
+        if log is not None:
+            log.append((states, "tok_start", list(map(_TOK_START, states))))
+    else:
+        slots = [a.slots_for(states, RING) for a in rings]     # (growths first: they re-point the states)
+        toks = list(map(_TOK, states))
+        if log is not None:
+            log.append((states, _TOK_FIELDS, toks))
+        for which, (arena, sl) in enumerate(zip(rings, slots), start=1):
+            _ring_move_in(arena, states, sl, toks, which)
+        held = np.asarray([tk[0] if tk[1] is not None and tk[1][2] else s0 for tk, s0 in zip(toks, starts.tolist())],
+                          dtype=np.int64)
+    keep = np.maximum(held, comp.keep_from(ends, model.max_rollback))
+    set_each(states, "tok_start", keep.tolist())
+    out = []
+    for arena, sl in zip(rings, slots):
+        if not fast:
+            sl = arena.hold(states, sl)     # (the old values: logged above)
+        arena.update(states, sl, ends - keep, sl * RING + keep % RING, log)
+        out.append(sl)
+    return rings, out
+
+
 def plan_layer(model, attn, ctx, plan, log: list | None = None) -> list:
     """Host side of one layer's compressor step for this step's rows (before the graph): arena room, each row's
     destination rows, the states advanced to the end of the step (their rows are written by `compress_rows`),
     the layer's pools in `plan.pools` (what batched.pool would give after the update). log: an undo log
     (arena.undo) that gets every state value changed here as it was (Model.cancel puts them back).
+    Host work: numpy over the step's sequences and rows; the states are only read (one identity check an arena,
+    RowArena.held) unless a step changed them another way (then RowArena.place's slow path).
     -> the layer's INPUTS (device tensors; the arenas' flat tensors at fixed addresses)."""
     i = attn.layer_id
     comp = attn.compressor
-    r, W, D = comp.ratio, comp.wkv.weight.shape[0], comp.out_dim
+    r, D = comp.ratio, comp.out_dim
     dev = plan.device
     dtype = model.embed.weight.dtype
     seqs = ctx.seqs
     states = [s.cache.layers[i].comp for s in seqs]
     starts = np.asarray(plan.starts, dtype=np.int64)
-    ns = np.asarray(plan.ns, dtype=np.int64)
-    ends = starts + ns
-    have = np.asarray([0 if st._entries is None else st._entries[2] for st in states], dtype=np.int64)
-    if (have != starts // r).any():      # (reachable: a cache advanced or rolled back behind the model's back)
-        k = int(np.flatnonzero(have != starts // r)[0])
-        raise RuntimeError(f"layer {i}: sequence {k} of the step has {int(have[k])} compressed entries, but its "
-                           f"cache length {int(starts[k])} at ratio {r} needs {int(starts[k]) // r}: cache and "
-                           "compressor state out of sync (was the cache changed outside forward_step / rollback?)")
-    counts = (ends // r).tolist()
+    ends = starts + np.asarray(plan.ns, dtype=np.int64)
+    counts = ends // r
+    G = int(counts.max())
     # per row: its sequence, position, group, whether it completes the group
     seq, pos = plan.row_index, plan.row_positions
     grp = pos // r
     done = pos % r == r - 1
     like = torch.empty((0, D), dtype=dtype, device=dev)
+    ent_arena = arena_for(model, i, "comp", "entries", like)
+    ent_slots = ent_arena.place(states, G, log)
+    have = ent_arena.count[ent_slots]
+    if (have != starts // r).any():      # (reachable: a cache advanced or rolled back behind the model's back)
+        k = int(np.flatnonzero(have != starts // r)[0])
+        raise RuntimeError(f"layer {i}: sequence {k} of the step has {int(have[k])} compressed entries, but its "
+                           f"cache length {int(starts[k])} at ratio {r} needs {int(starts[k]) // r}: cache and "
+                           "compressor state out of sync (was the cache changed outside forward_step / rollback?)")
 
     def rows_in(arena, owners):
         flat, first = arena.reserve(owners, counts, log)
-        return flat, first, np.where(done, np.asarray(first, dtype=np.int64)[seq] + grp, arena.dump)
+        return flat, first, np.where(done, first[seq] + grp, arena.dump)
 
-    ent, ent_first, ent_dst = rows_in(arena_for(model, i, "comp", "entries", like), states)
+    ent, ent_first, ent_dst = rows_in(ent_arena, states)
     lat, _, lat_dst = rows_in(arena_for(model, i, "comp", "latents", like), states)
     ik = ik_dst = None
     idx = getattr(attn, "indexer", None)
@@ -136,48 +174,25 @@ def plan_layer(model, attn, ctx, plan, log: list | None = None) -> list:
     if ik is not None:
         host["ik_dst"] = ik_dst
     if comp.gated:
-        f32 = torch.empty((0, W), dtype=torch.float32, device=dev)
-        rings = (arena_for(model, i, "comp", "tok_kv", f32), arena_for(model, i, "comp", "tok_gate", f32))
-        ring_slots = [a.slots_for(states, RING) for a in rings]     # (growths first: they re-point the states)
-        toks = list(map(_TOK, states))
-        if log is not None:
-            log.append((states, _TOK_FIELDS, toks))
+        rings, ring_slots = _rings(model, i, comp, states, starts, ends, dev, log)
         members = grp[:, None] * r + np.arange(r)[None, :]              # the group's positions [T, r]
-        for which, (name, arena, slots) in enumerate(zip(("tok_kv", "tok_gate"), rings, ring_slots), start=1):
-            _ring_move_in(arena, states, slots, toks, which)
-            base = np.asarray(slots, dtype=np.int64)[seq] * RING
+        for name, slots in zip(("tok_kv", "tok_gate"), ring_slots):
+            base = slots[seq] * RING
             host[name + "_dst"] = base + pos % RING
             host[name + "_grp"] = base[:, None] + members % RING
-        # each state keeps its token rows from `keep` on (numpy over the states; then set_each's bulk writes)
-        held = np.asarray([tk[0] if tk[1] is not None and tk[1][2] else s0 for tk, s0 in zip(toks, plan.starts)],
-                          dtype=np.int64)
-        keep = np.maximum(held, comp.keep_from(ends, model.max_rollback))
-        first_kv = np.asarray(ring_slots[0], dtype=np.int64) * RING + keep % RING
-        first_g = np.asarray(ring_slots[1], dtype=np.int64) * RING + keep % RING
         ring_kv, ring_g = rings[0].flat, rings[1].flat
-        cnt = (ends - keep).tolist()
-        if min(cnt) > 0:     # (C-level maps: no Python per state, arena.RowArena.give)
-            set_each(states, "tok_start", keep.tolist())
-            for arena, slots, flat, first in zip(rings, ring_slots, (ring_kv, ring_g), (first_kv, first_g)):
-                arena.give(states, arena.key, slots,
-                           list(zip(itertools.repeat(flat), first.tolist(), cnt, itertools.repeat(RING))))
-        else:
-            for arena in rings:
-                arena.forget()
-            for st, kp, k, a, b in zip(states, keep.tolist(), cnt, first_kv.tolist(), first_g.tolist()):
-                st.tok_start = kp
-                st._tok_kv, st._tok_gate = ((ring_kv, a, k, RING), (ring_g, b, k, RING)) if k > 0 else (None, None)
     else:
         if log is not None:
             log.append((states, _TOK_FIELDS, list(map(_TOK, states))))
-        for st, e in zip(states, ends.tolist()):
-            st.tok_start, st._tok_kv, st._tok_gate = e, None, None
+        set_each(states, "tok_start", ends.tolist())
+        if any(map(operator.is_not, map(operator.attrgetter("_tok_kv"), states), itertools.repeat(None))):
+            set_each(states, "_tok_kv", itertools.repeat(None, len(states)))
+            set_each(states, "_tok_gate", itertools.repeat(None, len(states)))
     names = list(host)
     got = dict(zip(names, plan.upload([host[k] for k in names], dev)))
     # this step's pools of the layer (the arenas: no copy)
     for kind in ("comp", "icomp", "ikeys"):
         plan.pools.pop((kind, i), None)
-    G = max(counts)
     plan.pools[("comp", i)] = (ent if G else None, *plan.per_row([ent_first, counts], dev), G)
     if ik is not None:
         plan.pools[("ikeys", i)] = (ik if G else None, *plan.per_row([ik_first, counts], dev), G)

@@ -56,13 +56,18 @@ class Indexer(nn.Module):
 
     @property
     def score_scale(self) -> float:
-        """Hi^-0.5 Di^-0.5: the head weights' factor in the scores (the score kernel's w_scale)."""
-        return self.n_heads ** -0.5 * self.idx_dim ** -0.5
+        """The head weights' factor in the scores (the score kernel's w_scale): `index_score_scale`."""
+        return index_score_scale(self.n_heads, self.idx_dim)
 
     def scores(self, iq: torch.Tensor, w: torch.Tensor, ik: torch.Tensor) -> torch.Tensor:
         """iq [n, Hi, Di], w [n, Hi], ik [G, Di] -> I [n, G] fp32."""
         s = F.relu(torch.matmul(iq.float(), ik.float().transpose(0, 1))) * self.idx_dim ** -0.5  # [n, Hi, G]
         return (s * w.unsqueeze(-1)).sum(dim=1)
+
+
+def index_score_scale(n_heads: int, idx_dim: int) -> float:
+    """Hi^-0.5 Di^-0.5: the head weights' factor in the scores."""
+    return n_heads ** -0.5 * idx_dim ** -0.5
 
 
 def topk_mask(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:

@@ -13,7 +13,21 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from . import streams
 from .norm import rms_normalize
+
+# The write-back + mixes launch's mixing tail (the partials' reduction and the Sinkhorn: nothing reads the mixes
+# before the sub-layer after the write-back) deferred to a launch of its own on the "mhc" side stream, beside that
+# sub-layer (kernels.hc_mix.hc_post_mix_triton's defer). _PENDING: (side stream, its HcMixes: the buffers kept
+# alive) not yet joined; every consumer of mixes here (hc_pre, hc_post, hc_post_and_mixes) joins them first, and a
+# step's graph is cut only where hc_post ended the layer before (batched.post_attention), so none is left open.
+DEFER_MIXES = True
+_PENDING: list = []
+
+
+def _join_mixes() -> None:
+    while _PENDING:
+        streams.join(_PENDING.pop()[0])
 
 
 def hc_mixes(R: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, eps: float,
@@ -39,6 +53,7 @@ def hc_pre(R: torch.Tensor, pre: torch.Tensor, fast: bool = False) -> torch.Tens
     fast: deepinfer_sg.kernels.hc_mix.hc_pre_apply (one Triton launch on CUDA instead of 3; same math); else its
     twin hc_pre_torch."""
     from deepinfer_sg.kernels.hc_mix import hc_pre_apply, hc_pre_torch
+    _join_mixes()
     return hc_pre_apply(R, pre) if fast else hc_pre_torch(R, pre)
 
 
@@ -49,6 +64,7 @@ def hc_post(R: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     y2: a second addend of y, summed with it in fp32 (MoE.forward_grouped(parts=True)'s shared expert output:
     no add launch, one rounding). fast: deepinfer_sg.kernels.hc_mix.hc_post_apply (one Triton launch on CUDA,
     read-out included, instead of ~6 + 3; same math up to fp32 summation order)."""
+    _join_mixes()
     if fast:
         from deepinfer_sg.kernels.hc_mix import hc_post_apply
         return hc_post_apply(R, y, post, comb, next_pre, y2)
@@ -72,14 +88,22 @@ def hc_post_and_mixes(block, which: str, R: torch.Tensor, y: torch.Tensor, post:
     `which` ("attn" / "ffn") of R': (R', ReadOut(x, pre, post, comb)). One launch on CUDA instead of two
     (deepinfer_sg.kernels.hc_mix.hc_post_mix_apply: R' is not read back); elsewhere exactly hc_post(fast=True)
     followed by block.mixes(R', which, fast=True). norm (the next sub-layer's input RMSNorm module): x is then
-    norm(x), normalised in the same launch on CUDA where it fits (hc_post_mix_apply's x_norm), else by norm."""
+    norm(x), normalised in the same launch on CUDA where it fits (hc_post_mix_apply's x_norm), else by norm.
+    DEFER_MIXES: the mixes' tail as its own launch on a side stream (joined by the next consumer, _PENDING)."""
     from deepinfer_sg.kernels.hc_mix import hc_post_mix_apply
+    _join_mixes()
     c = block.config
     out, x, m = hc_post_mix_apply(R, y, post, comb, next_pre, getattr(block, f"hc_{which}_fn"),
                                   getattr(block, f"hc_{which}_base"), getattr(block, f"hc_{which}_scale"),
                                   norm_eps=c.rms_norm_eps, hc_eps=c.hc_eps, iters=c.hc_sinkhorn_iters,
                                   post_mult=c.hc_post_mult, y2=y2,
-                                  x_norm=None if norm is None else (norm.weight_fp32(), norm.eps))
+                                  x_norm=None if norm is None else (norm.weight_fp32(), norm.eps), defer=DEFER_MIXES)
+    if m.finish is not None:
+        side = streams.fork(out, lane="mhc")
+        with streams.on(side):
+            m.finish()
+        if side is not None:
+            _PENDING.append((side, m))
     return out, ReadOut(x, m.pre, m.post, m.comb)
 
 

@@ -59,7 +59,7 @@ from .mhc import hc_head_collapse, hc_mixes, hc_post, hc_pre
 from .moe import MoE
 from .norm import RMSNorm
 from .rope import apply_rope, inv_freq, rope_cos_sin
-from .step_graphs import SegmentGraphs
+from .step_graphs import SegmentGraphs, wait_done
 from .transfer import made_once, ragged_arange, to_device, to_device_many
 
 # parameters kept in fp32 whatever the model dtype (DeepSeek ships them in F32)
@@ -162,23 +162,27 @@ class StepContext:
     compress: dict = field(default_factory=dict)   # fast path: layer -> compress_step inputs (updates in the graph)
     host_ids: torch.Tensor | None = None       # the token ids on the host, when they were given there
     window_prep: tuple | None = None           # fast path, Engram: `_windows_prep` made at plan time
+    ids_host: tuple | None = None              # graph steps: SegmentGraphs.ids_buffers (the ids' own buffers)
+    ids_copy: bool = False                     # the first segment still has to copy the ids in (launch sets it)
     engram_ids: dict = field(default_factory=dict)    # fast path: engram layer -> its row ids' upload slot, to fill
 
 
 _LENGTHS = operator.attrgetter("length", "floor", "max_rollback")     # what Model._advance moves on per cache
 
 
-def _counts(seqs) -> tuple:
-    """(rows, offset) of each of the step's sequences, int64 arrays."""
+def _counts(ctx: "StepContext") -> tuple:
+    """(rows, offset) of each of the step's sequences, int64 arrays (the batched plan's lists when there is one)."""
+    if ctx.plan is not None:
+        return np.asarray(ctx.plan.ns, dtype=np.int64), np.asarray(ctx.plan.offs, dtype=np.int64)
+    seqs = ctx.seqs
     return (np.fromiter([s.n for s in seqs], np.int64, len(seqs)), np.fromiter([s.off for s in seqs], np.int64,
                                                                                 len(seqs)))
 
 
-def _recent_rows(caches, srcs: Sources) -> tuple:
-    """The caches' recent token ids as rows of `srcs` (each distinct buffer once, usually the last step's one):
-    (rows m [B], the first one's row in the sources [B]), int64, by comprehensions over the caches (not a loop
-    asking `srcs.base` per sequence)."""
-    tbs = [c._tokens for c in caches]
+def _recent_rows(tbs: list, srcs: Sources) -> tuple:
+    """The caches' recent token ids (`tbs`: their `_tokens` tuples) as rows of `srcs` (each distinct buffer once,
+    usually the last step's one): (rows m [B], the first one's row in the sources [B]), int64, by comprehensions
+    over the caches (not a loop asking `srcs.base` per sequence)."""
     for buf in {id(t[0]): t[0] for t in tbs if t is not None and t[2]}.values():    # (in order of first use)
         srcs.base(buf, None)
     bases, B = srcs.bases, len(tbs)
@@ -286,6 +290,13 @@ class Model(nn.Module):
         self._fused_rope = True
         self._stacked_at = -1       # SegmentGraphs.generation when projections.fuse last checked the weights
         self._graphs = SegmentGraphs()
+        # graph steps send their upload at the end of plan_step (queued behind the step the device runs) and the
+        # launch only writes the token ids into a host buffer that the first graph copies in itself (a copy node):
+        # no host->device call between the ids and the graph launch. False: the one upload, ids in it, at launch.
+        # Session 14 (mid-size V4.1, H200, one process a round): the launch until the graph runs 0.19 / 0.36 ms at
+        # batch 64 / 256 against 0.22 / 0.45, step 4.30 / 6.58 against 4.34 / 6.64 (R2); 0.27 / 0.40 against 0.44 /
+        # 0.48, step 4.08 / 6.50 against 4.31 / 6.55 (R3; benchmarks/model_forward.py)
+        self.send_ahead = True
         self._open_plan = None      # a plan_step(undo=True) not yet launched or cancelled (one at a time)
         c = config
         with torch.device(device):
@@ -510,7 +521,9 @@ class Model(nn.Module):
         host work of the step minus the Engram lookups and the launch itself; no device sync (device work it
         queues, rows moving into the slab / arenas, runs after the previous step), except a wait for a pinned upload
         buffer's copy of two steps before, which has long run (step_graphs._Pinned; a re-plan after a cancel waits
-        for its own step's)."""
+        for its own step's). Graph steps (model.send_ahead) send the step's upload here, queued behind the step the
+        device runs (stream order keeps that step's reads of the same buffers first); their token ids go in at
+        launch through a host buffer the first graph copies from itself (SegmentGraphs.ids_buffers)."""
         c = self.config
         dev = self.device
         if self._open_plan is not None:
@@ -556,11 +569,16 @@ class Model(nn.Module):
             # launch: that upload alone cost the launch's host 0.05-0.13 ms, as much as the whole one, and the host
             # time before the graph run was 0.19 / 0.32 / 0.41 ms at batch 8 / 64 / 256 against 0.15 / 0.20 / 0.42)
             ctx.plan.positions = ctx.plan.defer(ctx.plan.row_positions)
-            ctx.graph_ids = ctx.plan.defer(np.zeros(off, dtype=np.int64))
+            ctx.ids_host = self._graphs.ids_buffers(off, dev) if self.send_ahead else None
+            ctx.graph_ids = ctx.plan.defer(np.zeros(off, dtype=np.int64)) if ctx.ids_host is None else ctx.ids_host[1]
             self._turn_kinds()     # (the frequencies on the device before any graph capture)
             if undo:     # (compress_step.plan_layer logs the values it changes as it reads them)
                 plan.saved = []
             self._plan_fast(ctx, plan)
+            if ctx.ids_host is not None and not ctx.engram_ids:
+                # (the upload now, behind the step the device runs: stream order keeps that step's reads of the
+                # same buffer first; row ids hashed at launch, ctx.engram_ids, keep it for the launch)
+                ctx.plan.send()
         except BaseException:
             if plan.saved:
                 undo_log(plan.saved)
@@ -612,7 +630,12 @@ class Model(nn.Module):
                     ((all_ids[s.off:s.off + s.n] < 0) | (all_ids[s.off:s.off + s.n] >= c.vocab_size)).any()))
                 raise ValueError(f"token id outside 0..{c.vocab_size - 1} in chunk {bad}")
             ctx.host_ids = all_ids if on_host else None
-            if plan.fast:
+            if plan.fast and ctx.ids_host is not None:      # into their host buffer (the first graph copies them)
+                host, _, done = ctx.ids_host
+                wait_done(done)
+                host.numpy()[:] = (all_ids if on_host else all_ids.cpu()).numpy()
+                ctx.host_ids, ctx.ids_copy = host, True
+            elif plan.fast:
                 if on_host:      # into the upload's ids slot
                     ctx.plan.fill(ctx.graph_ids, all_ids.numpy())
                 else:
@@ -762,10 +785,9 @@ class Model(nn.Module):
             cuts = list(zip([0] + splits, splits + [len(layers)]))
             # (every layer's inputs first, so that the first segment's layout puts them all in one upload)
             raws = [[batched.span_inputs(self, layers[j].attn, ctx, bp) for j in range(a, b)] for a, b in cuts]
-            one = len(bp.windows) == 1       # (one window list for every layer: handed on between segments)
             plan.segments = [self._segment(ctx, None if a == 0 else batched.BOUNDARY,
                                            None if b == len(layers) else batched.BOUNDARY, every_row, raw,
-                                           full=list(range(a, b)), one_window=one)
+                                           full=list(range(a, b)))
                              for (a, b), raw in zip(cuts, raws)]
             return
         nxt = (batched.eager_layers(self) + [None])[0]
@@ -866,8 +888,8 @@ class Model(nn.Module):
             e = blk.engram.packed_values(ctx.windows, "cpu", out=out)
             ctx.engram_rows[i] = g.fixed(g.upload(f"engram{i}", e, dev))
 
-    def _segment(self, ctx: StepContext, prev, nxt, every_row: bool, raw: list, full: list | None = None,
-                 one_window: bool = False) -> "_Segment":
+    def _segment(self, ctx: StepContext, prev, nxt, every_row: bool, raw: list,
+                 full: list | None = None) -> "_Segment":
         """A graph segment's inputs (host side; no device work): its layers' span_inputs `raw` resolved to views of
         the step's upload, laid out now (BatchPlan.layout) and sent by `_run_segment`, in the order `_run_segment`
         hands them to the graph (made here, at plan time, so that the launch only sends and runs: ~540 inputs at
@@ -916,8 +938,7 @@ class Model(nn.Module):
                 late.append((at + 3, j))
             else:
                 args[at + 3] = plan.resolve(got)
-        head = ("span", prev, full[0] if full else None, nxt, every_row if nxt is None else None, tuple(meta),
-                one_window)
+        head = ("span", prev, full[0] if full else None, nxt, every_row if nxt is None else None, tuple(meta))
         # (under graphs a steady step's inputs are the same objects as the last step's, the upload's views
         # included: their shapes and the key are then those of last time, no shape read per input)
         known = self.__dict__.setdefault("_segment_keys", {})
@@ -928,7 +949,7 @@ class Model(nn.Module):
             shapes = [None if t is None else tuple(t.shape) for t in args]
             key = head + (() if late else (tuple(shapes),))
             known[(head, bool(late))] = (args, shapes, key)
-        fn = functools.partial(batched.span, self, prev, full, nxt, every_row, tuple(meta), one_window=one_window)
+        fn = functools.partial(batched.span, self, prev, full, nxt, every_row, tuple(meta))
         return _Segment(cores, args, late, key, fn, shapes)
 
     def _run_segment(self, ctx: StepContext, seg: "_Segment", chain: list) -> tuple:
@@ -947,7 +968,14 @@ class Model(nn.Module):
                 e = args[at] = plan.resolve(ctx.engram_rows.get(j))
                 shapes[at] = None if e is None else tuple(e.shape)
             key = key + (tuple(shapes),)
-        return g.run(key, seg.fn, *chain, ctx.graph_ids, *args)
+        if not ctx.ids_copy:
+            return g.run(key, seg.fn, *chain, ctx.graph_ids, *args)
+        host, dev, done = ctx.ids_host
+        ctx.ids_copy, ctx.token_ids = False, dev
+        out = g.run(key, seg.fn, *chain, ctx.graph_ids, *args, pre=(dev, host))
+        if done is not None:     # (the next launch waits for it before writing `host` again: long passed)
+            done.record()
+        return out
 
     def _compact_layer(self, block: Block, R: torch.Tensor, a, ctx: StepContext):
         """The first decoder layer in YOCO `compact` mode: its compressed KV and index keys are built from every
@@ -983,7 +1011,7 @@ class Model(nn.Module):
         One gather for the whole step: source = [this step's ids, every sequence's last N-1 cached ids, -1], and
         the [T, N] index into it is built on the host from lengths (no per-sequence device ops): by plan_step
         (ctx.window_prep, `_windows_prep`), so that the launch only gathers."""
-        ids = self._token_source(ctx)
+        ids = self._token_source(ctx, [s.cache._tokens for s in ctx.seqs])
         idx, tail = ctx.window_prep if ctx.window_prep is not None else self._windows_prep(ctx)
         src = torch.cat([ids, tail.to(ids.device)])
         return src[to_device(torch.from_numpy(idx), ids.device)]
@@ -992,11 +1020,10 @@ class Model(nn.Module):
         """(index [T, N] int64 NumPy into [this step's ids, tail], tail = the caches' recent ids and a -1): the
         token-independent part of `_token_windows`."""
         N = int(self.config.engram.get("max_ngram_size", 3))
-        seqs = ctx.seqs
-        ns, off = _counts(seqs)
+        ns, off = _counts(ctx)
         T = int(ns.sum())
         srcs = Sources(T)      # [this step's ids, the caches' token buffers, -1]
-        m, first = _recent_rows([s.cache for s in seqs], srcs)
+        m, first = _recent_rows([s.cache._tokens for s in ctx.seqs], srcs)
         pad = srcs.at
         # per row r of sequence q (j = r - off_q) and k steps back: a new token of this step (j >= k), a cached
         # token (m_q + j >= k), or before the sequence start / beyond the kept ids (pad); numpy over [T, N]
@@ -1008,12 +1035,13 @@ class Model(nn.Module):
         return idx, (torch.cat([srcs.cat(None, 0), minus.to(srcs.bufs[0][0].device)]) if srcs.bufs else minus)
 
     @staticmethod
-    def _token_source(ctx: StepContext) -> torch.Tensor:
-        """The step's ids where the caches' recent tokens live: on the host when the ids came from there and no
-        cache holds device tokens (then the Engram windows and the token bookkeeping cost no device work and no
-        sync: the Engram tables are read on the host anyway), else on the device."""
+    def _token_source(ctx: StepContext, tbs: list) -> torch.Tensor:
+        """The step's ids where the caches' recent tokens live (`tbs`: their `_tokens` tuples): on the host when the
+        ids came from there and no cache holds device tokens (then the Engram windows and the token bookkeeping
+        cost no device work and no sync: the Engram tables are read on the host anyway), else on the device. (The
+        devices of the distinct buffers are asked, usually one: the last step's.)"""
         if ctx.host_ids is not None and (ctx.token_ids is None or all(
-                s.cache._tokens is None or s.cache._tokens[0].device.type == "cpu" for s in ctx.seqs)):
+                b.device.type == "cpu" for b in {id(t[0]): t[0] for t in tbs if t is not None}.values())):
             return ctx.host_ids       # (no device ids yet: device-held recent tokens come to the host)
         return ctx.token_ids
 
@@ -1025,12 +1053,13 @@ class Model(nn.Module):
         rollback floor with it). The per-sequence numbers are read into numpy arrays and written back by C-level
         maps (cache.set_each), not by a loop over the sequences (benchmarks/model_forward.py's docstring, session
         13: at batch 256 the loop cost ~1 ms of the host's time after the graph run)."""
-        ids = Model._token_source(ctx)
         seqs = ctx.seqs
         caches = [s.cache for s in seqs]
+        tbs = [c._tokens for c in caches]
+        ids = Model._token_source(ctx, tbs)
         srcs = Sources(ids.shape[0])
-        n, off = _counts(seqs)
-        m, first = _recent_rows(caches, srcs)
+        n, off = _counts(ctx)
+        m, first = _recent_rows(tbs, srcs)
         keep = np.fromiter([c.keep_tokens for c in caches], np.int64, len(caches))
         keep_old = np.minimum(m, np.maximum(0, keep - n))
         new = np.minimum(n, keep)

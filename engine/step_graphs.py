@@ -21,10 +21,11 @@ Contract:
     second keeps one-off sizes, common with speculative verify rows, from paying a capture), the next captures
     every segment (capture, then replay to compute), later ones replay; at most `max_sizes` token counts are kept
     (least recently used dropped, and counted as new again);
-  * inputs: a tensor that is an output of an earlier graph of the same T, a buffer from `stage()` / `upload()` or
-    a tensor marked `fixed()` (the caches' slab and arenas, written in place by the graphs; views of an upload) is
-    read in place; any other input is copied into the graph's own input buffer before each replay (one copy
-    launch);
+  * inputs: a tensor that is an output of an earlier graph of the same T, a buffer from `stage()` / `upload()` /
+    `ids_buffers()` or a tensor marked `fixed()` (the caches' slab and arenas, written in place by the graphs;
+    views of an upload) is read in place; any other input is copied into the graph's own input buffer before each
+    replay (one copy launch); `run(..., pre=(dst, src))` copies src into dst inside the segment's graph, at its
+    start (the token ids from their pinned host buffer: a copy node, no host->device call at launch);
   * outputs are the graph's own buffers, overwritten by the next replay of that segment: callers must copy what
     they keep beyond the step;
   * weights and fixed tensors must not move after capture: `reset()` drops every graph (the model calls it from
@@ -62,6 +63,7 @@ class _Size:
     pinned: dict = field(default_factory=dict)      # name -> _Pinned: its two pinned host buffers
     views: dict = field(default_factory=dict)       # upload name -> (its buffer, the views `upload_parts` made)
     fixed_now: dict = field(default_factory=dict)   # id -> tensor `fixed()` this step (folded into static at capture)
+    ids: tuple | None = None                        # (host, device, event) buffers of the token ids (`ids_buffers`)
     complete: bool = False
 
 
@@ -78,7 +80,7 @@ class _Pinned:
     def _turn(self) -> int:
         """The index of the buffer to write now (its last copy done)."""
         k, self.next = self.next, 1 - self.next
-        _wait(self.done[k])
+        wait_done(self.done[k])
         return k
 
     def take(self) -> torch.Tensor:
@@ -109,11 +111,12 @@ def _signature(t: torch.Tensor):
     return (tuple(t.shape), t.stride(), t.dtype)
 
 
-def _wait(done: "torch.cuda.Event") -> None:
-    """Wait until the last copy out of a pinned buffer has run (before the host writes it again). By the time a
+def wait_done(done: "torch.cuda.Event | None") -> None:
+    """Wait until the last copy out of a pinned buffer has run (before the host writes it again; None: nothing to
+    wait for, a CPU buffer). By the time a
     step reuses its buffer the copy finished long ago, so a query (no synchronisation) answers; synchronising
     every time made these the 5 of the 7 sync calls per decode step that the profiler counted (session 6)."""
-    if not done.query():
+    if done is not None and not done.query():
         done.synchronize()
 
 
@@ -280,6 +283,23 @@ class SegmentGraphs:
                 self.fixed(v)
         return views, send
 
+    def ids_buffers(self, T: int, device) -> tuple | None:
+        """(host, device, event) buffers of a graph step's T token ids: the launch writes the ids into `host`
+        (pinned on CUDA; after the event of the last replay that read it) and the step's first graph copies them
+        into `device` itself (`run`'s `pre`: a copy node of the graph, no host->device call at launch). None in
+        eager steps."""
+        size = self._cur
+        if size is None:
+            return None
+        if size.ids is None:
+            device = torch.device(device)
+            cuda = device.type == "cuda"
+            with torch.inference_mode(False):
+                dev = torch.empty(T, dtype=torch.int64, device=device)
+            size.static[dev.data_ptr()] = _signature(dev)      # (read in place by the graphs)
+            size.ids = (torch.empty(T, dtype=torch.int64, pin_memory=cuda), dev, torch.cuda.Event() if cuda else None)
+        return size.ids
+
     def host_buffer(self, name: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor | None:
         """Where to write the host side of the upload `name` so that its send copies nothing on the host: under
         graphs on CUDA one of the upload's two pinned buffers (in turn, once its last copy is done: _Pinned), eagerly
@@ -305,9 +325,16 @@ class SegmentGraphs:
         return t
 
     # ------------------------------------------------------------------------------------------ segments
-    def run(self, key, fn: Callable[..., tuple], *inputs) -> tuple:
+    def run(self, key, fn: Callable[..., tuple], *inputs, pre: tuple | None = None) -> tuple:
         """fn(*inputs) -> tuple of tensors (or None), eagerly, by capture + replay, or by replay (this step's
-        mode). Same values in every mode."""
+        mode). Same values in every mode. pre: (dst, src) copied at the segment's start, inside its graph (the
+        token ids from their host buffer: `ids_buffers`)."""
+        if pre is not None:
+            body, (dst, src), key = fn, pre, key + ("pre",)
+
+            def fn(*a):
+                dst.copy_(src, non_blocking=True)
+                return body(*a)
         size = self._cur
         if size is None:
             return fn(*inputs)

@@ -9,9 +9,10 @@ host ms): at batch 256 / 64 / 8 the plan took 4.5-5.7 / 1.8-2.2 / 1.2-1.4 ms and
 1.4-1.7 / 0.5-0.85 / 0.3-0.5, against 7.6-7.7 / 5.0 / 4.0 ms of graphs (R1, R2, R4): the host was idle 0.4-1.8 /
 2.0-2.6 / 2.1-2.4 ms a step, the room a serving loop has for the step's grammar masks on the same thread. In a
 round whose host ran ~1.5x slower (R3: plan 7.1-7.6 ms at 256) the plan passed the device time and the step
-grew from 8.3 to 10.0-10.4 ms: at 256 rows the plan's per-sequence Python (compress_step.plan_layer's ~2.2-3.6 ms
-of arena and ring bookkeeping, Model._advance after the launch; session 13 dropped the compressor snapshot for
-an undo log) is the next host lever.
+grew from 8.3 to 10.0-10.4 ms: at 256 rows the plan's per-sequence Python was the host lever. Session 14 keeps
+the compressors' and windows' per-sequence numbers in per-arena arrays (engine/arena.py): plan_layer 2.6-2.9 ->
+1.0-1.3 ms and the plan 4.4-4.8 -> 2.5-3.1 ms at 256 (benchmarks/model_forward.py's docstring); what is left per
+sequence is Model._advance after the graph run (0.65-0.77 ms at 256: each cache's recent-token tuple).
 
 Contract: `forward(chunks)` is `model.forward_step(chunks)` (same StepOutput, same cache updates, bit for bit):
 it launches with the plan made ahead when that plan was made for exactly these chunks (the same caches in the same

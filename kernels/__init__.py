@@ -23,8 +23,12 @@ Sampling (sampling.py; seeded, counter-based: a draw depends only on (seed, posi
                        tokens [R] packed committed tokens (-1 elsewhere), final_tokens [B])
 
 Model hot spots:
-    sparse_attention(q[N, H, D], win_kv[Pw, D], win_idx[N, Kw], sink[H], cmp_kv=None, cmp_idx=None, scale=None)
+    sparse_attention(q[N, H, D], win_kv[Pw, D], win_idx[N, Kw], sink[H], cmp_kv=None, cmp_idx=None, scale=None,
+                     cmp_start=None, cmp_count=None, turn=None, window=None, visible=None)
         -> [N, H, D]: MQA decode attention over gathered window + compressed keys (K = V), per-head sink.
+        cmp_start / cmp_count: cmp_idx holds entry ids (pool row start + id); turn [N, R/2, 2]: q's RoPE applied
+        as it loads and the output's inverse before it stores; window=W: win_idx holds each row's (first, skip)
+        and the gather computes its W key rows; visible=(positions, ratio, G): every entry a row's position sees.
     indexer_topk(iq[N, Hi, Di], w[N, Hi], index_keys[P, Di], key_start[N], key_len[N], k, max_len=None)
         -> (idx int64 [N, k], scores [N, k]): sum_h w * relu(q_h . k_g), top-k best first, ties -> lower entry id,
         -1 / -inf padded (CUDA: an exact select kernel, indexer.topk_select_triton, instead of torch.topk).

@@ -11,6 +11,9 @@ vector of that position (MQA, one KV head), so a key is read once and used for b
 Shapes: q [N, H, D], win_kv [Pw, D], win_idx [N, Kw] int, cmp_kv [Pc, D], cmp_idx [N, Kc] int (optional; pool rows,
 or with cmp_start / cmp_count [N] entry ids: row cmp_start[n] + id when 0 <= id < cmp_count[n]),
 sink [H] fp32; returns [N, H, D] in q's dtype. Duplicate keys count twice (they are different vectors in V4).
+The engine's forms make the lists in the gather: window=W, win_idx [N, 2] each row's (first, skip), its window keys
+first + j for skip <= j < W; visible=(positions, ratio, G), every entry id g < G below (p + 1) // ratio (no
+cmp_idx). turn fp32 [N, R/2, 2]: RoPE inside (q's last R channels turned as they load, the output's turned back).
 Triton: grid (head blocks, rows, key splits); a program runs an online softmax over its slice of the row's keys
 for block_h heads (block_h = 64 = all heads: each gathered key read once, the heads the M of wgmma tiles), the
 window keys then the compressed ones (two pipelined loops). "Unchained" (the default at 64 heads): P and the
@@ -19,8 +22,8 @@ instead of having both compute all of it. With splits > 1 (flash-decoding) each 
 acc) in fp32 and the last program of the (row, head block) to finish (an atomic ticket, reset to 0 after) merges
 them with the sink in split order (deterministic) in the same launch. Two splits (unchained; N = 45-66 rows on an
 H200) take their tickets before storing: the first stores its partial, the second merges it with its own
-accumulator from registers (`_combine_two`, the same bits whichever comes second). The rope/inverse-rope and output
-projection stay in the model.
+accumulator from registers (`_combine_two`, the same bits whichever comes second). The output projection stays in
+the model.
 Cost: keys x D x bytes per (row, head block) (from L2 after the first head block) + splits x H x D x 8 bytes of
 partials (L2); 4 x H x D flops per key (tensor cores), 128 flops per key byte at H = 64, D = 512: close to the
 H200's ridge (~165), so the matrix work is ~0.6x the byte time and must overlap the loads.
@@ -127,6 +130,25 @@ select layer's chain, a launch fewer, in kernels/indexer.py's docstring). Measur
 program of more than two splits merging the others' partials with its own from registers (`_combine_two`'s
 protocol: tickets first, a counter of stored partials, four column chunks), R2: 64 heads N=8 (8 splits) 29.4 ->
 30.3-30.7, N=32 (4 splits) 31.4 -> 35.1-35.2; 32 heads N=8 (5 splits of 16-head programs) 14.3 -> 18.2-18.3.
+Session 14 (R1, a round script against the session-13 file in the same run; us, each timed twice; entry ids, 128 +
+512 keys unless said). RoPE inside (`turn`) against the three launches it replaces in the step (rope on q, this
+kernel, inverse rope on its output): 32 heads N=64 33.5-34.4 -> 31.0-31.3, N=256 84.1 -> 72.2-72.4, N=8 17.3-17.7
+-> 15.5-15.8, the step's short rows (37 window + 20 compressed keys) N=64 18.1-18.2 -> 15.0; 64 heads N=64 44.4 ->
+42.3-42.4 (this file without it, between the two rope launches: 33.4 / 79.3 / 17.7 / 18.2 / 44.5). q's turned
+channels go through a per-program scratch and q is loaded whole from it and q (one load, `tl.where` of the
+addresses): turned in registers, q became the Q K^T dot's register operand and spilled inside the compressed loop
+at 64 heads (a compile for sm_90: 255 registers and 288 bytes of stack a thread, against 48). The output's turned
+channels are rounded once (the three launches round them twice); its other channels are the three launches' bits
+at 32 heads (at 64 heads 2 rows of 64 differ, by up to 3.1e-5, R2: q's turned channels, the same expression in
+another kernel, may take its fused multiply-adds otherwise; both forms 2.1-2.2e-3 from the fp32 twin). The window
+made from each row's (first, skip) (`window`: no index load in the window loop, which starts at the row's first
+key; batched.window_idx's three launches a step, 6.7-7.3 us alone, go) on top: 29.9-30.2 / 70.9 / 15.5-15.9 / 11.5
+/ 42.2 (R3 again, HEAD's three launches -> RoPE inside -> + the window rows: 33.6-34.3 -> 31.0-31.3 -> 29.8-30.0,
+84.2-84.3 -> 72.1-72.4 -> 69.8-70.2, 17.1-17.5 -> 15.4-15.6 -> 15.4-15.7, 18.1 -> 14.8 -> 11.4, 44.1-44.2 ->
+42.3-42.4 -> 42.2). The "all"-kind layers' entries made in the gather (`visible`: the loop ends at the row's last
+visible entry) against the engine's id list (five launches) + this kernel, both with RoPE inside and the window
+rows, 400 of G = 512 entries visible (R2): 32 heads N=64 39.5-39.6 -> 27.8-27.9, N=256 80.0-80.1 -> 61.3-61.4, 64
+heads N=64 51.3-51.4 -> 37.5; the same bits.
 """
 import torch
 import triton
@@ -134,11 +156,21 @@ import triton.language as tl
 
 from .backend import empty, INTERPRETING, check, pdl_kw, pdl_wait, sm_count, tickets, use_triton
 from .index_rows import entry_rows_torch
+from .rope import apply_rope_torch, turned
 
 
-def _check(q, win_kv, win_idx, cmp_kv, cmp_idx, sink, cmp_start=None, cmp_count=None):
+def _check(q, win_kv, win_idx, cmp_kv, cmp_idx, sink, cmp_start=None, cmp_count=None, turn=None, window=None,
+           visible=None):
     check(q.dim() == 3, f"q must be [rows, heads, head_dim], got {tuple(q.shape)}")
     N, H, D = q.shape
+    check(visible is None or (cmp_idx is None and cmp_start is not None and visible[0].shape == (N,)),
+          f"visible: positions [{N}] with cmp_start / cmp_count and no cmp_idx")
+    if visible is not None:     # (the ids it stands for, for the checks below: no tensor made)
+        cmp_idx = cmp_start.expand(visible[2], N).t()
+    check(turn is None or (turn.dim() == 3 and turn.shape[0] == N and turn.shape[2] == 2 and 2 * turn.shape[1] <= D
+                           and turn.dtype == torch.float32 and turn.stride(1) == 2 and turn.stride(2) == 1),
+          f"attention: turn {None if turn is None else (turn.dtype, tuple(turn.shape), turn.stride())} for q "
+          f"{tuple(q.shape)} (want fp32 [{N}, R/2, 2], R <= {D}, pairs adjacent)")
     entries = cmp_start is not None
     check(entries == (cmp_count is not None) and (not entries or cmp_idx is not None
                                                    and cmp_start.shape == cmp_count.shape == (N,)),
@@ -146,7 +178,8 @@ def _check(q, win_kv, win_idx, cmp_kv, cmp_idx, sink, cmp_start=None, cmp_count=
           f"{None if cmp_start is None else tuple(cmp_start.shape)} and "
           f"{None if cmp_count is None else tuple(cmp_count.shape)}")
     check(win_kv.dim() == 2 and win_kv.shape[1] == D, f"win_kv must be [pool, {D}], got {tuple(win_kv.shape)}")
-    check(win_idx.dim() == 2 and win_idx.shape[0] == N, f"win_idx must be [{N}, keys], got {tuple(win_idx.shape)}")
+    check(win_idx.dim() == 2 and win_idx.shape[0] == N and (window is None or win_idx.shape[1] == 2),
+          f"win_idx must be [{N}, {'keys' if window is None else '2 (first, skip)'}], got {tuple(win_idx.shape)}")
     if cmp_kv is not None or cmp_idx is not None:
         check(cmp_kv is not None and cmp_idx is not None, "cmp_kv and cmp_idx come together")
         check(cmp_kv.dim() == 2 and cmp_kv.shape[1] == D, f"cmp_kv must be [pool, {D}], got {tuple(cmp_kv.shape)}")
@@ -157,10 +190,19 @@ def _check(q, win_kv, win_idx, cmp_kv, cmp_idx, sink, cmp_start=None, cmp_count=
 
 # ---------------------------------------------------------------------------------------------- torch twin
 def sparse_attention_torch(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None, scale=None, cmp_start=None,
-                           cmp_count=None):
-    _check(q, win_kv, win_idx, cmp_kv, cmp_idx, sink, cmp_start, cmp_count)
+                           cmp_count=None, turn=None, window=None, visible=None):
+    _check(q, win_kv, win_idx, cmp_kv, cmp_idx, sink, cmp_start, cmp_count, turn, window, visible)
     N, H, D = q.shape
     scale = D ** -0.5 if scale is None else scale
+    if turn is not None:     # q's RoPE first (rounded to q's dtype, as kernels/rope.py's result)
+        q = apply_rope_torch(q, turn)
+    if window is not None:          # each row's (first, skip) -> its window's pool rows
+        j = torch.arange(window, device=win_idx.device)
+        win_idx = torch.where(j >= win_idx[:, 1:2], win_idx[:, 0:1] + j, -1)
+    if visible is not None:         # every entry id the row's position sees
+        positions, ratio, G = visible
+        g = torch.arange(G, device=positions.device)[None, :]
+        cmp_idx = torch.where(g < ((positions + 1) // ratio)[:, None], g, -1)
     if cmp_start is not None:       # entry ids -> pool rows
         cmp_idx = entry_rows_torch(cmp_idx, cmp_start, cmp_count, cmp_idx.shape[1])
     keys = [win_kv[win_idx.long().clamp_min(0)]]
@@ -174,7 +216,10 @@ def sparse_attention_torch(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None, 
     s = s.masked_fill(~ok[:, None, :], float("-inf"))
     s = torch.cat([s, sink.float()[None, :, None].expand(N, H, 1)], 2)
     p = torch.softmax(s, 2)[:, :, :-1]
-    return torch.einsum("nhk,nkd->nhd", p, k).to(q.dtype)
+    o = torch.einsum("nhk,nkd->nhd", p, k)
+    if turn is not None:     # the inverse RoPE (the conjugate turn) in fp32, rounded once with the output
+        o = apply_rope_torch(o, turn * torch.tensor([1.0, -1.0], device=turn.device))
+    return o.to(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- Triton
@@ -190,6 +235,23 @@ def _cta_barrier(x):
         return x * 0
     return tl.inline_asm_elementwise("bar.sync 0;\n\tmov.b64 $0, 0;", "=l,l", [x], dtype=tl.int64, is_pure=False,
                                      pack=1)
+
+
+@triton.jit
+def _unturn(o, cols, turn_row, D: tl.constexpr, ROT: tl.constexpr):
+    """o [BH, C] fp32, the output's columns cols [C] (pairs adjacent: cols[2i + 1] = cols[2i] + 1) -> o with the
+    pairs among the last ROT of D channels turned back by the conjugate of the row's turn at turn_row (the
+    output's inverse RoPE: (a + ib)(c - is)); the others as they are. The pair's two channels are split in
+    registers (each thread holds both: the accumulators' and the loads' layouts keep pairs together)."""
+    BH: tl.constexpr = o.shape[0]
+    C: tl.constexpr = o.shape[1]
+    first, _ = cols.reshape([C // 2, 2]).split()
+    rot = first >= D - ROT
+    j = tl.where(rot, (first - (D - ROT)) // 2, 0)
+    c = tl.load(turn_row + j * 2, mask=rot, other=1.0)[None, :]
+    s = tl.load(turn_row + j * 2 + 1, mask=rot, other=0.0)[None, :]
+    a, b = o.reshape([BH, C // 2, 2]).split()
+    return tl.join(a * c + b * s, b * c - a * s).reshape([BH, C])
 
 
 @triton.jit
@@ -247,24 +309,29 @@ def _softmax_step(q, m, l, acc, k, ok, scale, it, scr_p, scr_a, IEEE: tl.constex
 
 
 @triton.jit
-def _gather(kv_ptr, idx_ptr, stride, row, kk, k1, base, lim, D: tl.constexpr):
+def _gather(kv_ptr, idx_ptr, stride, row, kk, k1, base, lo, lim, D: tl.constexpr, RANGE: tl.constexpr):
     """Key block kk of the row (its indices at idx_ptr + row * stride): (keys [BLOCK_K, D], ok [BLOCK_K]); positions
-    >= k1 and indices outside [0, lim) are not keys; index i is pool row base + i."""
-    idx = tl.load(idx_ptr + row * stride + kk, mask=kk < k1, other=-1).to(tl.int32)
-    ok = (idx >= 0) & (idx < lim)
+    >= k1 and indices outside [0, lim) are not keys; index i is pool row base + i. RANGE: no index list, position kk
+    is pool row base + kk when lo <= kk < k1."""
+    if RANGE:
+        idx = kk
+        ok = (kk >= lo) & (kk < k1)
+    else:
+        idx = tl.load(idx_ptr + row * stride + kk, mask=kk < k1, other=-1).to(tl.int32)
+        ok = (idx >= 0) & (idx < lim)
     k = tl.load(kv_ptr + (base + tl.maximum(idx, 0)).to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :],
                 mask=ok[:, None], other=0.0)
     return k, ok
 
 
 @triton.jit
-def _attend_pool(q, m, l, acc, it, kv_ptr, idx_ptr, stride, k0, k1, row, base, lim, scale, scr_p, scr_a,
+def _attend_pool(q, m, l, acc, it, kv_ptr, idx_ptr, stride, k0, k1, row, base, lo, lim, scale, scr_p, scr_a,
                  D: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, UNCHAIN: tl.constexpr,
-                 LAZY_SUM: tl.constexpr):
+                 LAZY_SUM: tl.constexpr, RANGE: tl.constexpr = False):
     """Online softmax over the pool's keys [k0, k1) of this row (`it`: blocks so far, returned advanced); the
     indices as `_gather` reads them."""
     for start in range(k0, k1, BLOCK_K):
-        k, ok = _gather(kv_ptr, idx_ptr, stride, row, start + tl.arange(0, BLOCK_K), k1, base, lim, D)
+        k, ok = _gather(kv_ptr, idx_ptr, stride, row, start + tl.arange(0, BLOCK_K), k1, base, lo, lim, D, RANGE)
         m, l, acc = _softmax_step(q, m, l, acc, k, ok, scale, it, scr_p, scr_a, IEEE, UNCHAIN, LAZY_SUM)
         it += 1
     return m, l, acc, it
@@ -281,8 +348,9 @@ def _store_partial(part_m_ptr, part_l_ptr, part_acc_ptr, o, m, l, acc, hok, D: t
 
 
 @triton.jit
-def _combine_splits(out_ptr, sink_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, row, heads, hok, H, n_split,
-                    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, DC: tl.constexpr):
+def _combine_splits(out_ptr, sink_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, row, heads, hok, H, n_split, turn_row,
+                    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, DC: tl.constexpr,
+                    ROT: tl.constexpr):
     """o_h = sum_s 2^(m_s - M) acc_s / (2^(sink_h - M) + sum_s 2^(m_s - M) l_s) (m_s, M and the sink in log2
     units: the scores were scaled by log2 e) for a block of heads, in split
     order (deterministic), DC output dims at a time. This runs on the critical path of the row's last program, so
@@ -290,7 +358,7 @@ def _combine_splits(out_ptr, sink_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, row
     previous chunk is stored: a store between them would keep the compiler from issuing the next loads early
     (it cannot tell that out and the partials do not overlap), and the chunks' L2 round trips would run one after
     another. Partials are read with .cg (from L2, never a stale L1 line: other programs of this launch wrote
-    them)."""
+    them). ROT: the chunks holding the last ROT channels turned back (`_unturn`)."""
     sp = tl.arange(0, BLOCK_S)
     base = (row * H + heads) * n_split                                          # [BLOCK_H]
     ok = hok[:, None] & (sp[None, :] < n_split)
@@ -307,6 +375,8 @@ def _combine_splits(out_ptr, sink_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, row
         if dc + DC < D:
             a = tl.load(parts + dc + DC, mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
         o = tl.sum(w[:, :, None] * cur, 1)
+        if dc + DC > D - ROT:
+            o = _unturn(o, dc + tl.arange(0, DC), turn_row, D, ROT)
         tl.store(out_ptr + (row * H + heads[:, None]) * D + dc + tl.arange(0, DC)[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=hok[:, None])
 
@@ -322,20 +392,24 @@ def _halves(x):
 
 
 @triton.jit
-def _mix_store(own, part_acc_ptr, out_ptr, o_, orow, hok, c0, c1, first, off, D: tl.constexpr):
+def _mix_store(own, part_acc_ptr, out_ptr, o_, orow, hok, c0, c1, first, turn_row, off: tl.constexpr,
+               D: tl.constexpr, ROT: tl.constexpr):
     """out = c0 acc_0 + c1 acc_1 for the column chunk `_halves` gives at `off` (columns (j // (D/8)) * D/2 + off +
     j % (D/8)), the partials in split order (own is acc_0 when first; the other's is read at row o_ of the
-    partials): the same operations whichever program merges, so that a fused multiply-add rounds alike."""
+    partials): the same operations whichever program merges, so that a fused multiply-add rounds alike. ROT: a
+    chunk holding some of the last ROT channels turns them back (`_unturn`)."""
     j = tl.arange(0, D // 4)
     cols = (j // (D // 8)) * (D // 2) + off + j % (D // 8)
     x = tl.load(part_acc_ptr + o_[:, None] * D + cols[None, :], mask=hok[:, None], other=0.0, cache_modifier=".cg")
     o = tl.where(first, own, x) * c0[:, None] + tl.where(first, x, own) * c1[:, None]
+    if D // 2 + off + D // 8 > D - ROT:
+        o = _unturn(o, cols, turn_row, D, ROT)
     tl.store(out_ptr + orow[:, None] * D + cols[None, :], o.to(out_ptr.dtype.element_ty), mask=hok[:, None])
 
 
 @triton.jit
 def _combine_two(acc, m, l, split, out_ptr, sink_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, scr_a, row, heads, hok,
-                 H, D: tl.constexpr):
+                 H, turn_row, D: tl.constexpr, ROT: tl.constexpr):
     """Two splits: the last program's own partial (m, l, acc) from its registers, the other's from memory, merged
     in split order as `_combine_splits` merges them: o = (2^(m_0 - M) acc_0 + 2^(m_1 - M) acc_1) / (2^(sink - M) +
     2^(m_0 - M) l_0 + 2^(m_1 - M) l_1), the same bits whichever program came last. In four column chunks (split in
@@ -362,27 +436,36 @@ def _combine_two(acc, m, l, split, out_ptr, sink_ptr, part_m_ptr, part_l_ptr, pa
     orow = row * H + heads
     a0, a1 = _halves(acc)
     a00, a01 = _halves(a0)
-    _mix_store(a00, part_acc_ptr, out_ptr, o_, orow, hok, c0, c1, first, 0, D)
-    _mix_store(a01, part_acc_ptr, out_ptr, o_, orow, hok, c0, c1, first, D // 8, D)
+    _mix_store(a00, part_acc_ptr, out_ptr, o_, orow, hok, c0, c1, first, turn_row, 0, D, ROT)
+    _mix_store(a01, part_acc_ptr, out_ptr, o_, orow, hok, c0, c1, first, turn_row, D // 8, D, ROT)
     a10, a11 = _halves(a1)
-    _mix_store(a10, part_acc_ptr, out_ptr, o_, orow, hok, c0, c1, first, D // 4, D)
-    _mix_store(a11, part_acc_ptr, out_ptr, o_, orow, hok, c0, c1, first, D // 4 + D // 8, D)
+    _mix_store(a10, part_acc_ptr, out_ptr, o_, orow, hok, c0, c1, first, turn_row, D // 4, D, ROT)
+    _mix_store(a11, part_acc_ptr, out_ptr, o_, orow, hok, c0, c1, first, turn_row, D // 4 + D // 8, D,
+               ROT)
 
 
 @triton.jit
 def _sparse_attention_kernel(q_ptr, out_ptr, sink_ptr, win_kv_ptr, win_idx_ptr, n_win, cmp_kv_ptr, cmp_idx_ptr,
                              n_cmp, cmp_stride, cmp_start_ptr, cmp_count_ptr, H, scale, per_split, part_m_ptr,
-                             part_l_ptr, part_acc_ptr, cnt_ptr, scr_p_ptr, scr_a_ptr, D: tl.constexpr,
+                             part_l_ptr, part_acc_ptr, cnt_ptr, scr_p_ptr, scr_a_ptr, turn_ptr, turn_stride, scr_q_ptr,
+                             D: tl.constexpr,
                              BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, HAS_CMP: tl.constexpr,
                              IEEE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, DC: tl.constexpr,
                              UNCHAIN: tl.constexpr, LAZY_SUM: tl.constexpr, OWN: tl.constexpr,
-                             ENTRIES: tl.constexpr = False, PDL: tl.constexpr = False):
+                             ENTRIES: tl.constexpr = False, ROT: tl.constexpr = 0, WINDOW: tl.constexpr = False,
+                             VISIBLE: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (head block, row, split): the split's slice [lo, hi) of the row's keys (window keys first, then
     compressed). Without SPLIT the one split starts from the sink and writes the output; with SPLIT it writes its
     partial (m, l, acc) and the last program of the (row, head block) to finish merges the splits and the sink
     (ticket counter, reset to 0). ENTRIES: the compressed indices are the row's entry ids, pool row cmp_start[row]
-    + id for 0 <= id < cmp_count[row] (else no key). PDL: everything it reads but the sink (q, the indices, the
-    rows' starts and counts, both pools) is written earlier in the step, so it waits before its first load."""
+    + id for 0 <= id < cmp_count[row] (else no key). WINDOW: win_idx holds each row's (first, skip) (int64 [N, 2]),
+    its window keys the pool rows first + j for skip <= j < n_win (no index list). VISIBLE (with ENTRIES): no
+    compressed id list, cmp_idx holds the rows' positions and cmp_stride the ratio: the entry ids g < n_cmp below
+    (p + 1) // ratio. ROT > 0: RoPE inside, q's last ROT channels turned by the
+    row's turn (fp32 (cos, sin) pairs at turn_ptr + row * turn_stride) as they load, rounded to q's dtype as
+    kernels/rope.py rounds them, and the output's turned back (the conjugate) in fp32 before it is stored. PDL:
+    everything it reads but the sink (q, the indices, the rows' starts and counts, the turns, both pools) is
+    written earlier in the step, so it waits before its first load."""
     row = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -392,10 +475,33 @@ def _sparse_attention_kernel(q_ptr, out_ptr, sink_ptr, win_kv_ptr, win_idx_ptr, 
     if ENTRIES:     # (pool rows and counts below 2^31, as the int32 rows the kernel reads otherwise)
         c_base = tl.load(cmp_start_ptr + row).to(tl.int32)
         c_lim = tl.load(cmp_count_ptr + row).to(tl.int32)
+        if VISIBLE:
+            c_lim = tl.minimum(c_lim, ((tl.load(cmp_idx_ptr + row) + 1) // cmp_stride).to(tl.int32))
     else:
         c_base = 0
         c_lim = 2**31 - 1
-    q = tl.load(q_ptr + (row * H + heads[:, None]) * D + dims[None, :], mask=hok[:, None], other=0.0)
+    if WINDOW:      # the row's (first, skip): window key j at pool row first + j for skip <= j < n_win
+        w_base = tl.load(win_idx_ptr + row * 2).to(tl.int32)
+        w_lo = tl.load(win_idx_ptr + row * 2 + 1).to(tl.int32)
+    else:
+        w_base = 0
+        w_lo = 0
+    prog = (row * tl.num_programs(2) + split) * tl.num_programs(0) + tl.program_id(0)
+    q_row = q_ptr + (row * H + heads[:, None]) * D
+    q_at = q_row + dims[None, :]
+    turn_row = turn_ptr + row * turn_stride
+    if ROT > 0:
+        # q's last ROT channels turned and staged in this program's scratch, then q loaded from both in one plain
+        # load: a q computed in registers becomes the Q K^T dot's register operand (64 more registers a thread at
+        # 64 heads, spilled inside the loop), a loaded one goes through shared memory
+        r = tl.arange(0, ROT)[None, :]
+        at = q_row + D - ROT
+        qr = turned(tl.load(at + r, mask=hok[:, None], other=0.0), at, r, hok[:, None], turn_row, ROT, ROT)
+        stage = scr_q_ptr + prog * (BLOCK_H * ROT) + tl.arange(0, BLOCK_H)[:, None] * ROT - (D - ROT)
+        tl.store(stage + D - ROT + r, qr.to(scr_q_ptr.dtype.element_ty))
+        q_at = tl.where(dims[None, :] >= D - ROT, stage + dims[None, :] + _cta_barrier(row), q_at)
+        q_at = tl.max_contiguous(tl.multiple_of(q_at, [1, 16]), [1, 8])     # (16-byte loads: the host checks)
+    q = tl.load(q_at, mask=hok[:, None], other=0.0)
     q = q.to(win_kv_ptr.dtype.element_ty)
     if SPLIT:
         m = tl.full([BLOCK_H], -1e30, tl.float32)           # finite: exp2(m - new_m) stays 0, never NaN
@@ -412,16 +518,19 @@ def _sparse_attention_kernel(q_ptr, out_ptr, sink_ptr, win_kv_ptr, win_idx_ptr, 
     lo = split * per_split
     hi = lo + per_split
     it = tl.zeros([], tl.int32)
-    prog = (row * tl.num_programs(2) + split) * tl.num_programs(0) + tl.program_id(0)
     scr_p = scr_p_ptr + prog * (2 * BLOCK_H * BLOCK_K)
     scr_a = scr_a_ptr + prog * (2 * BLOCK_H)
-    m, l, acc, it = _attend_pool(q, m, l, acc, it, win_kv_ptr, win_idx_ptr, n_win, tl.minimum(lo, n_win),
-                                 tl.minimum(hi, n_win), row, 0, 2**31 - 1, scale, scr_p, scr_a, D, BLOCK_K, IEEE,
-                                 UNCHAIN, LAZY_SUM)
+    w0 = tl.maximum(tl.minimum(lo, n_win), w_lo)     # (WINDOW: from the row's first key: a short window, fewer blocks)
+    m, l, acc, it = _attend_pool(q, m, l, acc, it, win_kv_ptr, win_idx_ptr, n_win, w0, tl.minimum(hi, n_win), row,
+                                 w_base, w_lo, 2**31 - 1, scale, scr_p, scr_a, D, BLOCK_K,
+                                 IEEE, UNCHAIN, LAZY_SUM, WINDOW)
     if HAS_CMP:
+        c1 = tl.minimum(tl.maximum(hi - n_win, 0), n_cmp)
+        if VISIBLE:     # (the row's visible entries only: fewer blocks)
+            c1 = tl.minimum(c1, c_lim)
         m, l, acc, it = _attend_pool(q, m, l, acc, it, cmp_kv_ptr, cmp_idx_ptr, cmp_stride, tl.maximum(lo - n_win, 0),
-                                     tl.minimum(tl.maximum(hi - n_win, 0), n_cmp), row, c_base, c_lim, scale, scr_p,
-                                     scr_a, D, BLOCK_K, IEEE, UNCHAIN, LAZY_SUM)
+                                     c1, row, c_base, 0, c_lim, scale, scr_p, scr_a, D, BLOCK_K, IEEE, UNCHAIN,
+                                     LAZY_SUM, VISIBLE)
     if LAZY_SUM:
         l = tl.sum(l, 1)
     if OWN:
@@ -439,7 +548,7 @@ def _sparse_attention_kernel(q_ptr, out_ptr, sink_ptr, win_kv_ptr, win_idx_ptr, 
             tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(ticket_ptr + 1, 0, sem="relaxed", scope="gpu")
             _combine_two(acc, m, l, split, out_ptr, sink_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, scr_a, row, heads,
-                         hok, H, D)
+                         hok, H, turn_row, D, ROT)
     elif SPLIT:
         n_split = tl.num_programs(2)
         _store_partial(part_m_ptr, part_l_ptr, part_acc_ptr, (row * H + heads) * n_split + split, m, l, acc, hok, D)
@@ -448,9 +557,12 @@ def _sparse_attention_kernel(q_ptr, out_ptr, sink_ptr, win_kv_ptr, win_idx_ptr, 
         if ticket == n_split - 1:
             tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
             _combine_splits(out_ptr, sink_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, row, heads, hok, H, n_split,
-                            D, BLOCK_H, BLOCK_S, DC)
+                            turn_row, D, BLOCK_H, BLOCK_S, DC, ROT)
     else:
-        tl.store(out_ptr + (row * H + heads[:, None]) * D + dims[None, :], (acc / l[:, None]).to(out_ptr.dtype.element_ty),
+        o = acc / l[:, None]
+        if ROT > 0:
+            o = _unturn(o, dims, turn_row, D, ROT)
+        tl.store(out_ptr + (row * H + heads[:, None]) * D + dims[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=hok[:, None])
 
 
@@ -489,7 +601,8 @@ def default_config(N: int, H: int, D: int, n_keys: int, elem_bytes: int = 2, sms
 def sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None, scale=None,
                             block_h: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                             num_stages: int | None = None, splits: int | None = None, unchain: bool | None = None,
-                            lazy_sum: bool | None = None, cmp_start=None, cmp_count=None):
+                            lazy_sum: bool | None = None, cmp_start=None, cmp_count=None, turn=None, window=None,
+                            visible=None):
     """Launch parameters left None come from `default_config`. splits > 1: key splits per row with fp32 partials
     [N, H, splits, D] (L2-resident at decode sizes), combined by the last program of each (row, head block).
     unchain: P and the rescale factors pass to the P@V dot through a per-program scratch (L1/L2; 2 x block_h x
@@ -498,19 +611,32 @@ def sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None,
     predicate the barrier in their loop). lazy_sum: the softmax denominators kept as per-column partial sums and
     reduced once after the loop. cmp_start / cmp_count [N]: cmp_idx holds entry ids, row r's pool rows cmp_start[r]
     + id for 0 <= id < cmp_count[r] (others no key: kernels/index_rows.py's `entry_rows_torch` in the kernel's
-    gather)."""
-    _check(q, win_kv, win_idx, cmp_kv, cmp_idx, sink, cmp_start, cmp_count)
+    gather). turn fp32 [N, R/2, 2] (kernels/rope.py's table, the forward turn): RoPE inside (q's last R channels
+    turned as they load, the output's turned back before it is stored). window W: win_idx holds each row's (first,
+    skip), int [N, 2], its window keys the pool rows first + j for skip <= j < W (the gather makes them: no [N, W]
+    list). visible (positions [N] int64, ratio, G), with cmp_start / cmp_count and no cmp_idx: the compressed keys
+    are every entry id g < G the row's position sees, g < (p + 1) // ratio (the "all"-kind layers: no id list)."""
+    _check(q, win_kv, win_idx, cmp_kv, cmp_idx, sink, cmp_start, cmp_count, turn, window, visible)
     N, H, D = q.shape
     check(D >= 16 and D & (D - 1) == 0, f"head_dim must be a power of two >= 16 for the Triton path, got {D}")
     check(cmp_kv is None or cmp_kv.dtype == win_kv.dtype, "window and compressed pools must share a dtype")
     scale = D ** -0.5 if scale is None else scale
-    q, win_kv, win_idx = q.contiguous(), win_kv.contiguous(), win_idx.to(torch.int32).contiguous()
+    q, win_kv = q.contiguous(), win_kv.contiguous()
+    if turn is not None:
+        # (q's staged load claims 16-byte aligned groups of 8: R a multiple of 8, q's rows at 16-byte addresses)
+        check(turn.shape[1] % 4 == 0, f"attention: {2 * turn.shape[1]} rotated channels (want a multiple of 8)")
+        q = q if q.data_ptr() % 16 == 0 else q.clone()
+    win_idx = win_idx.contiguous() if window is not None else win_idx.to(torch.int32).contiguous()
     has_cmp = cmp_kv is not None
     if has_cmp:
         # (entry ids as the select gives them: int64, a column slice; no cast or copy launch)
         cmp_kv = cmp_kv.contiguous()
-        cmp_idx = cmp_idx if cmp_start is not None and cmp_idx.stride(1) == 1 else cmp_idx.to(torch.int32).contiguous()
-    n_win, n_cmp = win_idx.shape[1], cmp_idx.shape[1] if has_cmp else 0
+        if visible is not None:      # (no id list: the row's positions in its place)
+            cmp_idx = visible[0].contiguous()
+        elif cmp_start is None or cmp_idx.stride(1) != 1:
+            cmp_idx = cmp_idx.to(torch.int32).contiguous()
+    n_win = win_idx.shape[1] if window is None else window
+    n_cmp = 0 if not has_cmp else cmp_idx.shape[1] if visible is None else visible[2]
     n_keys = n_win + n_cmp
     cfg = default_config(N, H, D, n_keys, win_kv.element_size(), sm_count(q.device))
     block_h = block_h or cfg["block_h"]
@@ -542,11 +668,16 @@ def sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None,
     else:
         scr_p = scr_a = out
     entries = cmp_start is not None
+    # RoPE inside: each program stages its heads' turned q channels ([block_h, R] in q's dtype)
+    scr_q = out if turn is None else empty((n_hb * N * splits * block_h * 2 * turn.shape[1],), q.dtype, q.device)
     _sparse_attention_kernel[grid](
         q, out, sink.float().contiguous(), win_kv, win_idx, n_win, cmp_kv if has_cmp else win_kv,
-        cmp_idx if has_cmp else win_idx, n_cmp, cmp_idx.stride(0) if has_cmp else 0,
+        cmp_idx if has_cmp else win_idx, n_cmp,
+        visible[1] if visible is not None else cmp_idx.stride(0) if has_cmp else 0,
         cmp_start.contiguous() if entries else win_idx, cmp_count.contiguous() if entries else win_idx, H,
-        float(scale) * LOG2E.value, per_split, part_m, part_l, part_acc, cnt, scr_p, scr_a, D=D, ENTRIES=entries,
+        float(scale) * LOG2E.value, per_split, part_m, part_l, part_acc, cnt, scr_p, scr_a,
+        sink if turn is None else turn, 0 if turn is None else turn.stride(0), scr_q, D=D, ENTRIES=entries,
+        ROT=0 if turn is None else 2 * turn.shape[1], WINDOW=window is not None, VISIBLE=visible is not None,
         BLOCK_H=block_h, BLOCK_K=block_k, HAS_CMP=has_cmp, IEEE=ieee,
         SPLIT=splits > 1, BLOCK_S=max(2, triton.next_power_of_2(splits)), DC=min(D, 64),
         UNCHAIN=unchain, LAZY_SUM=cfg.get("lazy_sum", False) if lazy_sum is None else lazy_sum,
@@ -558,10 +689,13 @@ def sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None,
 def sparse_attention(q: torch.Tensor, win_kv: torch.Tensor, win_idx: torch.Tensor, sink: torch.Tensor,
                      cmp_kv: torch.Tensor | None = None, cmp_idx: torch.Tensor | None = None,
                      scale: float | None = None, cmp_start: torch.Tensor | None = None,
-                     cmp_count: torch.Tensor | None = None) -> torch.Tensor:
+                     cmp_count: torch.Tensor | None = None, turn: torch.Tensor | None = None,
+                     window: int | None = None, visible: tuple | None = None) -> torch.Tensor:
     """Sparse MQA decode attention with per-head sink (module docstring). scale defaults to D**-0.5. cmp_start /
-    cmp_count: cmp_idx holds entry ids (`sparse_attention_triton`)."""
+    cmp_count: cmp_idx holds entry ids; turn: RoPE inside; window: win_idx holds each row's (first, skip);
+    visible: every entry the row's position sees (`sparse_attention_triton`)."""
     if use_triton(q):
         return sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv, cmp_idx, scale, cmp_start=cmp_start,
-                                       cmp_count=cmp_count)
-    return sparse_attention_torch(q, win_kv, win_idx, sink, cmp_kv, cmp_idx, scale, cmp_start, cmp_count)
+                                       cmp_count=cmp_count, turn=turn, window=window, visible=visible)
+    return sparse_attention_torch(q, win_kv, win_idx, sink, cmp_kv, cmp_idx, scale, cmp_start, cmp_count, turn,
+                                  window, visible)

@@ -54,6 +54,11 @@ of three); the attention one at T = 64 10.84-10.87 -> 8.20-8.23 (R2, T = 256: 18
 T = 32 / 64 12.51 / 14.81 -> 11.77 / 14.80 (T = 32: the parts). Where the time goes at T=64: the streaming pass
 alone 4.0 of 8.3 us (R1); the 20-step Sinkhorn 1.2 (one step: 7.05, R3); the rest of the tail (the wait for the
 block's partials, their loads through L2, the norm) ~3.
+Session 14: the mixes feed only the write-back after the next sub-layer, so hc_post_mix_triton(defer=True) ends
+the launch once R', x and x's norm are stored and leaves the partials' reduction and the Sinkhorn to a launch of
+their own (_mix_partials_kernel, the same bits), which engine/mhc.py runs on a side stream beside that sub-layer,
+up to DEFER_MAX_T tokens (its numbers). R1 (H200, H = 2048, T = 64, the MoE write-back then the stacked wq_a +
+wkv product, 16 calls in a CUDA graph): 20 Sinkhorn steps 15.93 us a call, 1 step 14.42.
 """
 import weakref
 from dataclasses import dataclass
@@ -74,6 +79,9 @@ class HcMixes:
     pre: torch.Tensor    # fp32 [T, M]: read-out weights for the next sub-layer's input
     post: torch.Tensor   # fp32 [T, M]: write-back weights of this sub-layer's output
     comb: torch.Tensor   # fp32 [T, M, M]: stream mixing, C[t, j, k] = source j -> destination k
+    # hc_post_mix_triton(defer=True): the launch that fills the three (the caller runs it, e.g. on a side stream,
+    # and keeps this object until that work is joined); None: they are filled already
+    finish: object = None
 
 
 def _check(residual, fn, base, scale):
@@ -368,6 +376,17 @@ def _wait_stores(p, n, FORM: tl.constexpr):
 
 
 @triton.jit
+def _partials(z_ptr, mt, ok, s0, n_split, NZ, NZP: tl.constexpr, SPC: tl.constexpr):
+    """Splits s0 .. s0 + SPC of the tokens mt's partial z rows (z [T, n_split, NZP]; ok: the tokens' mask) ->
+    [tokens, SPC, NZP], through L2 (other programs stored them)."""
+    s = s0 + tl.arange(0, SPC)
+    n = tl.arange(0, NZP)
+    return tl.load(z_ptr + ((mt[:, None, None].to(tl.int64) * n_split + s[None, :, None]) * NZP + n[None, None, :]),
+                   mask=ok[:, None, None] & (s[None, :, None] < n_split) & (n[None, None, :] <= NZ), other=0.0,
+                   cache_modifier=".cg")
+
+
+@triton.jit
 def _finish_block(acc, sq, ticket, z_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, NZ, n_split,
                   norm_eps, hc_eps, post_mult, tb, sp, toks, x_ptr, w_ptr, xsq_ptr, H, x_eps, c0, c1,
                   M: tl.constexpr, NZP: tl.constexpr, BT: tl.constexpr, NW: tl.constexpr, TPW: tl.constexpr,
@@ -413,14 +432,9 @@ def _finish_block(acc, sq, ticket, z_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr,
             j = w + tl.arange(0, TPW) * NW                  # this waiter's tokens in the block
             mt = tb * BT + j
             ok = (j < BT) & (mt < T)
-            n = tl.arange(0, NZP)
             z = tl.zeros([TPW, NZP], tl.float32)
             for s0 in range(0, n_split, SPC):
-                s = s0 + tl.arange(0, SPC)
-                v = tl.load(z_ptr + ((mt[:, None, None].to(tl.int64) * n_split + s[None, :, None]) * NZP
-                                     + n[None, None, :]),
-                            mask=ok[:, None, None] & (s[None, :, None] < n_split) & (n[None, None, :] <= NZ),
-                            other=0.0, cache_modifier=".cg")
+                v = _partials(z_ptr, mt, ok, s0, n_split, NZ, NZP, SPC)
                 if s0 == 0:
                     if FORM & 1:        # leave now: the round trip overlaps the partials' loads just issued
                         _leave(cnt_ptr + 2 * tb, last, _PTX)
@@ -908,6 +922,24 @@ def _hc_post_mix_kernel(r_ptr, y_ptr, y2_ptr, post_ptr, comb_ptr, a_ptr, out_ptr
                   NSP)
 
 
+@triton.jit
+def _mix_partials_kernel(z_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, NZ, n_split, norm_eps,
+                         hc_eps, post_mult, NZP: tl.constexpr, TPW: tl.constexpr, SPC: tl.constexpr,
+                         ITERS: tl.constexpr, FAST: tl.constexpr, REG: tl.constexpr, PDL: tl.constexpr = False):
+    """The mixing tail of _hc_post_mix_kernel as a launch of its own (hc_post_mix_triton's defer, M = 4): program p
+    adds the partial z rows of tokens p * TPW .. (p + 1) * TPW - 1 in the waiters' order (SPC splits at a time) and
+    mixes them (_mix_rows): the waiters' bits. PDL: the wait first (the partials are the step's); no early trigger
+    (it runs beside the next sub-layer, on a side stream)."""
+    pdl_wait(PDL)
+    mt = tl.program_id(0) * TPW + tl.arange(0, TPW)
+    ok = mt < T
+    z = tl.zeros([TPW, NZP], tl.float32)
+    for s0 in range(0, n_split, SPC):
+        z += tl.sum(_partials(z_ptr, mt, ok, s0, n_split, NZ, NZP, SPC), 1)
+    _mix_rows(z, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, K, NZ, norm_eps, hc_eps, post_mult, mt, ok, 4,
+              NZP, ITERS, FAST, REG)
+
+
 def _post_mix_tiles(T: int, H: int, dev) -> dict:
     """The write-back + mixes kernel's tiles at T tokens of H hidden columns: 16-token blocks, and the narrowest
     split (16 to 128 columns, steps of up to 64) that keeps the grid within one program an SM, or 128-wide: the
@@ -940,6 +972,14 @@ def _post_mix_tiles(T: int, H: int, dev) -> dict:
 # session 13 R1 (H = 2048, the MoE write-back, T = 128 / 256): 12.55 / 17.44 against 14.20 / 18.74. (At H = 5120
 # the grid is resident up to 96 tokens on an H200: T = 80 / 96 in the module docstring.)
 POST_MIX_MAX_T = 16
+# Up to this many tokens hc_post_mix_apply(defer=True) leaves the mixes' tail to HcMixes.finish (engine/mhc.py runs
+# it on a side stream beside the next sub-layer). H200 session 14 (mid-size H = 2048, two write-backs + mixes +
+# norm through engine/mhc.hc_post_and_mixes with a stand-in sub-layer after each, the next write-back joining the
+# side stream, 16 calls in a CUDA graph, us a call, tail inside -> deferred; benchmarks/kernels_moe.py's
+# "write-back chain" rows): R3, four 2048 x 2048 products after each write-back, T = 8 59.86-59.90 -> 55.99-56.23,
+# T = 16 60.67-60.79 -> 56.73, T = 32 61.40 -> 63.75, T = 64 60.84 -> 66.89; R2, one product, T = 8 27.50-27.53 ->
+# 23.13-23.22, T = 64 30.49 -> 32.36, T = 256 48.10 -> 52.93 (why it loses from 32 tokens: not measured).
+DEFER_MAX_T = 16
 
 
 def _post_mix_launch(T: int, H: int, dev, block_t=None, split=None, block_k=None, num_warps=None, waiters=None,
@@ -967,7 +1007,7 @@ def hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-
                        fn_parts: torch.Tensor | None = None, waiters: int | None = None, spc: int | None = None,
                        fast_rcp: bool | None = None, only_partial: bool = False, tail_form: int | None = None,
                        y2: torch.Tensor | None = None, x_norm: tuple | None = None, norm_form: int | None = None,
-                       launch: _SplitLaunch | None = None):
+                       launch: _SplitLaunch | None = None, defer: bool = False):
     """One launch (_hc_post_mix_kernel, M = 4): (R', x, the next sub-layer's HcMixes of R'), equal to
     hc_post_mix_torch up to fp32 summation order. split / block_k count hidden columns (each covers the 4
     streams); fn_parts: split_fn_bf16(fn) read instead of splitting fp32 fn in registers (bf16 R only); waiters /
@@ -976,7 +1016,10 @@ def hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-
     is resident at once, else 1). Cost: R read once, R' written once, y read, x written, fn read once per token
     block (L2 hits after the first), the partials through L2. only_partial: no mixing (benchmark: the mixes'
     outputs are left unwritten, and x is not normalised even with x_norm). launch: the launch shape already made
-    by _post_mix_launch (hc_post_mix_apply; the tile arguments are then not used)."""
+    by _post_mix_launch (hc_post_mix_apply; the tile arguments are then not used). defer (with x_norm only in
+    norm form 2): the launch ends once R', x and x's norm are stored, and the mixes' reduction and Sinkhorn are
+    left to the returned HcMixes' `finish` (_mix_partials_kernel, the same bits): nothing reads them before the
+    sub-layer after this one, so they can run beside it (engine/mhc.py runs them on a side stream)."""
     _check_apply(R, y, post, comb, next_pre, triton_path=True, y2=y2)
     check(next_pre is not None, "the write-back + mixes pass needs the next pre-mix")
     T, M, H = R.shape
@@ -1004,16 +1047,23 @@ def hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-
         xsq = empty((T, L.n_split), torch.float32, dev)
         form = norm_form or (2 if L.resident else 1)
         check(form == 1 or L.resident, "read-out norm form 2 needs the whole grid resident at once (a GPU)")
+    defer = defer and form != 1 and not only_partial and T > 0
+    b32, s32 = base.float().contiguous(), scale.float().contiguous()
+    tail_form = _tail_form(tail_form, L.tpw)
+    if defer:   # no waiters: every program normalises x (form 2), or (no norm) stores its partials and ends
+        mixes.finish = lambda: _mix_partials_kernel[(triton.cdiv(T, L.tpw),)](
+            z, b32, s32, mixes.pre, mixes.post, mixes.comb, T, 4 * H, NZ, L.n_split, norm_eps, hc_eps, post_mult,
+            NZP=NZP, TPW=L.tpw, SPC=L.spc, ITERS=iters, FAST=fast, REG=(tail_form & 2) != 0, num_warps=L.warps,
+            **pdl_kw())
     if T:
         y = y.contiguous()
         _hc_post_mix_kernel[(L.n_tb, L.n_split)](
             R, y, y if y2 is None else y2.contiguous(), post.float().contiguous(), comb.float().contiguous(),
-            next_pre.float().contiguous(), out, x, w, z, _counters(dev, L.n_tb),
-            base.float().contiguous(), scale.float().contiguous(),
+            next_pre.float().contiguous(), out, x, w, z, _counters(dev, L.n_tb), b32, s32,
             mixes.pre, mixes.post, mixes.comb, nw.contiguous(), xsq, T, H, NZ, L.n_split, norm_eps, hc_eps,
             post_mult, x_eps, NZP=NZP, BT=L.block_t, BK=L.block_k, SPLIT=L.split, MODE=mode, UPCAST=INTERPRETING,
-            NW=L.nw, TPW=L.tpw, SPC=L.spc, ITERS=iters, FAST=fast, TAIL=not only_partial,
-            FORM=_tail_form(tail_form, L.tpw), Y2=y2 is not None, NORM=form,
+            NW=0 if defer else L.nw, TPW=L.tpw, SPC=L.spc, ITERS=iters, FAST=fast,
+            TAIL=not only_partial and not (defer and form == 0), FORM=tail_form, Y2=y2 is not None, NORM=form,
             NSP=triton.next_power_of_2(L.n_split), num_warps=L.warps, **pdl_kw())
     return out, x, mixes
 
@@ -1032,12 +1082,14 @@ def hc_post_apply(R, y, post, comb, next_pre=None, y2=None):
 
 
 def hc_post_mix_apply(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-20, hc_eps=1e-6, iters=20,
-                      post_mult=2.0, y2=None, x_norm=None):
+                      post_mult=2.0, y2=None, x_norm=None, defer=False):
     """The write-back R' = post * y + comb^T R (y2: a second addend of y, hc_post_torch), the read-out x of R'
     with next_pre (x_norm = (fp32 weight, eps): RMSNorm-ed), and the mixes of R' for the sub-layer with
     parameters (fn, base, scale): (R', x, HcMixes). On CUDA with 4 streams one launch (hc_post_mix_triton; fn as
     cached bf16 parts from 32 tokens, parts_pay) up to POST_MIX_MAX_T tokens, and with x_norm wherever its
-    grid is resident at once; else hc_post_apply then hc_mixes (then kernels.rmsnorm.rms_norm; the twins on CPU)."""
+    grid is resident at once; else hc_post_apply then hc_mixes (then kernels.rmsnorm.rms_norm; the twins on CPU).
+    defer: the one launch leaves the mixes to the returned HcMixes' `finish` where it can (hc_post_mix_triton), up
+    to DEFER_MAX_T tokens."""
     T = R.shape[0]
     L = _post_mix_launch(T, R.shape[2], R.device) if use_triton(R) and R.shape[1] == 4 else None
     # the norm joins the launch only in its fast form (2: the whole grid resident at once); form 1 costs more than
@@ -1048,7 +1100,7 @@ def hc_post_mix_apply(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-2
         parts = fn_parts_cached(fn) if R.dtype == torch.bfloat16 and parts_pay(T, post_mix=True) else None
         out, x, mixes = hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps, hc_eps, iters,
                                            post_mult, fn_parts=parts, y2=y2, x_norm=x_norm if fused_norm else None,
-                                           launch=L)
+                                           launch=L, defer=defer and T <= DEFER_MAX_T)
     else:
         out, x = hc_post_apply(R, y, post, comb, next_pre, y2)
         mixes = hc_mixes(out, fn, base, scale, norm_eps, hc_eps, iters, post_mult)

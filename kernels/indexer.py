@@ -90,7 +90,7 @@ import triton.language as tl
 
 from .backend import empty, INTERPRETING, check, pdl_kw, pdl_trigger, pdl_wait, tickets, use_triton
 from .index_rows import visible_scores_torch
-from .rope import apply_rope_torch
+from .rope import apply_rope_torch, turned
 
 
 def _check(iq, w, keys, key_start, key_len, k):
@@ -125,12 +125,13 @@ def indexer_scores_torch(iq, w, keys, key_start, key_len, max_len, w_scale=1.0, 
     if turn is not None:
         iq = apply_rope_torch(iq, turn)
     g = torch.arange(max_len, device=iq.device)
-    visible = g[None, :] < key_len[:, None]
     rows = (key_start[:, None] + g[None, :]).clamp(0, max(keys.shape[0] - 1, 0))
     k = keys[rows].float()                                              # [N, L, Di]
     s = torch.relu(torch.einsum("nhd,nld->nhl", iq.float(), k))
-    scores = torch.einsum("nh,nhl->nl", w.float() * w_scale, s).masked_fill(~visible, float("-inf"))
-    return scores if positions is None else visible_scores_torch(scores, positions, key_len, ratio, cand)[1]
+    scores = torch.einsum("nh,nhl->nl", w.float() * w_scale, s)
+    if positions is not None:        # (its mask bounds the entries by key_len too)
+        return visible_scores_torch(scores, positions, key_len, ratio, cand)[1]
+    return scores.masked_fill(g[None, :] >= key_len[:, None], float("-inf"))
 
 
 def indexer_topk_torch(iq, w, keys, key_start, key_len, k, max_len=None):
@@ -156,21 +157,13 @@ def _score_block(q, w, keys_ptr, start, g, visible, DI: tl.constexpr, F32: tl.co
 @triton.jit
 def _queries(iq_ptr, n, HI, turn_ptr, turn_stride, HP: tl.constexpr, DI: tl.constexpr, ROT: tl.constexpr):
     """Row n's queries [HP, DI] in iq's dtype; ROT > 0: their last ROT channels (interleaved pairs) turned by the
-    row's rotation first, in fp32 and rounded back, with kernels/rope.py's products and sums (the pair's partner
-    loaded again at d ^ 1: an L1 hit)."""
+    row's rotation first, in fp32 and rounded back (kernels/rope.py's `turned`)."""
     h = tl.arange(0, HP)[:, None]
     d = tl.arange(0, DI)[None, :]
     at = iq_ptr + (n * HI + h) * DI
     q = tl.load(at + d, mask=h < HI, other=0.0)
     if ROT > 0:
-        rot = d >= DI - ROT
-        j = tl.where(rot, (d - (DI - ROT)) // 2, 0)
-        x = q.to(tl.float32)
-        partner = tl.load(at + (d ^ 1), mask=(h < HI) & rot, other=0.0).to(tl.float32)
-        c = tl.load(turn_ptr + n * turn_stride + j * 2, mask=rot, other=1.0)
-        s = tl.load(turn_ptr + n * turn_stride + j * 2 + 1, mask=rot, other=0.0)
-        y = tl.where((d % 2) == 1, partner * s + x * c, x * c - partner * s)
-        q = tl.where(rot, y, x).to(q.dtype)
+        q = turned(q, at, d, h < HI, turn_ptr + n * turn_stride, DI, ROT).to(q.dtype)
     return q
 
 

@@ -12,7 +12,7 @@ whether earlier proposals landed in T, which is independent of the later ones). 
 and is independent of the proposals (other key), so the mixture over "accepted at j" and "none accepted" is q.
 Each proposal lands in T with probability mass(T) / s >= p, so the fallback runs with probability
 <= (1 - p)^NMAX (p = 0.9: 1e-8 per row; p = 0.5: 0.4%). The NMAX is part of the rule (it decides the token);
-how many proposals the fast path computes (PROPOSALS) is not.
+how many proposals the fast path computes (PROPOSALS, MORE_PROPOSALS) is not.
 It draws other tokens for a seed than the tau-first rule (sessions <= 6) did; the speculative bonus token
 follows the same rule (kernels/speculative.py), so the bonus is still exactly the plain draw.
 
@@ -28,16 +28,37 @@ are at most HOTCAP of the segment's lanes (peaked rows: ~none outside the leader
 at B=64 / 256: 24.3 / 61.8 us against 29.6 / 81.0 reading every lane; flat rows, where ~80 of 256 lanes lie above
 it: 31.2 / 84.7 against 29.7 / 81.5); the row mass s comes from the pass's program masses (sum of its lane masses
 rescaled to its max: the mass-above pass need not read lanes that hold nothing above a proposal); a last launch
-(`_reject_finish_kernel`, per row) takes the first proposal whose mass above is < p * s (`_row_token`). A row whose
-PROPOSALS proposals all miss runs the rest of the rule in that program (loops over the row: proposals PROPOSALS ..
-NMAX - 1, then the row-wide tau bisection and the restricted draw): exact, slow, rare at p >= 0.9, not below.
-A row misses 4 proposals with probability up to (1 - p)^4 (flat rows, measured mass: p 0.9 1.0e-4, 0.8 1.6e-3,
+(`_reject_finish_kernel`, per row) takes the first of the ABOVE_NP proposals the mass-above pass tested whose mass
+above is < p * s (`_row_token`). A row missing them all (an "open" row) is finished in that program from the
+pass's lane maxima (`_open_row_token`, session 14): every token of T lies above the best missed proposal, in a
+lane whose max does; those lanes' tokens (a few hundred at p 0.5 on flat rows, a few thousand at p 0.8) are
+gathered from L2 and the pass's other proposals are tested on them (the mass above one is a sum over them; the
+host asks for MORE_PROPOSALS = 8 when some row has p < P_MORE); only a row missing all NMAX gets tau from them (a
+histogram narrowing, then all pairs, `threshold._top_p_cut`) and the draw restricted to T over the lanes holding
+it. Bounded: a few sweeps over a few lanes, where session 13 looped over the row in one program (below).
+Session 13 (NMAX 8, 4 proposals in the pass, the finish's loops over the row for the rest): a row misses 4
+proposals with probability up to (1 - p)^4 (flat rows, measured mass: p 0.9 1.0e-4, 0.8 1.6e-3,
 0.7 8.1e-3, 0.5 6.2e-2; peaked rows a little less), so a call has such a row 0.6% / 10% / 40% / 98% of the time at
 B=64 and 2.5% / 34% / 88% / 100% at B=256; misses 8 (the bisection) 1e-8 / 2.6e-6 / 6.5e-5 / 3.9e-3. Session 13,
 whole call on flat rows at B=64 (us, rows from kernels_sampling.flat_logits): p 0.9 26.4, p 0.7 47.6 (R3) and 71.2
 (R2), p 0.5 821 (R2: rows reach the bisection); B=256 p 0.8 80.9 (R2). The pass computing all NMAX proposals
-(NP = 8) does not build: Triton 3.6 asserts in TritonGPUCoalesce (SmallVector index) on `_reject_finish_kernel`
-with NP = 8 (R3).
+(NP = 8) did not build: Triton 3.6 asserts in TritonGPUCoalesce (SmallVector index) on `_reject_finish_kernel`
+with NP = NMAX = 8 (R3); the cause was the proposals loop left never entered (`_more_proposals` now leaves it out).
+Session 14 R1 (B=64 flat rows unless said, us, tokens = twin on every row): a first form with NMAX = 4 (every
+open row through tau and the restricted draw in the finish) ran p 0.9 24.6 / 24.9 against HEAD's 24.2 / 24.6,
+peaked p 0.95 19.2 against 18.5, B=256 p 0.9 83.1 against 80.2; p 0.5 48.5-48.7 (6 open rows; 62.3 with tau
+always on the 8,192 block) and 71.7 (5), p 0.7 / 0.8 with one open row 82.8 / 87.8, B=256 p 0.5 134.6 (18): an
+open row's tau and draw cost 25-60 us in one program (~11,000 SASS instructions, 16 warps), so the rule kept
+NMAX = 8 and the finish tests the pass's proposals 4 .. 7 on the gathered tokens first. R2 (this code; HEAD in
+the same run): p 0.9 24.8 against 24.5 (31% / 32% of copy bandwidth); p 0.5 38.6 / 52.3 / 56.8 on three input
+sets (1 / 5 / 6 rows missing the first four proposals, one of them all eight in the last); p 0.7 29.4 (no such
+row; the pass with 8 proposals: +4.6 us) and 52.3 (one row) against HEAD's 267.4 on that set; p 0.8 52.0 (one
+row); peaked p 0.95 19.0 against 18.3, p 0.5 31.5 (two rows); B=256 p 0.9 83.8 (HEAD 80.2 in R1: the finish's 16
+warps x 128 registers leave one program per SM, two waves at 256 rows). R3: p 0.9 24.7 against 24.2. So a row
+missing the first four proposals costs ~10-25 us (the gather from one program, ~3 us per 512 lanes), within
+~1.2x of p 0.9 without one, ~2x with one; not the 1.5x bar yet. Written and tested compiled in R3, not timed
+(R3's rows were cut by compile time), removed: the mass-above pass handing each segment's tokens above the
+tested proposals to the finish (so an open row's candidates arrive in one round instead of that gather).
 Session 11: the mass-above programs first compare their segment's program maxima (the pass's) with the smallest
 proposal: a segment with nothing above any proposal stores zeros without loading its lane maxima (R3, B=64, twice
 each: peaked p0.95 rows 24.1 / 24.1 -> 22.2 / 22.2 us, flat p0.9 rows 31.2 / 31.3 -> 30.9 / 31.4); the pass packs
@@ -88,19 +109,23 @@ import torch
 import triton
 import triton.language as tl
 
-from . import rng
+from . import rng, threshold
 from .backend import empty, pdl_kw, pdl_trigger, pdl_wait
-from .threshold import (NEG_INF_KEY, _below, _bisect_tau, _kept_column, exp2_w, lane_block, lane_keys, lane_score,
-                        load_z, pack_lanes, row_block_z, segment_pack)
+from .threshold import (NEG_INF_KEY, _below, _bisect_tau, _draw_lanes, _kept_column, _top_p_cut, exp2_w, lane_block,
+                        lane_keys, lane_score, load_z, pack_lanes, row_block_z, segment_pack)
 
 NMAX = 8              # proposals of the rule (part of the contract: it decides the token)
-PROPOSALS = 4         # proposals the sampling pass computes (the finish computes the rest when all miss)
+PROPOSALS = 4         # proposals the sampling pass computes by default (the finish computes the rest when all miss)
+MORE_PROPOSALS = 8    # ... when the host knows some top-p-alone row has p < P_MORE (sampling.host_flags)
+P_MORE = 0.85         # (below it 4 proposals all miss often enough: (1 - p)^4 = 5e-4 at 0.85, 6e-2 at 0.5)
+ABOVE_NP = 4          # proposals whose mass above the mass-above pass sums; an open row tests the rest in the finish
 KEY_MUL = 0x632BE5AB  # proposal j >= 1 key: lowbias32(row key ^ j * KEY_MUL)
 MIN_PACKED = -9223372036854775807
 MIN_PACKED_C = tl.constexpr(MIN_PACKED)
 NEG_INF_KEY_C = tl.constexpr(NEG_INF_KEY)
 ABOVE_WARPS = 2       # warps of the mass-above pass ([LANES, LW] blocks: 4 lanes per thread, 16-byte loads)
-FINISH_WARPS = 4
+FINISH_WARPS = 16     # (the open rows' lane maxima and candidates: [8192] blocks at V = 129,280; sm_90 builds: 16
+                      # warps 128 registers + 112 B of spills, 8 warps 255 + 136 B, 32 warps 64 + 200 B)
 # Session 7 R2 (H200, whole top-p call, B=64 / 256, flat p 0.9 and peaked p 0.95 rows; the device-side parameter
 # view then still cost ~15 us in every row): the mass-above pass at 4 warps 69.2 / 193.0 and 67.4 / 178.4 against
 # 52.5 / 141.8 and 52.3 / 136.6 at 2; 2 proposals 120.6 / 63.6 at B=64 (flat rows then often reach the finish's
@@ -109,6 +134,10 @@ FINISH_WARPS = 4
 # running beside it); not adopted without a B=256 number.
 HOT_LANES = True      # the mass-above pass gathers only the lanes above the smallest proposal when they are few
 HOTCAP = 32           # most such lanes per segment gathered (more: the segment is read whole)
+OPEN_CMAX = 8192      # most tokens above t_lo an open row gathers (`_open_row_token`; more: the bisection)
+OPEN_SMALL = 1024     # up to this many candidates: tau from a block of this size (0: always OPEN_CMAX; session 14
+                      # R1, p 0.5 flat B=64, 6 open rows: 48.7 us against 62.3 at 0)
+OPEN_LC = 512         # lanes per block of its sweeps
 STAGES = 2            # benchmarks time the stages by differences: 0 stops after the pass, 1 after the mass above
 
 
@@ -263,7 +292,7 @@ def _tokens_kernel(packed_ptr, tok_ptr, dec_ptr, zrow_ptr, pmax_ptr, logits_ptr,
                    DONE: tl.constexpr,
                    HAS_MASK: tl.constexpr, HAS_TAU: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr,
                    NPQ: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, FAST: tl.constexpr,
-                   PDL: tl.constexpr = False):
+                   NA: tl.constexpr = 4, PDL: tl.constexpr = False):
     """Program (row): tok[row, j] = the token of proposal j (the best packed lane over the row's programs, its
     token drawn inside it by `lane_token`; greedy rows: the packed argmax), -1 where the best score is -inf (nothing
     allowed); only proposal 0 for rows that are not top-p alone. Once per row, so the mass-above programs and the
@@ -272,10 +301,10 @@ def _tokens_kernel(packed_ptr, tok_ptr, dec_ptr, zrow_ptr, pmax_ptr, logits_ptr,
     dec[row] = the row's token when known here (the top-k merge's draw, proposal 0 of a row that is not top-p
     alone), else -2: the mass-above pass and the finish decide it.
     zrow[row] = (m, zmin, z of each proposal's token) for the mass-above pass (m: the row max from the pass's
-    program maxima; zmin: the smallest proposal's z, +inf where no mass above is needed: a decided row, or one
-    with nothing allowed), so that its programs read them in the same round as their segment's program maxima: a
-    segment with nothing above zmin (every segment of a peaked row but the leaders') then costs one round of loads
-    and a store."""
+    program maxima; zmin: the smallest z of the first NA proposals, those the mass-above pass tests; +inf where no
+    mass above is needed: a decided row, or one with nothing allowed), so that its programs read them in the same
+    round as their segment's program maxima: a segment with nothing above zmin (every segment of a peaked row but
+    the leaders') then costs one round of loads and a store."""
     pdl_wait(PDL)
     pdl_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -315,7 +344,7 @@ def _tokens_kernel(packed_ptr, tok_ptr, dec_ptr, zrow_ptr, pmax_ptr, logits_ptr,
                 tl.load(inv_t_ptr + row)
     tl.store(zrow_ptr + row * (NPQ + 2) + 2 + jj, zs)
     tl.store(zrow_ptr + row * (NPQ + 2), m)
-    tl.store(zrow_ptr + row * (NPQ + 2) + 1, tl.min(zs, 0))
+    tl.store(zrow_ptr + row * (NPQ + 2) + 1, tl.min(tl.where(jj < NA, zs, float("inf")), 0))
     tl.store(dec_ptr + row, dec)
 
 
@@ -343,12 +372,13 @@ def _weights(z, ref):
 @triton.jit
 def _above_kernel(logits_ptr, zrow_ptr, pmax_ptr, part_ptr, inv_t_ptr, bitmask_ptr, mask_rows_ptr,
                   bitmask_stride, V, n_prog, n_seg, lane_ptr, n_lanes, hot_ptr, HAS_MASK: tl.constexpr,
-                  NP: tl.constexpr, NPP: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, VEC: tl.constexpr,
+                  NP: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, VEC: tl.constexpr,
                   FAST: tl.constexpr, NPQ: tl.constexpr = 8, HOT: tl.constexpr = False, HOTCAP: tl.constexpr = 32,
-                  PER: tl.constexpr = 1, PDL: tl.constexpr = False):
+                  PER: tl.constexpr = 1, NAQ: tl.constexpr = 8, PDL: tl.constexpr = False):
     """Program (row, segment) of an open top-p-alone row (zmin < +inf, `_tokens_kernel`): part[row, segment, j] =
-    the mass above proposal j, as sum exp(z - m) (m: the row max from the pass's program maxima): fp32 inside a lane
-    (LW terms), fp64 across lanes (`_above_sums`). The row's (m, zmin, z of the proposals) come from
+    the mass above proposal j < NP (the first NP of the pass's: zrow holds NPQ; NAQ, a power of two > NP, sizes the
+    sums), as sum exp(z - m) (m: the row max from the pass's program maxima): fp32 inside a lane (LW terms), fp64
+    across lanes (`_above_sums`). The row's (m, zmin, z of the proposals) come from
     `_tokens_kernel`, loaded beside the segment's PER program maxima (the pass's): a segment whose maxima are all at
     or below zmin holds nothing above any proposal: zeros, nothing else read. HOT: only the lanes whose max (stored
     by the pass) exceeds zmin can hold a token above a proposal; when at most HOTCAP of the segment's lanes do, only
@@ -359,7 +389,7 @@ def _above_kernel(logits_ptr, zrow_ptr, pmax_ptr, part_ptr, inv_t_ptr, bitmask_p
     row = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
     zr = zrow_ptr + row * (NPQ + 2)
-    jj = tl.arange(0, NPQ)
+    jj = tl.arange(0, NAQ)
     m = tl.load(zr)
     zmin = tl.load(zr + 1)
     zs = tl.load(zr + 2 + jj)
@@ -375,7 +405,7 @@ def _above_kernel(logits_ptr, zrow_ptr, pmax_ptr, part_ptr, inv_t_ptr, bitmask_p
         o = (row * n_seg + seg) * NP
         warm = seg_max > zmin
         if warm == 0:          # (not `seg_max <= zmin`: with a NaN neither test holds and the part went unwritten)
-            tl.store(part_ptr + o + jj, tl.zeros([NPQ], tl.float64), mask=jj < NP)
+            tl.store(part_ptr + o + jj, tl.zeros([NAQ], tl.float64), mask=jj < NP)
         n_hot = HOTCAP + 1
         if HOT & warm:
             hot = lm > zmin
@@ -393,11 +423,67 @@ def _above_kernel(logits_ptr, zrow_ptr, pmax_ptr, part_ptr, inv_t_ptr, bitmask_p
                 # padding lanes point past V: load_z's one bounds check masks them
                 zh = load_z(logits_ptr, row, tl.where((h < n_hot)[:, None], t, V), V, inv_t, bitmask_ptr, mrow,
                             bitmask_stride, HAS_MASK)
-                tl.store(part_ptr + o + jj, _above_sums(zh, _weights(zh, ref), zs, jj, NP, NPQ), mask=jj < NP)
+                tl.store(part_ptr + o + jj, _above_sums(zh, _weights(zh, ref), zs, jj, NP, NAQ), mask=jj < NP)
         if warm & (n_hot > HOTCAP):
             z, pos = row_block_z(logits_ptr, bitmask_ptr, mask_rows_ptr, inv_t_ptr, row, start, V, bitmask_stride,
                                  HAS_MASK, LANES, LW, LANES, 0, VEC, FAST)
-            tl.store(part_ptr + o + jj, _above_sums(z, _weights(z, ref), zs, jj, NP, NPQ), mask=jj < NP)
+            tl.store(part_ptr + o + jj, _above_sums(z, _weights(z, ref), zs, jj, NP, NAQ), mask=jj < NP)
+
+
+@triton.jit
+def _more_proposals(logits_ptr, row, V, inv_t, key, m, lim, tau, bitmask_ptr, mrow, bitmask_stride,
+                    HAS_MASK: tl.constexpr, NP: tl.constexpr, NMAX: tl.constexpr, LANES: tl.constexpr,
+                    LW: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, KNOWN_TAU: tl.constexpr,
+                    RPL: tl.constexpr):
+    """Proposals NP .. NMAX - 1 (none when the pass computed all NMAX), each a lane draw by a loop over the row,
+    then its mass above in fp64 compared with lim = p * s (m the row max; KNOWN_TAU: z >= tau instead). Returns
+    (the first one inside the top-p set, or -2; the largest z among those that missed, -inf if none). RPL: lanes
+    per block of the loops (small for a program of few warps: the blocks stay in registers)."""
+    tok = tl.full([], -2, tl.int64)
+    zmiss = tl.full([], float("-inf"), tl.float32)
+    j = tl.full([], NP, tl.int32)
+    n_seg = tl.cdiv(V, LANES * LW)
+    if NP < NMAX:      # (Triton 3.6's TritonGPUCoalesce asserts on the loop when it is never entered)
+        while (tok == -2) & (j < NMAX):
+            kj = proposal_key_tl(key, j)
+            best = tl.full([], MIN_PACKED_C, tl.int64)
+            for cs in range(0, n_seg * (LANES // RPL)):
+                c = cs // (LANES // RPL)
+                lane, pos, x = lane_block(logits_ptr, bitmask_ptr, row, c * (LANES * LW), V, mrow, bitmask_stride,
+                                          HAS_MASK, False, LANES, LW, RPL, cs % (LANES // RPL), 1, FAST)
+                best = tl.maximum(best, segment_pack(x, lane, pos, c * (LANES * LW), c, inv_t, False, kj, False,
+                                                     LANES, LW, FAST))
+            t = _unpack(best)
+            zt = tl.load(logits_ptr + row * V + t).to(tl.float32) * inv_t
+            if KNOWN_TAU:
+                tok = tl.where(zt >= tau, t, tok)
+            else:
+                above = tl.zeros([BLOCK], tl.float64)
+                for start in range(0, V, BLOCK):
+                    z = load_z(logits_ptr, row, start + tl.arange(0, BLOCK), V, inv_t, bitmask_ptr, mrow,
+                               bitmask_stride, HAS_MASK)
+                    above += tl.where(z > zt, tl.exp(z - m), 0.0).to(tl.float64)
+                tok = tl.where(tl.sum(above, 0) < lim, t, tok)
+            zmiss = tl.where(tok == -2, tl.maximum(zmiss, zt), zmiss)
+            j += 1
+    return tok, zmiss
+
+
+@triton.jit
+def _kept_row_draw(logits_ptr, row, V, inv_t, tau, key, bitmask_ptr, mrow, bitmask_stride, HAS_MASK: tl.constexpr,
+                   NMAX: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, FAST: tl.constexpr, RPL: tl.constexpr):
+    """The rule's last draw, restricted to z >= tau with key NMAX, by a loop over the row (-1: nothing kept)."""
+    kf = proposal_key_tl(key, tl.full([], NMAX, tl.int32))
+    n_seg = tl.cdiv(V, LANES * LW)
+    best = tl.full([], MIN_PACKED_C, tl.int64)
+    for cs in range(0, n_seg * (LANES // RPL)):
+        c = cs // (LANES // RPL)
+        lane, pos, x = lane_block(logits_ptr, bitmask_ptr, row, c * (LANES * LW), V, mrow, bitmask_stride,
+                                  HAS_MASK, False, LANES, LW, RPL, cs % (LANES // RPL), 1, FAST)
+        z = x * inv_t
+        best = tl.maximum(best, segment_pack(tl.where(z >= tau, z, float("-inf")), lane, pos, c * (LANES * LW),
+                                             c, inv_t, False, kf, True, LANES, LW, FAST))
+    return tl.where((best >> 32) > NEG_INF_KEY_C, _unpack(best), -1)
 
 
 @triton.jit
@@ -405,74 +491,144 @@ def rest_of_rule(logits_ptr, row, V, inv_t, top_p, key, m, lim, tau, bitmask_ptr
                  HAS_MASK: tl.constexpr, NP: tl.constexpr, NMAX: tl.constexpr, LANES: tl.constexpr,
                  LW: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, KNOWN_TAU: tl.constexpr,
                  RPL: tl.constexpr = 128):
-    """The rule past the first NP proposals, by loops over the row in this one program (rare: every proposal so
-    far missed the top-p set): proposals NP .. NMAX - 1 (each a lane draw over the row, then its mass above in
-    fp64 compared with lim = p * s, m the row max; KNOWN_TAU: z >= tau instead), then the draw restricted to
-    z >= tau with key NMAX (tau from the row-wide bisection unless KNOWN_TAU). RPL: lanes per block of the loops
-    (small for a program of few warps: the blocks stay in registers)."""
-    tok = tl.full([], -2, tl.int64)
-    j = tl.full([], NP, tl.int32)
-    n_seg = tl.cdiv(V, LANES * LW)
-    while (tok == -2) & (j < NMAX):
-        kj = proposal_key_tl(key, j)
-        best = tl.full([], MIN_PACKED_C, tl.int64)
-        for cs in range(0, n_seg * (LANES // RPL)):
-            c = cs // (LANES // RPL)
-            lane, pos, x = lane_block(logits_ptr, bitmask_ptr, row, c * (LANES * LW), V, mrow, bitmask_stride,
-                                      HAS_MASK, False, LANES, LW, RPL, cs % (LANES // RPL), 1, FAST)
-            best = tl.maximum(best, segment_pack(x, lane, pos, c * (LANES * LW), c, inv_t, False, kj, False, LANES,
-                                                 LW, FAST))
-        t = _unpack(best)
-        zt = tl.load(logits_ptr + row * V + t).to(tl.float32) * inv_t
-        if KNOWN_TAU:
-            tok = tl.where(zt >= tau, t, tok)
-        else:
-            above = tl.zeros([BLOCK], tl.float64)
-            for start in range(0, V, BLOCK):
-                z = load_z(logits_ptr, row, start + tl.arange(0, BLOCK), V, inv_t, bitmask_ptr, mrow, bitmask_stride,
-                           HAS_MASK)
-                above += tl.where(z > zt, tl.exp(z - m), 0.0).to(tl.float64)
-            tok = tl.where(tl.sum(above, 0) < lim, t, tok)
-        j += 1
+    """The rule past the first NP proposals by loops over the row in this one program (every proposal so far
+    missed the top-p set): proposals NP .. NMAX - 1 (`_more_proposals`), then the draw restricted to z >= tau with
+    key NMAX (tau from the row-wide bisection unless KNOWN_TAU). The speculative step's bonus (tau known), and the
+    finish without the pass's lane maxima (HOT_LANES off); with them the finish takes `_open_row_token`."""
+    tok, zmiss = _more_proposals(logits_ptr, row, V, inv_t, key, m, lim, tau, bitmask_ptr, mrow, bitmask_stride,
+                                 HAS_MASK, NP, NMAX, LANES, LW, BLOCK, FAST, KNOWN_TAU, RPL)
     if tok == -2:
         if not KNOWN_TAU:
             tau = _bisect_tau(logits_ptr, row, V, inv_t, V + 1, top_p, bitmask_ptr, mrow, bitmask_stride, HAS_MASK,
                               BLOCK)
+        tok = _kept_row_draw(logits_ptr, row, V, inv_t, tau, key, bitmask_ptr, mrow, bitmask_stride, HAS_MASK, NMAX,
+                             LANES, LW, FAST, RPL)
+    return tok
+
+
+@triton.jit
+def _open_row_token(logits_ptr, row, V, inv_t, top_p, key, m, s_row, zrow_ptr, toks_ptr, lane_ptr, n_lanes, list_ptr,
+                    cand_ptr, scratch_ptr, bitmask_ptr, mrow, bitmask_stride, HAS_MASK: tl.constexpr, NA: tl.constexpr,
+                    NP: tl.constexpr, NPQ: tl.constexpr, NMAX: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr,
+                    BLOCK: tl.constexpr, FAST: tl.constexpr, RPL: tl.constexpr, NG: tl.constexpr, LC: tl.constexpr,
+                    CMAX: tl.constexpr, KP: tl.constexpr, HB: tl.constexpr, SMALL: tl.constexpr):
+    """The token of a row whose first NA proposals (those the mass-above pass tested) all missed the top-p set T,
+    from the pass's lane maxima (lane_ptr, the row's n_lanes), in a bounded number of sweeps over a few lanes, not
+    over the row. t_lo: the largest z of those proposals; the mass above it is >= p * s, so every token of T has
+    z > t_lo and sits in a lane whose max does. (1) Those lanes listed (list_ptr); (2) their tokens >= t_lo
+    written compactly (cand_ptr, at most CMAX), and the mass above each of the pass's other proposals NA .. NP - 1
+    summed over them (exact: every token above such a proposal is a candidate, or the proposal lies at or below
+    t_lo and misses); the first of those inside T is the token. Rows missing them all (p 0.5: 0.4% of rows with
+    NP = 8): proposals NP .. NMAX - 1 by loops over the row (`_more_proposals`; none when NP = NMAX), then the
+    rule's last draw: (3) tau from the candidates (threshold._top_p_cut against p * s_row: a histogram narrowing,
+    then all pairs; on a block of SMALL when they are at most that many, else of CMAX); (4) the lanes with max
+    >= tau listed again and drawn by the sampling pass's rule (threshold._draw_lanes), LC lanes at a time. More
+    than CMAX tokens above t_lo, or a bracket the exact sums refute: tau from the row-wide bisection (slow, rare),
+    then the same draw."""
+    jj = tl.arange(0, NPQ)
+    zs = tl.load(zrow_ptr + 2 + jj, mask=jj < NP, other=float("-inf"))
+    t_lo = tl.max(tl.where(jj < NA, zs, float("-inf")), 0)
+    g = tl.arange(0, NG)
+    # the other proposals' z in entries 0 .. NP - NA - 1 (+inf past them: nothing is above)
+    ze = tl.load(zrow_ptr + 2 + NA + jj, mask=jj < NP - NA, other=float("inf"))
+    above = tl.zeros([NPQ], tl.float64)
+    ref = m * 1.4426950408889634
+    n_tok = 0
+    # the lanes whose max is above t_lo, their tokens gathered LC lanes at a time
+    lm = tl.load(lane_ptr + row * n_lanes + g, mask=g < n_lanes, other=float("-inf"))
+    sel = lm > t_lo
+    n_c = tl.sum(sel.to(tl.int32), 0)
+    tl.store(list_ptr + tl.cumsum(sel.to(tl.int32), 0) - 1, g, mask=sel)
+    tl.debug_barrier()                                          # the lane list's stores before its loads
+    k = tl.arange(0, LW)
+    for c0 in range(0, n_c, LC):
+        i = c0 + tl.arange(0, LC)
+        ok = i < n_c
+        gl = tl.load(list_ptr + i, mask=ok, other=0)
+        t = ((gl // LANES) * (LANES * LW) + gl % LANES)[:, None] + k[None, :] * LANES
+        z = _kept_column(logits_ptr, row, t, ok[:, None], V, inv_t, t_lo, bitmask_ptr, mrow, bitmask_stride, HAS_MASK)
+        z = tl.where(z > t_lo, z, float("-inf"))
+        if NP > NA:
+            above += _above_sums(z, _weights(z, ref), ze, jj, NP - NA, NPQ)
+        is_c = (z > float("-inf")).to(tl.int32)
+        per_lane = tl.sum(is_c, 1)
+        at = n_tok + (tl.cumsum(per_lane, 0) - per_lane)[:, None] + tl.cumsum(is_c, 1) - 1
+        tl.store(cand_ptr + at, z, mask=(is_c != 0) & (at < CMAX))
+        n_tok += tl.sum(per_lane, 0)
+    lim = top_p.to(tl.float64) * s_row
+    tok = tl.full([], -2, tl.int64)
+    if NP > NA:
+        te = tl.load(toks_ptr + NA + jj, mask=jj < NP - NA, other=-1)
+        for j in tl.static_range(NP - NA):
+            zj = tl.sum(tl.where(jj == j, ze, 0.0), 0)
+            hit = (zj > t_lo) & (tl.sum(tl.where(jj == j, above, 0.0), 0) < lim)
+            tok = tl.where((tok == -2) & hit, tl.sum(tl.where(jj == j, te, 0), 0), tok)
+    if tok == -2:
+        tok, zmiss = _more_proposals(logits_ptr, row, V, inv_t, key, m, lim, m, bitmask_ptr, mrow, bitmask_stride,
+                                     HAS_MASK, NP, NMAX, LANES, LW, BLOCK, FAST, False, RPL)
+    if tok == -2:
+        tl.debug_barrier()                                      # the candidates' stores before their loads
+        tau = t_lo
+        ok_cut = n_tok < 0
+        small = n_tok < 0
+        if SMALL > 0:       # few candidates (p 0.5 on flat rows: a few hundred): a block of SMALL, not CMAX
+            small = n_tok <= SMALL
+            if small:
+                tau, ok_cut = _top_p_cut(cand_ptr, n_tok, m, tl.zeros([], tl.float64), 0.0, top_p, scratch_ptr,
+                                         SMALL, KP, 32, HB, SMALL >= 1024, s_row)
+        if (small == 0) & (n_tok <= CMAX):
+            tau, ok_cut = _top_p_cut(cand_ptr, n_tok, m, tl.zeros([], tl.float64), 0.0, top_p, scratch_ptr, CMAX,
+                                     KP, 32, HB, CMAX >= 1024, s_row)
+        if not ok_cut:
+            tau = _bisect_tau(logits_ptr, row, V, inv_t, V + 1, top_p, bitmask_ptr, mrow, bitmask_stride, HAS_MASK,
+                              BLOCK)
+        kept = lm >= tau
+        n_k = tl.sum(kept.to(tl.int32), 0)
+        tl.debug_barrier()                                      # every load of the first list before the second
+        tl.store(list_ptr + tl.cumsum(kept.to(tl.int32), 0) - 1, g, mask=kept)
+        tl.debug_barrier()
         kf = proposal_key_tl(key, tl.full([], NMAX, tl.int32))
         best = tl.full([], MIN_PACKED_C, tl.int64)
-        for cs in range(0, n_seg * (LANES // RPL)):
-            c = cs // (LANES // RPL)
-            lane, pos, x = lane_block(logits_ptr, bitmask_ptr, row, c * (LANES * LW), V, mrow, bitmask_stride,
-                                      HAS_MASK, False, LANES, LW, RPL, cs % (LANES // RPL), 1, FAST)
-            z = x * inv_t
-            best = tl.maximum(best, segment_pack(tl.where(z >= tau, z, float("-inf")), lane, pos, c * (LANES * LW),
-                                                 c, inv_t, False, kf, True, LANES, LW, FAST))
+        for c0 in range(0, n_k, LC):
+            i = c0 + tl.arange(0, LC)
+            ok = i < n_k
+            gl = tl.load(list_ptr + i, mask=ok, other=0)
+            lml = tl.load(lane_ptr + row * n_lanes + gl, mask=ok, other=float("-inf"))
+            b, _, _ = _draw_lanes(logits_ptr, row, gl, ok, lml, V, inv_t, tau, kf, bitmask_ptr, mrow, bitmask_stride,
+                                  HAS_MASK, LANES, LW, FAST)
+            best = tl.maximum(best, b)
         tok = tl.where((best >> 32) > NEG_INF_KEY_C, _unpack(best), -1)
     return tok
 
 
 @triton.jit
-def _row_token(logits_ptr, tok_ptr, dec_ptr, pmax_ptr, pmass_ptr, part_ptr, row, inv_t_ptr, top_p_ptr, keys_ptr,
-               bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, n_seg, HAS_MASK: tl.constexpr, NP: tl.constexpr,
-               NPP: tl.constexpr, NPQ: tl.constexpr, NSP: tl.constexpr, NMAX: tl.constexpr, LANES: tl.constexpr,
-               LW: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, RPL: tl.constexpr):
+def _row_token(logits_ptr, tok_ptr, dec_ptr, zrow_ptr, pmax_ptr, pmass_ptr, part_ptr, row, inv_t_ptr, top_p_ptr,
+               keys_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, n_seg, lane_ptr, n_lanes, list_ptr,
+               cand_ptr, HAS_MASK: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr,
+               NPQ: tl.constexpr, NSP: tl.constexpr, NMAX: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr,
+               BLOCK: tl.constexpr, FAST: tl.constexpr, RPL: tl.constexpr, HOT: tl.constexpr, NG: tl.constexpr,
+               LC: tl.constexpr, CMAX: tl.constexpr, KP: tl.constexpr, HB: tl.constexpr, SMALL: tl.constexpr,
+               NA: tl.constexpr):
     """A row's token: `_tokens_kernel`'s decision where it made one; a top-p-alone row it left open takes its first
-    proposal whose mass above is < p * s (s: the pass's program masses, rescaled to the row max and summed in
-    fp64; the masses above: sums of `_above_kernel`'s fp64 parts), or the rest of the rule (`rest_of_rule`).
-    Proposals' tokens from `_tokens_kernel`. -1: nothing allowed."""
+    proposal j < NA whose mass above is < p * s (s: the pass's program masses, rescaled to the row max and summed
+    in fp64; the masses above: sums of `_above_kernel`'s fp64 parts), else the rest of the rule: with the pass's
+    lane maxima (HOT) `_open_row_token` (proposals NA .. NP - 1 on the candidates above the best missed one, then
+    loops for NP .. NMAX - 1, then the draw restricted to the top-p set), without them `rest_of_rule` (loops over
+    the row from proposal NA, the row-wide bisection). Proposals' tokens from `_tokens_kernel`, their z from zrow.
+    -1: nothing allowed."""
     tok = tl.load(dec_ptr + row)
     if tok == -2:
         m, s_row = _row_mass(pmax_ptr, pmass_ptr, row, n_prog, NPP)
         tok = tl.full([], -1, tl.int64)
         if m > float("-inf"):
             c = tl.arange(0, NSP)
-            base = part_ptr + (row * n_seg + c) * NP
+            base = part_ptr + (row * n_seg + c) * NA
             top_p = tl.load(top_p_ptr + row)
             lim = top_p.to(tl.float64) * s_row
             tok = tl.full([], -2, tl.int64)
             jj = tl.arange(0, NPQ)
-            toks = tl.load(tok_ptr + row * NPQ + jj, mask=jj < NP, other=-1)
-            for j in tl.static_range(NP):
+            toks = tl.load(tok_ptr + row * NPQ + jj, mask=jj < NA, other=-1)
+            for j in tl.static_range(NA):
                 above = tl.sum(tl.load(base + j, mask=c < n_seg, other=0.0), 0)
                 t = tl.sum(tl.where(jj == j, toks, 0), 0)
                 tok = tl.where((tok == -2) & (above < lim), t, tok)
@@ -480,25 +636,37 @@ def _row_token(logits_ptr, tok_ptr, dec_ptr, pmax_ptr, pmass_ptr, part_ptr, row,
                 mrow = -1
                 if HAS_MASK:
                     mrow = tl.load(mask_rows_ptr + row)
-                tok = rest_of_rule(logits_ptr, row, V, tl.load(inv_t_ptr + row), top_p,
-                                   tl.load(keys_ptr + row).to(tl.uint32), m, lim, m, bitmask_ptr, mrow,
-                                   bitmask_stride, HAS_MASK, NP, NMAX, LANES, LW, BLOCK, FAST, False, RPL)
+                inv_t = tl.load(inv_t_ptr + row)
+                key = tl.load(keys_ptr + row).to(tl.uint32)
+                if HOT:
+                    tok = _open_row_token(logits_ptr, row, V, inv_t, top_p, key, m, s_row, zrow_ptr + row * (NPQ + 2),
+                                          tok_ptr + row * NPQ, lane_ptr, n_lanes, list_ptr + row * n_lanes,
+                                          cand_ptr + row * (CMAX + KP), cand_ptr + row * (CMAX + KP) + CMAX,
+                                          bitmask_ptr, mrow, bitmask_stride, HAS_MASK, NA, NP, NPQ, NMAX, LANES, LW,
+                                          BLOCK, FAST, RPL, NG, LC, CMAX, KP, HB, SMALL)
+                else:
+                    tok = rest_of_rule(logits_ptr, row, V, inv_t, top_p, key, m, lim, m, bitmask_ptr, mrow,
+                                       bitmask_stride, HAS_MASK, NA, NMAX, LANES, LW, BLOCK, FAST, False, RPL)
     return tok
 
 
 @triton.jit
-def _reject_finish_kernel(logits_ptr, tok_ptr, dec_ptr, pmax_ptr, pmass_ptr, part_ptr, out_ptr, inv_t_ptr, top_p_ptr,
-                          keys_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, n_seg,
-                          HAS_MASK: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr, NPQ: tl.constexpr,
-                          NSP: tl.constexpr, NMAX: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr,
-                          BLOCK: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr = False):
+def _reject_finish_kernel(logits_ptr, tok_ptr, dec_ptr, zrow_ptr, pmax_ptr, pmass_ptr, part_ptr, out_ptr, inv_t_ptr,
+                          top_p_ptr, keys_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog, n_seg, lane_ptr,
+                          n_lanes, list_ptr, cand_ptr, HAS_MASK: tl.constexpr, NP: tl.constexpr,
+                          NPP: tl.constexpr, NPQ: tl.constexpr, NSP: tl.constexpr, NMAX: tl.constexpr,
+                          LANES: tl.constexpr, LW: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr,
+                          HOT: tl.constexpr = False, NG: tl.constexpr = 16, LC: tl.constexpr = 16,
+                          CMAX: tl.constexpr = 16, KP: tl.constexpr = 16, HB: tl.constexpr = 16,
+                          SMALL: tl.constexpr = 0, NA: tl.constexpr = 4, PDL: tl.constexpr = False):
     """Program (row): the row's token (`_row_token`)."""
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
-    tl.store(out_ptr + row, _row_token(logits_ptr, tok_ptr, dec_ptr, pmax_ptr, pmass_ptr, part_ptr, row, inv_t_ptr,
-                                       top_p_ptr, keys_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V, n_prog,
-                                       n_seg, HAS_MASK, NP, NPP, NPQ, NSP, NMAX, LANES, LW, BLOCK, FAST,
-                                       min(LANES, 128)))
+    tl.store(out_ptr + row, _row_token(logits_ptr, tok_ptr, dec_ptr, zrow_ptr, pmax_ptr, pmass_ptr, part_ptr, row,
+                                       inv_t_ptr, top_p_ptr, keys_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, V,
+                                       n_prog, n_seg, lane_ptr, n_lanes, list_ptr, cand_ptr, HAS_MASK,
+                                       NP, NPP, NPQ, NSP, NMAX, LANES, LW, BLOCK, FAST, min(LANES, 128), HOT, NG, LC,
+                                       CMAX, KP, HB, SMALL, NA))
 
 
 def reject_finish(logits, params, bitmask, mrows, packed, pmax, pmass, lane_max, drawn, seg: int, lanes: int,
@@ -512,7 +680,8 @@ def reject_finish(logits, params, bitmask, mrows, packed, pmax, pmass, lane_max,
     n_prog = packed.shape[1]
     n_seg = triton.cdiv(V, seg)
     dev = logits.device
-    part = torch.empty((R, n_seg, np_), dtype=torch.float64, device=dev)
+    na = min(np_, ABOVE_NP)                 # the proposals the mass-above pass tests (the finish tests the rest)
+    part = torch.empty((R, n_seg, na), dtype=torch.float64, device=dev)
     npq = triton.next_power_of_2(np_ + 1)
     toks = torch.empty((R, npq), dtype=torch.int64, device=dev)
     dec = torch.empty((R,), dtype=torch.int64, device=dev)
@@ -525,23 +694,33 @@ def reject_finish(logits, params, bitmask, mrows, packed, pmax, pmass, lane_max,
     out = empty((R,), torch.int64, dev)
     if STAGES < 1:
         return out
-    flags = dict(HAS_MASK=has_mask, NP=np_, NPP=npp, NPQ=npq, LANES=lanes, LW=seg // lanes, FAST=not interpreting)
+    flags = dict(HAS_MASK=has_mask, NP=np_, NPQ=npq, LANES=lanes, LW=seg // lanes, FAST=not interpreting)
     zrow = torch.empty((R, npq + 2), dtype=torch.float32, device=dev)
     _tokens_kernel[(R,)](packed, toks, dec, zrow, pmax, logits, params.inv_temperature, params.greedy, params.top_k,
                          params.top_p, params.keys, tau if tau is not None else pmax, bm, mr, stride, V, n_prog, drawn,
-                         DONE=drawn is not None, HAS_TAU=tau is not None, num_warps=1, **flags, **pdl_kw())
+                         DONE=drawn is not None, HAS_TAU=tau is not None, NPP=npp, NA=na, num_warps=1, **flags,
+                         **pdl_kw())
     hot = lane_max is not None
     hotcap = min(HOTCAP, lanes)
     hot_buf = torch.empty((R, n_seg, hotcap) if hot else (1,), dtype=torch.int32, device=dev)
     _above_kernel[(R, n_seg)](logits, zrow, pmax, part, params.inv_temperature, bm, mr, stride, V, n_prog, n_seg,
                               lane_max if hot else pmax, lane_max.shape[1] if hot else 0, hot_buf,
                               VEC=max(1, lanes // (32 * warps)), HOT=hot, HOTCAP=hotcap, PER=n_prog // n_seg,
-                              num_warps=warps, **flags, **pdl_kw())
+                              NAQ=triton.next_power_of_2(na + 1), num_warps=warps, **dict(flags, NP=na), **pdl_kw())
     if STAGES < 2:
         return out
-    _reject_finish_kernel[(R,)](logits, toks, dec, pmax, pmass, part, out, params.inv_temperature, params.top_p,
-                                params.keys, bm, mr, stride, V, n_prog, n_seg,
-                                NSP=max(16, triton.next_power_of_2(n_seg)), NMAX=NMAX,
-                                BLOCK=min(1024, triton.next_power_of_2(V)), num_warps=FINISH_WARPS, **flags,
-                                **pdl_kw())
+    n_l = lane_max.shape[1] if hot else 1
+    cmax = min(OPEN_CMAX, max(16, triton.next_power_of_2(V)))
+    ng = max(16, triton.next_power_of_2(n_l))
+    # the open rows' work space (`_open_row_token`): a lane list; the candidates above t_lo, then KP floats of
+    # all-pairs scratch
+    lane_list = torch.empty((R, n_l) if hot else (1,), dtype=torch.int32, device=dev)
+    cand = torch.empty((R, cmax + threshold.KP) if hot else (1,), dtype=torch.float32, device=dev)
+    _reject_finish_kernel[(R,)](logits, toks, dec, zrow, pmax, pmass, part, out, params.inv_temperature, params.top_p,
+                                params.keys, bm, mr, stride, V, n_prog, n_seg, lane_max if hot else pmax, n_l,
+                                lane_list, cand,
+                                NPP=npp, NSP=max(16, triton.next_power_of_2(n_seg)), NMAX=NMAX,
+                                BLOCK=min(1024, triton.next_power_of_2(V)), HOT=hot, NG=ng, LC=min(OPEN_LC, ng),
+                                CMAX=cmax, KP=threshold.KP, HB=threshold.HB_CUT, SMALL=min(OPEN_SMALL, cmax // 2),
+                                NA=na, num_warps=FINISH_WARPS, **flags, **pdl_kw())
     return out

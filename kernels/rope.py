@@ -40,6 +40,23 @@ def apply_rope_torch(x: torch.Tensor, turn: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def turned(x, at, d, ok, turn_row, D: tl.constexpr, R: tl.constexpr):
+    """x (channels d of rows of width D, loaded at `at + d`; ok: the loads' mask) with its last R channels
+    (interleaved pairs) turned by the row's (cos, sin) pairs at turn_row (fp32) -> fp32 (the caller rounds): the
+    pair's partner loaded again at d ^ 1 (an L1 hit). The one copy of the rotation: this module's kernel, the
+    indexer's score kernel and sparse attention call it."""
+    rot = (d >= D - R) & (d < D)                                             # (d < D: no turn read past the row)
+    j = tl.where(rot, (d - (D - R)) // 2, 0)                                 # the pair of channel d
+    partner = tl.load(at + (d ^ 1), mask=ok & rot, other=0.0).to(tl.float32)
+    c = tl.load(turn_row + j * 2, mask=rot, other=1.0)
+    s = tl.load(turn_row + j * 2 + 1, mask=rot, other=0.0)
+    x = x.to(tl.float32)
+    # (a + ib)(c + is): real a*c - b*s on the even channel, imaginary a*s + b*c on the odd one
+    y = tl.where((d % 2) == 1, partner * s + x * c, x * c - partner * s)
+    return tl.where(rot, y, x)
+
+
+@triton.jit
 def _rope_kernel(x_ptr, turn_ptr, out_ptr, H, D: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
                  BLOCK_D: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr = False):
     """PDL: x and the turns are the step's, so the wait comes first; EARLY (one wave of programs): the next
@@ -52,16 +69,8 @@ def _rope_kernel(x_ptr, turn_ptr, out_ptr, H, D: tl.constexpr, R: tl.constexpr, 
     d = tl.arange(0, BLOCK_D)[None, :]                                       # [1, BD]
     ok = (h < H) & (d < D)
     base = (t * H + h) * D
-    x = tl.load(x_ptr + base + d, mask=ok, other=0.0).to(tl.float32)
-    rot = (d >= D - R) & (d < D)                                             # (d < D: no turn read past the row)
-    j = tl.where(rot, (d - (D - R)) // 2, 0)                                 # the pair of channel d
-    partner = tl.load(x_ptr + base + (d ^ 1), mask=ok & rot, other=0.0).to(tl.float32)
-    c = tl.load(turn_ptr + (t * (R // 2) + j) * 2, mask=rot, other=1.0)
-    s = tl.load(turn_ptr + (t * (R // 2) + j) * 2 + 1, mask=rot, other=0.0)
-    odd = (d % 2) == 1
-    # (a + ib)(c + is): real a*c - b*s on the even channel, imaginary a*s + b*c on the odd one
-    y = tl.where(odd, partner * s + x * c, x * c - partner * s)
-    y = tl.where(rot, y, x)
+    x = tl.load(x_ptr + base + d, mask=ok, other=0.0)
+    y = turned(x, x_ptr + base, d, ok, turn_ptr + t * R, D, R)
     tl.store(out_ptr + base + d, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 

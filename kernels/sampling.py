@@ -271,14 +271,29 @@ def rejection_draw_torch(z, params: RowParams, seg: int = SEG, lanes: int = LANE
     tau = thresholds_torch(z, params)
     tok = torch.full((z.shape[0],), -2, dtype=torch.int64, device=z.device)
     for j in range(rejection.NMAX):
-        t = pick_lane(*lane_scores_torch(z, proposal_keys(params.keys, j), seg, lanes))
-        inside = (t >= 0) & (z.gather(1, t.clamp_min(0)[:, None])[:, 0] >= tau)
+        t, inside = _proposal_torch(z, params, tau, j, seg, lanes)
         tok = torch.where((tok == -2) & inside, t, tok)
         if not bool((tok == -2).any()):
             return tok
     kept = z.masked_fill(z < tau[:, None], NEG_INF)
     last = pick_lane(*lane_scores_torch(kept, proposal_keys(params.keys, rejection.NMAX), seg, lanes))
     return torch.where(tok == -2, last, tok)
+
+
+def _proposal_torch(z, params: RowParams, tau, j: int, seg: int, lanes: int):
+    """(token, inside the top-p set {z >= tau}) of proposal j of every row."""
+    t = pick_lane(*lane_scores_torch(z, proposal_keys(params.keys, j), seg, lanes))
+    return t, (t >= 0) & (z.gather(1, t.clamp_min(0)[:, None])[:, 0] >= tau)
+
+
+def open_rows_torch(z, params: RowParams, seg: int = SEG, lanes: int = LANES, n: int | None = None) -> torch.Tensor:
+    """bool [R]: rows of z (masked, scaled; top-p alone) whose first n proposals (default NMAX: then the rule's
+    last draw decides them) all miss the top-p set (tests and benchmarks: which rows took which branch)."""
+    tau = thresholds_torch(z, params)
+    miss = torch.ones(z.shape[0], dtype=torch.bool, device=z.device)
+    for j in range(n or rejection.NMAX):
+        miss &= ~_proposal_torch(z, params, tau, j, seg, lanes)[1]
+    return miss
 
 
 # ---------------------------------------------------------------------------------------------- Triton pieces
@@ -554,10 +569,15 @@ def threshold_view(params: RowParams, V: int) -> RowParams:
 def host_flags(host: RowParams, V: int) -> dict:
     """What the host knows from its copy of the parameters, as sample_triton's keywords: whether any row filters
     by tau (top-p-alone rows do not: they are drawn by rejection), needs the histogram path, takes the lane path,
-    whether every row does (lane_only), and whether any row is top-p alone (reject)."""
+    whether every row does (lane_only), whether any row is top-p alone (reject), and how many proposals the pass
+    computes for those (rejection.MORE_PROPOSALS when one has p < rejection.P_MORE: four proposals all miss often
+    there, and the finish tests the others on a few candidates instead of loops over the row)."""
     thr = threshold_view(host, V) if P_REJECT else host
+    alone = p_alone_rows(host, V)
+    more = bool((alone & (host.top_p < rejection.P_MORE)).any())
     return dict(filters=may_filter(thr, V), histogram=needs_histogram_path(thr, V), lane_only=lane_rows_only(host, V),
-                lane_rows=needs_lane_path(thr, V), reject=P_REJECT and bool(p_alone_rows(host, V).any()))
+                lane_rows=needs_lane_path(thr, V), reject=P_REJECT and bool(alone.any()),
+                proposals=rejection.MORE_PROPOSALS if more else rejection.PROPOSALS)
 
 
 def lane_rows_only(params: RowParams, V: int, kmax: int = threshold.KMAX) -> bool:

@@ -181,12 +181,23 @@ def launch_config(T: int, N: int, K: int, groups: int, elsize: int = 2) -> dict:
     """Block sizes: all rows in one tile up to 64 (the weight is read once); BN about the row count (each program
     reads its rows' x once: x traffic / weight traffic = T / BN), made smaller while the grid would not cover the
     132 SMs of an H200; BK a few KB of weight per stage, 4 stages of x + w tiles within ~128 KB of shared memory;
-    SPLIT: K cut into that many slices (programs) while the grid would not fill two waves of SMs, each slice at
-    least two BK steps (a few-row product of a wide K is otherwise a few long chains of dependent loads), and the
-    fp32 partial sums written and read back (8 * SPLIT * T bytes per output column) at most 1/8 of the weight's
-    bytes (2 * K per column). H200, session 8 R2, the shared expert's front half (N 1024, K 2048, bf16, us at
-    8 / 16 / 32 / 64 rows): split into 4 / 4 / 4 / 8 slices 7.4 / 7.5 / 7.9 / 13.4, unsplit 9.3 / 9.3 / 8.4 / 8.5,
-    the GEMM library's two products + 4 launches 18.1 / 18.2 / 18.4 / 18.3 (this rule: 4 / 4 / 2 / 1 slices)."""
+    SPLIT: K cut into that many slices (programs) while the grid stays within one wave (a program an SM), each
+    slice at least two BK steps (a few-row product of a wide K is otherwise a few long chains of dependent loads),
+    and the fp32 partial sums written and read back (8 * SPLIT * T bytes per output column) at most 1/8 of the
+    weight's bytes (2 * K per column). H200, session 8 R2, the shared expert's front half (N 1024, K 2048, bf16, us
+    at 8 / 16 / 32 / 64 rows): split into 4 / 4 / 4 / 8 slices 7.4 / 7.5 / 7.9 / 13.4, unsplit 9.3 / 9.3 / 8.4 /
+    8.5, the GEMM library's two products + 4 launches 18.1 / 18.2 / 18.4 / 18.3.
+    Session 14 (PDL on, 16 calls in a CUDA graph, weights rotating past the L2, us a call; the rule stopped at two
+    waves before): R1, the front half at T = 8 4 slices (256 programs) 7.47, 2 (128) 7.01-7.04, 8 8.06; w2 (N
+    2048, K 1024) at T = 8 2 slices (256 programs) 5.49 against 3.53-3.55 unsplit at T = 64 (128 programs). R2,
+    the shared expert (front half + w2) alone at T = 8 13.29-13.33 -> 10.35-10.42, and as the step runs it, on the
+    side stream beside the router and the packed FP4 routed experts (mid-size, a layer): 64.11-64.58 -> 62.28-62.39;
+    R3, the same layer at T = 8 65.36-65.41 -> 63.60-63.78, T = 16 78.17-78.29 -> 78.26-78.30, T = 64 (the same
+    tiles in both: the noise) 97.33-97.84 against 98.19-98.59.
+    Measured and dropped: at T = 64 2 slices (partial sums of 1/4 of the weight's bytes) alone 6.78-6.82 against
+    7.69-7.70 (BN 32 with 4 slices 6.64, 8 warps 9.56; R1), but beside the routed experts (R2) 98.47-98.55 against
+    96.85-97.16 a layer: nothing gained where the step runs it (the side stream's shorter product does not shorten
+    the routed experts beside it)."""
     BM = 16 if T <= 16 else 32 if T <= 32 else 64
     BN = min(64, max(16, triton.next_power_of_2(T)))
     while BN > 16 and groups * triton.cdiv(N, BN) < 132:
@@ -196,7 +207,7 @@ def launch_config(T: int, N: int, K: int, groups: int, elsize: int = 2) -> dict:
         BK //= 2
     tiles = groups * triton.cdiv(N, BN) * triton.cdiv(T, BM)
     split = 1
-    while split < 8 and tiles * split < 2 * 132 and K >= 2 * BK * (2 * split) and 2 * split * T * 32 <= K:
+    while split < 8 and tiles * 2 * split <= 132 and K >= 2 * BK * (2 * split) and 2 * split * T * 32 <= K:
         split *= 2
     return dict(BM=BM, BN=BN, BK=BK, SPLIT=split, num_warps=4, num_stages=4, PF=prefetch_on())
 
@@ -258,7 +269,12 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, groups: int = 1, glu:
     return out
 
 
-# rows up to which the kernel runs on CUDA (above it the GEMM library's tiles win: the weight is re-read per 64 rows)
+# rows up to which the kernel runs on CUDA (above it the GEMM library's tiles win: the weight is re-read per 64 rows).
+# Measured and dropped (session 14, H200, us a call in a CUDA graph): the SwiGLU front half by this kernel up to
+# 256 rows (the library takes 6 launches there): alone at T = 128 / 256 9.07-9.09 / 10.58-10.59 against the
+# library's 18.85-18.86 / 19.92-19.94 (R1), the shared expert 13.48-13.50 / 15.86-15.94 against 24.59-24.60 /
+# 25.48-25.63 (R2), but beside the routed experts on the side stream (the step's form) at T = 256 161.69-161.76
+# against 161.02-161.04 a layer (R2; two runs of the same tiles differ by up to 0.9 us there, R3): nothing gained.
 MAX_ROWS = 64
 
 

@@ -546,10 +546,11 @@ def _direct_candidates(cand_ptr, n, m, s, top_k, top_p, V, BLOCK: tl.constexpr, 
 
 @triton.jit
 def _top_p_cut(cand_ptr, n, m, base, below, top_p, scratch_ptr, BLOCK: tl.constexpr, KP: tl.constexpr,
-               JB: tl.constexpr, HB: tl.constexpr, HIST: tl.constexpr):
+               JB: tl.constexpr, HB: tl.constexpr, HIST: tl.constexpr, s_row=-1.0):
     """(tau, ok) for top-p alone from the n candidates at cand_ptr (the tokens of the bins that may hold the cut),
     base / below: the exact mass (sum exp(z - m), fp64) of the row's tokens above / below them. The row's mass is
-    s = base + below + the candidates' mass; v is kept iff base + mass(candidates > z_v) < p * s.
+    s = base + below + the candidates' mass, or s_row when that is >= 0 (the rejection finish: its proposals were
+    judged against it); v is kept iff base + mass(candidates > z_v) < p * s.
     Many candidates (> KP) are narrowed first: a histogram of HB bins over their value range, each bin's mass
     bounded by its count and its edges, brackets the cut the same way the select did (HIST: the block is large
     enough for tl.histogram); the candidates above the bracket join `base` by one masked sum. The last <= KP
@@ -561,7 +562,8 @@ def _top_p_cut(cand_ptr, n, m, base, below, top_p, scratch_ptr, BLOCK: tl.conste
     live = z > float("-inf")
     e = tl.where(live, tl.exp(z - m), 0.0)
     total = tl.sum(e.to(tl.float64), 0)
-    lim = top_p * (base + below + total)
+    s = tl.where(s_row >= 0, s_row, base + below + total)
+    lim = top_p * s
     ok = (base < lim) & (base + total >= lim)
     sel = live
     base2 = base
@@ -590,7 +592,7 @@ def _top_p_cut(cand_ptr, n, m, base, below, top_p, scratch_ptr, BLOCK: tl.conste
         tl.debug_barrier()                              # every load of the scratch before a later reuse
     else:
         zmin = tl.min(tl.where(live, z, float("inf")), 0)
-        tau = _bisect(z, e, zmin, m, 2147483647, top_p, base + below + total, base, cand_ptr, 0, 0, 1.0, cand_ptr,
+        tau = _bisect(z, e, zmin, m, 2147483647, top_p, s, base, cand_ptr, 0, 0, 1.0, cand_ptr,
                       0, 0, False, BLOCK, False)
     return tau, ok
 

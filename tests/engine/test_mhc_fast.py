@@ -121,3 +121,57 @@ def test_write_back_reads_out_normalised(T, kernels, monkeypatch):
         assert _rel(ro.x, want) < 1.6e-2
     else:
         assert torch.equal(ro.x, want) and torch.equal(ro.x, norm(ro0.x))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream and the graph capture need CUDA")
+@pytest.mark.parametrize("T", [5, 64])
+def test_deferred_mixes_on_the_side_stream(T, monkeypatch):
+    """mhc.DEFER_MIXES: each write-back + mixes launch leaves its mixes' tail to a launch on the "mhc" side stream,
+    beside the next sub-layer, and the next consumer joins it. A chain as post_attention runs it (the attention
+    write-back with the MoE's mixes and norm, a stand-in MoE, the MoE write-back with the next attention's mixes
+    and norm, a stand-in layer, the last write-back by hc_post), eagerly and captured in a CUDA graph and
+    replayed: the same bits as with the tail inside the write-back launch, and nothing left unjoined."""
+    from deepinfer_sg.engine import mhc
+    from deepinfer_sg.engine.norm import RMSNorm
+    gen = torch.Generator().manual_seed(40 + T)
+    dev = torch.device("cuda")
+    blk = _block(gen)
+    for k, v in vars(blk).items():
+        if torch.is_tensor(v):
+            setattr(blk, k, v.to(dev))
+    norm = RMSNorm(H, 1e-6).requires_grad_(False)
+    norm.weight.copy_(torch.rand(H, generator=gen) + 0.5)
+    norm.to(dev)
+    R = (torch.randn(T, M, H, generator=gen) * 2).to(torch.bfloat16).to(dev)
+    post = (torch.rand(T, M, generator=gen) * 2).to(dev)
+    comb = (torch.rand(T, M, M, generator=gen) + 0.05).to(dev)
+    pre = (torch.rand(T, M, generator=gen) + 0.1).to(dev)
+    w = (torch.randn(H, H, generator=gen) / H ** 0.5).to(torch.bfloat16).to(dev)
+
+    monkeypatch.setattr(hc_mix, "DEFER_MAX_T", 64)        # (both sizes deferred, whatever the kernel's rule)
+    opened = []
+
+    def chain():
+        R1, ro = hc_post_and_mixes(blk, "ffn", R, torch.tanh(R[:, 0] @ w), post, comb, pre, norm=norm)
+        opened.append(len(mhc._PENDING))
+        R2, ro2 = hc_post_and_mixes(blk, "attn", R1, torch.tanh(ro.x @ w), ro.post, ro.comb, ro.pre, norm=norm)
+        R3, x3 = hc_post(R2, torch.tanh(ro2.x @ w), ro2.post, ro2.comb, fast=True, next_pre=ro2.pre)
+        return [R1, *ro, R2, *ro2, R3, x3]
+
+    monkeypatch.setattr(mhc, "DEFER_MIXES", False)
+    want = [t.clone() for t in chain()]
+    monkeypatch.setattr(mhc, "DEFER_MIXES", True)
+    got = chain()
+    assert opened == [0, 1] and not mhc._PENDING
+    for u, v in zip(got, want):
+        assert torch.equal(u, v)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = chain()
+    assert not mhc._PENDING
+    for t in got:
+        t.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    for u, v in zip(got, want):
+        assert torch.equal(u, v)

@@ -7,8 +7,8 @@ import gc
 
 import torch
 
-from deepinfer_sg.engine.arena import RowArena, Slots
-from deepinfer_sg.engine.cache import CompressorState
+from deepinfer_sg.engine.arena import RowArena, Slots, undo
+from deepinfer_sg.engine.cache import ArenaRows, CompressorState
 
 
 def _check(states, want):
@@ -47,6 +47,30 @@ def test_appends_growth_rollback_and_foreign_rows_keep_every_state_right():
             _check(states, want)
     assert arena.data.shape[0] == 16 and arena.data.shape[1] > 64 and max(len(w) for w in want) > 64
     assert arena.moved_rows == 3      # only the foreign rows were ever copied: growth re-points, appends write new
+
+
+def test_a_states_rows_are_its_slots_object_written_in_bulk_cut_in_place_and_undone_from_the_log():
+    """Each state holds its slot's ArenaRows: a reserve of the same states writes the arena's count array and no
+    attribute, a rollback cuts the count through the same object, an undo log puts the arrays back, and a state
+    whose rows were set another way (the reference path) is moved back into its slot at the next reserve."""
+    arena = RowArena("entries", 2, torch.float32, torch.device("cpu"))
+    states = [CompressorState(ratio=1) for _ in range(3)]
+    arena.append(states, torch.arange(6.0).view(3, 2), [1, 1, 1])
+    objs = [st._entries for st in states]
+    assert all(type(o) is ArenaRows for o in objs)
+    log = []
+    arena.reserve(states, [2, 2, 3], log)
+    assert all(st._entries is o for st, o in zip(states, objs)), "the common path re-points no state"
+    assert [st.rows("entries") for st in states] == [2, 2, 3]
+    undo(log)
+    assert [st.rows("entries") for st in states] == [1, 1, 1]
+    assert torch.equal(states[1].entries, torch.tensor([[2.0, 3.0]]))
+    states[0].truncate(0)
+    assert states[0]._entries is objs[0] and states[0].rows("entries") == 0
+    states[2].entries = torch.full((2, 2), 9.0)
+    arena.reserve(states, [1, 1, 2])
+    assert states[2]._entries is objs[2] and torch.equal(states[2].entries, torch.full((2, 2), 9.0))
+    assert torch.equal(states[1].entries, torch.tensor([[2.0, 3.0]])) and arena.moved_rows == 2
 
 
 def test_a_collected_state_frees_its_slot_for_the_next_one():

@@ -1,5 +1,6 @@
-"""model.fused_rope: the window kv's norm + RoPE + slab write as one kernels.rmsnorm launch; the in-graph
-compressors' entry and index key norm + RoPE + arena write as one kernels.rmsnorm launch each, their ring write +
+"""model.fused_rope: the window kv's norm + RoPE + slab write as one kernels.rmsnorm launch (with q_norm's, from
+the stacked projection: rms_norm_pair); the in-graph compressors' entry and index key norm + RoPE + arena write as
+one kernels.rmsnorm launch each, their ring write +
 pooling as two kernels.ring_pool launches. On the CPU the twins do the separate steps, so here the Triton kernels
 themselves run (in the interpreter, CPU tensors) inside the engine's fast path: the strided projection columns, the
 slab and arena rows and the turn tables they get from the engine are checked by the logits against the
@@ -28,6 +29,12 @@ def kernels_on_cpu(monkeypatch):
         return run
     monkeypatch.setattr(attention, "rms_norm", norm("kv"))
     monkeypatch.setattr(compress_step, "rms_norm", norm("compress"))
+
+    def pair(xa, wa, eps_a, x, w, eps, turn=None, out=None, rows=None):    # (q_norm + the kv store: one launch)
+        calls["kv"] += rows is not None
+        y, ya = rmsnorm.rms_norm_triton(x, w, eps, turn, out, rows, also=(xa, wa, eps_a))
+        return ya, y
+    monkeypatch.setattr(attention, "rms_norm_pair", pair)
 
     def pooled(*a):
         calls["pool"] += 1

@@ -279,7 +279,8 @@ def test_a_v41_step_whose_engram_rows_the_device_reads_is_one_segment_with_the_h
         x.forward_step([StepChunk(c, p, 1) for c, p in zip(cs, prompts)])     # (the reference path: host reads)
     runs, captured = [], []
     real_run = SegmentGraphs.run
-    monkeypatch.setattr(SegmentGraphs, "run", lambda gr, key, *a: runs.append(gr is m._graphs) or real_run(gr, key, *a))
+    monkeypatch.setattr(SegmentGraphs, "run", lambda gr, key, *a, **k: runs.append(gr is m._graphs)
+                        or real_run(gr, key, *a, **k))
     for step in range(7):
         if step == 4:     # (a rollback shortens the caches' recent tokens: the windows' shapes must not change)
             for c in caches + host_caches:

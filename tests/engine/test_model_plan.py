@@ -46,12 +46,15 @@ def _twins(seed: int, graphs: bool):
 def test_planned_ahead_decode_equals_forward_step(graphs, device_tail, monkeypatch):
     """device_tail: the caches' recent token ids taken for device tensors (as on CUDA after ids given on the
     device): the launch then hashes the Engram row ids on the host into their slots of the step's upload
-    (Model._engram_rows, ctx.engram_ids) instead of the device hashing the windows; same results."""
+    (Model._engram_rows, ctx.engram_ids) instead of the device hashing the windows; same results. Graph steps send
+    their upload at plan time and copy the ids in inside the first graph (model.send_ahead); the oracle sends its
+    upload, ids in it, at launch."""
     m, caches, g = _setup()
     ref_m, ref_caches = copy.deepcopy(m), copy.deepcopy(caches)
     for mm in (m, ref_m):
         mm._graphs = SegmentGraphs(emulate=True, warm=1)
         mm.cuda_graphs = graphs
+    ref_m.send_ahead = False
     V = m.config.vocab_size
     # decode rows then verify-like rows (T changes: a new graph size midway), one sequence sitting out a step
     schedule = [[1, 1, 1, 1]] * 4 + [[2, 1, 3, 1]] * 3 + [[1, 0, 1, 1]] * 2 + [[1, 1, 1, 1]] * 2
@@ -62,10 +65,13 @@ def test_planned_ahead_decode_equals_forward_step(graphs, device_tail, monkeypat
     if device_tail:
         monkeypatch.setattr(model_mod, "_on_host", lambda t: False)
     plan = m.plan_step(rows_of(0))
-    outs = []
+    outs, ahead = [], 0
     for k in range(len(schedule)):
         # (device ids: the Engram slots of the prepared segments are hashed at plan time, none is left for launch)
         assert plan.segments and not (device_tail and any(s.late for s in plan.segments))
+        if plan.ctx.ids_host is not None:     # (a graph step: the upload went at plan time unless launch fills it)
+            ahead += 1
+            assert bool(plan.ctx.plan.sends) == bool(plan.ctx.engram_ids)
         out = m.launch(plan, ids[k])
         plan = m.plan_step(rows_of(k + 1)) if k + 1 < len(schedule) else None   # before step k's outputs are read
         outs.append(out)
@@ -82,6 +88,7 @@ def test_planned_ahead_decode_equals_forward_step(graphs, device_tail, monkeypat
         _same(_state(x), _state(y), f"cache {k}")
     if graphs:
         assert m._graphs.captures > 0 and m._graphs._sizes    # (graphs were captured and replayed)
+        assert ahead >= 6, "graph steps (capture and replays) should take the ids through their host buffer"
 
 
 @pytest.mark.parametrize("graphs", [False, True])

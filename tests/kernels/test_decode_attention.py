@@ -8,6 +8,7 @@ from deepinfer_sg.kernels.decode_attention import (default_config, sparse_attent
                                                    sparse_attention_triton)
 from deepinfer_sg.kernels.backend import tickets
 from deepinfer_sg.kernels.index_rows import entry_rows_torch
+from deepinfer_sg.kernels.rope import apply_rope_torch, apply_rope_triton
 from helpers import DEVICE, on_dev
 
 
@@ -239,7 +240,8 @@ def test_default_dispatch_at_v4_decode_shapes(N, H):
     512, 128 window + 512 gathered compressed keys, bf16) against the twin in fp32: the configurations the engine
     runs (64 heads: two splits merged from registers at 64 rows, one at 200, eight / four stored and merged by
     the last program at 8 / 33 rows; 32 heads: 16-head programs with two key splits at 64 rows and five at 8,
-    32-head programs with two splits at 128 rows and one at 256)."""
+    32-head programs with two splits at 128 rows and one at 256); then the engine's form of each (RoPE inside, the
+    window from each row's (first, skip))."""
     gen = torch.Generator().manual_seed(N + H)
     q = torch.randn(N, H, 512, generator=gen).bfloat16()
     win = torch.randn(N * 128, 512, generator=gen).bfloat16()
@@ -250,6 +252,13 @@ def test_default_dispatch_at_v4_decode_shapes(N, H):
     sink = torch.randn(H, generator=gen)
     ref = sparse_attention_torch(q.float(), win.float(), wi, sink, cmp_.float(), ci)
     out = sparse_attention(*on_dev((q, win, wi, sink, cmp_, ci))).cpu().float()
+    assert float((out - ref).norm() / ref.norm()) < 1e-2
+    # the engine's form: RoPE inside (64 rotated channels) and the window from each row's (first, skip)
+    rows = torch.stack([torch.arange(N) * 128, torch.zeros(N, dtype=torch.int64)], 1)
+    rows[3] = torch.tensor([3 * 128 - 28, 28])     # row 3: wi's 100 keys, at the window's last 100 places
+    turn, _ = _turns(gen, N, 64)
+    ref = sparse_attention_torch(q.float(), win.float(), wi, sink, cmp_.float(), ci, turn=turn)
+    out = sparse_attention(*on_dev((q, win, rows, sink, cmp_, ci)), turn=on_dev(turn), window=128).cpu().float()
     assert float((out - ref).norm() / ref.norm()) < 1e-2
 
 
@@ -273,3 +282,114 @@ def test_scale_is_a_run_time_argument():
         out = sparse_attention_triton(*on_dev((q, win_kv, win_idx, sink, cmp_kv, cmp_idx)), scale=scale,
                                       block_h=16, block_k=16, num_warps=4).cpu().double()
         assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), scale
+
+
+def _turns(gen, N, R):
+    """A random turn per row, fp32 [N, R/2, 2] (kernels/rope.py's table), and its conjugate."""
+    ang = torch.rand(N, R // 2, generator=gen) * 6.283
+    return torch.stack([ang.cos(), ang.sin()], -1), torch.stack([ang.cos(), -ang.sin()], -1)
+
+
+@pytest.mark.parametrize("D,R,H,kw", [
+    (32, 8, 20, dict(block_h=16, splits=1)), (32, 8, 20, dict(block_h=16, splits=3)),
+    (32, 8, 20, dict(block_h=32, splits=1, num_warps=4)),
+    (32, 8, 20, dict(block_h=64, splits=2, unchain=True, lazy_sum=True)),
+    (32, 8, 20, dict(block_h=64, splits=1, unchain=True, lazy_sum=True)),
+    (128, 16, 6, dict(block_h=16, splits=3)), (256, 64, 6, dict(block_h=64, splits=2, unchain=True))])
+def test_rope_inside_matches_three_steps(D, R, H, kw):
+    """RoPE inside (turn): q's last R channels turned as they load, the output's turned back before it is stored,
+    in every store path (one split; the last of three splits merging their stored partials, the rotated channels in
+    the last of the 64-dim chunks at D = 128 / 256; two splits of all heads merged from registers, the rotated
+    channels in two of the four column chunks at D = 32, in one at D = 256), with entry ids, against the twin's
+    three steps (rope on q, attention, the inverse rope): the twin's turn form is those steps with one rounding
+    (fp32 here: the same bits), and the kernel matches it; rows with padding and no keys as elsewhere."""
+    gen = torch.Generator().manual_seed(D + R + len(kw))
+    q, win_kv, win_idx, cmp_kv, _, sink = _inputs(gen, N=5, H=H, D=D, Kw=40, Kc=33)
+    start, count = torch.tensor([0, 7, 3, 12, 9]), torch.tensor([9, 0, 11, 18, 4])
+    ids = torch.randint(-1, 19, (5, 33), generator=gen)
+    ids[4] = -1                                                    # row 4: no keys at all
+    turn, inv = _turns(gen, 5, R)
+    three = apply_rope_torch(sparse_attention_torch(apply_rope_torch(q, turn), win_kv, win_idx, sink, cmp_kv, ids,
+                                                    cmp_start=start, cmp_count=count), inv)
+    twin = sparse_attention_torch(q, win_kv, win_idx, sink, cmp_kv, ids, cmp_start=start, cmp_count=count, turn=turn)
+    assert torch.equal(twin, three)
+    out = sparse_attention_triton(*on_dev((q, win_kv, win_idx, sink, cmp_kv, ids)), cmp_start=on_dev(start),
+                                  cmp_count=on_dev(count), turn=on_dev(turn), block_k=16, **kw).cpu()
+    assert torch.allclose(out, twin, atol=1e-5, rtol=1e-5)
+    assert out[4].abs().max() == 0
+
+
+def test_rope_inside_bf16_rounds_once():
+    """bf16: q turned and rounded as kernels/rope.py's kernel turns it (the unturned output channels are the bits
+    of the kernel run on a q that kernel turned), the output's turned channels rounded once (within one bf16 step
+    of the three launches' double rounding)."""
+    gen = torch.Generator().manual_seed(16)
+    q, win_kv, win_idx, cmp_kv, cmp_idx, sink = _inputs(gen, N=5, H=16, D=64, Kw=24, Kc=20, dtype=torch.bfloat16)
+    turn, inv = _turns(gen, 5, 16)
+    args = on_dev((win_kv, win_idx, sink, cmp_kv, cmp_idx))
+    kw = dict(block_h=16, block_k=16, splits=1)
+    out = sparse_attention_triton(on_dev(q), *args, turn=on_dev(turn), **kw).cpu()
+    plain = sparse_attention_triton(apply_rope_triton(*on_dev((q, turn))), *args, **kw).cpu()
+    assert torch.equal(out[..., :48], plain[..., :48])
+    assert torch.allclose(out[..., 48:].float(), apply_rope_torch(plain, inv)[..., 48:].float(), atol=2e-2, rtol=1e-2)
+    twin = sparse_attention_torch(q, win_kv, win_idx, sink, cmp_kv, cmp_idx, turn=turn)
+    assert float((out.float() - twin.float()).norm() / twin.float().norm()) < 1e-2
+
+
+@pytest.mark.parametrize("kw", [dict(block_h=16, splits=1), dict(block_h=16, splits=3),
+                                dict(block_h=64, splits=2, unchain=True, lazy_sum=True)])
+def test_window_rows_match_window_ids(kw):
+    """window W: each row's (first, skip) (int64 [N, 2], batched.window_index's rows) instead of its [W] window ids;
+    the gather makes the pool rows first + j for skip <= j < W, its loop starting at the row's first key: a row
+    whose window reaches back past its first key (skip < 0), one starting at 0 (these two: the ids form's key
+    blocks, so its bits), two partly filled ones, one with no window keys (skip = W); splits cutting the window;
+    against the float64 formula, and the twin's form agrees."""
+    gen = torch.Generator().manual_seed(41 + kw["splits"])
+    q, win_kv, _, cmp_kv, cmp_idx, sink = _inputs(gen, N=5, H=20, D=32, Pw=200, Kc=21)
+    W = 40
+    rows = torch.tensor([[150, -30], [3, 0], [90, 7], [0, 39], [60, 40]])
+    j = torch.arange(W)
+    ids = torch.where(j >= rows[:, 1:2], rows[:, :1] + j, -1)
+    assert torch.equal(sparse_attention_torch(q, win_kv, rows, sink, cmp_kv, cmp_idx, window=W),
+                       sparse_attention_torch(q, win_kv, ids, sink, cmp_kv, cmp_idx))
+    args = on_dev((q, win_kv, rows, sink, cmp_kv, cmp_idx))
+    got = sparse_attention_triton(*args, window=W, block_k=16, **kw).cpu()
+    want = sparse_attention_triton(*on_dev((q, win_kv, ids, sink, cmp_kv, cmp_idx)), block_k=16, **kw).cpu()
+    assert torch.equal(got[:2], want[:2])
+    assert torch.allclose(got.double(), _naive(q, win_kv, ids, cmp_kv, cmp_idx, sink), atol=1e-5, rtol=1e-5)
+    assert got[4].abs().max() == 0 and torch.allclose(got, want, atol=1e-5, rtol=1e-5)    # (row 4: no keys at all)
+
+
+@pytest.mark.parametrize("kw", [dict(block_h=16, splits=1), dict(block_h=16, splits=3),
+                                dict(block_h=64, splits=2, unchain=True, lazy_sum=True)])
+def test_visible_entries_match_their_ids(kw):
+    """visible (positions, ratio, G): the compressed keys are every entry id g < G with g < (p + 1) // ratio (the
+    "all"-kind layers), made in the gather, against the engine's id list (batched.span's where over an arange):
+    rows seeing all their entries, some, none (count 0, position 0), one whose position sees past its count; G
+    past every row's count; with the window keys from each row's (first, skip) and RoPE inside as the step runs it.
+    The same bits as the id form when the loop's blocks are the same (rows whose visible entries reach G's last
+    block), else to round-off; the float64 formula; the twin's form agrees."""
+    gen = torch.Generator().manual_seed(17 + kw["splits"])
+    q, win_kv, _, cmp_kv, _, sink = _inputs(gen, N=5, H=20, D=32, Pw=200, Pc=80)
+    W, G, ratio = 24, 48, 2
+    rows = torch.tensor([[150, -3], [3, 0], [90, 7], [0, 20], [60, 24]])
+    start, count = torch.tensor([0, 7, 3, 12, 30]), torch.tensor([40, 0, 30, 45, 50])
+    positions = torch.tensor([79, 100, 30, 200, 95])
+    g = torch.arange(G)[None, :]
+    ids = torch.where(g < ((positions + 1) // ratio)[:, None], g, -1)
+    turn, _ = _turns(gen, 5, 8)
+    vis = (positions, ratio, G)
+    assert torch.equal(sparse_attention_torch(q, win_kv, rows, sink, cmp_kv, None, cmp_start=start, cmp_count=count,
+                                              window=W, visible=vis, turn=turn),
+                       sparse_attention_torch(q, win_kv, rows, sink, cmp_kv, ids, cmp_start=start, cmp_count=count,
+                                              window=W, turn=turn))
+    common = dict(cmp_start=on_dev(start), cmp_count=on_dev(count), window=W, turn=on_dev(turn), block_k=16, **kw)
+    got = sparse_attention_triton(*on_dev((q, win_kv, rows, sink, cmp_kv)), visible=on_dev(vis), **common).cpu()
+    want = sparse_attention_triton(*on_dev((q, win_kv, rows, sink, cmp_kv, ids)), **common).cpu()
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[3], want[3])
+    j = torch.arange(W)
+    win_ids = torch.where(j >= rows[:, 1:2], rows[:, :1] + j, -1)
+    ref = _naive(apply_rope_torch(q, turn), win_kv, win_ids, cmp_kv,
+                 entry_rows_torch(ids, start, count, G), sink)
+    assert torch.allclose(apply_rope_torch(got, turn).double(), ref, atol=1e-5, rtol=1e-5)

@@ -470,3 +470,28 @@ def test_read_out_norm_in_the_write_back(form, waiters, H):
     _, x_twin, _ = hc_mix.hc_post_mix_torch(R, y, post, comb, a, fn, base, scale, y2=y2, x_norm=(w, 1e-6))
     assert float((x.float() - x_twin.float()).abs().max() / x_twin.float().abs().max()) < 1.6e-2
     assert int(_tickets_left(m.pre.device).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("H,norm", [(100, False), (768, True)] if DEVICE == "cuda" else [(100, False)])
+def test_deferred_mixes_are_the_same_bits(H, norm):
+    """defer: the write-back + mixes launch leaves the mixes to HcMixes.finish (_mix_partials_kernel, run later:
+    engine/mhc.py's side stream). Before it the mixes are unwritten (still poisoned); after it R', x and the mixes
+    are the one launch's bits, and the counters are left zero. H = 768 with the read-out norm (GPU: form 2 with no
+    waiters, every program normalises x; 24 splits); H = 100 without it (the launch stores its partials only)."""
+    from deepinfer_sg.kernels import hc_mix
+    gen = torch.Generator().manual_seed(60 + H)
+    R, y, post, comb, a = _apply_inputs(gen, 21, 4, H, torch.bfloat16)
+    y2 = torch.randn(21, H, generator=gen).to(torch.bfloat16)
+    _, fn, base, scale = _params(gen, 1, 4, H)
+    w = torch.rand(H, generator=gen) + 0.5
+    args = on_dev((R, y, post, comb, a, fn, base, scale))
+    kw = dict(block_t=16, split=32, block_k=32, y2=on_dev(y2), x_norm=(on_dev(w), 1e-6) if norm else None)
+    out, x, m = hc_mix.hc_post_mix_triton(*args, **kw)
+    got_out, got_x, late = hc_mix.hc_post_mix_triton(*args, **kw, defer=True)
+    assert m.finish is None and late.finish is not None
+    assert bool(to_cpu(late.comb).isnan().all())
+    late.finish()
+    assert torch.equal(to_cpu(got_out), to_cpu(out)) and torch.equal(to_cpu(got_x), to_cpu(x))
+    for u, v in zip((late.pre, late.post, late.comb), (m.pre, m.post, m.comb)):
+        assert torch.equal(to_cpu(u), to_cpu(v))
+    assert int(_tickets_left(m.pre.device).abs().sum()) == 0

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from deepinfer_sg.kernels import rejection
-from deepinfer_sg.kernels.sampling import (lanes_view, masked_z_torch, processed_probs, rejection_draw_torch, row_params,
-                                           sample_torch, sample_triton)
+from deepinfer_sg.kernels.sampling import (lanes_view, masked_z_torch, open_rows_torch, processed_probs,
+                                           rejection_draw_torch, row_params, sample_torch, sample_triton)
 from helpers import assert_matches_distribution, bit_allowed, on_dev, params_on_dev, random_bitmask
 from test_sampling import _hand_q
 
@@ -82,6 +82,41 @@ def test_kernels_draw_the_twins_tokens_with_fallbacks_and_mixed_rows(proposals, 
             assert bit_allowed(bm, int(mrows[r]), int(got[r]))
     q = processed_probs(logits, temperature, top_k, top_p, bm, mrows)
     assert bool((q[torch.arange(R)[got >= 0], got[got >= 0]] > 0).all())        # every token in its kept set
+
+
+@pytest.mark.parametrize("proposals,cmax,lc", [(8, None, None), (8, 256, 16), (4, 64, 32)])
+def test_rows_past_the_tested_proposals_draw_from_the_lane_maxima(proposals, cmax, lc, monkeypatch):
+    """Small p (0.05 - 0.4) on flat rows, where many rows miss the four proposals the mass-above pass tests: the
+    finish takes them from the tokens above the best missed proposal (gathered from the lanes whose max lies above
+    it, the pass's lane maxima): proposals 4 - 7 tested on them (with 4 proposals in the pass: loops over the row
+    for those), then tau by the histogram cut and all pairs, the kept lanes drawn by the pass's rule; masked and
+    unmasked, with ties at the top, over four segments: the twin's tokens, each inside its kept set. Open rows
+    hold 64 - 188 candidates: the default (OPEN_CMAX 1024 here, OPEN_SMALL 512) takes tau on the small block; cmax
+    256 (small 128) on both blocks; cmax 64 sends most to the row-wide bisection (then the same draw); lc < 64
+    runs the sweeps over several blocks."""
+    if cmax:
+        monkeypatch.setattr(rejection, "OPEN_CMAX", cmax)
+    if lc:
+        monkeypatch.setattr(rejection, "OPEN_LC", lc)
+    gen = torch.Generator().manual_seed(8)
+    R, vocab = 12, 1000
+    logits = torch.randn(R, vocab, generator=gen) * 0.4
+    logits[3, [10, 700]] = logits[3].max() + 0.7                   # a tie at the top
+    logits[9, 500:] = logits[9, :500]                               # every value twice
+    bm = random_bitmask(R, vocab, gen, density=0.7)
+    mrows = torch.tensor([0, -1, 2, -1, 4, -1, 6, -1, 8, -1, 10, -1])
+    temperature = torch.tensor([1.0, 0.8, 1.0, 1.0, 1.3, 1.0, 0.9, 1.0, 1.0, 1.0, 0.7, 1.0])
+    top_p = torch.tensor([0.05, 0.1, 0.05, 0.2, 0.1, 0.05, 0.15, 0.3, 0.1, 0.05, 0.4, 0.1])
+    p = row_params(R, "cpu", temperature, 0, top_p, seed=torch.arange(R) * 13 + 5, position=torch.arange(R) + 2)
+    z = masked_z_torch(logits, p.inv_temperature, bm, mrows)
+    open4, open8 = open_rows_torch(z, p, 256, 64, 4), open_rows_torch(z, p, 256, 64)
+    assert int(open8.sum()) >= 2 and int((open4 & ~open8).sum()) >= 2      # both branches of the finish
+    want = sample_torch(logits, p, bm, mrows, seg=256, lanes=64)
+    got = sample_triton(on_dev(logits), params_on_dev(p), on_dev(bm), on_dev(mrows), seg=256, lanes=64,
+                        proposals=proposals).cpu()
+    assert torch.equal(got, want)
+    q = processed_probs(logits, temperature, 0, top_p, bm, mrows)
+    assert bool((q[torch.arange(R), got] > 0).all())
 
 
 def test_kernel_rule_law_on_many_rows():

@@ -80,3 +80,31 @@ def test_rope_and_scatter_in_the_same_launch(dtype):
     assert torch.allclose(got.float(), ref.float(), **tol)
     untouched = [r for r in range(9) if r not in rows.tolist()]
     assert torch.equal(got[untouched], pool[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_norms_in_one_launch(dtype):
+    """rms_norm_pair: q_norm's and the window kv store's norms of the same rows, read as column blocks of one
+    stacked projection output (the first block wider than the second, then narrower), each against its own twin;
+    the kv one with its rotation and scatter, the q one with neither."""
+    from deepinfer_sg.kernels.rmsnorm import rms_norm, rms_norm_pair
+    g = torch.Generator().manual_seed(12)
+    tol = dict(atol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=1e-2)
+    for qa, kv in ((40, 24), (24, 56)):
+        stacked = (torch.randn(5, qa + kv + 7, generator=g) * 2).to(dtype)
+        xq, xkv = stacked[:, :qa], stacked[:, qa:qa + kv]
+        wq, wkv = torch.rand(qa, generator=g) + 0.5, torch.rand(kv, generator=g) + 0.5
+        ang = torch.rand(5, 4, generator=g) * 20
+        turn = torch.stack([ang.cos(), ang.sin()], dim=-1)
+        pool = torch.randn(9, kv, generator=g).to(dtype)
+        rows = torch.tensor([8, 1, 3, 0, 5])
+        want_q = rms_norm_torch(xq, wq, 1e-5)
+        want_pool = rms_norm(xkv, wkv, 1e-6, turn, pool.clone(), rows)       # (CPU: the twin's three steps)
+        yq, ypool = rms_norm_pair(xq, wq, 1e-5, xkv, wkv, 1e-6, turn, pool.clone(), rows)   # (CPU: the twins)
+        assert torch.equal(yq, want_q) and torch.equal(ypool, want_pool)
+        got_q, got_pool = rms_norm_triton(on_dev(xkv), on_dev(wkv), 1e-6, on_dev(turn), on_dev(pool.clone()),
+                                          on_dev(rows), also=(on_dev(xq), on_dev(wq), 1e-5))[::-1]
+        got_q, got_pool = to_cpu(got_q), to_cpu(got_pool)
+        assert got_q.shape == xq.shape and got_q.dtype == dtype
+        assert torch.allclose(got_q.float(), want_q.float(), **tol)
+        assert torch.allclose(got_pool.float(), want_pool.float(), **tol)

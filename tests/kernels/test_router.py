@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from deepinfer_sg.kernels import router
 from deepinfer_sg.kernels.router import gate_route_torch, gate_route_triton, route_torch, route_triton
 from deepinfer_sg.kernels.backend import INTERPRETING
 from helpers import on_dev, to_cpu
@@ -73,9 +74,12 @@ def test_bad_bias_is_refused_with_the_shapes():
 
 
 # (rows, hidden, experts, top-k, config): several row blocks, hidden not a multiple of BK, experts not a power of two,
-# split-K by default, forced to several / no slices
+# split-K by default, forced to several / no slices; several expert tiles (V4.1's 384 experts in 3 tiles, split 3;
+# 200 in 2, unsplit; 100 in 4, split 2; 130 in 2, the second with fewer than K experts)
 GATE_CASES = [(5, 300, 13, 4, None), (20, 256, 64, 6, {"BM": 16, "SPLIT": 3, "BK": 32}), (3, 96, 8, 1, {"SPLIT": 1}),
-              (33, 200, 100, 7, {"BK": 16}), (200, 256, 64, 6, {"SPLIT": 2, "BK": 64})]
+              (33, 200, 100, 7, {"BK": 16}), (200, 256, 64, 6, {"SPLIT": 2, "BK": 64}),
+              (19, 96, 384, 6, {"BK": 32, "SPLIT": 3}), (6, 64, 200, 6, {"SPLIT": 1}),
+              (3, 64, 100, 3, {"BN": 32, "BK": 32, "SPLIT": 2}), (5, 64, 130, 6, {"BN": 128})]
 
 
 @pytest.mark.parametrize("case", GATE_CASES)
@@ -110,10 +114,21 @@ def test_gate_route_matches_twin(case, dtype):
         assert torch.allclose(got_w.double(), s / s.sum(1, keepdim=True) * 1.5, rtol=2e-2)
 
 
+def test_gate_route_ties_across_tiles_go_to_the_lower_expert():
+    """Equal keys in two expert tiles (zero logits, experts 0-12 biased down): the merge of the tiles' candidates
+    takes the lower ids, 13-15 from the first tile, then 16-18 from the second."""
+    bias = torch.zeros(40)
+    bias[:13] = -1.0
+    x, gw = torch.zeros(3, 64, dtype=torch.bfloat16), torch.randn(40, 64).to(torch.bfloat16)
+    w, idx = to_cpu(gate_route_triton(on_dev(x), on_dev(gw), on_dev(bias), 6, 1.0, config={"BN": 16}))
+    assert idx.tolist() == [list(range(13, 19))] * 3 and torch.allclose(w, torch.full((3, 6), 1 / 6))
+
+
 def test_gate_route_without_tickets_runs_unsplit(monkeypatch):
     """When kernels.backend.tickets has none to give (a CUDA graph captured before a warm-up made them), the gate
-    is the unsplit launch, bit for bit; with them, the split launch leaves the router's counters zero."""
-    from deepinfer_sg.kernels import backend, skinny
+    is the unsplit launch, bit for bit, or with several expert tiles the GEMM library + route; with them, the split
+    and the tiled launches leave the router's counters zero."""
+    from deepinfer_sg.kernels import backend, router
     g = torch.Generator().manual_seed(3)
     x = on_dev(torch.randn(5, 512, generator=g).to(torch.bfloat16))
     gw = on_dev((torch.randn(16, 512, generator=g) * 0.1).to(torch.bfloat16))
@@ -121,13 +136,34 @@ def test_gate_route_without_tickets_runs_unsplit(monkeypatch):
     gate_route_triton(x, gw, bias, 4, 1.0, config={"SPLIT": 4, "BK": 64})
     assert not to_cpu(backend.tickets(x.device, 4, site="router")).any()
     unsplit = to_cpu(gate_route_triton(x, gw, bias, 4, 1.0, config={"SPLIT": 1, "BK": 64}))
-    monkeypatch.setattr(skinny, "shared_tickets", lambda *a, **k: None)     # (kernels.skinny.split_k asks it)
+    gate_route_triton(x, gw, bias, 4, 1.0, config={"SPLIT": 4, "BK": 64, "BN": 8})
+    assert not to_cpu(backend.tickets(x.device, 8, site="router")).any()
+    monkeypatch.setattr(router, "tickets", lambda *a, **k: None)
     got = to_cpu(gate_route_triton(x, gw, bias, 4, 1.0, config={"SPLIT": 4, "BK": 64}))
     assert torch.equal(got[0], unsplit[0]) and torch.equal(got[1], unsplit[1])
+    got = to_cpu(gate_route_triton(x, gw, bias, 4, 1.0, config={"SPLIT": 4, "BK": 64, "BN": 8}))
+    lib = to_cpu(router.route(torch.nn.functional.linear(x, gw), bias, 4, 1.0))
+    assert torch.equal(got[0], lib[0]) and torch.equal(got[1], lib[1])
+
+
+def test_gate_route_dispatch_by_width(monkeypatch):
+    """On CUDA (forced here) a bf16 gate runs the one launch up to FUSED_MAX_ROWS rows when one tile holds its
+    experts, up to TILED_MAX_ROWS when it takes several; above, the GEMM then `route`."""
+    ran = []
+    monkeypatch.setattr(router, "use_triton", lambda t: True)
+    for fn in ("gate_route_triton", "route_triton"):
+        monkeypatch.setattr(router, fn, lambda *a, real=getattr(router, fn), fn=fn, **k: ran.append(fn) or
+                            real(*a, **k))
+    for E, rows in ((64, router.FUSED_MAX_ROWS), (300, router.TILED_MAX_ROWS)):
+        gw, bias = on_dev(torch.randn(E, 16).to(torch.bfloat16)), on_dev(torch.zeros(E))
+        for T, want in ((rows, "gate_route_triton"), (rows + 1, "route_triton")):
+            ran.clear()
+            router.gate_route(on_dev(torch.randn(T, 16).to(torch.bfloat16)), gw, bias, 2, 1.0)
+            assert ran == [want]
 
 
 def test_gate_route_refuses_what_it_cannot_hold():
     with pytest.raises(ValueError, match="gate weight"):
         gate_route_triton(torch.randn(3, 8), torch.randn(4, 9), torch.zeros(4), 2, 1.0)
-    with pytest.raises(ValueError, match="at most 256"):
-        gate_route_triton(torch.randn(3, 8), torch.randn(300, 8), torch.zeros(300), 2, 1.0)
+    with pytest.raises(ValueError, match="at most 4096"):
+        gate_route_triton(torch.randn(3, 8), torch.randn(5000, 8), torch.zeros(5000), 2, 1.0)

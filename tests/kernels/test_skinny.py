@@ -171,3 +171,17 @@ def test_twin_glu_then_down_is_the_engines_shared_expert():
     want = ex(x)
     got = skinny_linear_torch(skinny_linear_torch(x, ex.w1.weight, glu=(ex.w3.weight, ex.limit)), ex.w2.weight)
     assert torch.equal(got, want)
+
+
+def test_split_k_keeps_one_wave_at_the_shared_experts_shapes():
+    """launch_config splits K only while the grid stays within one wave of an H200's 132 SMs (the shared expert
+    runs beside the routed experts: more programs cost those more than they save), and not at 64 rows (partial
+    sums of more than 1/8 of the weight's bytes)."""
+    from deepinfer_sg.kernels.skinny import launch_config
+    for N, K in ((1024, 2048), (2048, 1024)):           # the mid-size shared expert's front half and w2
+        for T in (1, 8, 16, 32, 64):
+            c = launch_config(T, N, K, 1)
+            programs = -(-N // c["BN"]) * -(-T // c["BM"]) * c["SPLIT"]
+            assert programs <= 132 or c["SPLIT"] == 1, (T, N, K, c)
+    assert [launch_config(T, 1024, 2048, 1)["SPLIT"] for T in (8, 64)] == [2, 1]
+    assert [launch_config(T, 2048, 1024, 1)["SPLIT"] for T in (8, 64)] == [1, 1]
