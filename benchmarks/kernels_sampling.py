@@ -527,14 +527,17 @@ def sweep_top_p_p(bw, l2):
         for kind, gen_rows in (("flat", flat_logits), ("peak", peaked_logits)):
             for top_p in (0.5, 0.7, 0.8, 0.9, 0.95):
                 times, opened, same = [], 0, 1.0
+                # the proposals the engine's pass computes at this p (sampling.host_flags, as bench_sampling)
+                flags = dict(TOP_P_ONLY, proposals=sampling.host_flags(
+                    sampling.row_params(B, "cpu", 1.0, 0, top_p, seed=0, position=0), V)["proposals"])
                 for i in range(S(4, 1)):
                     x = gen_rows(B)
                     p = sampling.row_params(B, DEV, 1.0, 0, top_p, seed=torch.arange(B, device=DEV) + 1000 * i,
                                             position=7)
-                    same = min(same, float((sampling.sample_triton(x, p, **TOP_P_ONLY) ==
+                    same = min(same, float((sampling.sample_triton(x, p, **flags) ==
                                             sampling.sample_torch(x, p)).float().mean()))
                     opened += int(sampling.open_rows_torch(x, p).sum())
-                    times.append(time_ms(lambda: sampling.sample_triton(x, p, **TOP_P_ONLY)))
+                    times.append(time_ms(lambda: sampling.sample_triton(x, p, **flags)))
                 t = sum(times) / len(times)
                 row("  sweep top-p p", f"B={B} {kind} p{top_p} ({len(times)} sets)", t, None, B * V * 4, bw,
                     f"sets {' / '.join(f'{u * 1e3:.1f}' for u in times)} us; open rows {opened}; "

@@ -15,11 +15,13 @@ all its slots at once (`update`: no Python per state, no attribute written); a r
 through the same object. `held` answers whether the step's states still hold their objects (one identity check
 over them, against the last `hold`); when not (rows set by the reference path, a deep copy, another arena, a
 first step) the slow path `place` points them at their slots again, a state whose rows live elsewhere moved into
-its slot first (one gather for all of them). A slot belongs to its state until the state is garbage-collected
-(weakref.finalize). Rows past a state's count (after a rollback) are free and overwritten by its next append;
-nothing else reads them. When a slot runs out of rows or the arena out of slots the arena grows (one copy: rows
-per slot doubled, slots compacted to the live ones), renumbering the slots' objects and re-pointing a state that
-holds a plain tuple into the old storage (addresses change only then).
+its slot first (one gather for all of them). A state left with no rows holds None, as on the reference path
+(`_none`), so while a step's batch holds a sequence with no rows of an arena (e.g. one shorter than the layer's
+compression ratio) every step takes that slow path there (Python per state). A slot belongs to its state until
+the state is garbage-collected (weakref.finalize). Rows past a state's count (after a rollback) are free and
+overwritten by its next append; nothing else reads them. When a slot runs out of rows or the arena out of slots
+the arena grows (one copy: rows per slot doubled, slots compacted to the live ones), renumbering the slots'
+objects and re-pointing a state that holds a plain tuple into the old storage (addresses change only then).
 Memory: slots * cap rows, cap = the longest sequence's rows rounded up to a power of two (>= MIN_ROWS),
 slots a power of two (>= the live sequences at the last growth): sequences of
 very different lengths reserve the longest one's rows each (a paged arena, blocks of rows per sequence, is the next

@@ -92,8 +92,8 @@ class Attention(nn.Module):
     def project_q_store_kv(self, x: torch.Tensor, cos, sin, pool: torch.Tensor, rows: torch.Tensor, xa: torch.Tensor,
                            xkv: torch.Tensor, rope: bool = True):
         """`project_q` and `store_kv` from the stacked products xa = wq_a(x) and xkv = wkv(x): q_norm and the window
-        kv's norm + rotation + slab write as one kernels.rmsnorm launch on CUDA (`rms_norm_pair`: the same bits as
-        the two launches) -> (q, qr) as project_q."""
+        kv's norm + rotation + slab write as one kernels.rmsnorm launch on CUDA (`rms_norm_pair`: the two launches'
+        bits at the mid-size widths; its docstring says when) -> (q, qr) as project_q."""
         qn, kn = self.q_norm, self.kv_norm
         qr, _ = rms_norm_pair(xa, qn.weight_fp32(), qn.eps, xkv, kn.weight_fp32(), kn.eps,
                               turn_table(cos, sin).to(x.device), out=pool, rows=rows)

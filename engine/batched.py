@@ -48,7 +48,7 @@ from .attention import rope_inside
 from .compressor import Sources
 from .engram import WindowSource
 from .indexer import fused_scores, select_ids, step_queries
-from .mhc import ReadOut, hc_post, hc_post_and_mixes, hc_pre
+from .mhc import ReadOut, _join_mixes, hc_post, hc_post_and_mixes, hc_pre
 from .rope import Turns, step_turns, turn_table
 from .transfer import ragged_arange, to_device_many
 
@@ -411,14 +411,14 @@ def pre_attention(model, block, R: torch.Tensor, a, cos: torch.Tensor, sin: torc
         xn = block.attn_norm(x if x is not None else hc_pre(R, a if c.hc_shifted else pre, fast=model.fused_mhc))
     parts = (None if model.quant_sim or not model.stack_projections   # [q_a, kv, (w), (the compressor's)]
              else projections.xn_products(model, attn, xn))
-    fused = model.fused_rope and not model.quant_sim
+    inside = rope_inside(model)
     xkv = None if parts is None else parts[1]
     pool = None if store is None else window_pool(store[0], i)
-    stored = pool is not None and fused and pool.dtype == xn.dtype
+    stored = pool is not None and inside and pool.dtype == xn.dtype
     if stored and parts is not None:     # (q_norm and the window kv's store in one launch: kernels.rmsnorm's pair)
-        q, qr = attn.project_q_store_kv(xn, cos, sin, pool, store[1], parts[0], xkv, rope=not rope_inside(model))
+        q, qr = attn.project_q_store_kv(xn, cos, sin, pool, store[1], parts[0], xkv, rope=not inside)
     else:
-        q, qr = attn.project_q(xn, cos, sin, xa=None if parts is None else parts[0], rope=not rope_inside(model))
+        q, qr = attn.project_q(xn, cos, sin, xa=None if parts is None else parts[0], rope=not inside)
         if stored:
             attn.store_kv(xn, cos, sin, pool, store[1], xkv=xkv)
     kv = None if stored else model._qdq(attn.project_kv(xn, cos, sin, xkv=xkv), "window")
@@ -562,6 +562,7 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
     tab = handed.turns if handed is not None else step_turns(freqs, ratios, positions)
     turn_of = {kr: Turns(tab[0, c], tab[1, c]) for c, kr in enumerate(kinds)}     # ((rope kind, ratio) -> Turns)
     rope = {k: (turn_of[(k, 1)], None) for k in ("main", "compress")}
+    inside = rope_inside(model)
 
     def core(k, j, q, kv, iq, w):
         e, win_rows, kv_pool, kv_start, kv_count, ids, keys, kstart, kcount, cand = per[n * k:n * k + n0]
@@ -588,7 +589,7 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
         extra.extend([ids if kind == "select" else None, cand_j])
         entries = kv_pool is not None and (ids is not None or visible is not None)   # (the kernel makes pool rows)
         return attend(attn, q, kv, win_all, new_rows, win_rows, kv_pool if entries else None, ids if entries else None,
-                      kv_start, kv_count, turn_table(*rope[spec.rope]) if rope_inside(model) else None, visible)
+                      kv_start, kv_count, turn_table(*rope[spec.rope]) if inside else None, visible)
 
     feats = []
     first = 0 if prev_e is None or prev_e == BOUNDARY else 1
@@ -625,14 +626,17 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
     if ahead:
         streams.join(next(iter(ahead.values()))[2])
     if next_e == BOUNDARY:
-        return (*Handoff(R, a, x, tab), *tail)
-    if next_e is None:
+        out = Handoff(R, a, x, tab)
+    elif next_e is None:
         hfin = x if x is not None else model.collapse_streams(R, a)    # (shifted mHC: the last read-out)
         # (the logits in the head's dtype: the caller's conversion to fp32 is also their copy out of a graph's buffer)
-        return (hfin, model.head(model.norm(hfin)) if every_row else None, *tail)
-    blk = layers[next_e]
-    return (*pre_attention(model, blk, R, a, *rope[blk.attn.spec.rope], _engram_input(per[-1], token_ids), None,
-                           (win_all, new_rows), x), *tail)
+        out = (hfin, model.head(model.norm(hfin)) if every_row else None)
+    else:
+        blk = layers[next_e]
+        out = pre_attention(model, blk, R, a, *rope[blk.attn.spec.rope], _engram_input(per[-1], token_ids), None,
+                            (win_all, new_rows), x)
+    _join_mixes()     # (mHC mixes deferred to the side stream and not read here: joined before the segment ends)
+    return (*out, *tail)
 
 
 def _engram_ahead(model, full, first: int, per, n: int, token_ids) -> dict:

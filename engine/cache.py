@@ -28,6 +28,7 @@ writes into them (it makes new tensors).
 from __future__ import annotations
 
 import collections
+import copy
 import itertools
 from dataclasses import dataclass, field
 
@@ -63,6 +64,13 @@ class ArenaRows:
 
     def __iter__(self):
         return iter(self.rows())
+
+    def __deepcopy__(self, memo):
+        """In a copy of its arena (the model's deep copy): the copy's object of the slot. Else the plain tuple, its
+        buffer deep-copied (not the arena, whose on_grow is the model's): `place` moves such rows in as it does any
+        from elsewhere."""
+        arena = memo.get(id(self.arena))
+        return ArenaRows(arena, self.slot) if arena is not None else copy.deepcopy(self.rows(), memo)
 
 
 def _shorter(rows, n: int):
@@ -194,6 +202,26 @@ class WindowStack:
     @property
     def m(self) -> int:
         return self.hi - self.lo
+
+    def __deepcopy__(self, memo):
+        """In a copy of its slab (the model's deep copy): a stack of the copy. Else a stack over a copy of its rows
+        alone (not the slab, whose on_grow is the model's): the next fast step copies them into the model's slab as
+        it does any stack from elsewhere."""
+        slab = memo.get(id(self.slab))
+        if slab is not None:
+            return WindowStack(slab, self.slot, self.attached)
+        return WindowStack(_OwnRows(self.t.clone()), 0, self.attached)
+
+
+class _OwnRows:
+    """The slab of a deep-copied WindowStack: its rows alone, data [L, 1, m, D], and their lo / hi (in the place
+    of a slab's per-slot arrays)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.data, self.lo, self.hi = t.unsqueeze(1), [0], [t.shape[1]]
+
+    def forget(self) -> None:
+        """(WindowSlab.forget: no step holds these rows.)"""
 
 
 @dataclass

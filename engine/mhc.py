@@ -19,8 +19,9 @@ from .norm import rms_normalize
 # The write-back + mixes launch's mixing tail (the partials' reduction and the Sinkhorn: nothing reads the mixes
 # before the sub-layer after the write-back) deferred to a launch of its own on the "mhc" side stream, beside that
 # sub-layer (kernels.hc_mix.hc_post_mix_triton's defer). _PENDING: (side stream, its HcMixes: the buffers kept
-# alive) not yet joined; every consumer of mixes here (hc_pre, hc_post, hc_post_and_mixes) joins them first, and a
-# step's graph is cut only where hc_post ended the layer before (batched.post_attention), so none is left open.
+# alive) not yet joined; every consumer of mixes here (hc_pre, hc_post, hc_post_and_mixes) joins them first, a
+# graph segment joins any left before it returns (batched.span: a capture must not end with the side stream
+# unjoined) and a failed step drops them (Model.launch, `drop_mixes`).
 DEFER_MIXES = True
 _PENDING: list = []
 
@@ -28,6 +29,15 @@ _PENDING: list = []
 def _join_mixes() -> None:
     while _PENDING:
         streams.join(_PENDING.pop()[0])
+
+
+def drop_mixes() -> None:
+    """A failed step's deferred mixes: joined (their buffers are not reused while the side stream may still write
+    them) and forgotten even when a join fails (the next step must not join them, inside its own capture)."""
+    try:
+        _join_mixes()
+    finally:
+        _PENDING.clear()
 
 
 def hc_mixes(R: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, eps: float,

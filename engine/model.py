@@ -55,7 +55,7 @@ from .cache import LayerCache, SequenceCache, set_each
 from .compressor import Sources
 from .config import LayerSpec, ModelConfig
 from .indexer import candidate_block_mask, topk_mask
-from .mhc import hc_head_collapse, hc_mixes, hc_post, hc_pre
+from .mhc import drop_mixes, hc_head_collapse, hc_mixes, hc_post, hc_pre
 from .moe import MoE
 from .norm import RMSNorm
 from .rope import apply_rope, inv_freq, rope_cos_sin
@@ -192,7 +192,8 @@ def _recent_rows(tbs: list, srcs: Sources) -> tuple:
 
 
 def _on_host(t: torch.Tensor) -> bool:
-    """Whether t is in host memory (the Engram windows' tail: then it goes up with the step's upload)."""
+    """Whether t is in host memory (the step's token ids: then checked and copied without a sync; the Engram
+    windows' tail: then it goes up with the step's upload)."""
     return t.device.type == "cpu"
 
 
@@ -523,7 +524,8 @@ class Model(nn.Module):
         buffer's copy of two steps before, which has long run (step_graphs._Pinned; a re-plan after a cancel waits
         for its own step's). Graph steps (model.send_ahead) send the step's upload here, queued behind the step the
         device runs (stream order keeps that step's reads of the same buffers first); their token ids go in at
-        launch through a host buffer the first graph copies from itself (SegmentGraphs.ids_buffers)."""
+        launch through a host buffer the first graph copies from itself (SegmentGraphs.ids_buffers; ids on the
+        device by a device copy into that graph's buffer)."""
         c = self.config
         dev = self.device
         if self._open_plan is not None:
@@ -563,11 +565,14 @@ class Model(nn.Module):
                 self._stacked_at = self._graphs.generation
             if self.cuda_graphs and not self.quant_sim:
                 self._graphs.begin_step(off, dev)
-            # positions and the ids go up with the step's index lists (one upload: batched.BatchPlan.layout); the
-            # ids' slot is filled at launch. (Measured and deleted, session 12 R2 on the H200, mid-size V4.1: the
-            # upload sent here, behind the previous step on the stream, and the ids in an upload of their own at
-            # launch: that upload alone cost the launch's host 0.05-0.13 ms, as much as the whole one, and the host
-            # time before the graph run was 0.19 / 0.32 / 0.41 ms at batch 8 / 64 / 256 against 0.15 / 0.20 / 0.42)
+            # positions go up with the step's index lists (one upload: batched.BatchPlan.layout). Graph steps with
+            # send_ahead send it at the end of this plan and the first graph copies the ids in itself at launch
+            # (SegmentGraphs.ids_buffers); otherwise the ids' slot of that upload is filled at launch and the upload
+            # sent then. (Measured and deleted, session 12 R2 on the H200, mid-size V4.1: the upload sent here,
+            # behind the previous step on the stream, and the ids in an upload of their own at launch: that upload
+            # alone cost the launch's host 0.05-0.13 ms, as much as the whole one, and the host time before the
+            # graph run was 0.19 / 0.32 / 0.41 ms at batch 8 / 64 / 256 against 0.15 / 0.20 / 0.42; send_ahead
+            # has no such upload: the ids' copy is a node of the first graph)
             ctx.plan.positions = ctx.plan.defer(ctx.plan.row_positions)
             ctx.ids_host = self._graphs.ids_buffers(off, dev) if self.send_ahead else None
             ctx.graph_ids = ctx.plan.defer(np.zeros(off, dtype=np.int64)) if ctx.ids_host is None else ctx.ids_host[1]
@@ -604,8 +609,8 @@ class Model(nn.Module):
     @torch.no_grad()
     def launch(self, plan: "StepPlan", token_ids: torch.Tensor) -> StepOutput:
         """The token-dependent half of a step planned by `plan_step`: token_ids [T] (int64, the chunks' ids in
-        order; on the host as the engine gives them: then no sync) -> the step's StepOutput (forward_step's
-        contract). Enqueues the device work and returns without waiting for it."""
+        order; on the host as the engine gives them: then no sync; on the device: one, their range check) -> the
+        step's StepOutput (forward_step's contract). Enqueues the device work and returns without waiting for it."""
         c = self.config
         dev = self.device
         if plan.state != "planned":
@@ -620,7 +625,7 @@ class Model(nn.Module):
                 raise ValueError(f"launch: token ids of shape {None if token_ids is None else tuple(token_ids.shape)}"
                                  f" for a step of {plan.total} tokens")
             all_ids = token_ids.long()
-            on_host = all_ids.device.type == "cpu"
+            on_host = _on_host(all_ids)
             # ids given on the host are checked there (no sync); device ids cost one sync
             if not on_host and all_ids.device != dev:
                 all_ids = all_ids.to(dev)
@@ -630,11 +635,14 @@ class Model(nn.Module):
                     ((all_ids[s.off:s.off + s.n] < 0) | (all_ids[s.off:s.off + s.n] >= c.vocab_size)).any()))
                 raise ValueError(f"token id outside 0..{c.vocab_size - 1} in chunk {bad}")
             ctx.host_ids = all_ids if on_host else None
-            if plan.fast and ctx.ids_host is not None:      # into their host buffer (the first graph copies them)
-                host, _, done = ctx.ids_host
-                wait_done(done)
-                host.numpy()[:] = (all_ids if on_host else all_ids.cpu()).numpy()
-                ctx.host_ids, ctx.ids_copy = host, True
+            if plan.fast and ctx.ids_host is not None:
+                if on_host:      # into their host buffer (the first graph copies them)
+                    host, _, done = ctx.ids_host
+                    wait_done(done)
+                    host.numpy()[:] = all_ids.numpy()
+                    ctx.host_ids, ctx.ids_copy = host, True
+                else:            # into the graphs' ids buffer, in stream order (through the host would sync)
+                    ctx.token_ids = ctx.ids_host[1].copy_(all_ids)
             elif plan.fast:
                 if on_host:      # into the upload's ids slot
                     ctx.plan.fill(ctx.graph_ids, all_ids.numpy())
@@ -680,6 +688,7 @@ class Model(nn.Module):
                 hfin = self.collapse_streams(R, a)
         except BaseException:
             self._graphs.abort_step()
+            drop_mixes()       # (mixes a failed segment deferred: batched.span joins them only when it returns)
             raise
         self._graphs.end_step()
         if ctx.plan is not None:

@@ -199,7 +199,9 @@ def sparse_attention_torch(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None, 
     if window is not None:          # each row's (first, skip) -> its window's pool rows
         j = torch.arange(window, device=win_idx.device)
         win_idx = torch.where(j >= win_idx[:, 1:2], win_idx[:, 0:1] + j, -1)
-    if visible is not None:         # every entry id the row's position sees
+    if visible is not None:
+        # every entry id g the row's position sees: index_rows.visible_scores_torch's rule (its g < count is
+        # entry_rows_torch's, below), as the kernel's VISIBLE bound
         positions, ratio, G = visible
         g = torch.arange(G, device=positions.device)[None, :]
         cmp_idx = torch.where(g < ((positions + 1) // ratio)[:, None], g, -1)
@@ -218,7 +220,8 @@ def sparse_attention_torch(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None, 
     p = torch.softmax(s, 2)[:, :, :-1]
     o = torch.einsum("nhk,nkd->nhd", p, k)
     if turn is not None:     # the inverse RoPE (the conjugate turn) in fp32, rounded once with the output
-        o = apply_rope_torch(o, turn * torch.tensor([1.0, -1.0], device=turn.device))
+        # (built from turn on its device: a host tensor here would be a copy that breaks a CUDA graph capture)
+        o = apply_rope_torch(o, torch.stack((turn[..., 0], -turn[..., 1]), -1))
     return o.to(q.dtype)
 
 
@@ -623,8 +626,10 @@ def sparse_attention_triton(q, win_kv, win_idx, sink, cmp_kv=None, cmp_idx=None,
     scale = D ** -0.5 if scale is None else scale
     q, win_kv = q.contiguous(), win_kv.contiguous()
     if turn is not None:
-        # (q's staged load claims 16-byte aligned groups of 8: R a multiple of 8, q's rows at 16-byte addresses)
-        check(turn.shape[1] % 4 == 0, f"attention: {2 * turn.shape[1]} rotated channels (want a multiple of 8)")
+        # (q's staged load claims 16-byte aligned groups of 8: R a multiple of 8, q's rows at 16-byte addresses;
+        # the turned channels are a tl.arange(0, R): R a power of two)
+        R = 2 * turn.shape[1]
+        check(R >= 8 and R & (R - 1) == 0, f"attention: {R} rotated channels (want a power of two >= 8)")
         q = q if q.data_ptr() % 16 == 0 else q.clone()
     win_idx = win_idx.contiguous() if window is not None else win_idx.to(torch.int32).contiguous()
     has_cmp = cmp_kv is not None

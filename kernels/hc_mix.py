@@ -1051,8 +1051,11 @@ def hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-
     b32, s32 = base.float().contiguous(), scale.float().contiguous()
     tail_form = _tail_form(tail_form, L.tpw)
     if defer:   # no waiters: every program normalises x (form 2), or (no norm) stores its partials and ends
+        # the outputs bound first: a lambda holding `mixes` itself would be a cycle (mixes -> finish -> mixes),
+        # freed with its workspace only by the cycle collector
+        m_pre, m_post, m_comb = mixes.pre, mixes.post, mixes.comb
         mixes.finish = lambda: _mix_partials_kernel[(triton.cdiv(T, L.tpw),)](
-            z, b32, s32, mixes.pre, mixes.post, mixes.comb, T, 4 * H, NZ, L.n_split, norm_eps, hc_eps, post_mult,
+            z, b32, s32, m_pre, m_post, m_comb, T, 4 * H, NZ, L.n_split, norm_eps, hc_eps, post_mult,
             NZP=NZP, TPW=L.tpw, SPC=L.spc, ITERS=iters, FAST=fast, REG=(tail_form & 2) != 0, num_warps=L.warps,
             **pdl_kw())
     if T:

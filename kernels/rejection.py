@@ -437,10 +437,9 @@ def _more_proposals(logits_ptr, row, V, inv_t, key, m, lim, tau, bitmask_ptr, mr
                     RPL: tl.constexpr):
     """Proposals NP .. NMAX - 1 (none when the pass computed all NMAX), each a lane draw by a loop over the row,
     then its mass above in fp64 compared with lim = p * s (m the row max; KNOWN_TAU: z >= tau instead). Returns
-    (the first one inside the top-p set, or -2; the largest z among those that missed, -inf if none). RPL: lanes
-    per block of the loops (small for a program of few warps: the blocks stay in registers)."""
+    the first one inside the top-p set, or -2. RPL: lanes per block of the loops (small for a program of few
+    warps: the blocks stay in registers)."""
     tok = tl.full([], -2, tl.int64)
-    zmiss = tl.full([], float("-inf"), tl.float32)
     j = tl.full([], NP, tl.int32)
     n_seg = tl.cdiv(V, LANES * LW)
     if NP < NMAX:      # (Triton 3.6's TritonGPUCoalesce asserts on the loop when it is never entered)
@@ -464,9 +463,8 @@ def _more_proposals(logits_ptr, row, V, inv_t, key, m, lim, tau, bitmask_ptr, mr
                                bitmask_stride, HAS_MASK)
                     above += tl.where(z > zt, tl.exp(z - m), 0.0).to(tl.float64)
                 tok = tl.where(tl.sum(above, 0) < lim, t, tok)
-            zmiss = tl.where(tok == -2, tl.maximum(zmiss, zt), zmiss)
             j += 1
-    return tok, zmiss
+    return tok
 
 
 @triton.jit
@@ -495,8 +493,8 @@ def rest_of_rule(logits_ptr, row, V, inv_t, top_p, key, m, lim, tau, bitmask_ptr
     missed the top-p set): proposals NP .. NMAX - 1 (`_more_proposals`), then the draw restricted to z >= tau with
     key NMAX (tau from the row-wide bisection unless KNOWN_TAU). The speculative step's bonus (tau known), and the
     finish without the pass's lane maxima (HOT_LANES off); with them the finish takes `_open_row_token`."""
-    tok, zmiss = _more_proposals(logits_ptr, row, V, inv_t, key, m, lim, tau, bitmask_ptr, mrow, bitmask_stride,
-                                 HAS_MASK, NP, NMAX, LANES, LW, BLOCK, FAST, KNOWN_TAU, RPL)
+    tok = _more_proposals(logits_ptr, row, V, inv_t, key, m, lim, tau, bitmask_ptr, mrow, bitmask_stride, HAS_MASK,
+                          NP, NMAX, LANES, LW, BLOCK, FAST, KNOWN_TAU, RPL)
     if tok == -2:
         if not KNOWN_TAU:
             tau = _bisect_tau(logits_ptr, row, V, inv_t, V + 1, top_p, bitmask_ptr, mrow, bitmask_stride, HAS_MASK,
@@ -515,7 +513,7 @@ def _open_row_token(logits_ptr, row, V, inv_t, top_p, key, m, s_row, zrow_ptr, t
     """The token of a row whose first NA proposals (those the mass-above pass tested) all missed the top-p set T,
     from the pass's lane maxima (lane_ptr, the row's n_lanes), in a bounded number of sweeps over a few lanes, not
     over the row. t_lo: the largest z of those proposals; the mass above it is >= p * s, so every token of T has
-    z > t_lo and sits in a lane whose max does. (1) Those lanes listed (list_ptr); (2) their tokens >= t_lo
+    z > t_lo and sits in a lane whose max does. (1) Those lanes listed (list_ptr); (2) their tokens > t_lo
     written compactly (cand_ptr, at most CMAX), and the mass above each of the pass's other proposals NA .. NP - 1
     summed over them (exact: every token above such a proposal is a candidate, or the proposal lies at or below
     t_lo and misses); the first of those inside T is the token. Rows missing them all (p 0.5: 0.4% of rows with
@@ -564,8 +562,8 @@ def _open_row_token(logits_ptr, row, V, inv_t, top_p, key, m, s_row, zrow_ptr, t
             hit = (zj > t_lo) & (tl.sum(tl.where(jj == j, above, 0.0), 0) < lim)
             tok = tl.where((tok == -2) & hit, tl.sum(tl.where(jj == j, te, 0), 0), tok)
     if tok == -2:
-        tok, zmiss = _more_proposals(logits_ptr, row, V, inv_t, key, m, lim, m, bitmask_ptr, mrow, bitmask_stride,
-                                     HAS_MASK, NP, NMAX, LANES, LW, BLOCK, FAST, False, RPL)
+        tok = _more_proposals(logits_ptr, row, V, inv_t, key, m, lim, m, bitmask_ptr, mrow, bitmask_stride,
+                              HAS_MASK, NP, NMAX, LANES, LW, BLOCK, FAST, False, RPL)
     if tok == -2:
         tl.debug_barrier()                                      # the candidates' stores before their loads
         tau = t_lo

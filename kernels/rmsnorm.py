@@ -16,8 +16,9 @@ Two norms of the same rows in one launch (`rms_norm_pair`, session 14: the atten
 store read column blocks of the one stacked wq_a + wkv product): H200 R1, the mid-size shapes (q 768, kv 512 with
 64 rotated channels and the slab scatter), 16 calls in a CUDA graph, us a call with the stacked product before
 (and wq_b after): T = 64 two launches 8.95-9.15 (17.89-17.95), one 8.42-8.48 (17.43-17.46); T = 8 8.75-8.93
-(17.45-17.47) against 8.22-8.26 (16.97-16.98); the same bits. R2, T = 64: 9.20-9.22 against 8.45-8.59, but with
-wq_b after 18.39-18.52 against 19.05-19.23 (not settled: the whole step decides).
+(17.45-17.47) against 8.22-8.26 (16.97-16.98); the same bits at these widths (not in general: `rms_norm_pair`).
+R2, T = 64: 9.20-9.22 against 8.45-8.59, but with wq_b after 18.39-18.52 against 19.05-19.23 (not settled: the whole
+step decides).
 """
 from __future__ import annotations
 
@@ -74,8 +75,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, turn_ptr, dst_ptr, D, x_row_stride, 
         y = tl.where(rot, tl.where((d % 2) == 1, b * s + a * c, a * c - b * s), y)
     dst = row
     if SCATTER:  # the row's destination in `out` (e.g. its slot in the window slab)
-        if first:
-            dst = tl.load(dst_ptr + row)
+        if first:    # (int64 as `row`: with PAIR both branches of this run-time `if` must agree)
+            dst = tl.load(dst_ptr + row).to(tl.int64)
     if first:
         op = out_ptr + dst * D
     else:
@@ -160,7 +161,11 @@ def rms_norm_pair(xa: torch.Tensor, wa: torch.Tensor, eps_a: float, x: torch.Ten
                   rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(xa, wa, eps_a), rms_norm(x, weight, eps, turn, out, rows)) in one launch on CUDA: two norms of
     the same rows (the attention's q_norm and its window kv store, both reading the stacked projection's column
-    blocks), one launch fewer; xa's norm takes neither rotation nor scatter. Elsewhere the two twins."""
+    blocks), one launch fewer; xa's norm takes neither rotation nor scatter. Elsewhere the two twins.
+    The two launches' bits where the one launch reduces each norm's sum of squares in its own launch's order (the
+    mid-size widths, q 768 / kv 512, measured on the H200); not promised in general: the launch's block width and
+    warps are the wider norm's (8 warps above 2048 channels), and the narrower norm's sum may then be reduced in
+    another order (a last-bit difference)."""
     if (use_triton(x) and weight.dtype == torch.float32 and wa.dtype == torch.float32 and xa.dtype == x.dtype
             and max(x.shape[-1], xa.shape[-1]) <= 16384):
         y, ya = rms_norm_triton(x, weight, eps, turn, out, rows, also=(xa, wa, eps_a))

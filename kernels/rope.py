@@ -43,8 +43,10 @@ def apply_rope_torch(x: torch.Tensor, turn: torch.Tensor) -> torch.Tensor:
 def turned(x, at, d, ok, turn_row, D: tl.constexpr, R: tl.constexpr):
     """x (channels d of rows of width D, loaded at `at + d`; ok: the loads' mask) with its last R channels
     (interleaved pairs) turned by the row's (cos, sin) pairs at turn_row (fp32) -> fp32 (the caller rounds): the
-    pair's partner loaded again at d ^ 1 (an L1 hit). The one copy of the rotation: this module's kernel, the
-    indexer's score kernel and sparse attention call it."""
+    pair's partner loaded again at d ^ 1 (an L1 hit). The rotation of loaded rows: this module's kernel, the
+    indexer's score kernel and sparse attention's q call it. Two other copies of the product work on values in
+    registers instead: kernels/rmsnorm.py's ROPE branch (the norm's output, its partner normed again) and
+    kernels/decode_attention.py's `_unturn` (the output turned back by the conjugate)."""
     rot = (d >= D - R) & (d < D)                                             # (d < D: no turn read past the row)
     j = tl.where(rot, (d - (D - R)) // 2, 0)                                 # the pair of channel d
     partner = tl.load(at + (d ^ 1), mask=ok & rot, other=0.0).to(tl.float32)

@@ -4,7 +4,7 @@ weights.
 Contract (engine/moe.py `Gate.forward` of a score-routed layer):
     logits  = x @ gate_weight^T, stored in x's dtype         (`gate_route`; `route` takes these logits instead)
     scores  = sqrt(softplus(logits.float()))                 logits [T, E] (any float dtype)
-    idx     = the top_k experts of scores + bias             bias fp32 [E] (selection only)
+    idx     = the top_k experts of scores + bias             bias fp32 [E], finite (selection only)
     weights = scores[idx] / (sum of them + 1e-20) * scaling  -> (weights fp32 [T, K], idx int64 [T, K])
 The experts of a row come in descending order of scores + bias, ties to the lower expert id (torch.topk's order
 is unspecified; the expert kernel sums the K products whatever the order).
@@ -23,7 +23,7 @@ Programmatic dependent launch (session 12): `route` waits first; `gate_route` is
 (its first weight step asked of the L2 before the wait). H200 session 12 (mid-size gate: 64 experts, hidden 2048,
 top 6; 16 calls back to back in a CUDA graph; us, PDL off -> on): gate_route at 64 rows 5.59 / 5.60 -> 4.88 / 4.87
 (R3, benchmarks/kernels_moe.py's pdl sweep); route at 256 rows 2.50 / 2.48 -> 2.25 / 2.26 (R2, .round script).
-Above 256 experts `route` runs a row a program in one warp (session 14 R3, V4.1's 384 experts, GEMM library +
+From 257 to 1024 experts `route` runs a row a program in one warp (session 14 R3, V4.1's 384 experts, GEMM library +
 `route`, us at 8 / 16 / 32 / 64 / 256 rows: 10.47-11.23 / 11.36-11.40 / 11.32-11.33 / 11.03-11.86 / 13.62-13.66
 with 4 rows in 4 warps -> 9.58-10.05 / 10.57-10.61 / 10.59-10.60 / 11.03-11.04 / 12.73-12.83; 2 rows in one warp
 12.25-13.03 / 13.28-13.31 / 13.48-13.51 / 14.02-14.26 / 15.68-15.70).
@@ -172,10 +172,11 @@ def _gate_tiles_kernel(x_ptr, gw_ptr, bias_ptr, w_ptr, idx_ptr, part_ptr, ticket
             ca = rows[:, None].to(tl.int64) * NC + c
             # a row's candidates hold its K best (each tile's K best by the same order), so their K best are the
             # row's. Candidates of key -inf (padding columns; picks of a tile with fewer than K experts, which
-            # may repeat an id) take distinct ids past the experts': never picked, as K <= E keys are finite
+            # may repeat an id) take distinct ids past the experts' and below _top_k's BIG: never picked, as
+            # K <= E keys are finite (a finite bias: the contract's)
             ky = tl.load(cand_ptr + ca, mask=have, other=float("-inf"))
             picked = _top_k(ky, tl.load(cand_ptr + T * NC + ca, mask=have, other=0.0),
-                            tl.where(ky > float("-inf"), tl.load(cid_ptr + ca, mask=have, other=0), 2147483647 - c),
+                            tl.where(ky > float("-inf"), tl.load(cid_ptr + ca, mask=have, other=0), 2147483646 - c),
                             K, KP, 2147483647)
             _store_route(picked[1], picked[2], rows, T, w_ptr, idx_ptr, scaling, K, KP)
             tl.atomic_xchg(row_ticket_ptr + pm, 0, sem="relaxed", scope="gpu")      # ready for the next launch
@@ -185,6 +186,9 @@ def _check_bias(bias: torch.Tensor, E: int, top_k: int) -> None:
     check(bias.shape == (E,) and bias.dtype == torch.float32, f"route: bias {bias.dtype} {tuple(bias.shape)} for "
           f"{E} experts (want fp32 [{E}])")
     check(0 < top_k <= E <= 4096, f"route: top {top_k} of {E} experts (at most 4096)")
+    # a finite bias is the caller's (engine/moe.py's zeros or the checkpoint's): checking it here would read the
+    # device each call, and no read is allowed while a CUDA graph captures. With fewer than K finite keys (a -inf
+    # bias) the picks are not the twin's (the one-tile path repeats an id, the tiled merge stores ids past E)
 
 
 def route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
@@ -199,8 +203,8 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: 
         BE = triton.next_power_of_2(E)
         BM = max(1, min(16, 2048 // BE, triton.next_power_of_2(T)))
         warps = 1 if BM * BE <= 256 else 4
-        if BE > 256:     # a row a program in one warp: its K rounds of reductions stay inside the warp
-            BM, warps = 1, 1
+        if 256 < BE <= 1024:   # a row a program in one warp: its K rounds of reductions stay inside the warp
+            BM, warps = 1, 1     # (wider rows: 4 warps, as a warp would hold 64+ values a thread in 3 arrays)
         _route_kernel[(triton.cdiv(T, BM),)](x, bias.contiguous(), w, idx, T, E, x.stride(0), float(scaling),
                                              K=top_k, KP=triton.next_power_of_2(top_k), BM=BM, BLOCK_E=BE,
                                              num_warps=warps, **pdl_kw())

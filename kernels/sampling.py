@@ -47,7 +47,8 @@ Top-p alone (sampled rows, top-k off, p < 1) is drawn by rejection (kernels/reje
 of up to NMAX proposals from the unrestricted softmax (proposal 0: the plain draw above) inside the top-p set,
 else the draw restricted to it on an independent key. Same law q, other tokens for a seed than the tau-first rule
 (sessions <= 6); the speculative bonus follows the same rule. On a GPU no tau is computed for those rows: the pass
-computes PROPOSALS draws per program, a mass-above pass and a finish decide.
+computes rejection.PROPOSALS draws per program (MORE_PROPOSALS when the host knows such a row has p < P_MORE:
+`host_flags`), a mass-above pass and a finish decide.
 Rows with top-k first get their exact tau from kernels/threshold.py: rows with top_k <= 64 by the lane path (one
 read pass storing every lane's max, then a per-row merge that gathers the few lanes that can hold top-k tokens
 and also DRAWS the row's token with this rule on them: such rows skip the pass, and when the host knows every

@@ -144,6 +144,67 @@ def test_windows_that_reach_the_end_of_their_slab_slot_move_and_stay_right():
     assert moved >= 3, "no window reached the end of its slot"
 
 
+def test_a_deep_copy_of_caches_after_fast_steps_copies_their_rows_not_the_model():
+    """Caches after fast steps hold ArenaRows and WindowStacks, whose arena / slab hold the model's reset_graphs:
+    copy.deepcopy of them copies no model tensor (its memo names none of the model's parameters), and the copies'
+    next fast step (their rows moved into the model's slab and arenas) gives the logits of the same step from the
+    originals (a separate launch) and from the reference path on a copy taken by hand (rows cloned per layer). A
+    deep copy of the model still copies its arenas with their slots' objects."""
+    import copy
+
+    from deepinfer_sg.engine import testing
+    from deepinfer_sg.engine.cache import WindowStack
+    from deepinfer_sg.engine.model import StepChunk
+    from test_model_batched import _random_model, _rel
+    m = _random_model(testing.tiny_v41_config(), seed=6)
+    g = torch.Generator().manual_seed(6)
+    caches = [m.new_cache() for _ in range(3)]
+    m.forward_step([StepChunk(c, torch.randint(0, 512, (n,), generator=g), 1) for c, n in zip(caches, (9, 40, 70))])
+    for _ in range(3):
+        m.forward_step([StepChunk(c, torch.randint(0, 512, (1,), generator=g), 1) for c in caches])
+    assert all(type(c.windows) is WindowStack for c in caches)
+    assert any(type(lc.comp._entries) is ArenaRows for c in caches for lc in c.layers if lc.comp is not None)
+    by_hand = [_plain_copy(c) for c in caches]
+    memo = {}
+    copies = copy.deepcopy(caches, memo)
+    assert id(m) not in memo and not any(id(p) in memo for p in m.parameters())
+    ids = torch.randint(0, 512, (3,), generator=g)
+    got = m.forward_step([StepChunk(c, ids[k:k + 1], 1) for k, c in enumerate(copies)]).logits
+    orig = m.forward_step([StepChunk(c, ids[k:k + 1], 1) for k, c in enumerate(caches)]).logits
+    m.fast_decode = False
+    ref = m.forward_step([StepChunk(c, ids[k:k + 1], 1) for k, c in enumerate(by_hand)]).logits
+    assert torch.equal(got, orig) and _rel(got, ref) < 1e-5
+    # a deep copy of the model itself copies its arenas whole: their slots' objects are the copies' own
+    m2 = copy.deepcopy(m)
+    for a in m2._row_arenas.values():
+        assert all(o is None or (type(o) is ArenaRows and o.arena is a) for o in a._rows)
+
+
+def _plain_copy(cache):
+    """A SequenceCache with every row attribute read out and cloned (plain tensors: no arena, no slab)."""
+    from deepinfer_sg.engine.cache import CompressorState, LayerCache, SequenceCache
+    layers = []
+    for lc in cache.layers:
+        states = []
+        for st in (lc.comp, lc.icomp):
+            if st is None:
+                states.append(None)
+                continue
+            new = CompressorState(ratio=st.ratio, tok_start=st.tok_start)
+            for name in ("tok_kv", "tok_gate", "entries", "latents"):
+                t = getattr(st, name)
+                setattr(new, name, None if t is None else t.clone())
+            states.append(new)
+        new = LayerCache(ratio=lc.ratio, comp=states[0], icomp=states[1])
+        new.ikeys = None if lc.ikeys is None else lc.ikeys.clone()
+        new.win = None if lc.win is None else lc.win.clone()
+        layers.append(new)
+    out = SequenceCache(layers, max_rollback=cache.max_rollback, length=cache.length, keep_tokens=cache.keep_tokens,
+                        floor=cache.floor)
+    out.tokens = cache.tokens.clone()
+    return out
+
+
 def test_steps_in_and_out_of_inference_mode_share_the_caches():
     """The engine runs steps under torch.inference_mode, other callers under no_grad: the slab and arenas made in
     one mode are written in place in the other."""

@@ -60,18 +60,24 @@ def _same(a, b, what):
             assert x == y, f"{what}: item {k}: {x} != {y}"
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_emulated_graph_replays_equal_eager_steps(name):
+def _prefilled_with_eager_twin(name, seed):
+    """MODELS[name] after one prefill step of PROMPTS, with an eager copy of the model and of its caches: (model,
+    vocab, generator, caches, the caches' copy, the eager model). The eager run is on a copy of the model: its
+    caches take slots in their own slab / arenas (sharing them would grow them midway, which drops the graphs and
+    restarts the warm-up)."""
     m = MODELS[name]()
     vocab = m.config.vocab_size
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(seed)
     caches = [m.new_cache() for _ in PROMPTS]
     m.forward_step([StepChunk(c, torch.randint(0, vocab, (n,), generator=g), 1) for c, n in zip(caches, PROMPTS)])
-    eager = copy.deepcopy(caches)
-    # the eager run on a copy of the model: its caches take slots in their own slab / arenas (sharing them would
-    # grow them midway, which drops the graphs and restarts the warm-up)
     m_eager = copy.deepcopy(m)
     m_eager.cuda_graphs = False
+    return m, vocab, g, caches, copy.deepcopy(caches), m_eager
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_emulated_graph_replays_equal_eager_steps(name):
+    m, vocab, g, caches, eager, m_eager = _prefilled_with_eager_twin(name, 3)
     m._graphs = graphs = SegmentGraphs(emulate=True, warm=1)
     modes = []
     kept = []     # every step's outputs: a later replay must not change them (they are copies, not graph buffers)
@@ -375,3 +381,90 @@ def test_arena_growth_frees_the_replaced_buffers():
     assert replaced, "no arena grew: the test needs more steps or sequences"
     gc.collect()
     assert all(r() is None for r in replaced), f"{sum(r() is not None for r in replaced)} replaced buffers alive"
+
+
+@pytest.mark.parametrize("name", ["v4", "v41"])
+def test_token_ids_on_the_device_go_into_the_graphs_without_a_host_copy(monkeypatch, name):
+    """launch with the step's token ids on the device (emulated on the CPU: model._on_host answers False for that
+    one tensor) under send_ahead (the default): through eager, capture and replay steps the ids are never read on
+    the host (a .cpu() / .numpy() of them would wait for the device) and no segment copies them in from the host
+    buffer (no `pre` copy: they go into the graphs' ids buffer by a device copy). Oracle: the same steps with host
+    ids on an eager copy of the model: logits, hidden and caches bit for bit."""
+    from deepinfer_sg.engine import model as model_module
+    m, vocab, g, caches, eager, m_eager = _prefilled_with_eager_twin(name, 11)
+    assert m.send_ahead
+    m._graphs = SegmentGraphs(emulate=True, warm=1)
+    modes, pres = [], []
+    real_begin, real_run, real_on_host = SegmentGraphs.begin_step, SegmentGraphs.run, model_module._on_host
+    monkeypatch.setattr(SegmentGraphs, "begin_step", lambda gr, *a: modes.append(real_begin(gr, *a)) or modes[-1])
+    monkeypatch.setattr(SegmentGraphs, "run",
+                        lambda gr, key, *a, pre=None: pres.append(pre) or real_run(gr, key, *a, pre=pre))
+    device_ids = []
+
+    def not_on_host(real):
+        def f(t, *a, **k):
+            assert not any(t.data_ptr() == d.data_ptr() for d in device_ids), "the device ids read on the host"
+            return real(t, *a, **k)
+        return f
+    for step in range(4):
+        ids = torch.randint(0, vocab, (len(PROMPTS),), generator=g)
+        rows, flat = m.step_ids([StepChunk(c, ids[k:k + 1], 1) for k, c in enumerate(caches)])
+        device_ids[:] = [flat]
+        with monkeypatch.context() as mp:
+            mp.setattr(model_module, "_on_host", lambda t: real_on_host(t) and t is not flat)
+            mp.setattr(torch.Tensor, "cpu", not_on_host(torch.Tensor.cpu))
+            mp.setattr(torch.Tensor, "numpy", not_on_host(torch.Tensor.numpy))
+            got = m.launch(m.plan_step(rows, undo=False), flat)
+        device_ids.clear()
+        want = m_eager.forward_step([StepChunk(c, ids[k:k + 1], 1) for k, c in enumerate(eager)])
+        assert torch.equal(got.logits, want.logits) and torch.equal(got.hidden, want.hidden), f"step {step}"
+        for k, (x, y) in enumerate(zip(caches, eager)):
+            _same(_state(x), _state(y), f"step {step}, cache {k}")
+    assert modes == ["eager", "capture", "replay", "replay"] and pres and all(p is None for p in pres)
+
+
+class _Side:
+    """Stands in for the "mhc" side stream of a deferred mix (mhc._PENDING)."""
+
+
+def test_deferred_mixes_are_joined_before_a_segment_returns_and_dropped_when_a_step_fails(monkeypatch):
+    """mhc's deferred mixes (on CUDA the mixes' tail on the "mhc" side stream, mhc._PENDING) must not outlive the
+    segment that deferred them (a CUDA graph's capture must not end with the side stream unjoined) nor a failed
+    step (the next step would join them inside its own capture). Emulated on the CPU: every post_attention leaves
+    a stand-in side stream pending, as if its last write-back had deferred its mixes, and streams.join notes the
+    stand-ins it joins. Oracle: the stand-ins made. Through eager, capture and replay steps every segment returns
+    with none pending and each is joined once; a step that fails inside a segment leaves none pending either."""
+    from deepinfer_sg.engine import mhc, streams
+    m = MODELS["v41"]()
+    m._graphs = SegmentGraphs(emulate=True, warm=1)
+    vocab = m.config.vocab_size
+    g = torch.Generator().manual_seed(12)
+    caches = [m.new_cache() for _ in PROMPTS]
+    m.forward_step([StepChunk(c, torch.randint(0, vocab, (n,), generator=g), 1) for c, n in zip(caches, PROMPTS)])
+    made, joined, fail = [], [], []
+    real_join, real_post, real_span = streams.join, batched.post_attention, batched.span
+    monkeypatch.setattr(streams, "join", lambda side: joined.append(side) if isinstance(side, _Side)
+                        else real_join(side))
+
+    def post(*a, **k):
+        out = real_post(*a, **k)
+        made.append(_Side())
+        mhc._PENDING.append((made[-1], None))
+        if fail:
+            raise RuntimeError("a stand-in failure")
+        return out
+
+    def span(*a, **k):
+        out = real_span(*a, **k)
+        assert not mhc._PENDING, "a segment returned with deferred mixes pending"
+        return out
+    monkeypatch.setattr(batched, "post_attention", post)
+    monkeypatch.setattr(batched, "span", span)
+    for step in range(3):
+        m.forward_step([StepChunk(c, torch.randint(0, vocab, (1,), generator=g), 1) for c in caches])
+        assert not mhc._PENDING and len(made) == len(joined) and set(map(id, made)) == set(map(id, joined))
+    assert made and m._graphs.captures > 0
+    fail.append(True)
+    with pytest.raises(RuntimeError, match="stand-in failure"):
+        m.forward_step([StepChunk(c, torch.randint(0, vocab, (1,), generator=g), 1) for c in caches])
+    assert not mhc._PENDING and joined[-1] is made[-1]

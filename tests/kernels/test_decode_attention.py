@@ -336,6 +336,31 @@ def test_rope_inside_bf16_rounds_once():
     assert float((out.float() - twin.float()).norm() / twin.float().norm()) < 1e-2
 
 
+def test_rope_inside_wants_a_power_of_two_rotated_width():
+    """The Triton path turns q's rotated channels as a tl.arange of R: R = 24 (a multiple of 8, not a power of two)
+    is refused before any launch, with a message naming the width."""
+    gen = torch.Generator().manual_seed(23)
+    q, win_kv, win_idx, cmp_kv, cmp_idx, sink = _inputs(gen, N=5, H=4, D=32)
+    turn, _ = _turns(gen, 5, 24)
+    with pytest.raises(ValueError, match="24 rotated channels \\(want a power of two >= 8\\)"):
+        sparse_attention_triton(*on_dev((q, win_kv, win_idx, sink, cmp_kv, cmp_idx)), turn=on_dev(turn))
+
+
+def test_rope_inside_with_a_misaligned_q():
+    """q's staged load claims 16-byte aligned rows: a q view starting 4 bytes into its buffer (data_ptr % 16 != 0)
+    gives the bits of the same launch on an aligned copy."""
+    gen = torch.Generator().manual_seed(24)
+    q, win_kv, win_idx, cmp_kv, cmp_idx, sink = _inputs(gen, N=5, H=16, D=32)
+    turn, _ = _turns(gen, 5, 8)
+    buf = on_dev(torch.empty(q.numel() + 1))
+    shifted = buf[1:].view(q.shape).copy_(on_dev(q))
+    assert shifted.data_ptr() % 16 != 0
+    args = on_dev((win_kv, win_idx, sink, cmp_kv, cmp_idx))
+    kw = dict(turn=on_dev(turn), block_h=16, block_k=16, splits=1)
+    got = sparse_attention_triton(shifted, *args, **kw).cpu()
+    assert torch.equal(got, sparse_attention_triton(on_dev(q), *args, **kw).cpu())
+
+
 @pytest.mark.parametrize("kw", [dict(block_h=16, splits=1), dict(block_h=16, splits=3),
                                 dict(block_h=64, splits=2, unchain=True, lazy_sum=True)])
 def test_window_rows_match_window_ids(kw):

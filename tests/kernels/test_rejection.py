@@ -5,9 +5,10 @@ against the twin's (fast path, the finish's loops, mixed batches). The speculati
 import pytest
 import torch
 
-from deepinfer_sg.kernels import rejection
-from deepinfer_sg.kernels.sampling import (lanes_view, masked_z_torch, open_rows_torch, processed_probs,
-                                           rejection_draw_torch, row_params, sample_torch, sample_triton)
+from deepinfer_sg.kernels import rejection, threshold
+from deepinfer_sg.kernels.sampling import (host_flags, lane_scores_torch, lanes_view, masked_z_torch, open_rows_torch,
+                                           pick_lane, processed_probs, rejection_draw_torch, row_params, sample_torch,
+                                           sample_triton)
 from helpers import assert_matches_distribution, bit_allowed, on_dev, params_on_dev, random_bitmask
 from test_sampling import _hand_q
 
@@ -50,7 +51,7 @@ def test_fallback_draws_are_independent_of_the_proposals():
 
 
 @pytest.mark.parametrize("proposals,hot,hotcap,shape", [(1, True, 32, None), (3, True, 32, None), (4, True, 32, None),
-                                                       (4, True, 2, None), (4, False, 32, None),
+                                                       (8, True, 32, None), (4, True, 2, None), (4, False, 32, None),
                                                        (4, True, 32, (32, 1)), (4, False, 32, (32, 1))])
 def test_kernels_draw_the_twins_tokens_with_fallbacks_and_mixed_rows(proposals, hot, hotcap, shape, monkeypatch):
     """Top-p-alone rows at several p (0.01 on flat rows: the finish's loops over the row run, up to the bisection
@@ -58,7 +59,8 @@ def test_kernels_draw_the_twins_tokens_with_fallbacks_and_mixed_rows(proposals, 
     lane merge draws them) and top-k > 64 rows (tau first: the pass cuts at it, so the pick inside the winning
     lane must too): the kernels' tokens are the twin's, with the mass-above pass gathering only the lanes above
     the smallest proposal (HOT_LANES; HOTCAP 2 sends most segments to the whole read) or reading every lane; with
-    programs of 32 lanes (shape) a segment is two programs of the pass (PER 2, as the engine's default shapes)."""
+    programs of 32 lanes (shape) a segment is two programs of the pass (PER 2, as the engine's default shapes).
+    1 - 8 proposals in the pass (8: what the engine sends when a top-p-alone row has p < P_MORE, as here)."""
     monkeypatch.setattr(rejection, "HOT_LANES", hot)
     monkeypatch.setattr(rejection, "HOTCAP", hotcap)
     gen = torch.Generator().manual_seed(proposals)
@@ -84,20 +86,26 @@ def test_kernels_draw_the_twins_tokens_with_fallbacks_and_mixed_rows(proposals, 
     assert bool((q[torch.arange(R)[got >= 0], got[got >= 0]] > 0).all())        # every token in its kept set
 
 
-@pytest.mark.parametrize("proposals,cmax,lc", [(8, None, None), (8, 256, 16), (4, 64, 32)])
-def test_rows_past_the_tested_proposals_draw_from_the_lane_maxima(proposals, cmax, lc, monkeypatch):
+@pytest.mark.parametrize("proposals,cmax,lc,small", [(8, None, None, None), (8, 256, 16, None), (4, 64, 32, None),
+                                                     (8, None, None, 0)])
+def test_rows_past_the_tested_proposals_draw_from_the_lane_maxima(proposals, cmax, lc, small, monkeypatch):
     """Small p (0.05 - 0.4) on flat rows, where many rows miss the four proposals the mass-above pass tests: the
     finish takes them from the tokens above the best missed proposal (gathered from the lanes whose max lies above
     it, the pass's lane maxima): proposals 4 - 7 tested on them (with 4 proposals in the pass: loops over the row
-    for those), then tau by the histogram cut and all pairs, the kept lanes drawn by the pass's rule; masked and
-    unmasked, with ties at the top, over four segments: the twin's tokens, each inside its kept set. Open rows
-    hold 64 - 188 candidates: the default (OPEN_CMAX 1024 here, OPEN_SMALL 512) takes tau on the small block; cmax
-    256 (small 128) on both blocks; cmax 64 sends most to the row-wide bisection (then the same draw); lc < 64
-    runs the sweeps over several blocks."""
+    for those); two rows miss all eight (80 and 187 candidates) and take tau from the candidates
+    (threshold._top_p_cut: all pairs up to KP = 128 of them; more are narrowed by the histogram on a block of
+    >= 1024, else bisected on the block), the kept lanes drawn by the pass's rule; masked and unmasked, with ties
+    at the top, over four segments: the twin's tokens, each inside its kept set. Open rows hold 63 - 187
+    candidates: the default (OPEN_CMAX 1024 here, OPEN_SMALL 512) takes tau on the small block (no histogram:
+    the 187 bisect); small 0 on the 1024 block with the histogram narrowing the 187 (the engine's path at
+    V = 129,280: a block of OPEN_SMALL = 1024 with the histogram); cmax 256 (small 128) on both blocks; cmax 64
+    sends both to the row-wide bisection (then the same draw); lc < 64 runs the sweeps over several blocks."""
     if cmax:
         monkeypatch.setattr(rejection, "OPEN_CMAX", cmax)
     if lc:
         monkeypatch.setattr(rejection, "OPEN_LC", lc)
+    if small is not None:
+        monkeypatch.setattr(rejection, "OPEN_SMALL", small)
     gen = torch.Generator().manual_seed(8)
     R, vocab = 12, 1000
     logits = torch.randn(R, vocab, generator=gen) * 0.4
@@ -111,12 +119,29 @@ def test_rows_past_the_tested_proposals_draw_from_the_lane_maxima(proposals, cma
     z = masked_z_torch(logits, p.inv_temperature, bm, mrows)
     open4, open8 = open_rows_torch(z, p, 256, 64, 4), open_rows_torch(z, p, 256, 64)
     assert int(open8.sum()) >= 2 and int((open4 & ~open8).sum()) >= 2      # both branches of the finish
+    t_lo = torch.stack([z.gather(1, pick_lane(*lane_scores_torch(z, rejection.proposal_keys(p.keys, j), 256, 64))
+                                 [:, None])[:, 0] for j in range(4)]).amax(0)
+    n_cand = (z > t_lo[:, None]).sum(1)                                      # the finish's candidates
+    assert int(n_cand[open8].max()) > threshold.KP >= int(n_cand[open8].min())   # narrowed / all pairs at once
     want = sample_torch(logits, p, bm, mrows, seg=256, lanes=64)
     got = sample_triton(on_dev(logits), params_on_dev(p), on_dev(bm), on_dev(mrows), seg=256, lanes=64,
                         proposals=proposals).cpu()
     assert torch.equal(got, want)
     q = processed_probs(logits, temperature, 0, top_p, bm, mrows)
     assert bool((q[torch.arange(R), got] > 0).all())
+
+
+def test_host_asks_more_proposals_for_small_p_alone():
+    """host_flags: MORE_PROPOSALS when a top-p-alone row has p < P_MORE; p at P_MORE, a top-k row's p or a greedy
+    row's does not count."""
+    def proposals(temperature, top_k, top_p):
+        return host_flags(row_params(2, "cpu", torch.tensor(temperature), torch.tensor(top_k), torch.tensor(top_p),
+                                     seed=0, position=0), 1000)["proposals"]
+    assert proposals([1.0, 1.0], [0, 0], [0.9, rejection.P_MORE - 0.01]) == rejection.MORE_PROPOSALS == 8
+    assert proposals([1.0, 1.0], [0, 2000], [0.9, 0.5]) == rejection.MORE_PROPOSALS     # top-k >= V: off
+    assert proposals([1.0, 1.0], [0, 0], [0.9, rejection.P_MORE]) == rejection.PROPOSALS == 4
+    assert proposals([1.0, 1.0], [0, 50], [0.9, 0.5]) == rejection.PROPOSALS
+    assert proposals([1.0, 0.0], [0, 0], [0.9, 0.5]) == rejection.PROPOSALS
 
 
 def test_kernel_rule_law_on_many_rows():

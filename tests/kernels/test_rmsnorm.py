@@ -86,7 +86,8 @@ def test_rope_and_scatter_in_the_same_launch(dtype):
 def test_two_norms_in_one_launch(dtype):
     """rms_norm_pair: q_norm's and the window kv store's norms of the same rows, read as column blocks of one
     stacked projection output (the first block wider than the second, then narrower), each against its own twin;
-    the kv one with its rotation and scatter, the q one with neither."""
+    the kv one with its rotation and scatter (the kernel given int32 slab rows), the q one with neither; and the
+    bits of the two separate launches (at these widths each norm's sum is reduced in its own launch's order)."""
     from deepinfer_sg.kernels.rmsnorm import rms_norm, rms_norm_pair
     g = torch.Generator().manual_seed(12)
     tol = dict(atol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=1e-2)
@@ -103,8 +104,12 @@ def test_two_norms_in_one_launch(dtype):
         yq, ypool = rms_norm_pair(xq, wq, 1e-5, xkv, wkv, 1e-6, turn, pool.clone(), rows)   # (CPU: the twins)
         assert torch.equal(yq, want_q) and torch.equal(ypool, want_pool)
         got_q, got_pool = rms_norm_triton(on_dev(xkv), on_dev(wkv), 1e-6, on_dev(turn), on_dev(pool.clone()),
-                                          on_dev(rows), also=(on_dev(xq), on_dev(wq), 1e-5))[::-1]
+                                          on_dev(rows.int()), also=(on_dev(xq), on_dev(wq), 1e-5))[::-1]
         got_q, got_pool = to_cpu(got_q), to_cpu(got_pool)
         assert got_q.shape == xq.shape and got_q.dtype == dtype
         assert torch.allclose(got_q.float(), want_q.float(), **tol)
         assert torch.allclose(got_pool.float(), want_pool.float(), **tol)
+        alone_q = to_cpu(rms_norm_triton(on_dev(xq), on_dev(wq), 1e-5))
+        alone_pool = to_cpu(rms_norm_triton(on_dev(xkv), on_dev(wkv), 1e-6, on_dev(turn), on_dev(pool.clone()),
+                                            on_dev(rows)))
+        assert torch.equal(got_q, alone_q) and torch.equal(got_pool, alone_pool)

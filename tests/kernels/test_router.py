@@ -1,7 +1,7 @@
 """MoE router epilogue (kernels/router.py): the twin vs the formulas written out in float64 per row (softplus by
 its definition, the biased top-k by a full sort, normalisation and scale); the Triton kernel vs the twin on awkward
 shapes (expert counts not a power of two, K not a power of two, one expert picked, logits large and very negative,
-strided rows, bf16 logits). Outputs start poisoned (conftest)."""
+strided rows, bf16 logits; 384 experts a row in one warp, 1500 a row in four). Outputs start poisoned (conftest)."""
 import math
 
 import pytest
@@ -43,7 +43,8 @@ def test_twin_is_the_formula():
     assert torch.equal(idx, hidx) and torch.allclose(w.double(), hw, atol=1e-6)
 
 
-@pytest.mark.parametrize("T,E,K", [(1, 8, 1), (7, 64, 6), (3, 13, 4), (9, 384, 6), (4, 100, 7), (2, 5, 5)])
+@pytest.mark.parametrize("T,E,K", [(1, 8, 1), (7, 64, 6), (3, 13, 4), (9, 384, 6), (4, 100, 7), (2, 5, 5),
+                                   (3, 1500, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_matches_twin(T, E, K, dtype):
     g = torch.Generator().manual_seed(T * E + K)
