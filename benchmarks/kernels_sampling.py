@@ -520,23 +520,23 @@ def sweep_spec_one(bw, l2):
 
 def sweep_top_p_p(bw, l2):
     """Top-p alone at p 0.5 / 0.7 / 0.8 / 0.9 / 0.95 on flat and peaked rows, B=64 and 256: the whole call on four
-    input sets each (a set decides whether some row misses every proposal: then the finish draws it from the lane
-    maxima, kernels/rejection.py `_open_row_token`), each set timed (median of graph replays), with how many of its
-    rows were open (the twin's count) and whether its tokens are the twin's."""
+    input sets each (a set decides whether some row misses the four proposals the mass-above pass tests: then the
+    finish draws it from the lane maxima, kernels/rejection.py `_open_row_token`), each set timed (median of graph
+    replays), with how many of its rows were open (the twin's count) and whether its tokens are the twin's."""
+    from deepinfer_sg.kernels import rejection
     for B in S([64, 256], [3]):
         for kind, gen_rows in (("flat", flat_logits), ("peak", peaked_logits)):
             for top_p in (0.5, 0.7, 0.8, 0.9, 0.95):
                 times, opened, same = [], 0, 1.0
-                # the proposals the engine's pass computes at this p (sampling.host_flags, as bench_sampling)
-                flags = dict(TOP_P_ONLY, proposals=sampling.host_flags(
-                    sampling.row_params(B, "cpu", 1.0, 0, top_p, seed=0, position=0), V)["proposals"])
+                # what the host knows, as sample_from_logits knows it (the proposal count at this p included)
+                flags = sampling.host_flags(sampling.row_params(B, "cpu", 1.0, 0, top_p, seed=0, position=0), V)
                 for i in range(S(4, 1)):
                     x = gen_rows(B)
                     p = sampling.row_params(B, DEV, 1.0, 0, top_p, seed=torch.arange(B, device=DEV) + 1000 * i,
                                             position=7)
                     same = min(same, float((sampling.sample_triton(x, p, **flags) ==
                                             sampling.sample_torch(x, p)).float().mean()))
-                    opened += int(sampling.open_rows_torch(x, p).sum())
+                    opened += int(sampling.open_rows_torch(x, p, n=rejection.ABOVE_NP).sum())   # missed the tested four
                     times.append(time_ms(lambda: sampling.sample_triton(x, p, **flags)))
                 t = sum(times) / len(times)
                 row("  sweep top-p p", f"B={B} {kind} p{top_p} ({len(times)} sets)", t, None, B * V * 4, bw,

@@ -102,6 +102,14 @@ class Slots:
         return moves
 
 
+def _held(last: tuple | None, get, items: list) -> np.ndarray | None:
+    """The slots of the last `hold` (last = (objects, slots int64)) when `get` of each item is, in order, the object
+    held then (C-level identity checks, no Python per item); else None."""
+    if last is None or len(last[0]) != len(items) or not all(map(operator.is_, map(get, items), last[0])):
+        return None
+    return last[1]
+
+
 class RowArena:
     def __init__(self, name: str, width: int, dtype: torch.dtype, device: torch.device, on_grow=None,
                  layer: int | None = None, part: str | None = None, ring: int | None = None):
@@ -212,11 +220,7 @@ class RowArena:
     def held(self, states: list) -> np.ndarray | None:
         """Each state's slot (int64) when the states are those of the last `hold`, in its order, and each still
         holds its slot's ArenaRows (C-level identity checks, no Python per state); else None."""
-        last = self._held
-        if last is None or len(last[0]) != len(states) or not all(map(operator.is_, map(self._get, states),
-                                                                      last[0])):
-            return None
-        return last[1]
+        return _held(self._held, self._get, states)
 
     def hold(self, states: list, slots: list, first=None, count=None, log: list | None = None) -> np.ndarray:
         """Point each state at its slot's ArenaRows, with (first, count) rows when given (the rows already in
@@ -361,11 +365,7 @@ class WindowSlab:
     def held(self, caches: list) -> np.ndarray | None:
         """Each cache's slot (int64) when the caches are those of the last `hold`, in its order, each still holding
         its stack with every layer attached (a detach calls `forget`): C-level identity checks; else None."""
-        last = self._held
-        if last is None or len(last[0]) != len(caches) or not all(map(operator.is_, map(_WINDOWS, caches),
-                                                                      last[0])):
-            return None
-        return last[1]
+        return _held(self._held, _WINDOWS, caches)
 
     def hold(self, stacks: list, slots) -> None:
         """The step's caches hold these stacks (every layer attached), in cache order (`held`)."""

@@ -699,15 +699,15 @@ def reject_finish(logits, params, bitmask, mrows, packed, pmax, pmass, lane_max,
                          DONE=drawn is not None, HAS_TAU=tau is not None, NPP=npp, NA=na, num_warps=1, **flags,
                          **pdl_kw())
     hot = lane_max is not None
+    n_l = lane_max.shape[1] if hot else 1
     hotcap = min(HOTCAP, lanes)
     hot_buf = torch.empty((R, n_seg, hotcap) if hot else (1,), dtype=torch.int32, device=dev)
     _above_kernel[(R, n_seg)](logits, zrow, pmax, part, params.inv_temperature, bm, mr, stride, V, n_prog, n_seg,
-                              lane_max if hot else pmax, lane_max.shape[1] if hot else 0, hot_buf,
+                              lane_max if hot else pmax, n_l if hot else 0, hot_buf,
                               VEC=max(1, lanes // (32 * warps)), HOT=hot, HOTCAP=hotcap, PER=n_prog // n_seg,
                               NAQ=triton.next_power_of_2(na + 1), num_warps=warps, **dict(flags, NP=na), **pdl_kw())
     if STAGES < 2:
         return out
-    n_l = lane_max.shape[1] if hot else 1
     cmax = min(OPEN_CMAX, max(16, triton.next_power_of_2(V)))
     ng = max(16, triton.next_power_of_2(n_l))
     # the open rows' work space (`_open_row_token`): a lane list; the candidates above t_lo, then KP floats of

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from deepinfer_sg.kernels import rejection, threshold
-from deepinfer_sg.kernels.sampling import (host_flags, lane_scores_torch, lanes_view, masked_z_torch, open_rows_torch,
-                                           pick_lane, processed_probs, rejection_draw_torch, row_params, sample_torch,
+from deepinfer_sg.kernels.sampling import (_proposal_torch, host_flags, lanes_view, masked_z_torch, open_rows_torch,
+                                           processed_probs, rejection_draw_torch, row_params, sample_torch,
                                            sample_triton)
 from helpers import assert_matches_distribution, bit_allowed, on_dev, params_on_dev, random_bitmask
 from test_sampling import _hand_q
@@ -119,8 +119,8 @@ def test_rows_past_the_tested_proposals_draw_from_the_lane_maxima(proposals, cma
     z = masked_z_torch(logits, p.inv_temperature, bm, mrows)
     open4, open8 = open_rows_torch(z, p, 256, 64, 4), open_rows_torch(z, p, 256, 64)
     assert int(open8.sum()) >= 2 and int((open4 & ~open8).sum()) >= 2      # both branches of the finish
-    t_lo = torch.stack([z.gather(1, pick_lane(*lane_scores_torch(z, rejection.proposal_keys(p.keys, j), 256, 64))
-                                 [:, None])[:, 0] for j in range(4)]).amax(0)
+    t_lo = torch.stack([z.gather(1, _proposal_torch(z, p, 0.0, j, 256, 64)[0][:, None])[:, 0]
+                        for j in range(4)]).amax(0)
     n_cand = (z > t_lo[:, None]).sum(1)                                      # the finish's candidates
     assert int(n_cand[open8].max()) > threshold.KP >= int(n_cand[open8].min())   # narrowed / all pairs at once
     want = sample_torch(logits, p, bm, mrows, seg=256, lanes=64)
