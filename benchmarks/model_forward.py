@@ -131,6 +131,7 @@ import torch
 
 from deepinfer_sg.engine.config import ModelConfig
 from deepinfer_sg.engine.model import Model, StepChunk
+from deepinfer_sg.engine.step_graphs import run_key
 
 LINES: list[str] = []
 
@@ -282,7 +283,7 @@ def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, wa
             marks.append((t, time.perf_counter()))
             if ev is not None:
                 ev[1].record()
-            keys.append(a[0] if k.get("pre") is None else a[0] + ("pre",))     # (its key as SegmentGraphs.run keeps it)
+            keys.append(run_key(a[0], k.get("pre")))     # (the key SegmentGraphs.run keeps it under)
             return out
         g.run = run
         real_layers = model._layers_fast

@@ -286,13 +286,16 @@ class RowArena:
             self.moved_rows += len(mig_from)
         return self.hold(states, slots, starts, [0 if t is None else t[2] for t in olds], log)
 
-    def reserve(self, states: list, counts, log: list | None = None) -> tuple[torch.Tensor, np.ndarray]:
+    def reserve(self, states: list, counts, log: list | None = None,
+                slots: np.ndarray | None = None) -> tuple[torch.Tensor, np.ndarray]:
         """Room for counts[k] rows of states[k] in its slot (`place`), each state then holding counts[k] rows
         from its slot's first row. Its rows past what it held before are the caller's to write (`append`, or a
-        CUDA graph, engine/compress_step.py). log: an undo log (`undo`) that gets what changes as it was.
+        CUDA graph, engine/compress_step.py). log: an undo log (`undo`) that gets what changes as it was. slots:
+        what `place(states, max(counts), log)` returned this step, when the caller already placed them.
         -> (flat, each state's first row, int64)."""
         counts = np.asarray(counts, dtype=np.int64)
-        slots = self.place(states, int(counts.max()), log)
+        if slots is None:
+            slots = self.place(states, int(counts.max()), log)
         self.update(states, slots, counts, log=log)
         return self.flat, self.first[slots]
 

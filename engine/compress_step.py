@@ -157,11 +157,11 @@ def plan_layer(model, attn, ctx, plan, log: list | None = None) -> list:
                            f"cache length {int(starts[k])} at ratio {r} needs {int(starts[k]) // r}: cache and "
                            "compressor state out of sync (was the cache changed outside forward_step / rollback?)")
 
-    def rows_in(arena, owners):
-        flat, first = arena.reserve(owners, counts, log)
+    def rows_in(arena, owners, slots=None):
+        flat, first = arena.reserve(owners, counts, log, slots)
         return flat, first, np.where(done, first[seq] + grp, arena.dump)
 
-    ent, ent_first, ent_dst = rows_in(ent_arena, states)
+    ent, ent_first, ent_dst = rows_in(ent_arena, states, ent_slots)     # (placed above: its counts were read)
     lat, _, lat_dst = rows_in(arena_for(model, i, "comp", "latents", like), states)
     ik = ik_dst = None
     idx = getattr(attn, "indexer", None)

@@ -111,6 +111,11 @@ def _signature(t: torch.Tensor):
     return (tuple(t.shape), t.stride(), t.dtype)
 
 
+def run_key(key: tuple, pre) -> tuple:
+    """The key `SegmentGraphs.run` keeps a segment under: a segment with a `pre` copy is another graph."""
+    return key if pre is None else key + ("pre",)
+
+
 def wait_done(done: "torch.cuda.Event | None") -> None:
     """Wait until the last copy out of a pinned buffer has run (before the host writes it again; None: nothing to
     wait for, a CPU buffer). By the time a
@@ -330,7 +335,7 @@ class SegmentGraphs:
         mode). Same values in every mode. pre: (dst, src) copied at the segment's start, inside its graph (the
         token ids from their host buffer: `ids_buffers`)."""
         if pre is not None:
-            body, (dst, src), key = fn, pre, key + ("pre",)
+            body, (dst, src), key = fn, pre, run_key(key, pre)
 
             def fn(*a):
                 dst.copy_(src, non_blocking=True)

@@ -60,16 +60,25 @@ def _same(a, b, what):
             assert x == y, f"{what}: item {k}: {x} != {y}"
 
 
+def _prefilled(name, seed, graphs=None):
+    """MODELS[name] (with `graphs` as its SegmentGraphs when given) after one prefill step of PROMPTS: (model, vocab,
+    the generator that drew the prompts, the caches)."""
+    m = MODELS[name]()
+    if graphs is not None:
+        m._graphs = graphs
+    vocab = m.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    caches = [m.new_cache() for _ in PROMPTS]
+    m.forward_step([StepChunk(c, torch.randint(0, vocab, (n,), generator=g), 1) for c, n in zip(caches, PROMPTS)])
+    return m, vocab, g, caches
+
+
 def _prefilled_with_eager_twin(name, seed):
     """MODELS[name] after one prefill step of PROMPTS, with an eager copy of the model and of its caches: (model,
     vocab, generator, caches, the caches' copy, the eager model). The eager run is on a copy of the model: its
     caches take slots in their own slab / arenas (sharing them would grow them midway, which drops the graphs and
     restarts the warm-up)."""
-    m = MODELS[name]()
-    vocab = m.config.vocab_size
-    g = torch.Generator().manual_seed(seed)
-    caches = [m.new_cache() for _ in PROMPTS]
-    m.forward_step([StepChunk(c, torch.randint(0, vocab, (n,), generator=g), 1) for c, n in zip(caches, PROMPTS)])
+    m, vocab, g, caches = _prefilled(name, seed)
     m_eager = copy.deepcopy(m)
     m_eager.cuda_graphs = False
     return m, vocab, g, caches, copy.deepcopy(caches), m_eager
@@ -194,15 +203,10 @@ def test_a_v41_decode_step_is_one_graph_and_one_upload_of_its_index_lists(monkey
     """V4.1: the compressors' cache updates run inside the graph (compress_step), so a replayed decode / verify step
     runs ONE segment per cut before an Engram layer (batched.engram_splits; one segment without Engram), and every
     index list the host makes for it, the token ids and positions included, goes to the device in ONE copy
-    (BatchPlan.layout, sent at launch); the graph reads that upload in place (no staging copy per input).
+    (BatchPlan.layout, sent once a step); the graph reads that upload in place (no staging copy per input).
     Checked by counting (emulated graphs, CPU); the replays' results are checked against eager steps above."""
     from deepinfer_sg.engine import transfer
-    m = MODELS["v41"]()
-    m._graphs = SegmentGraphs(emulate=True, warm=1)
-    vocab = m.config.vocab_size
-    g = torch.Generator().manual_seed(4)
-    caches = [m.new_cache() for _ in PROMPTS]
-    m.forward_step([StepChunk(c, torch.randint(0, vocab, (n,), generator=g), 1) for c, n in zip(caches, PROMPTS)])
+    m, vocab, g, caches = _prefilled("v41", 4, SegmentGraphs(emulate=True, warm=1))
     counts = {"run": 0, "layout": 0, "uploads": 0, "stage": 0}
     real_run, real_layout, real_stage = SegmentGraphs.run, batched.BatchPlan.layout, SegmentGraphs.stage
     real_many = transfer.to_device_many
@@ -435,12 +439,7 @@ def test_deferred_mixes_are_joined_before_a_segment_returns_and_dropped_when_a_s
     stand-ins it joins. Oracle: the stand-ins made. Through eager, capture and replay steps every segment returns
     with none pending and each is joined once; a step that fails inside a segment leaves none pending either."""
     from deepinfer_sg.engine import mhc, streams
-    m = MODELS["v41"]()
-    m._graphs = SegmentGraphs(emulate=True, warm=1)
-    vocab = m.config.vocab_size
-    g = torch.Generator().manual_seed(12)
-    caches = [m.new_cache() for _ in PROMPTS]
-    m.forward_step([StepChunk(c, torch.randint(0, vocab, (n,), generator=g), 1) for c, n in zip(caches, PROMPTS)])
+    m, vocab, g, caches = _prefilled("v41", 12, SegmentGraphs(emulate=True, warm=1))
     made, joined, fail = [], [], []
     real_join, real_post, real_span = streams.join, batched.post_attention, batched.span
     monkeypatch.setattr(streams, "join", lambda side: joined.append(side) if isinstance(side, _Side)

@@ -438,6 +438,16 @@ def test_second_addend_is_one_fp32_sum(fused):
     assert float((out.float() - old.float()).abs().max() / old.float().abs().max()) < 2 * tol
 
 
+def _write_back_inputs(seed: int, H: int):
+    """A write-back + mixes call's inputs for 21 tokens, 4 streams of width H (bf16): ((R, y, post, comb, a, fn,
+    base, scale), the second addend y2, a read-out norm weight w)."""
+    gen = torch.Generator().manual_seed(seed)
+    R, y, post, comb, a = _apply_inputs(gen, 21, 4, H, torch.bfloat16)
+    y2 = torch.randn(21, H, generator=gen).to(torch.bfloat16)
+    _, fn, base, scale = _params(gen, 1, 4, H)
+    return (R, y, post, comb, a, fn, base, scale), y2, torch.rand(H, generator=gen) + 0.5
+
+
 @pytest.mark.parametrize("form,waiters,H", [(1, None, 100), (2, None, 100), (2, 2, 100), (2, 16, 768)]
                          if DEVICE == "cuda" else [(1, None, 100)])
 def test_read_out_norm_in_the_write_back(form, waiters, H):
@@ -450,11 +460,7 @@ def test_read_out_norm_in_the_write_back(form, waiters, H):
     against the float64 formula on the kernel's R', the twin (kernels.rmsnorm's on the rounded x) within bf16
     rounding, R' and the mixes unchanged by the norm, the same bits twice, counters left zero."""
     from deepinfer_sg.kernels import hc_mix
-    gen = torch.Generator().manual_seed(80 + form)
-    R, y, post, comb, a = _apply_inputs(gen, 21, 4, H, torch.bfloat16)
-    y2 = torch.randn(21, H, generator=gen).to(torch.bfloat16)
-    _, fn, base, scale = _params(gen, 1, 4, H)
-    w = torch.rand(H, generator=gen) + 0.5
+    (R, y, post, comb, a, fn, base, scale), y2, w = _write_back_inputs(80 + form, H)
     args = on_dev((R, y, post, comb, a, fn, base, scale))
     kw = dict(block_t=16, split=32, block_k=32, y2=on_dev(y2), norm_form=form, waiters=waiters)
     out, x, m = hc_mix.hc_post_mix_triton(*args, **kw, x_norm=(on_dev(w), 1e-6))
@@ -479,12 +485,8 @@ def test_deferred_mixes_are_the_same_bits(H, norm):
     are the one launch's bits, and the counters are left zero. H = 768 with the read-out norm (GPU: form 2 with no
     waiters, every program normalises x; 24 splits); H = 100 without it (the launch stores its partials only)."""
     from deepinfer_sg.kernels import hc_mix
-    gen = torch.Generator().manual_seed(60 + H)
-    R, y, post, comb, a = _apply_inputs(gen, 21, 4, H, torch.bfloat16)
-    y2 = torch.randn(21, H, generator=gen).to(torch.bfloat16)
-    _, fn, base, scale = _params(gen, 1, 4, H)
-    w = torch.rand(H, generator=gen) + 0.5
-    args = on_dev((R, y, post, comb, a, fn, base, scale))
+    inputs, y2, w = _write_back_inputs(60 + H, H)
+    args = on_dev(inputs)
     kw = dict(block_t=16, split=32, block_k=32, y2=on_dev(y2), x_norm=(on_dev(w), 1e-6) if norm else None)
     out, x, m = hc_mix.hc_post_mix_triton(*args, **kw)
     got_out, got_x, late = hc_mix.hc_post_mix_triton(*args, **kw, defer=True)
