@@ -647,7 +647,7 @@ def _write_back_chain(s, defer):
         R1, ro = mhc.hc_post_and_mixes(blk, "ffn", R, y, post, comb, pre, y2=y2, norm=norm)
         R2, ro2 = mhc.hc_post_and_mixes(blk, "attn", R1, sub(ro.x), ro.post, ro.comb, ro.pre, norm=norm)
         out = sub(ro2.x)
-        mhc._join_mixes()
+        mhc.join_mixes()
     finally:
         mhc.DEFER_MIXES, hc_mix.DEFER_MAX_T = was
     return R2, out

@@ -48,7 +48,7 @@ from .attention import rope_inside
 from .compressor import Sources
 from .engram import WindowSource
 from .indexer import fused_scores, select_ids, step_queries
-from .mhc import ReadOut, _join_mixes, hc_post, hc_post_and_mixes, hc_pre
+from .mhc import ReadOut, hc_post, hc_post_and_mixes, hc_pre, join_mixes
 from .rope import Turns, step_turns, turn_table
 from .transfer import ragged_arange, to_device_many
 
@@ -635,7 +635,7 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
         blk = layers[next_e]
         out = pre_attention(model, blk, R, a, *rope[blk.attn.spec.rope], _engram_input(per[-1], token_ids), None,
                             (win_all, new_rows), x)
-    _join_mixes()     # (mHC mixes deferred to the side stream and not read here: joined before the segment ends)
+    join_mixes()     # (mHC mixes deferred to the side stream and not read here: joined before the segment ends)
     return (*out, *tail)
 
 

@@ -26,7 +26,8 @@ DEFER_MIXES = True
 _PENDING: list = []
 
 
-def _join_mixes() -> None:
+def join_mixes() -> None:
+    """Wait (in stream order) for the mixes deferred to the side stream so far."""
     while _PENDING:
         streams.join(_PENDING.pop()[0])
 
@@ -35,7 +36,7 @@ def drop_mixes() -> None:
     """A failed step's deferred mixes: joined (their buffers are not reused while the side stream may still write
     them) and forgotten even when a join fails (the next step must not join them, inside its own capture)."""
     try:
-        _join_mixes()
+        join_mixes()
     finally:
         _PENDING.clear()
 
@@ -63,7 +64,7 @@ def hc_pre(R: torch.Tensor, pre: torch.Tensor, fast: bool = False) -> torch.Tens
     fast: deepinfer_sg.kernels.hc_mix.hc_pre_apply (one Triton launch on CUDA instead of 3; same math); else its
     twin hc_pre_torch."""
     from deepinfer_sg.kernels.hc_mix import hc_pre_apply, hc_pre_torch
-    _join_mixes()
+    join_mixes()
     return hc_pre_apply(R, pre) if fast else hc_pre_torch(R, pre)
 
 
@@ -74,7 +75,7 @@ def hc_post(R: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     y2: a second addend of y, summed with it in fp32 (MoE.forward_grouped(parts=True)'s shared expert output:
     no add launch, one rounding). fast: deepinfer_sg.kernels.hc_mix.hc_post_apply (one Triton launch on CUDA,
     read-out included, instead of ~6 + 3; same math up to fp32 summation order)."""
-    _join_mixes()
+    join_mixes()
     if fast:
         from deepinfer_sg.kernels.hc_mix import hc_post_apply
         return hc_post_apply(R, y, post, comb, next_pre, y2)
@@ -101,7 +102,7 @@ def hc_post_and_mixes(block, which: str, R: torch.Tensor, y: torch.Tensor, post:
     norm(x), normalised in the same launch on CUDA where it fits (hc_post_mix_apply's x_norm), else by norm.
     DEFER_MIXES: the mixes' tail as its own launch on a side stream (joined by the next consumer, _PENDING)."""
     from deepinfer_sg.kernels.hc_mix import hc_post_mix_apply
-    _join_mixes()
+    join_mixes()
     c = block.config
     out, x, m = hc_post_mix_apply(R, y, post, comb, next_pre, getattr(block, f"hc_{which}_fn"),
                                   getattr(block, f"hc_{which}_base"), getattr(block, f"hc_{which}_scale"),
