@@ -220,6 +220,16 @@ Measured (H200, copy ~4,250 GB/s, bf16 matmul 700-790 TFLOP/s; launch floor 0.7 
                          within 0.7 us (32 heads N=256 with the window rows 69.8-70.2, 62%). Compiled tests:
                          attention + indexer 102 of 111 passed in R2 (9 select tests cut by its time limit), those 9
                          in R3.
+  session 15 (K2, round scripts against HEAD's files / configurations in the same run; us, each row timed twice)
+                         V4.1's 64 heads at few rows in 16-head programs of 4 warps (default_config; the engine's
+                         form): N=8 / 16 / 32 33.9 / 34.8-35.2 / 39.0-39.1 -> 18.3-18.4 / 21.3-21.4 / 28.1-28.7
+                         (R2; R4 against HEAD's file: N=8 / 32 / 33 33.4 / 38.4 / 39.0 -> 17.6-17.9 / 27.9-28.0 /
+                         28.9-29.0; ncu, spills and the rest of the sweep in kernels/decode_attention.py). Candidate
+                         blocks (`bench_candidate_blocks`: kernels/index_rows.py's three launches against the
+                         torch chain), N=64, G = 16,392 / 65,536 / 131,072: 94.5-95.4 / 264.2-266.1 / 432.9-433.3
+                         -> 12.7-13.3 / 28.6 / 51.8-51.9 (R1-R3; the forms measured on the way in index_rows.py's
+                         docstring; the function's own rows were run only --dry: the round scripts timed the same
+                         calls). Compiled tests (R4): attention 70 passed, index rows 18 passed.
 """
 import os
 import sys
@@ -228,9 +238,9 @@ import time
 import torch
 import triton
 
-from deepinfer_sg.engine.indexer import index_score_scale
+from deepinfer_sg.engine.indexer import candidate_block_mask, index_score_scale
 from deepinfer_sg.engine.testing import midsize_v41_config
-from deepinfer_sg.kernels import backend, decode_attention, indexer, rope
+from deepinfer_sg.kernels import backend, decode_attention, index_rows, indexer, rope
 from kbench import DEV, DRY, emit, rotating, row, S, time_ms
 
 MIDSIZE = midsize_v41_config()["text_config"]
@@ -493,6 +503,31 @@ def bench_indexer(bw, l2):
     t = time_ms(lambda: scs[next(it) % 4].topk(k, dim=1))
     row("  torch.topk alone", f"N={N} L={L} k={k}", t, None, N * L * 4, bw)
     bench_select_layer(bw, l2)
+    bench_candidate_blocks(bw, l2)
+
+
+def bench_candidate_blocks(bw, l2):
+    """V4.1's candidate blocks at the candidate source layer (blocks of 8 entries, the 2,048 best kept) from the
+    score kernel's masked rows (-inf past each row's visible prefix, here half to all of the row): kernels/
+    index_rows.py's three launches against engine/indexer.py's torch chain (its twin), N=64 at G = 16,392 (2,049
+    blocks: the first G the restriction changes; at ratio 1 G is the context's tokens), 65,536 and 131,072; bytes:
+    the scores read and the mask written."""
+    N = S(64, 2)
+    block, top = 8, S(2048, 3)
+    for G in S((16392, 65536, 131072), (64,)):
+        def make():
+            s = torch.randn(N, G, device=DEV)
+            pos = torch.randint(G // 2, G, (N,), device=DEV)
+            return s.masked_fill(torch.arange(G, device=DEV)[None, :] > pos[:, None], float("-inf"))
+        nxt = rotating(make, N * G * 4, l2)
+        m = nxt()
+        same = bool(torch.equal(index_rows.candidate_blocks_triton(m, block, top),
+                                candidate_block_mask(m, None, block, top)))
+        for label, fn in (("candidate blocks", lambda m: index_rows.candidate_blocks_triton(m, block, top)),
+                          ("  torch chain", lambda m: candidate_block_mask(m, None, block, top))):
+            t = time_ms(lambda: fn(nxt()))
+            row(label, f"N={N} G={G} block={block} top={top}", t, None, N * G * 5, bw,
+                f"the chain's mask: {same}" if label[0] != " " else "the twin (~30 launches)")
 
 
 def _warm_one(task):

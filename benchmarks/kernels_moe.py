@@ -212,6 +212,17 @@ T = 256 (R3, 20-call chain): the tree's tiles 114.1-114.5 (44% of 216 MB at 4250
 an SM (119 registers, 8 warps), issue slots 56% busy, ALU pipe 50%, stalls per issue barrier 1.14, not selected
 1.07, long scoreboard 0.96, L2 hit 45%; down 44.6 us (105 registers), issue 55%, long scoreboard 1.50, barrier
 0.95: both about half instruction-bound (the FP4 decode) and half waiting, at 2.1 / 1.5 TB/s.
+
+Session 15, routed experts (K3; .round scripts, HEAD's kernels/moe.py beside the tree in the same run, chains in a
+CUDA graph, PDL on; H200, us): the shared expert inside the packed FP4 launches (one more expert of weight 1, its
+blocks first) lost against the side stream at every T: the whole MoE layer (gate + routed + shared + combine) R2
+mid-size T = 32 / 64 / 256 92.6-92.8 / 98.2-98.8 / 154.3-172.6 -> 94.8-96.5 / 109.3-109.5 / 171.7-173.0, V4.1
+T = 64 / 256 1211-1217 / 1984-1986 -> 1251-1254 / 2136-2165 (deleted; kernels/moe.py's module docstring has the
+variants). Bounds on the routed chain (R3; copies of the kernels without the group factors' loads or without the
+FP4 decode, wrong results): mid-size T = 64 87.9-88.9 / 89.8-90.4 / 84.3-85.0, T = 256 114.3-116.5 / 110.6-112.1
+/ 104.3-110.3, V4.1 T = 64 1389-1460 / 1313 / 1248-1250 (kernels/moe.py's W4_TILES notes have the SASS counts).
+Gate/up capped at 128 registers at mid-size T = 64 / 32 / 16 (R4; 4 programs an SM, one wave): 87.4-88.5 /
+85.9-86.9 / 73.6-73.8 -> 93.9-95.1 / 93.0-93.9 / 85.1-85.7, not taken.
 """
 import math
 import os

@@ -226,6 +226,17 @@ H200 numbers (torch 2.11 / Triton 3.6; copy 4,250-4,275 GB/s; us, fraction of co
     R1 (first form, NMAX 4: every such row through tau and the restricted draw; replaced)
                             p 0.5 48.5-48.7 and 71.7, p 0.7 / 0.8 with one such row 82.8 / 87.8, B=256 p 0.5 134.6;
                             tau on the 8,192 block always (OPEN_SMALL 0) 62.3 against 48.7
+  session 15 R2 (2026-12-01; copy 4,222 GB/s; .round scripts timing sample_triton with sample_from_logits' host
+  flags on 4 input sets rotated, HEAD's launch options in the same run, twice each; the compiled tests beside it),
+  B=256, us: more rows than SMs take launch options that fit two programs an SM (one wave instead of two):
+    top-p alone (finish)    4 warps (rejection.FINISH_WAVE) flat p0.9 80.4 / 80.4 (39%), peaked p0.95 55.4 / 55.5
+                            (57%); 16 warps capped at 64 registers 82.1 / 82.0, 57.7 / 57.6; HEAD's 16 warps 83.5 /
+                            83.4 (38%), 57.9 / 57.9 (54%)
+    top-k50 p0.9 (merge)    capped at 64 registers (threshold.MERGE_WAVE) flat 56.5 / 56.5 (55%) against 60.4 / 60.7
+                            (52%)
+  session 15 R3, the speculative step's top-p-alone bonus (sweep part spec_bonus's inputs: 64 requests x 4 rows,
+  peaked, every draft accepted), us: p 0.5 233.4 / 233.5 (8 proposals in the statistics pass and its last draw; 3 /
+  2 bonus rows missing the first four) against HEAD's 634.6 / 500.2 (loops over those rows); p 0.9 172.0 / 177.0
 """
 import os
 
@@ -401,7 +412,7 @@ def sweep(bw, l2):
     floors(bw, l2, batches)
     SWEPT.append(True)
     parts = dict(pdl=sweep_pdl, threshold=sweep_threshold, reject=sweep_reject, top_p_p=sweep_top_p_p,
-                 spec_one=sweep_spec_one,
+                 spec_one=sweep_spec_one, spec_bonus=sweep_spec_bonus,
                  plain=sweep_plain, top_p_tune=sweep_top_p_tune, top_p=sweep_top_p, shapes=sweep_shapes,
                  spec=sweep_speculative)
     chosen = os.environ.get("K1_SWEEP")                    # a comma list of the parts to run (default: all)
@@ -516,6 +527,37 @@ def sweep_spec_one(bw, l2):
         row("  sweep spec", f"B={B}x{L} residual finish {'folded' if one else 'apart'}", t, None, R * V * 4, bw,
             f"equal to twin {same:.1%}")
     speculative.ONE_LAUNCH_RESIDUAL = False
+
+
+def sweep_spec_bonus(bw, l2):
+    """The speculative step's top-p-alone bonus (64 requests x 4 rows, peaked rows, drafts drawn from q itself with
+    draft probabilities q: every draft is accepted, so every request draws its bonus) at p 0.5 and 0.9, with the
+    statistics pass's proposal count the host would choose (sampling.proposal_count), two input sets each; how many
+    bonus rows miss the first 4 proposals (HEAD drew proposals 4 .. 7 and the last draw for them by loops over
+    the row)."""
+    B, L = S(64, 3), 3
+    R = B * (L + 1)
+    for top_p in (0.5, 0.9):
+        np_ = sampling.proposal_count(sampling.row_params(B, "cpu", 1.0, 0, top_p, 0, 0), V)
+        for seed in (1, 2):
+            x = peaked_logits(R)
+            q = sampling.processed_probs(x, 1.0, 0, top_p)
+            d = torch.multinomial(q, 1)[:, 0]
+            cu = torch.arange(B + 1, device=DEV) * (L + 1)
+            kw = dict(temperature=torch.ones(B, device=DEV), top_k=torch.zeros(B, dtype=torch.int64, device=DEV),
+                      top_p=torch.full((B,), top_p, device=DEV), seed=torch.arange(B, device=DEV) * 7 + seed,
+                      position=torch.arange(B, device=DEV) * 9)
+            last = cu[1:] - 1
+            miss = int(sampling.open_rows_torch(x[last], sampling.row_params(B, DEV, 1.0, 0, top_p, kw["seed"],
+                                                                           kw["position"] + L), n=4).sum())
+            run = lambda: speculative._accept_triton(x, cu, d, q, *kw.values(), None, None, filters=True,  # noqa
+                                                     histogram=True, proposals=np_)
+            res = run()
+            want = speculative.speculative_accept(x, cu, d, q, backend="torch", **kw).final_tokens
+            t = time_ms(run)
+            row("  sweep spec bonus", f"B={B}x{L + 1} peak p{top_p} np={np_} set {seed}", t, None, R * V * 4, bw,
+                f"accepted {float(res.num_accepted.float().mean()):.2f}; bonus rows missing 4 proposals {miss}; "
+                f"final = twin {float((res.final_tokens == want).float().mean()):.0%}")
 
 
 def sweep_top_p_p(bw, l2):
@@ -828,13 +870,20 @@ def compile_cases():
               PDL=True), 16),
         ("spec stats pass", speculative._stats_kernel, {"pack_ptr": "*i64"},
          dict(HAS_MASK=True, HAS_TAU=False, LANES=256, LW=16, PL=256, VEC=4, NB=64, FAST=True, NP=1), 2),
-        ("spec stats pass np4", speculative._stats_kernel, {"pack_ptr": "*i64", "solved_ptr": "*i8"},
+        ("spec stats pass np4", speculative._stats_kernel, {"pack_ptr": "*i64", "solved_ptr": "*i8",
+                                                            "fin_ptr": "*i64"},
          dict(HAS_MASK=True, HAS_TAU=True, LANES=256, LW=16, PL=256, VEC=4, NB=64, FAST=True, NP=4), 2),
+        ("spec stats pass np8", speculative._stats_kernel, {"pack_ptr": "*i64", "solved_ptr": "*i8",
+                                                            "fin_ptr": "*i64"},
+         dict(HAS_MASK=False, HAS_TAU=True, LANES=256, LW=16, PL=256, VEC=4, NB=64, FAST=True, NP=8), 2),
         ("spec accept", speculative._accept_kernel, {"final_ptr": "*i64", "pack_ptr": "*i64"},
          dict(HAS_MASK=True, HAS_PROBS=True, HAS_TAU=False, NCP=32, NR=8, NP=1, NMAX=8, LANES=256, LW=16,
               BLOCK=1024, FAST=True), 1),
-        ("spec accept np4", speculative._accept_kernel, {"final_ptr": "*i64", "pack_ptr": "*i64"},
+        ("spec accept np4", speculative._accept_kernel, {"final_ptr": "*i64", "pack_ptr": "*i64", "fin_ptr": "*i64"},
          dict(HAS_MASK=True, HAS_PROBS=True, HAS_TAU=True, NCP=32, NR=8, NP=4, NMAX=8, LANES=256, LW=16,
+              BLOCK=1024, FAST=True), 1),
+        ("spec accept np8", speculative._accept_kernel, {"final_ptr": "*i64", "pack_ptr": "*i64", "fin_ptr": "*i64"},
+         dict(HAS_MASK=False, HAS_PROBS=True, HAS_TAU=True, NCP=32, NR=8, NP=8, NMAX=8, LANES=256, LW=16,
               BLOCK=1024, FAST=True), 1),
         ("spec residual pass", speculative._residual_kernel, {}, dict(HAS_MASK=True, HAS_PROBS=True, HAS_TAU=False,
                                                                       LANES=256, LW=16, PL=256, VEC=4, FAST=True,

@@ -98,6 +98,33 @@ pair; paths fast / ahead / base / launch-send; a slower host): b256 ahead 6.50 m
 the graph run, compressors 3.26 against ahead's 1.48), launch-send 6.55; b64 ahead 4.08 (39.9%; device 3.76 / 3.63),
 base 4.39, launch-send 4.31; before the graph run 0.27 / 0.40 ms at 64 / 256 against launch-send's 0.44 / 0.48.
 
+Session 15, the recent token ids in a ring of per-slot arrays and plan_step's rows by numpy (H200, same command; one
+process a round, paths ahead / "base" / control; "base": HEAD's model, batched, compress_step, arena and cache
+loaded as a second package in the process and the model's class switched to its Model for the path,
+.round/data/E/ab2.py; ms step / device as run; host ms launch + plan). engine/token_ring.py: a steady step's advance
+writes the new ids in place and the ring's per-slot arrays, the Engram windows index the ring by position; plan_step
+checks and reads the rows' numbers by numpy (BatchPlan.arrays kept for every layer), plan_layer reads the states
+through two C-level maps. At 256: advance 0.57 -> 0.11-0.13 ms (R1), 0.84 -> 0.12-0.13 (R2); launch after the
+graph run 0.92 -> 0.47-0.60 (R1), 1.54 -> 0.51-0.52 (R2); plan 3.07 -> 2.70-2.76, its compressors 1.43 ->
+1.14-1.17, Engram windows 0.26 -> 0.16 (R2); the host's whole step (launch + plan) 5.17 -> 3.65-3.73 ms against
+6.05-6.14 of device (R2): a host 1.6x slower than R2's stays under the device, where base's passed it at 1.2x (V1's
+host was 1.5x slower: 8.13 ms against 5.71 of device). Steps at 256: R1 6.68 / base 6.64 / control 6.68 (device
+6.17-6.25: no path host-bound), R2 6.54 / base 6.71 (its last steps 7.0-7.3: host-bound in a slower phase) /
+control 6.60; at 64 (R1) 4.68 / 4.62 / 4.56 (device 4.28-4.30; advance 0.43 -> 0.06-0.09). R3 (batch 64, then 256):
+64 ahead 4.09 / base 4.04 / control 4.06 (device 3.79 as run), after the graph run 0.36-0.39 against 0.62, advance
+0.06 against 0.31, plan 1.65-1.77 against 1.65; 256 ahead 6.54 / base 6.48 / probe 6.48 (device 5.98-6.00), after
+the graph run 0.51-0.56 against 1.11, advance 0.14-0.16 against 0.72, plan 3.01-3.30 against 3.40 (its compressors
+1.37-1.61 against 1.41: no settled gain there; the first path after the eager one was the slow one in R1 too).
+R4 at 8: ahead 3.34 / base 3.33 / control 3.32 (device 3.07 as run), after the graph run 0.38-0.40 against 0.59,
+advance 0.06 against 0.25, plan 1.95-1.98 against 2.04.
+Where "send: pinned copy" goes (R2, host clocks around each call, the "probe" path): the plan's copy_ 53.5 us and
+its event record 43.4, where the same calls repeated right after took 13.7 and 2.6 (torch.cuda.current_stream()
+alone 8.3): the first driver calls after the plan's ~3 ms of Python run on cold host caches; no gc collection ran in
+the timed steps. With torch.Events for the copies (step_graphs.copy_event, R3) the record took 4.1-6.0 us at
+64 / 256 and the next call paid the cold start (current_stream() 25.7-37.9); send: pinned copy 0.05 / 0.07 ms
+(R1-R2 0.08-0.11). The launch until the segments (0.18-0.19 ms at 256): 81 us to its ids check, 19 in wait_done's
+event query, the segments entered at 190.
+
 `--profile` then looks at where one fast decode step's time goes, per batch size (fresh caches, after warm-up;
 every batch's host-clock and cProfile measurements first, then the torch.profiler ones: once CUPTI is attached it
 stays, and a CUDA-graph launch then costs the host ~0.3-1 ms instead of ~0.01-0.04, which made the step's one

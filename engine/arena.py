@@ -21,7 +21,7 @@ compression ratio) every step takes that slow path there (Python per state). A s
 the state is garbage-collected (weakref.finalize). Rows past a state's count (after a rollback) are free and
 overwritten by its next append; nothing else reads them. When a slot runs out of rows or the arena out of slots
 the arena grows (one copy: rows per slot doubled, slots compacted to the live ones), renumbering the slots'
-objects and re-pointing a state that holds a plain tuple into the old storage (addresses change only then).
+objects (addresses change only then).
 Memory: slots * cap rows, cap = the longest sequence's rows rounded up to a power of two (>= MIN_ROWS),
 slots a power of two (>= the live sequences at the last growth): sequences of
 very different lengths reserve the longest one's rows each (a paged arena, blocks of rows per sequence, is the next
@@ -110,7 +110,40 @@ def _held(last: tuple | None, get, items: list) -> np.ndarray | None:
     return last[1]
 
 
-class RowArena:
+class SlotRows:
+    """Per-slot rows whose numbers live in arrays (`first`: a slot's first row in `flat`, `count`: its rows, plus a
+    subclass's own): each owner holds its slot's cache.ArenaRows in its attribute `key` (one object per slot,
+    renumbered with it by a growth), and `held` checks that a step's owners still do (RowArena, token_ring's
+    TokenRing). A subclass sets flat, ring, first, count, key, _get, _rows and _held."""
+
+    def rows_of(self, slot: int) -> ArenaRows:
+        """The slot's ArenaRows (one object per slot, renumbered with it by a growth)."""
+        obj = self._rows[slot]
+        if obj is None:
+            obj = self._rows[slot] = ArenaRows(self, slot)
+        return obj
+
+    def held(self, owners: list) -> np.ndarray | None:
+        """Each owner's slot (int64) when the owners are those of the last `hold`, in its order, and each still
+        holds its slot's ArenaRows (C-level identity checks, no Python per owner); else None."""
+        return _held(self._held, self._get, owners)
+
+    def _renumber(self, moves: list, slots: int, cap: int, new_cap: int, extra: tuple = ()) -> tuple:
+        """After a growth to `slots` slots of `new_cap` rows (from `cap`): the objects and per-slot arrays moved
+        from old slot a to new slot b (Slots.compact's moves), first rows shifted to their new slot's start ->
+        (objects, first, count, *extra arrays)."""
+        objs = [None] * slots
+        arrays = [np.zeros(slots, dtype=np.int64) for _ in range(2 + len(extra))]
+        for a, b, _ in moves:
+            if a < len(self._rows) and self._rows[a] is not None:
+                objs[b], objs[b].slot = self._rows[a], b
+                arrays[0][b] = b * new_cap + self.first[a] - a * cap
+                for new, old in zip(arrays[1:], (self.count, *extra)):
+                    new[b] = old[a]
+        return (objs, *arrays)
+
+
+class RowArena(SlotRows):
     def __init__(self, name: str, width: int, dtype: torch.dtype, device: torch.device, on_grow=None,
                  layer: int | None = None, part: str | None = None, ring: int | None = None):
         self.name = name                          # the states' attribute (entries, latents, ikeys)
@@ -170,11 +203,11 @@ class RowArena:
 
     def _grow(self, slots: int, rows: int) -> bool:
         """Make room for `slots` slots of `rows` rows: a new tensor with the live slots renumbered 0..n-1 (free
-        ones dropped) and rows doubled as needed; copy, re-point every live state. -> whether it grew."""
+        ones dropped) and rows doubled as needed; copy, renumber the slots' objects. -> whether it grew."""
         S, C, W = self.data.shape
         if slots <= S and rows <= C:
             return False
-        old, old_data = self.flat, self.data
+        old_data = self.data
         moves = self.slots.compact()
         S2, C2 = self._shape_for(len(moves), rows)
         # zeros, not empty: readers that gather a padded [rows, G] block (the CPU index scores) must see finite
@@ -190,15 +223,11 @@ class RowArena:
                 else:
                     data[:len(src), :C] = old_data[torch.tensor(src, device=old_data.device)]
             self.data, self.flat = data, store
-        first, count, objs = np.zeros(S2, dtype=np.int64), np.zeros(S2, dtype=np.int64), [None] * S2
-        for a, b, st in moves:
-            if a < len(self._rows) and self._rows[a] is not None:
-                objs[b], objs[b].slot = self._rows[a], b
-                first[b], count[b] = b * C2 + (self.first[a] - a * C), self.count[a]
-            t = getattr(st, self.key)
-            if type(t) is tuple and t[0] is old:
-                setattr(st, self.key, (self.flat, b * C2 + (t[1] - a * C), *t[2:]))
-        self.first, self.count, self._rows, self._held = first, count, objs, None
+        # (only ArenaRows ever point into an arena: `hold` gives a state its slot's object, and nothing makes a
+        # plain tuple of an arena's storage (a deep copy's tuple is of a copy, `place` keeps its tuples to itself),
+        # so renumbering the objects re-points every state)
+        self._rows, self.first, self.count = self._renumber(moves, S2, C, C2)
+        self._held = None
         if self.on_grow is not None and S * C:      # (nothing can have read an empty arena)
             self.on_grow()
         return True
@@ -209,18 +238,6 @@ class RowArena:
         if self._grow(max(slots) + 1, rows):
             slots = self.slots.of_all(states)  # (a growth renumbers the slots)
         return slots
-
-    def rows_of(self, slot: int) -> ArenaRows:
-        """The slot's ArenaRows (one object per slot, renumbered with it by a growth)."""
-        obj = self._rows[slot]
-        if obj is None:
-            obj = self._rows[slot] = ArenaRows(self, slot)
-        return obj
-
-    def held(self, states: list) -> np.ndarray | None:
-        """Each state's slot (int64) when the states are those of the last `hold`, in its order, and each still
-        holds its slot's ArenaRows (C-level identity checks, no Python per state); else None."""
-        return _held(self._held, self._get, states)
 
     def hold(self, states: list, slots: list, first=None, count=None, log: list | None = None) -> np.ndarray:
         """Point each state at its slot's ArenaRows, with (first, count) rows when given (the rows already in

@@ -69,7 +69,8 @@ class BatchPlan:
     starts: list[int]                 # per sequence: position of its first new row
     offs: list[int]                   # per sequence: offset of its rows in the flat batch
     ns: list[int]                     # per sequence: number of new rows
-    row_seq: list[int]                # per row: its sequence
+    arrays: tuple                     # (ns, offs, starts) as int64 arrays (the host's numpy work of each layer)
+    row_index: np.ndarray             # per row: its sequence (int64)
     positions: object                 # [T] on the device (a Deferred until the step's upload, host ids)
     rect_lo: list[int] | None = None  # YOCO mask mode: decoder windows start no earlier than this
     device: torch.device | None = None
@@ -126,14 +127,10 @@ class BatchPlan:
         flat[at:at + a.size] = a.reshape(-1)
 
     @cached_property
-    def row_index(self) -> np.ndarray:
-        """row_seq as an int64 array (made once per step)."""
-        return np.asarray(self.row_seq, dtype=np.int64)
-
-    @cached_property
     def row_positions(self) -> np.ndarray:
         """Each row's position, int64 [T] on the host (made once per step)."""
-        return ragged_arange(self.starts, self.ns)
+        ns, _, starts = self.arrays
+        return ragged_arange(starts, ns)
 
     def per_row(self, per_seq: list[list[int]], device=None) -> list[Deferred]:
         """Per-sequence host lists spread to per-row int64 arrays (device views after the next layout)."""
@@ -183,16 +180,17 @@ class BatchPlan:
         return x
 
 
-def make_plan(seqs, positions, rect: bool, device) -> BatchPlan:
-    row_seq = [si for si, s in enumerate(seqs) for _ in range(s.n)]
-    return BatchPlan([s.start for s in seqs], [s.off for s in seqs], [s.n for s in seqs], row_seq, positions,
-                     [s.rect_lo for s in seqs] if rect else None, device=torch.device(device))
+def make_plan(ns: np.ndarray, offs: np.ndarray, starts: np.ndarray, rect_lo: list | None, device) -> BatchPlan:
+    """The plan of a step's sequences from their rows, offsets and start positions (int64 arrays: kept as the
+    plan's `arrays`) and YOCO's rect_lo (None: off); positions come with the step's upload."""
+    return BatchPlan(starts.tolist(), offs.tolist(), ns.tolist(), (ns, offs, starts),
+                     np.repeat(np.arange(len(ns), dtype=np.int64), ns), None, rect_lo, device=torch.device(device))
 
 
-def usable(model, chunks_rows: list[int]) -> bool:
-    """Whether a step can take the batched path (short chunks, no YOCO compaction)."""
+def usable(model, chunks_rows: np.ndarray) -> bool:
+    """Whether a step can take the batched path (short chunks: `chunks_rows` int64, no YOCO compaction)."""
     return (getattr(model, "fast_decode", True) and model.yoco_mode != "compact"
-            and max(chunks_rows) <= MAX_FAST_ROWS)
+            and int(chunks_rows.max()) <= MAX_FAST_ROWS)
 
 
 # ------------------------------------------------------------------------------------------------ index tensors
@@ -210,7 +208,7 @@ def window_index(plan: BatchPlan, past_lens, W: int, decoder: bool) -> Deferred:
     if key in plan.windows:
         return plan.windows[key]
     cap = plan.win_all.shape[2]
-    starts = np.asarray(plan.starts, dtype=np.int64)
+    starts = plan.arrays[2]
     base = np.asarray(plan.win_slot, dtype=np.int64) * cap + np.asarray(plan.win_end, dtype=np.int64) - starts
     lo = starts - np.asarray(plan.win_m if past_lens is None else past_lens, dtype=np.int64)
     if decoder:
@@ -229,18 +227,18 @@ def prepare_windows(model, ctx, plan: BatchPlan, like: torch.Tensor) -> None:
     from .arena import window_slab
     L = len(model.layers)
     slab = window_slab(model, like, MAX_FAST_ROWS)
-    caches = [s.cache for s in ctx.seqs]
+    caches = ctx.caches
     plan.win_slab, data, cap = slab, slab.data, slab.cap
     held = slab.held(caches)
     if held is not None:
         lo, hi = slab.lo[held], slab.hi[held]
-        for k in np.flatnonzero(hi + np.asarray(plan.ns, dtype=np.int64) > cap).tolist():   # (rare: see below)
+        for k in np.flatnonzero(hi + plan.arrays[0] > cap).tolist():   # (rare: see below)
             slot, m = int(held[k]), int(hi[k] - lo[k])
             data[:, slot, :m] = data[:, slot, lo[k]:hi[k]].clone()
             lo[k], hi[k] = slab.lo[slot], slab.hi[slot] = 0, m
         plan.win_all, plan.win_slot, plan.win_end, plan.win_m = data, held, hi, hi - lo
         plan.win_lens, plan.win_uniform, plan.win_held = [None] * len(caches), True, True
-        plan.win_new_rows = plan.defer(ragged_arange(held * cap + hi, plan.ns))
+        plan.win_new_rows = plan.defer(ragged_arange(held * cap + hi, plan.arrays[0]))
         return
     ends, ms, lens = [], [], []
     slots = slab.slots_for(caches)     # (may grow the slab: read slab.data after this)
@@ -272,7 +270,7 @@ def prepare_windows(model, ctx, plan: BatchPlan, like: torch.Tensor) -> None:
     plan.win_all, plan.win_slot, plan.win_end, plan.win_m, plan.win_lens = data, slots, ends, ms, lens
     plan.win_uniform = all(ls is None for ls in lens)
     first = np.asarray(slots, dtype=np.int64) * cap + np.asarray(ends, dtype=np.int64)
-    plan.win_new_rows = plan.defer(ragged_arange(first, plan.ns))    # (row j of sequence s: its slot's ends[s] + j)
+    plan.win_new_rows = plan.defer(ragged_arange(first, plan.arrays[0]))    # (row j of sequence s: first[s] + j)
 
 
 _POOL_STATES = {   # pool kind -> (the arena's part name, the row attribute, the state holding it)
@@ -593,7 +591,8 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
 
     feats = []
     first = 0 if prev_e is None or prev_e == BOUNDARY else 1
-    ahead = _engram_ahead(model, full, first, per, n, token_ids)
+    engram_in = {k: _engram_input(per[n * k], token_ids) for k in range(first, first + len(full))}
+    ahead = _engram_ahead(model, full, first, engram_in, token_ids)
     if prev_e is None:
         R, a = model.embed_streams(token_ids, reuse=True)
         x = None
@@ -612,7 +611,7 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
             e, done, _ = ahead[k]
             streams.wait(done)
         else:
-            e = _engram_input(per[n * k], token_ids)
+            e = engram_in[k]
         R, pre, post, comb, xn, q, kv, iq, w, feat = pre_attention(model, blk, R, a, *cs, e, side,
                                                                    (win_all, new_rows), x)
         feats.append(feat)
@@ -639,15 +638,16 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
     return (*out, *tail)
 
 
-def _engram_ahead(model, full, first: int, per, n: int, token_ids) -> dict:
-    """The Engram rows of the segment's layers that the device reads from the windows (a window source input), read
-    on a lane of their own (engine/streams.py) as the segment starts, so that their reads over PCIe overlap the
-    layers before them instead of stalling the layer that needs them: {k: (rows, event after them, the lane)}
-    ({} on the CPU: the layers read them in turn)."""
+def _engram_ahead(model, full, first: int, engram_in: dict, token_ids) -> dict:
+    """The Engram rows of the segment's layers that the device reads from the windows (a window source input:
+    engram_in, each layer's `_engram_input` by its index k in the segment), read on a lane of their own
+    (engine/streams.py) as the segment starts, so that their reads over PCIe overlap the layers before them instead
+    of stalling the layer that needs them: {k: (rows, event after them, the lane)} ({} on the CPU: the layers read
+    them in turn)."""
     got = {}
     lane = None
     for k, j in enumerate(full, start=first):
-        e = _engram_input(per[n * k], token_ids)
+        e = engram_in[k]
         if not isinstance(e, WindowSource):
             continue
         if lane is None:
@@ -756,7 +756,7 @@ def commit_windows(model, ctx, plan: BatchPlan) -> None:
     keep = model.config.sliding_window - 1 + model.max_rollback
     slab, win = plan.win_slab, plan.win_all
     if plan.win_held:
-        end = plan.win_end + np.asarray(plan.ns, dtype=np.int64)
+        end = plan.win_end + plan.arrays[0]
         slab.lo[plan.win_slot] = np.maximum(slab.lo[plan.win_slot], end - keep)
         slab.hi[plan.win_slot] = end
         return

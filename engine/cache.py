@@ -276,7 +276,10 @@ class SequenceCache(_RowsMixin):
     _tokens: tuple | None = None         # (buffer, first row, rows) of `tokens`
     keep_tokens: int = 32
     drafter: object = None               # free slot for the DSpark drafter's own state
-    floor: int = 0                       # earliest length a rollback may return to (data older is dropped)
+    # earliest length a rollback may return to (data older is dropped): max(floor, length - max_rollback), the
+    # second term taken into floor at each rollback (a step only moves the length; a rollback must not let the
+    # next one reach below what the length before it allowed)
+    floor: int = 0
     extra: dict = field(default_factory=dict)
     windows: WindowStack | None = None   # the layers' windows as one tensor (batched decode path), if attached
 
@@ -289,6 +292,8 @@ class SequenceCache(_RowsMixin):
         """Forget the last n tokens. Raises ValueError if n > max_rollback or n > length."""
         if n < 0 or n > self.length:
             raise ValueError(f"rollback({n}) with cache length {self.length}")
+        # (the floor as the steps since the last rollback left it: they only moved the length up)
+        self.floor = max(self.floor, self.length - self.max_rollback)
         if n > self.max_rollback or self.length - n < self.floor:
             raise ValueError(f"rollback({n}) from length {self.length} goes past length {self.floor}: at most "
                              f"max_rollback={self.max_rollback} tokens after the last step can be rolled back")

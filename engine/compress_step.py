@@ -71,6 +71,7 @@ def graph_layers(model) -> list[int]:
 _TOK_FIELDS = ("tok_start", "_tok_kv", "_tok_gate")
 _TOK = operator.attrgetter(*_TOK_FIELDS)
 _TOK_START = operator.attrgetter("tok_start")
+_LAYERS, _COMP = operator.attrgetter("layers"), operator.attrgetter("comp")
 
 
 def _ring_move_in(arena, states, slots, toks, which: int) -> None:
@@ -137,10 +138,10 @@ def plan_layer(model, attn, ctx, plan, log: list | None = None) -> list:
     r, D = comp.ratio, comp.out_dim
     dev = plan.device
     dtype = model.embed.weight.dtype
-    seqs = ctx.seqs
-    states = [s.cache.layers[i].comp for s in seqs]
-    starts = np.asarray(plan.starts, dtype=np.int64)
-    ends = starts + np.asarray(plan.ns, dtype=np.int64)
+    lcs = list(map(operator.itemgetter(i), map(_LAYERS, ctx.caches)))
+    states = list(map(_COMP, lcs))
+    ns, _, starts = plan.arrays
+    ends = starts + ns
     counts = ends // r
     G = int(counts.max())
     # per row: its sequence, position, group, whether it completes the group
@@ -167,8 +168,7 @@ def plan_layer(model, attn, ctx, plan, log: list | None = None) -> list:
     idx = getattr(attn, "indexer", None)
     if idx is not None and hasattr(idx, "wk"):
         ik_like = torch.empty((0, idx.wk.weight.shape[0]), dtype=dtype, device=dev)
-        ik, ik_first, ik_dst = rows_in(arena_for(model, i, "layer", "ikeys", ik_like),
-                                       [s.cache.layers[i] for s in seqs])
+        ik, ik_first, ik_dst = rows_in(arena_for(model, i, "layer", "ikeys", ik_like), lcs)
     ring_kv = ring_g = None
     host = {"ent_dst": ent_dst, "lat_dst": lat_dst}
     if ik is not None:

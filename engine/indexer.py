@@ -82,17 +82,23 @@ def topk_mask(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tens
     return sel & allowed
 
 
-def candidate_block_mask(scores: torch.Tensor, visible: torch.Tensor, block: int, top_blocks: int,
+def candidate_block_mask(scores: torch.Tensor, visible: torch.Tensor | None, block: int, top_blocks: int,
                          masked: bool = False) -> torch.Tensor:
     """Candidate blocks (V4.1): entries split in blocks of `block` from entry 0; block score = max I over its
     visible entries; the block holding each query's last visible entry is always kept; keep `top_blocks` best.
     Returns boolean [n, G]: entries inside kept blocks (and visible). With at most `top_blocks` blocks every block
     holding a visible entry is kept: the mask is `visible` itself (no launch; the torch chain below is ~30).
-    masked: the scores are already -inf outside `visible` (the fused score kernel's), so not masked again."""
+    masked: the scores are already -inf outside `visible` (the score kernel's, or visible_scores'), so not masked
+    again; visible may then be None (the finite scores). On CUDA masked scores take kernels/index_rows.py's three
+    launches (`candidate_blocks_triton`: the same set, the visible entries a prefix of each row as the step's are;
+    this chain is its twin)."""
     n, G = scores.shape
     nb = (G + block - 1) // block
     if nb <= top_blocks:
-        return visible
+        return scores > float("-inf") if visible is None else visible
+    if masked and top_blocks > 1 and _index_rows.use_triton(scores):
+        return _index_rows.candidate_blocks_triton(scores, block, top_blocks)
+    visible = scores > float("-inf") if visible is None else visible
     pad = nb * block - G
     s = scores if masked else scores.masked_fill(~visible, float("-inf"))
     s = F.pad(s, (0, pad), value=float("-inf")).view(n, nb, block).amax(-1)        # [n, nb]
@@ -155,8 +161,8 @@ def select_ids(idx_mod, iq, w, keys, start, count, positions, ratio: int, G: int
         masked = _kindexer.indexer_scores_triton(iq, w, keys, start, count, G, w_scale=idx_mod.score_scale,
                                                  turn=turn_table(*rot), positions=positions, ratio=ratio, cand=cand)
         # (visible entries have finite scores: the candidate source has no candidates of its own)
-        return _select(masked, k), None if blocks is None else candidate_block_mask(masked, masked > float("-inf"),
-                                                                                      *blocks, masked=True)
+        return _select(masked, k), None if blocks is None else candidate_block_mask(masked, None, *blocks,
+                                                                                      masked=True)
     scores = _index_scores(idx_mod, iq, w, keys, start, count, G)
     # visible entries and the scores of the others at -inf: one launch on CUDA (kernels/index_rows.py)
     visible, masked = _index_rows.visible_scores(scores, positions, count, ratio, cand)

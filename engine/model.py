@@ -52,7 +52,6 @@ from . import batched, compress_step, projections
 from .arena import undo as undo_log
 from .attention import Attention
 from .cache import LayerCache, SequenceCache, set_each
-from .compressor import Sources
 from .config import LayerSpec, ModelConfig
 from .indexer import candidate_block_mask, topk_mask
 from .mhc import drop_mixes, hc_head_collapse, hc_mixes, hc_post, hc_pre
@@ -60,6 +59,7 @@ from .moe import MoE
 from .norm import RMSNorm
 from .rope import apply_rope, inv_freq, rope_cos_sin
 from .step_graphs import SegmentGraphs, wait_done
+from .token_ring import ring_size, token_ring
 from .transfer import made_once, ragged_arange, to_device, to_device_many
 
 # parameters kept in fp32 whatever the model dtype (DeepSeek ships them in F32)
@@ -166,29 +166,26 @@ class StepContext:
     ids_copy: bool = False                     # the first segment still has to copy the ids in (launch sets it)
     engram_ids: dict = field(default_factory=dict)    # fast path: engram layer -> its row ids' upload slot, to fill
 
+    @functools.cached_property
+    def caches(self) -> list:
+        """The sequences' caches, in order (made once per step)."""
+        return [s.cache for s in self.seqs]
 
-_LENGTHS = operator.attrgetter("length", "floor", "max_rollback")     # what Model._advance moves on per cache
+
+# what plan_step reads of each StepRows and cache
+_CACHE, _ROWS, _LOGIT_ROWS, _LENGTH = map(operator.attrgetter, ("cache", "n", "logit_rows", "length"))
+# a cache's recent ids (a tuple or cache.ArenaRows) and how many it keeps
+_TOKEN_ROWS = operator.attrgetter("_tokens")
+_KEEP = operator.attrgetter("keep_tokens")
 
 
 def _counts(ctx: "StepContext") -> tuple:
-    """(rows, offset) of each of the step's sequences, int64 arrays (the batched plan's lists when there is one)."""
+    """(rows, offset, start position) of each of the step's sequences, int64 arrays (the batched plan's lists when
+    there is one)."""
     if ctx.plan is not None:
-        return np.asarray(ctx.plan.ns, dtype=np.int64), np.asarray(ctx.plan.offs, dtype=np.int64)
+        return ctx.plan.arrays
     seqs = ctx.seqs
-    return (np.fromiter([s.n for s in seqs], np.int64, len(seqs)), np.fromiter([s.off for s in seqs], np.int64,
-                                                                                len(seqs)))
-
-
-def _recent_rows(tbs: list, srcs: Sources) -> tuple:
-    """The caches' recent token ids (`tbs`: their `_tokens` tuples) as rows of `srcs` (each distinct buffer once,
-    usually the last step's one): (rows m [B], the first one's row in the sources [B]), int64, by comprehensions
-    over the caches (not a loop asking `srcs.base` per sequence)."""
-    for buf in {id(t[0]): t[0] for t in tbs if t is not None and t[2]}.values():    # (in order of first use)
-        srcs.base(buf, None)
-    bases, B = srcs.bases, len(tbs)
-    m = np.fromiter([0 if t is None else t[2] for t in tbs], np.int64, B)
-    first = np.fromiter([bases[id(t[0])] + t[1] if t is not None and t[2] else 0 for t in tbs], np.int64, B)
-    return m, first
+    return tuple(np.fromiter([getattr(s, k) for s in seqs], np.int64, len(seqs)) for k in ("n", "off", "start"))
 
 
 def _on_host(t: torch.Tensor) -> bool:
@@ -534,29 +531,31 @@ class Model(nn.Module):
             self.cancel(self._open_plan)
         if not rows:
             raise ValueError("forward_step needs at least one StepChunk")
-        if len({id(r.cache) for r in rows}) != len(rows):
+        B = len(rows)
+        caches = list(map(_CACHE, rows))
+        if len(set(map(id, caches))) != B:
             raise ValueError("the same SequenceCache appears in two chunks of one step")
-        seqs, off, every_row = [], 0, True
-        for k, r in enumerate(rows):
-            n = int(r.n)
-            if n <= 0:
-                raise ValueError(f"StepChunk {k} with no tokens")
-            if not 0 <= r.logit_rows <= n:
-                raise ValueError(f"logit_rows {r.logit_rows} not in 0..{n}")
-            if self.yoco_mode == "compact" and c.n_prefill_layer is not None and r.logit_rows > self.yoco_keep:
-                raise ValueError(f"logit_rows {r.logit_rows} > {self.yoco_keep} rows kept by YOCO compaction")
-            L = r.cache.length
-            seqs.append(_Seq(r.cache, L, n, off, L + n - self.yoco_keep if self.yoco_mode != "off" else None))
-            off += n
-            every_row = every_row and r.logit_rows == n
-        plan = StepPlan(rows, StepContext(seqs, None, None), off, batched.usable(self, [s.n for s in seqs]),
-                        every_row=every_row)
+        # (numpy over the rows' numbers: no Python per row but the _Seq each sequence gets)
+        n, shown = (np.fromiter(map(get, rows), np.int64, B) for get in (_ROWS, _LOGIT_ROWS))
+        compact = self.yoco_mode == "compact" and c.n_prefill_layer is not None
+        for bad, msg in ((n <= 0, lambda k: f"StepChunk {k} with no tokens"),
+                         ((shown < 0) | (shown > n), lambda k: f"logit_rows {shown[k]} not in 0..{n[k]}"),
+                         (shown > self.yoco_keep if compact else None,
+                          lambda k: f"logit_rows {shown[k]} > {self.yoco_keep} rows kept by YOCO compaction")):
+            if bad is not None and bad.any():
+                raise ValueError(msg(int(np.flatnonzero(bad)[0])))
+        start = np.fromiter(map(_LENGTH, caches), np.int64, B)
+        off = np.cumsum(n) - n
+        rect = (start + n - self.yoco_keep).tolist() if self.yoco_mode != "off" else None
+        seqs = list(map(_Seq, caches, start.tolist(), n.tolist(), off.tolist(), rect or itertools.repeat(None, B)))
+        ctx = StepContext(seqs, None, None)
+        ctx.caches = caches        # (its cached property, known here)
+        plan = StepPlan(rows, ctx, int(n.sum()), batched.usable(self, n), every_row=bool((shown == n).all()))
         if not plan.fast:
             return plan
-        ctx = plan.ctx
         self._open_plan = plan if undo else None
         try:
-            ctx.plan = batched.make_plan(seqs, None, rect=self.yoco_mode != "off", device=dev)
+            ctx.plan = batched.make_plan(n, off, start, rect, dev)
             ctx.graphs = self._graphs
             if self.stack_projections and not self.quant_sim and self._stacked_at != self._graphs.generation:
                 # (checked again only after reset_graphs: every weight move / cast / replacement calls it)
@@ -564,7 +563,7 @@ class Model(nn.Module):
                     self.reset_graphs()      # (the graphs read the weights where they were)
                 self._stacked_at = self._graphs.generation
             if self.cuda_graphs and not self.quant_sim:
-                self._graphs.begin_step(off, dev)
+                self._graphs.begin_step(plan.total, dev)
             # positions go up with the step's index lists (one upload: batched.BatchPlan.layout). Graph steps with
             # send_ahead send it at the end of this plan and the first graph copies the ids in itself at launch
             # (SegmentGraphs.ids_buffers); otherwise the ids' slot of that upload is filled at launch and the upload
@@ -574,8 +573,9 @@ class Model(nn.Module):
             # graph run was 0.19 / 0.32 / 0.41 ms at batch 8 / 64 / 256 against 0.15 / 0.20 / 0.42; send_ahead
             # has no such upload: the ids' copy is a node of the first graph)
             ctx.plan.positions = ctx.plan.defer(ctx.plan.row_positions)
-            ctx.ids_host = self._graphs.ids_buffers(off, dev) if self.send_ahead else None
-            ctx.graph_ids = ctx.plan.defer(np.zeros(off, dtype=np.int64)) if ctx.ids_host is None else ctx.ids_host[1]
+            ctx.ids_host = self._graphs.ids_buffers(plan.total, dev) if self.send_ahead else None
+            ctx.graph_ids = (ctx.plan.defer(np.zeros(plan.total, dtype=np.int64)) if ctx.ids_host is None
+                             else ctx.ids_host[1])
             self._turn_kinds()     # (the frequencies on the device before any graph capture)
             if undo:     # (compress_step.plan_layer logs the values it changes as it reads them)
                 plan.saved = []
@@ -766,26 +766,24 @@ class Model(nn.Module):
         batched.prepare_windows(self, ctx, bp, self.embed.weight.new_empty((0, self.config.head_dim)))
         on_device = batched.engram_on_device(self) if self.config.engram_layer_ids else []
         if self.config.engram_layer_ids:     # (the Engram windows' index, from lengths: the launch only gathers)
-            ctx.window_prep = self._windows_prep(ctx)
-            idx, tail = ctx.window_prep
-            if on_device and _on_host(tail) and len(tail) > 1 and int(tail[:-1].max()) >= self.config.vocab_size:
-                # (the device hash reads the token -> class map at these ids unchecked; the step's own ids are
-                # checked at launch, the caches' recent ids here: they may have been set outside forward_step)
-                raise ValueError(f"a cache's recent token ids hold {int(tail[:-1].max())}, outside 0.."
-                                 f"{self.config.vocab_size - 1}")
+            ctx.window_prep = idx, tail = self._windows_prep(ctx, plan.saved)
             src = None
+            if on_device and _on_host(tail):     # [2, T, N]: an index into this step's ids, else (-1) the earlier token
+                now = idx < idx.shape[0]
+                early = np.where(now, -1, tail.numpy()[np.where(now, 0, idx - idx.shape[0])])
+                if early.max() >= self.config.vocab_size:
+                    # (the device hash reads the token -> class map at these ids unchecked; the step's own ids are
+                    # checked at launch, the caches' recent ids here: they may have been set outside forward_step)
+                    raise ValueError(f"a cache's recent token ids hold {int(early.max())}, outside 0.."
+                                     f"{self.config.vocab_size - 1}")
+                src = bp.defer(np.stack([np.where(now, idx, -1), early]))
             for i in on_device:
                 eng = self.layers[i].engram
-                if _on_host(tail):      # the windows go up with the upload, the device hashes them (mix)
+                if src is not None:      # the windows go up with the upload, the device hashes them (mix)
                     eng.hash_consts(bp.device)
-                    if src is None:    # [2, T, N]: an index into this step's ids, else (-1) the earlier token
-                        T = idx.shape[0]
-                        now = idx < T
-                        src = bp.defer(np.stack([np.where(now, idx, -1),
-                                                 np.where(now, -1, tail.numpy()[np.where(now, 0, idx - T)])]))
                     ctx.engram_rows[i] = src
                 else:     # (the caches' recent tokens on the device: row ids hashed on the host at launch, a sync)
-                    ctx.engram_ids[i] = bp.defer(np.zeros((len(bp.row_seq), eng.spec.rows_per_token), dtype=np.int64))
+                    ctx.engram_ids[i] = bp.defer(np.zeros((len(bp.row_index), eng.spec.rows_per_token), dtype=np.int64))
         ctx.compress = {i: compress_step.plan_layer(self, layers[i].attn, ctx, bp, plan.saved)
                         for i in compress_step.graph_layers(self)}
         every_row = plan.every_row
@@ -1017,73 +1015,70 @@ class Model(nn.Module):
     def _token_windows(self, ctx: StepContext) -> torch.Tensor:
         """[T, N] raw token ids at t, t-1, ..., t-N+1 (-1 before the sequence start), N = engram max n-gram.
 
-        One gather for the whole step: source = [this step's ids, every sequence's last N-1 cached ids, -1], and
-        the [T, N] index into it is built on the host from lengths (no per-sequence device ops): by plan_step
+        One gather for the whole step: source = [this step's ids, the token ring (every sequence's recent ids), -1],
+        and the [T, N] index into it is built on the host from lengths (no per-sequence device ops): by plan_step
         (ctx.window_prep, `_windows_prep`), so that the launch only gathers."""
-        ids = self._token_source(ctx, [s.cache._tokens for s in ctx.seqs])
         idx, tail = ctx.window_prep if ctx.window_prep is not None else self._windows_prep(ctx)
+        ids = self._token_source(ctx, _on_host(tail))
         src = torch.cat([ids, tail.to(ids.device)])
         return src[to_device(torch.from_numpy(idx), ids.device)]
 
-    def _windows_prep(self, ctx: StepContext) -> tuple:
-        """(index [T, N] int64 NumPy into [this step's ids, tail], tail = the caches' recent ids and a -1): the
-        token-independent part of `_token_windows`."""
+    def _windows_prep(self, ctx: StepContext, log: list | None = None) -> tuple:
+        """(index [T, N] int64 NumPy into [this step's ids, tail], tail = a copy of the token ring that holds the
+        caches' recent ids (engine/token_ring.py; placed there first when it does not: `log`, an undo log, gets
+        that) and a -1): the token-independent part of `_token_windows`."""
         N = int(self.config.engram.get("max_ngram_size", 3))
-        ns, off = _counts(ctx)
+        ns, off, starts = _counts(ctx)
         T = int(ns.sum())
-        srcs = Sources(T)      # [this step's ids, the caches' token buffers, -1]
-        m, first = _recent_rows([s.cache._tokens for s in ctx.seqs], srcs)
-        pad = srcs.at
-        # per row r of sequence q (j = r - off_q) and k steps back: a new token of this step (j >= k), a cached
-        # token (m_q + j >= k), or before the sequence start / beyond the kept ids (pad); numpy over [T, N]
-        off, base, m = (np.repeat(a, ns)[:, None] for a in (off, first, m))
+        ring, slots = self._token_ring(ctx.caches, log=log)
+        R, pad = ring.ring, T + ring.flat.shape[0]
+        # per row r of sequence q (j = r - off_q) and k steps back (position starts_q + j - k): a new token of this
+        # step (j >= k), a held one (m_q + j >= k: in the ring at slot_q * R + position % R), or before the
+        # sequence start / beyond the kept ids (pad); numpy over [T, N]
+        off, base, m, start = (np.repeat(a, ns)[:, None] for a in (off, slots * R, ring.count[slots], starts))
         j = np.arange(T, dtype=np.int64)[:, None] - off
         k = np.arange(N, dtype=np.int64)[None, :]
-        idx = np.where(j >= k, off + j - k, np.where(m + j >= k, base + m + j - k, pad))
-        minus = torch.full((1,), -1, dtype=torch.long)
-        return idx, (torch.cat([srcs.cat(None, 0), minus.to(srcs.bufs[0][0].device)]) if srcs.bufs else minus)
+        idx = np.where(j >= k, off + j - k, np.where(m + j >= k, T + base + (start + j - k) % R, pad))
+        return idx, torch.cat([ring.flat, torch.full((1,), -1, dtype=torch.long, device=ring.flat.device)])
 
     @staticmethod
-    def _token_source(ctx: StepContext, tbs: list) -> torch.Tensor:
-        """The step's ids where the caches' recent tokens live (`tbs`: their `_tokens` tuples): on the host when the
-        ids came from there and no cache holds device tokens (then the Engram windows and the token bookkeeping
-        cost no device work and no sync: the Engram tables are read on the host anyway), else on the device. (The
-        devices of the distinct buffers are asked, usually one: the last step's.)"""
-        if ctx.host_ids is not None and (ctx.token_ids is None or all(
-                b.device.type == "cpu" for b in {id(t[0]): t[0] for t in tbs if t is not None}.values())):
-            return ctx.host_ids       # (no device ids yet: device-held recent tokens come to the host)
+    def _token_source(ctx: StepContext, on_host: bool) -> torch.Tensor:
+        """The step's ids where the caches' recent ids live (`on_host`: their token ring is on the host): on the host
+        when the ids came from there and the ring is there (then the Engram windows and the token bookkeeping cost
+        no device work and no sync: the Engram tables are read on the host anyway), else on the device."""
+        if ctx.host_ids is not None and (ctx.token_ids is None or on_host):
+            return ctx.host_ids       # (no device ids yet: a device ring's ids come to the host)
         return ctx.token_ids
 
-    @staticmethod
-    def _advance(ctx: StepContext) -> None:
-        """Advance the step's sequences: cache.tokens += this step's ids (last keep_tokens kept) for every sequence
-        with one gather (each cache then points at its rows of the result; the row list by numpy, no per-sequence
-        tensor operations; on the host when the ids are, `_token_source`), cache.length += its rows (and the
-        rollback floor with it). The per-sequence numbers are read into numpy arrays and written back by C-level
-        maps (cache.set_each), not by a loop over the sequences (benchmarks/model_forward.py's docstring, session
-        13: at batch 256 the loop cost ~1 ms of the host's time after the graph run)."""
-        seqs = ctx.seqs
-        caches = [s.cache for s in seqs]
-        tbs = [c._tokens for c in caches]
-        ids = Model._token_source(ctx, tbs)
-        srcs = Sources(ids.shape[0])
-        n, off = _counts(ctx)
-        m, first = _recent_rows(tbs, srcs)
-        keep = np.fromiter([c.keep_tokens for c in caches], np.int64, len(caches))
-        keep_old = np.minimum(m, np.maximum(0, keep - n))
-        new = np.minimum(n, keep)
-        starts = np.stack([first + m - keep_old, off + n - new], 1).reshape(-1)   # old part, new part of each
-        lens = np.stack([keep_old, new], 1).reshape(-1)
-        ends = np.cumsum(lens)
-        idx = ragged_arange(starts, lens)
-        out = srcs.cat(ids, 0)[to_device(torch.from_numpy(idx), ids.device)]
-        set_each(caches, "_tokens", list(zip(itertools.repeat(out), (ends - lens)[0::2].tolist(),
-                                             (keep_old + new).tolist())))     # (SequenceCache.set_rows for all)
-        length, floor, back = np.fromiter(itertools.chain.from_iterable(map(_LENGTHS, caches)), np.int64,
-                                          3 * len(caches)).reshape(-1, 3).T
-        length = length + n
-        set_each(caches, "length", length.tolist())
-        set_each(caches, "floor", np.maximum(floor, length - back).tolist())
+    def _token_ring(self, caches: list, device=None, log: list | None = None) -> tuple:
+        """(the token ring holding the caches' recent ids, their slots in it): the ring of the last step when it
+        still holds them all (one identity check, TokenRing.held) and is on `device` (when given); else they are
+        placed into the model's ring of that device (default: the device of a cache's ids that are not on the host,
+        else the host) sized for the largest keep_tokens (TokenRing.place; log: an undo log)."""
+        ring = self.__dict__.get("_tokens_in")
+        if ring is not None and (device is None or ring.flat.device == torch.device(device)):
+            slots = ring.held(caches)
+            if slots is not None:
+                return ring, slots
+        if device is None:
+            device = next((t[0].device for t in map(_TOKEN_ROWS, caches) if t is not None
+                           and t[0].device.type != "cpu"), torch.device("cpu"))
+        ring = self._tokens_in = token_ring(self, device, ring_size(max(map(_KEEP, caches))))
+        return ring, ring.place(caches, log)
+
+    def _advance(self, ctx: StepContext) -> None:
+        """Advance the step's sequences: cache.tokens += this step's ids (the last keep_tokens kept) in the token
+        ring (engine/token_ring.py: a steady step writes the new ids in place and the ring's per-slot arrays; on the
+        host when the ids are, `_token_source`), cache.length += its rows (set for all caches by a C-level map,
+        cache.set_each; the rollback floor follows the length by itself, SequenceCache.rollback)."""
+        caches = ctx.caches
+        n, off, start = _counts(ctx)
+        ring, slots = self._token_ring(caches)
+        ids = self._token_source(ctx, ring.flat.device.type == "cpu")
+        if ids.device != ring.flat.device:       # (device ids, the ring on the host: the ids move to the device)
+            ring, slots = self._token_ring(caches, ids.device)
+        ring.advance(slots, ids, n, off, start, host=ids is ctx.host_ids)
+        set_each(caches, "length", (start + n).tolist())
 
     def _qdq(self, x: torch.Tensor, kind: str) -> torch.Tensor:
         if not self.quant_sim:

@@ -74,7 +74,7 @@ class _Pinned:
 
     def __init__(self, shape, dtype):
         self.bufs = [torch.empty(shape, dtype=dtype, pin_memory=True) for _ in range(2)]
-        self.done = [torch.cuda.Event() for _ in range(2)]
+        self.done = [copy_event() for _ in range(2)]
         self.next = 0
 
     def _turn(self) -> int:
@@ -116,7 +116,16 @@ def run_key(key: tuple, pre) -> tuple:
     return key if pre is None else key + ("pre",)
 
 
-def wait_done(done: "torch.cuda.Event | None") -> None:
+def copy_event() -> torch.Event:
+    """An event that marks when a copy out of a pinned buffer has run, recorded on the current stream after the copy.
+    A torch.Event: its record() finds the current stream in C++, where torch.cuda.Event.record() first asks
+    Python's torch.cuda.current_stream() (8.3 us on the H200's host, session 15 R2). The plan's one record took 43 us
+    there (R2), 4.1-6.0 as a torch.Event (R3); its copy 39-54 us, where a copy right after took 12-14: the first
+    driver calls after the plan's ~3 ms of Python pay for cold host caches (with this event the next call paid it)."""
+    return torch.Event(device="cuda")
+
+
+def wait_done(done: "torch.Event | None") -> None:
     """Wait until the last copy out of a pinned buffer has run (before the host writes it again; None: nothing to
     wait for, a CPU buffer). By the time a
     step reuses its buffer the copy finished long ago, so a query (no synchronisation) answers; synchronising
@@ -302,7 +311,7 @@ class SegmentGraphs:
             with torch.inference_mode(False):
                 dev = torch.empty(T, dtype=torch.int64, device=device)
             size.static[dev.data_ptr()] = _signature(dev)      # (read in place by the graphs)
-            size.ids = (torch.empty(T, dtype=torch.int64, pin_memory=cuda), dev, torch.cuda.Event() if cuda else None)
+            size.ids = (torch.empty(T, dtype=torch.int64, pin_memory=cuda), dev, copy_event() if cuda else None)
         return size.ids
 
     def host_buffer(self, name: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor | None:

@@ -11,8 +11,9 @@ host ms): at batch 256 / 64 / 8 the plan took 4.5-5.7 / 1.8-2.2 / 1.2-1.4 ms and
 round whose host ran ~1.5x slower (R3: plan 7.1-7.6 ms at 256) the plan passed the device time and the step
 grew from 8.3 to 10.0-10.4 ms: at 256 rows the plan's per-sequence Python was the host lever. Session 14 keeps
 the compressors' and windows' per-sequence numbers in per-arena arrays (engine/arena.py): plan_layer 2.6-2.9 ->
-1.0-1.3 ms and the plan 4.4-4.8 -> 2.5-3.1 ms at 256 (benchmarks/model_forward.py's docstring); what is left per
-sequence is Model._advance after the graph run (0.65-0.77 ms at 256: each cache's recent-token tuple).
+1.0-1.3 ms and the plan 4.4-4.8 -> 2.5-3.1 ms at 256 (benchmarks/model_forward.py's docstring); session 15 the
+recent token ids (engine/token_ring.py) and plan_step's rows: launch + plan at 256 5.17 -> 3.65-3.73 ms against
+~6.1 ms of graphs (R2), so the host has ~2.4 ms of room there too.
 
 Contract: `forward(chunks)` is `model.forward_step(chunks)` (same StepOutput, same cache updates, bit for bit):
 it launches with the plan made ahead when that plan was made for exactly these chunks (the same caches in the same

@@ -56,9 +56,10 @@ bracketed by per-bin mass bounds, only the bracketed bins' tokens are gathered, 
 in float64, as in the torch twin: fp32 sums misplace the cut of flat rows); sampling draws a lane of 16 tokens by
 Gumbel-max over lane masses, then the token inside it by inverse CDF (exact; sampling.py says why);
 speculative_accept's Triton path is up to 11 launches (5 when the host says no row filters); sparse_attention runs
-all 64 heads per program (unchained: Q.K^T split over the two warpgroups, window keys then compressed keys in 64-key
-blocks) with SM-count // N key splits combined inside the launch; fewer heads run 16- or 32-head programs with
-key splits (`default_config`).
+all 64 heads per program from 34 rows on an H200 (unchained: Q.K^T split over the two warpgroups, window keys then
+compressed keys in 64-key blocks) with SM-count // N key splits combined inside the launch; fewer rows (while every
+row and 16-head block gets an SM of its own) and fewer heads run 16- or 32-head programs with key splits
+(`default_config`).
 On Hopper nearly every kernel of the decode step and of sampling is launched with programmatic dependent launch
 (`backend.pdl_kw`): it may be scheduled while the kernel before it finishes and waits on the device (`pdl_wait`)
 before it stores anything or reads what an earlier kernel wrote; only constant inputs (weights) are read, or

@@ -15,7 +15,8 @@ The engine's forms make the lists in the gather: window=W, win_idx [N, 2] each r
 first + j for skip <= j < W; visible=(positions, ratio, G), every entry id g < G below (p + 1) // ratio (no
 cmp_idx). turn fp32 [N, R/2, 2]: RoPE inside (q's last R channels turned as they load, the output's turned back).
 Triton: grid (head blocks, rows, key splits); a program runs an online softmax over its slice of the row's keys
-for block_h heads (block_h = 64 = all heads: each gathered key read once, the heads the M of wgmma tiles), the
+for block_h heads (block_h = 64 = all heads from 34 rows: each gathered key read once, the heads the M of wgmma
+tiles; fewer rows, or fewer heads, take 16- or 32-head programs of 4 warps, two an SM: `default_config`), the
 window keys then the compressed ones (two pipelined loops). "Unchained" (the default at 64 heads): P and the
 rescale factors reach the P@V dot through a per-program scratch, so Triton splits Q K^T over the two warpgroups
 instead of having both compute all of it. With splits > 1 (flash-decoding) each split writes its partial (m, l,
@@ -149,6 +150,22 @@ key; batched.window_idx's three launches a step, 6.7-7.3 us alone, go) on top: 2
 visible entry) against the engine's id list (five launches) + this kernel, both with RoPE inside and the window
 rows, 400 of G = 512 entries visible (R2): 32 heads N=64 39.5-39.6 -> 27.8-27.9, N=256 80.0-80.1 -> 61.3-61.4, 64
 heads N=64 51.3-51.4 -> 37.5; the same bits.
+Session 15 (R1-R2, a round script against HEAD's launch configurations in the same run; the engine's form: RoPE
+inside, window rows, entry ids; 128 + 512 keys; us, each timed twice). ncu of V4.1's launch at N=64 (R1; 64-head
+programs, two splits, 128 programs on 132 SMs): 44.4 us under ncu, the SMs active on 78% of its cycles (64,949 of
+82,947: the ramp, the first program of each row idle while the second merges, 4 SMs without a program), one
+8-warp program an SM (255 registers, 204.8 KB of shared memory: theoretical occupancy 12.5%), an instruction
+every 10.0 cycles per warp of which 3.7 wait on L1TEX (the gathers, the P / rescale round trips through the
+scratch, local memory). The launches' local memory (R1, the compiled kernels' own report): 64-head programs spill
+136 B a thread with two splits (208 B one split, 480 B stored multi-split merges), 32-head 4-warp programs
+160-184 B, 16-head 4-warp programs none (200-203 registers); a compile for sm_90 gives the same once it takes the
+launches' 2 stages and their integer hints (benchmarks/kernels.py's check builds at Triton's default 3 stages,
+where the 16-head form reports 255 registers + 120 B). Launch-configuration sweep at 64 heads (R1-R2): the 16-head
+programs of 4 warps win while N x 4 <= 132 (default_config's table: N=8 33.9 -> 18.3, N=16 34.8-35.2 -> 21.3-21.4,
+N=32 39.0 -> 28.1-28.7), the all-head programs from there (N=48 40.2 against 45.0, N=64 41.7 against 46.7, N=256
+120.5 against 125.1 with 32-head programs); N=64 with one split 57.8-58.1. R4, against HEAD's file in the same run:
+N=8 33.4 -> 17.6-17.9 (4% -> 8% of the bytes), N=32 38.4 -> 27.9-28.0 (15% -> 21%), N=33 39.0 -> 28.9-29.0, N=64
+(the same launch) 42.1-42.3 / 41.9-42.1.
 """
 import torch
 import triton
@@ -582,22 +599,32 @@ def default_config(N: int, H: int, D: int, n_keys: int, elem_bytes: int = 2, sms
     keys, session 12 R3, us, against session 11's 16-head programs with one split): N=32 16-head programs with 4
     splits 21.3 against 34.0-34.1, N=64 with 2 splits 28.7-29.0 against 36.5-36.6, N=128 32-head programs with 2
     splits 42.3-42.5 against 46.4-46.8, N=256 32-head 72.9 against 87.0-87.2; the step's short rows (37 + 20 keys:
-    one split) N=64 / 128 / 256 12.1-12.4 / 16.6-16.8 / 26.6-26.7 against 12.6-12.8 / 17.0 / 32.1."""
+    one split) N=64 / 128 / 256 12.1-12.4 / 16.6-16.8 / 26.6-26.7 against 12.6-12.8 / 17.0 / 32.1.
+    V4.1's 64 heads at few rows take the same 16-head programs (session 15 R2, H200, the engine's form: RoPE
+    inside, window rows, entry ids; 128 + 512 keys, us, each timed twice, against the all-head programs with
+    sms // N splits): N=8 16-head S5 18.3-18.4 (S8 18.1-18.2, 32-head S4 25.6) against 33.9; N=16 S4 21.3-21.4
+    (32-head S4 26.2-26.3) against 34.8-35.2; N=32 S2 28.1-28.7 (32-head S2 34.0-34.2) against 39.0-39.1; from
+    N=34 (more (row, 16-head block) pairs than SMs) the all-head programs stay: N=48 40.2-40.4 against 45.0-45.2
+    (16-head S1) / 46.1-46.2 (32-head S2), N=64 41.7-41.8 against 46.7-47.0 / 48.3-48.5 (S2) (R1), N=256 120.5-120.6
+    against 125.1-125.2 (32-head S1). R4 against HEAD's file: N=8 / 32 / 33 33.4 / 38.4 / 39.0 -> 17.6-17.9 /
+    27.9-28.0 / 28.9-29.0."""
     if elem_bytes * D > 1024:
         return dict(block_h=16, block_k=16, num_warps=4, num_stages=2, splits=1)
-    if H >= 64:
-        return dict(block_h=64, block_k=64 if elem_bytes == 2 else 32, num_warps=8, num_stages=2,
-                    splits=max(1, min(8, sms // max(N, 1))), unchain=True, lazy_sum=True)
-    # fewer heads (the mid-size model's 32): 16- and 32-head programs of 4 warps run two an SM (84 / 100 KB of
-    # shared memory at D = 512); key splits fill those slots, each split at least two key blocks (a short row's
-    # split costs more than it saves). 16-head programs while they can take two splits, else 32-head programs
-    # (each key read once per row) if they fill the SMs
+    # 16- and 32-head programs of 4 warps run two an SM (84 / 100 KB of shared memory at D = 512); key splits fill
+    # those slots, each split at least two key blocks (a short row's split costs more than it saves). 16-head
+    # programs while every (row, 16-head block) has an SM (then they take two splits or more), at any head count;
+    # past that all-head programs at 64 heads, else 32-head programs (each key read once per row) if they fill
+    # the SMs
     slots, most = 2 * sms, max(1, triton.cdiv(n_keys, 64) // 2)
 
     def splits(block_h: int) -> int:     # key splits that fill the slots, at most `most` and 8
         return max(1, min(8, most, slots // max(N * triton.cdiv(H, block_h), 1)))
-    if H > 16 and N * triton.cdiv(H, 16) > sms and N * triton.cdiv(H, 32) * splits(32) >= sms:
-        return dict(block_h=32, block_k=64, num_warps=4, num_stages=2, splits=splits(32))
+    if N * triton.cdiv(H, 16) > sms:
+        if H >= 64:
+            return dict(block_h=64, block_k=64 if elem_bytes == 2 else 32, num_warps=8, num_stages=2,
+                        splits=max(1, min(8, sms // max(N, 1))), unchain=True, lazy_sum=True)
+        if H > 16 and N * triton.cdiv(H, 32) * splits(32) >= sms:
+            return dict(block_h=32, block_k=64, num_warps=4, num_stages=2, splits=splits(32))
     return dict(block_h=16, block_k=64, num_warps=4, num_stages=2, splits=splits(16))
 
 

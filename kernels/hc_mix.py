@@ -56,9 +56,22 @@ alone 4.0 of 8.3 us (R1); the 20-step Sinkhorn 1.2 (one step: 7.05, R3); the res
 block's partials, their loads through L2, the norm) ~3.
 Session 14: the mixes feed only the write-back after the next sub-layer, so hc_post_mix_triton(defer=True) ends
 the launch once R', x and x's norm are stored and leaves the partials' reduction and the Sinkhorn to a launch of
-their own (_mix_partials_kernel, the same bits), which engine/mhc.py runs on a side stream beside that sub-layer,
-up to DEFER_MAX_T tokens (its numbers). R1 (H200, H = 2048, T = 64, the MoE write-back then the stacked wq_a +
-wkv product, 16 calls in a CUDA graph): 20 Sinkhorn steps 15.93 us a call, 1 step 14.42.
+their own (_mix_partials_kernel), which engine/mhc.py runs on a side stream beside that sub-layer, up to
+DEFER_MAX_T tokens (its numbers). R1 (H200, H = 2048, T = 64, the MoE write-back then the stacked wq_a + wkv
+product, 16 calls in a CUDA graph): 20 Sinkhorn steps 15.93 us a call, 1 step 14.42.
+Session 15: why deferring lost from 32 tokens. The finish ran a program a token (the waiters' shape), so T programs
+of 4 warps took SMs just as the sub-layer's first product started, and that product waited for them. A torch.profiler
+timeline of the chain (two write-backs + mixes + norm, four 2048 x 2048 GEMM-library products after each; H200 R1,
+T = 64, one CUDA-graph replay): tail inside, write-backs 8.74 / 8.32 us, products 5.0-5.3, 59.4 us in all;
+deferred, write-backs 6.72 / 6.43 (the tail's 2 us off them), finishes 4.06 / 4.35 on the side stream, but the
+product after each write-back 8.10 / 8.16 (the others 5.1), 62.0 us; the finish with 16 tokens a program (4
+programs, 7.5-8.2 us), no product stretched, 56.5 us. The side stream at high priority changed nothing (66.7 us a
+chain against 63.4-66.8), the finish on the main stream (no overlap) 62.9-63.9. So the finish mixes 16 tokens a
+program (_finish_tokens), its partials' sums then in another order than the waiters' (the mixes within fp32
+rounding of the tail-inside ones; the same bits where the waiters mixed 16 tokens each, grids not resident).
+Measured and deleted (R2): the 16 tokens' partials added token by token in the waiters' shape, to keep their bits
+(the loop of 16 [1, SPC, NZP] sums): 50 us a finish, longer than the sub-layer beside it (a chain 163-201 us
+against 57-91), and still not the waiters' bits on the GPU.
 """
 import weakref
 from dataclasses import dataclass
@@ -927,9 +940,9 @@ def _mix_partials_kernel(z_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr
                          hc_eps, post_mult, NZP: tl.constexpr, TPW: tl.constexpr, SPC: tl.constexpr,
                          ITERS: tl.constexpr, FAST: tl.constexpr, REG: tl.constexpr, PDL: tl.constexpr = False):
     """The mixing tail of _hc_post_mix_kernel as a launch of its own (hc_post_mix_triton's defer, M = 4): program p
-    adds the partial z rows of tokens p * TPW .. (p + 1) * TPW - 1 in the waiters' order (SPC splits at a time) and
-    mixes them (_mix_rows): the waiters' bits. PDL: the wait first (the partials are the step's); no early trigger
-    (it runs beside the next sub-layer, on a side stream)."""
+    adds the partial z rows of tokens p * TPW .. (p + 1) * TPW - 1 (SPC splits at a time) and mixes them
+    (_mix_rows): the waiters' bits where TPW and SPC are theirs (_finish_tokens). PDL: the wait first (the
+    partials are the step's); no early trigger (it runs beside the next sub-layer, on a side stream)."""
     pdl_wait(PDL)
     mt = tl.program_id(0) * TPW + tl.arange(0, TPW)
     ok = mt < T
@@ -973,13 +986,31 @@ def _post_mix_tiles(T: int, H: int, dev) -> dict:
 # the grid is resident up to 96 tokens on an H200: T = 80 / 96 in the module docstring.)
 POST_MIX_MAX_T = 16
 # Up to this many tokens hc_post_mix_apply(defer=True) leaves the mixes' tail to HcMixes.finish (engine/mhc.py runs
-# it on a side stream beside the next sub-layer). H200 session 14 (mid-size H = 2048, two write-backs + mixes +
-# norm through engine/mhc.hc_post_and_mixes with a stand-in sub-layer after each, the next write-back joining the
-# side stream, 16 calls in a CUDA graph, us a call, tail inside -> deferred; benchmarks/kernels_moe.py's
-# "write-back chain" rows): R3, four 2048 x 2048 products after each write-back, T = 8 59.86-59.90 -> 55.99-56.23,
-# T = 16 60.67-60.79 -> 56.73, T = 32 61.40 -> 63.75, T = 64 60.84 -> 66.89; R2, one product, T = 8 27.50-27.53 ->
-# 23.13-23.22, T = 64 30.49 -> 32.36, T = 256 48.10 -> 52.93 (why it loses from 32 tokens: not measured).
-DEFER_MAX_T = 16
+# it on a side stream beside the next sub-layer). H200 (mid-size H = 2048, two write-backs + mixes + norm through
+# engine/mhc.hc_post_and_mixes with four 2048 x 2048 GEMM-library products after each, the next write-back joining
+# the side stream, 16 calls in a CUDA graph, us a call, tail inside -> deferred; .round scripts and
+# benchmarks/kernels_moe.py's "write-back chain" rows). Session 14 (a program a token), R3: T = 8 59.86-59.90 ->
+# 55.99-56.23, T = 16 60.67-60.79 -> 56.73, T = 32 61.40 -> 63.75, T = 64 60.84 -> 66.89. Session 15 R1 (16 tokens
+# a finish program: _finish_tokens, the module docstring says why): T = 32 60.45-64.26 -> 56.37-56.62 (a program a
+# token 62.60-62.68), T = 64 63.35-63.79 -> 58.59-59.48 (63.44-66.84); T = 16, a program a token, 59.07-59.18 ->
+# 56.19-56.27. With skinny products as the stand-in (one-wave Triton grids) T = 64 57.16-57.22 -> 57.10-57.13.
+# R3 (16 tokens a program; a program a token in brackets): T = 8 58.16-58.23 -> 53.46-53.52 (53.93-54.20), T = 16
+# 57.92-58.05 -> 53.55-53.84 (54.27-54.33), T = 64 60.36-64.13 -> 56.85-58.54, T = 128 77.00-80.94 -> 71.54-71.91,
+# T = 256 87.02-90.63 -> 90.36-90.62 (not deferred there).
+DEFER_MAX_T = 128
+# Tokens a deferred finish program mixes at least (_finish_tokens).
+DEFER_GROUP = 16
+
+
+def _finish_tokens(L: _SplitLaunch) -> tuple:
+    """(tokens a program, splits' partials loaded at once) of the deferred finish (_mix_partials_kernel) after the
+    launch L: the waiters' (L.tpw, L.spc) where they mix DEFER_GROUP tokens or more each (the same bits), else
+    DEFER_GROUP tokens a program (the partials' sums then in another order than the waiters': within fp32
+    rounding). A program a token put T programs beside the sub-layer after the write-back, whose first product
+    waited for the SMs they took (module docstring, session 15)."""
+    if L.tpw >= DEFER_GROUP:
+        return L.tpw, L.spc
+    return DEFER_GROUP, min(triton.next_power_of_2(L.n_split), max(1, 256 // DEFER_GROUP))
 
 
 def _post_mix_launch(T: int, H: int, dev, block_t=None, split=None, block_k=None, num_warps=None, waiters=None,
@@ -1054,9 +1085,10 @@ def hc_post_mix_triton(R, y, post, comb, next_pre, fn, base, scale, norm_eps=1e-
         # the outputs bound first: a lambda holding `mixes` itself would be a cycle (mixes -> finish -> mixes),
         # freed with its workspace only by the cycle collector
         m_pre, m_post, m_comb = mixes.pre, mixes.post, mixes.comb
-        mixes.finish = lambda: _mix_partials_kernel[(triton.cdiv(T, L.tpw),)](
+        tpw, spc = _finish_tokens(L)
+        mixes.finish = lambda: _mix_partials_kernel[(triton.cdiv(T, tpw),)](
             z, b32, s32, m_pre, m_post, m_comb, T, 4 * H, NZ, L.n_split, norm_eps, hc_eps, post_mult,
-            NZP=NZP, TPW=L.tpw, SPC=L.spc, ITERS=iters, FAST=fast, REG=(tail_form & 2) != 0, num_warps=L.warps,
+            NZP=NZP, TPW=tpw, SPC=spc, ITERS=iters, FAST=fast, REG=(tail_form & 2) != 0, num_warps=L.warps,
             **pdl_kw())
     if T:
         y = y.contiguous()

@@ -5,6 +5,25 @@
   with every other entry set to -inf (what the top-k select reads) -> (visible bool [T, G], masked fp32 [T, G]).
   One launch; the step runs it only where the score kernel cannot pick the visible entries itself (quant_sim on
   CUDA: engine/indexer.py's `select_ids`), and its twin is the score kernel's twin's last step.
+* `candidate_blocks_triton`: V4.1's candidate blocks from the candidate source's masked index scores (-inf = not
+  visible; the visible entries a prefix of the row, as the step's g < min((p + 1) // ratio, count)): blocks of
+  `block` entries from entry 0, block score = max over its visible entries, the block of the row's last visible
+  entry always kept, the `top` best blocks kept (ties -> lower block) -> bool [T, G], the kept blocks' visible
+  entries. The same set as engine/indexer.py's `candidate_block_mask` (its twin: ~30 torch launches and a stable
+  sort of [T, G / block]) in three launches: the block scores (the forced block and blocks with nothing visible at
+  -inf; the row's visible count from the program where its prefix ends), the exact select kernel's top - 1 of them
+  (kernels/indexer.py: the same picks as the stable sort; the forced block is the top one, kept apart), and the
+  mask (each program stores its tile with the forced block's entries, then True at the picked blocks' entries).
+  H200, N=64, block 8, top 2,048, us (session 15; the chain runs only past top blocks: from G = 16,392 entries, at
+  ratio 1 the context's tokens): G = 16,392 / 65,536 / 131,072 the chain 94.5-95.4 / 264.2-266.1 / 432.9-433.3; its
+  first form here (the mask kernel re-reading the scores and counting each tile's picks with tl.histogram) 24.7-25.0
+  / 56.1-58.4 / 112.7-112.9 (R1-R2), the row's count from the block scores 24.7 / 57.2 / 107.0 (its mask kernel
+  alone 14.0 / 26.4 / 48.6: the histogram), the picks scattered 14.7 / 37.2 / 70.1 (mask alone 4.4 / 7.4 / 13.2;
+  block scores 6.1 / 13.6 / 27.6, the select 4.3 / 14.2 / 25.9) (R2; the select in two chunks, with the histogram
+  mask, 38.8 / 66.9 / 107.7); this form (the block scores' count per tile instead of a per-block gather of the next
+  entry, 8 warps; mask tiles of 32k entries, each reading the row's winners once) 12.7-13.3 / 28.6 / 51.8-51.9
+  against 14.1 / 37.6 / 69.2-69.3 for the scatter above (R3; block scores alone 3.6 / 6.7 / 15.5, mask alone 5.7 /
+  6.2 / 10.3 = 96% of copy bandwidth at G = 131,072): 7.3x / 9.2x / 8.3x the chain.
 * `entry_rows_torch`: selected entry ids [T, w] (-1 = none; ids past the row's count dropped) -> rows of the kv
   pool start + id, -1 padded to `width` columns: the attention twin's reading of entry ids (its kernel makes the
   rows in its gather, kernels/decode_attention.py's cmp_start / cmp_count).
@@ -80,6 +99,87 @@ def visible_scores(scores, positions, count, ratio: int, cand=None):
     if use_triton(scores):
         return visible_scores_triton(scores, positions, count, ratio, cand)
     return visible_scores_torch(scores, positions, count, ratio, cand)
+
+
+@triton.jit
+def _block_scores_kernel(scores_ptr, out_ptr, lim_ptr, G, NB, block, stride, TB: tl.constexpr, BP: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    """Program (row, TB blocks): block maxima of the visible entries (finite scores), -inf for blocks with nothing
+    visible (never selected) and for the forced block (kept apart: the block of the row's last visible entry);
+    the row's visible count lim, written by the program holding the end of the visible prefix (its tile's count
+    of visible entries short of the tile, or the tile full and the next entry not visible), or 0 by the first
+    program when nothing is visible."""
+    row = tl.program_id(0).to(tl.int64)
+    b0 = tl.program_id(1) * TB
+    b = b0 + tl.arange(0, TB)
+    c = tl.arange(0, BP)
+    g = b[:, None] * block + c[None, :]
+    pdl_wait(PDL)
+    s = tl.load(scores_ptr + row * stride + g, mask=(c[None, :] < block) & (g < G), other=float("-inf"))
+    e0 = b0 * block
+    e1 = tl.minimum(e0 + TB * block, G)                # the tile's entries [e0, e1)
+    lim = e0 + tl.sum((s > float("-inf")).to(tl.int32))
+    ends = (lim < e1) | (e1 == G) | (tl.load(scores_ptr + row * stride + e1, mask=e1 < G, other=0.0) == float("-inf"))
+    ends = ends & ((lim > e0) | (b0 == 0))
+    tl.store(lim_ptr + row, lim, mask=ends)
+    forced = ends & (b == (lim - 1) // block)
+    tl.store(out_ptr + row * NB + b, tl.where(forced, float("-inf"), tl.max(s, 1)), mask=b < NB)
+
+
+@triton.jit
+def _block_mask_kernel(lim_ptr, ids_ptr, out_ptr, G, block, ids_stride, k, TB: tl.constexpr, BP: tl.constexpr,
+                       KP: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (row, TB blocks): its entries' mask, the visible entries (g < lim) of the forced block (that of
+    entry lim - 1) and of the blocks the select picked (the row's k winner ids, ascending, -1 padded): the tile
+    stored with the forced block's entries, then, after a barrier (the program's own stores before it come
+    first), True stored at the picked blocks' visible entries (the picks inside the tile: the ascending ids'
+    segment [lo, lo + n), found by counting)."""
+    row = tl.program_id(0).to(tl.int64)
+    b0 = tl.program_id(1) * TB
+    b = b0 + tl.arange(0, TB)
+    c = tl.arange(0, BP)
+    g = b[:, None] * block + c[None, :]
+    j = tl.arange(0, KP)
+    pdl_wait(PDL)
+    lim = tl.load(lim_ptr + row)
+    ids = tl.load(ids_ptr + row * ids_stride + j, mask=j < k, other=-1)
+    lo = tl.sum(((ids >= 0) & (ids < b0)).to(tl.int32))
+    n = tl.sum(((ids >= b0) & (ids < b0 + TB)).to(tl.int32))
+    tl.store(out_ptr + row * G + g, (g < lim) & (b == (lim - 1) // block)[:, None],
+             mask=(c[None, :] < block) & (g < G))
+    tl.debug_barrier()
+    t = tl.arange(0, TB)
+    pick = tl.load(ids_ptr + row * ids_stride + lo + t, mask=t < n, other=0).to(tl.int32)
+    gp = pick[:, None] * block + c[None, :]
+    tl.store(out_ptr + row * G + gp, tl.full([TB, BP], 1, tl.int1), mask=(t < n)[:, None] & (c[None, :] < block)
+             & (gp < lim))
+
+
+TILE_SCORES = 8192       # entries a block-score program reads (fp32)
+TILE_MASK = 32768        # entries a mask program writes (bool; each reads the row's winner ids once)
+
+
+def candidate_blocks_triton(masked: torch.Tensor, block: int, top: int) -> torch.Tensor:
+    """masked fp32 [T, G] (unit column stride; -inf = not visible, the visible entries a prefix of each row),
+    block, top >= 2 -> bool [T, G] (module docstring; engine/indexer.py's `candidate_block_mask` is the twin)."""
+    T, G = masked.shape
+    check(masked.dtype == torch.float32 and masked.stride(1) == 1 and top >= 2 and block >= 1,
+          f"candidate blocks: scores {masked.dtype} of strides {masked.stride()}, top {top}, block {block} (want "
+          f"fp32 with unit column stride, top >= 2)")
+    from .indexer import topk_select_triton          # (indexer imports this module's twin)
+    nb = triton.cdiv(G, block)
+    bp = triton.next_power_of_2(block)
+    bs = empty((T, nb), torch.float32, masked.device)
+    lim = empty((T,), torch.int32, masked.device)
+    tb = max(1, min(triton.next_power_of_2(nb), TILE_SCORES // bp))
+    _block_scores_kernel[(T, triton.cdiv(nb, tb))](masked, bs, lim, G, nb, block, masked.stride(0), TB=tb, BP=bp,
+                                                   num_warps=8, **pdl_kw())
+    ids, _ = topk_select_triton(bs, top - 1, sorted=False)
+    out = empty((T, G), torch.bool, masked.device)
+    tb = max(1, min(triton.next_power_of_2(nb), TILE_MASK // bp))
+    _block_mask_kernel[(T, triton.cdiv(nb, tb))](lim, ids, out, G, block, ids.stride(0), top - 1, TB=tb, BP=bp,
+                                                 KP=triton.next_power_of_2(top - 1), num_warps=8, **pdl_kw())
+    return out
 
 
 def entry_rows_torch(ids: torch.Tensor, start: torch.Tensor, count: torch.Tensor, width: int) -> torch.Tensor:

@@ -51,6 +51,18 @@ against 61.4-62.3 / 92.1-92.3 / 152.4-153.4 for HEAD's router then align launch 
 step in its last program: 65.0-69.1 / 103.4-103.6 / 158.7-159.9 against 62.4-62.6 / 92.6-93.0 / 153.5-154.3): the
 serial tail in one program (two tickets, two round trips to memory) costs more than the 64-program launch it
 replaces.
+Session 15, measured and deleted: the shared expert inside the packed FP4 launches (one more expert that every
+token picks with weight 1: its ceil(T / BLOCK_M) blocks the first programs of both grids, its 16-bit weights and
+the block's activation rows through tensor descriptors, 32 input columns a step, its rows added after the routed
+ones by the combine; taken by MoE.forward_grouped from 32 tokens). The whole MoE layer (gate + routed + shared +
+combine as forward_grouped(parts=True) returns it; 20 layers in a CUDA graph, V4.1 4; R2, us a layer), HEAD (the
+shared expert on the side stream) -> inside: mid-size T = 32 / 64 / 256 92.6-92.8 / 98.2-98.8 / 154.3-172.6 ->
+94.8-96.5 / 109.3-109.5 / 171.7-173.0, V4.1 T = 64 / 256 1211-1217 / 1984-1986 -> 1251-1254 / 2136-2165; the gate
+and routed experts alone 90.0-90.9 / 96.0-96.6 / 146.4-146.6, V4.1 1197-1227 / 1989-1992, so the side stream costs
+the layer 2-8 us. A shared program streams 4x a routed one's bytes (a gate/up tile 1 MB at mid-size). R1's first
+form (its blocks first in the 2-D grid, activations by plain loads a step ahead) 111.7 / 121.8 / 174.0, V4.1 1308 /
+2217; R2 with 64 columns a step (104 KB of shared memory: 2 programs an SM) 95.1 / 118.0 / 167.3, with a 4-stage
+pipeline 95.8 / 108.0 / 170.2.
 """
 import torch
 import triton
@@ -638,6 +650,21 @@ PREFETCH_SHIFTED = True
 # 100.9-101.5, with 128-register caps 105.5-105.6, at T=256 2 slices 145.4-145.8, against HEAD's 87.9-88.5 /
 # 134.7-135.0; at T=8 60.6-61.2 against the unsplit build's 58.1. The run-time slice bounds alone cost the unsplit
 # capped 16-row build 5 us (93.2-93.7); 128-register caps for gate/up (4 programs an SM) 95.2 against that build.
+# Session 15 (the sm_90 SASS of the launched gate/up build at 16-row blocks, capped: 165 registers; built on a CPU
+# with the launches' divisibility hints): the K loop is 784 instructions a step of 128 columns (256 weights a thread,
+# 3.06 a weight): the decode 17 a word of 8 weights (LOP3 8, IMAD 4, HMUL2 4, SHF 1: 2.1 a weight, 69% of the loop),
+# 32 HGMMA, 8 LDSM (the word tiles), and the group factors sent through shared memory (8 STS, 32 LDS and 3 of the
+# loop's 6 BAR.SYNC a step: their loads' coalesced layout is not the decode's). A factor byte loaded per word
+# ([BN, BK/8]) builds a worse loop (1106 instructions: more is exchanged); an inline-PTX byte load per (row, group)
+# keeps the factors' layout and sends the word tiles through shared memory instead (809). Timing bounds (wrong
+# results): a constant shift without loads builds a 688-instruction loop with 3 barriers; no decode, 369. R3, the
+# chain (20 calls in a CUDA graph, V4.1 4), us a call, this kernel / no factor loads / no decode: mid-size T = 64
+# 87.9-88.9 / 89.8-90.4 / 84.3-85.0 (57% of 214 MB at 4250 GB/s), T = 256 114.3-116.5 / 110.6-112.1 / 104.3-110.3,
+# V4.1 T = 64 1389-1460 / 1313 / 1248-1250: at mid-size the decode is worth at most 4-9% and the factors' exchange
+# nothing (its programs mostly wait), at V4.1 T = 64 the exchange ~6% and the decode ~10%. Measured and deleted (R4,
+# mid-size chain): gate/up capped at 128 registers (4 programs an SM, so the ~512 gate/up programs of T = 16-64 fit
+# one wave instead of 1.3; 136 B of spills) T = 64 / 32 / 16 87.4-88.5 / 85.9-86.9 / 73.6-73.8 -> 93.9-95.1 /
+# 93.0-93.9 / 85.1-85.7.
 W4_TILES = dict(block_n=128, block_k=128, num_warps=4, num_stages=3, maxnreg=(168, 128))
 
 

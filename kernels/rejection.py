@@ -110,7 +110,7 @@ import triton
 import triton.language as tl
 
 from . import rng, threshold
-from .backend import empty, pdl_kw, pdl_trigger, pdl_wait
+from .backend import empty, pdl_kw, pdl_trigger, pdl_wait, sm_count
 from .threshold import (NEG_INF_KEY, _below, _bisect_tau, _draw_lanes, _kept_column, _top_p_cut, exp2_w, lane_block,
                         lane_keys, lane_score, load_z, pack_lanes, row_block_z, segment_pack)
 
@@ -126,6 +126,13 @@ NEG_INF_KEY_C = tl.constexpr(NEG_INF_KEY)
 ABOVE_WARPS = 2       # warps of the mass-above pass ([LANES, LW] blocks: 4 lanes per thread, 16-byte loads)
 FINISH_WARPS = 16     # (the open rows' lane maxima and candidates: [8192] blocks at V = 129,280; sm_90 builds: 16
                       # warps 128 registers + 112 B of spills, 8 warps 255 + 136 B, 32 warps 64 + 200 B)
+# launch options of the finish for more rows than SMs when the pass drew PROPOSALS (an open row is rare there): at
+# 16 warps x 128 registers one program fits an SM, so 256 rows ran in two waves; 4 warps build with 255 registers
+# + 792 B of spills, 16 warps capped at 64 registers with 640 B: two programs an SM either way. Session 15 R2 (whole
+# call, B=256, 4 input sets rotated, twice each, us): flat p 0.9 4 warps 80.4 / 80.4 (39% of copy bandwidth), 16
+# warps capped 82.1 / 82.0, 16 warps (before) 83.5 / 83.4 (38%); peaked p 0.95 55.4 / 55.5 (57%), 57.7 / 57.6,
+# 57.9 / 57.9 (54%). Tokens = twin on every row.
+FINISH_WAVE = dict(num_warps=4)
 # Session 7 R2 (H200, whole top-p call, B=64 / 256, flat p 0.9 and peaked p 0.95 rows; the device-side parameter
 # view then still cost ~15 us in every row): the mass-above pass at 4 warps 69.2 / 193.0 and 67.4 / 178.4 against
 # 52.5 / 141.8 and 52.3 / 136.6 at 2; 2 proposals 120.6 / 63.6 at B=64 (flat rows then often reach the finish's
@@ -485,20 +492,18 @@ def _kept_row_draw(logits_ptr, row, V, inv_t, tau, key, bitmask_ptr, mrow, bitma
 
 
 @triton.jit
-def rest_of_rule(logits_ptr, row, V, inv_t, top_p, key, m, lim, tau, bitmask_ptr, mrow, bitmask_stride,
+def rest_of_rule(logits_ptr, row, V, inv_t, top_p, key, m, lim, bitmask_ptr, mrow, bitmask_stride,
                  HAS_MASK: tl.constexpr, NP: tl.constexpr, NMAX: tl.constexpr, LANES: tl.constexpr,
-                 LW: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, KNOWN_TAU: tl.constexpr,
-                 RPL: tl.constexpr = 128):
+                 LW: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, RPL: tl.constexpr = 128):
     """The rule past the first NP proposals by loops over the row in this one program (every proposal so far
     missed the top-p set): proposals NP .. NMAX - 1 (`_more_proposals`), then the draw restricted to z >= tau with
-    key NMAX (tau from the row-wide bisection unless KNOWN_TAU). The speculative step's bonus (tau known), and the
-    finish without the pass's lane maxima (HOT_LANES off); with them the finish takes `_open_row_token`."""
-    tok = _more_proposals(logits_ptr, row, V, inv_t, key, m, lim, tau, bitmask_ptr, mrow, bitmask_stride, HAS_MASK,
-                          NP, NMAX, LANES, LW, BLOCK, FAST, KNOWN_TAU, RPL)
+    key NMAX, tau from the row-wide bisection. The finish without the pass's lane maxima (HOT_LANES off); with them
+    it takes `_open_row_token` (the speculative bonus knows tau and takes the pass's last draw:
+    kernels/speculative.py `_bonus_by_rejection`)."""
+    tok = _more_proposals(logits_ptr, row, V, inv_t, key, m, lim, m, bitmask_ptr, mrow, bitmask_stride, HAS_MASK,
+                          NP, NMAX, LANES, LW, BLOCK, FAST, False, RPL)
     if tok == -2:
-        if not KNOWN_TAU:
-            tau = _bisect_tau(logits_ptr, row, V, inv_t, V + 1, top_p, bitmask_ptr, mrow, bitmask_stride, HAS_MASK,
-                              BLOCK)
+        tau = _bisect_tau(logits_ptr, row, V, inv_t, V + 1, top_p, bitmask_ptr, mrow, bitmask_stride, HAS_MASK, BLOCK)
         tok = _kept_row_draw(logits_ptr, row, V, inv_t, tau, key, bitmask_ptr, mrow, bitmask_stride, HAS_MASK, NMAX,
                              LANES, LW, FAST, RPL)
     return tok
@@ -643,8 +648,8 @@ def _row_token(logits_ptr, tok_ptr, dec_ptr, zrow_ptr, pmax_ptr, pmass_ptr, part
                                           bitmask_ptr, mrow, bitmask_stride, HAS_MASK, NA, NP, NPQ, NMAX, LANES, LW,
                                           BLOCK, FAST, RPL, NG, LC, CMAX, KP, HB, SMALL)
                 else:
-                    tok = rest_of_rule(logits_ptr, row, V, inv_t, top_p, key, m, lim, m, bitmask_ptr, mrow,
-                                       bitmask_stride, HAS_MASK, NA, NMAX, LANES, LW, BLOCK, FAST, False, RPL)
+                    tok = rest_of_rule(logits_ptr, row, V, inv_t, top_p, key, m, lim, bitmask_ptr, mrow,
+                                       bitmask_stride, HAS_MASK, NA, NMAX, LANES, LW, BLOCK, FAST, RPL)
     return tok
 
 
@@ -665,6 +670,14 @@ def _reject_finish_kernel(logits_ptr, tok_ptr, dec_ptr, zrow_ptr, pmax_ptr, pmas
                                        n_prog, n_seg, lane_ptr, n_lanes, list_ptr, cand_ptr, HAS_MASK,
                                        NP, NPP, NPQ, NSP, NMAX, LANES, LW, BLOCK, FAST, min(LANES, 128), HOT, NG, LC,
                                        CMAX, KP, HB, SMALL, NA))
+
+
+def finish_options(rows: int, np_: int, device) -> dict:
+    """The finish's launch options: FINISH_WAVE for more rows than SMs when the pass drew PROPOSALS, else
+    FINISH_WARPS warps (one program an SM)."""
+    if np_ == PROPOSALS and rows > sm_count(device):
+        return FINISH_WAVE
+    return dict(num_warps=FINISH_WARPS)
 
 
 def reject_finish(logits, params, bitmask, mrows, packed, pmax, pmass, lane_max, drawn, seg: int, lanes: int,
@@ -720,5 +733,5 @@ def reject_finish(logits, params, bitmask, mrows, packed, pmax, pmass, lane_max,
                                 NPP=npp, NSP=max(16, triton.next_power_of_2(n_seg)), NMAX=NMAX,
                                 BLOCK=min(1024, triton.next_power_of_2(V)), HOT=hot, NG=ng, LC=min(OPEN_LC, ng),
                                 CMAX=cmax, KP=threshold.KP, HB=threshold.HB_CUT, SMALL=min(OPEN_SMALL, cmax // 2),
-                                NA=na, num_warps=FINISH_WARPS, **flags, **pdl_kw())
+                                NA=na, **finish_options(R, np_, dev), **flags, **pdl_kw())
     return out

@@ -574,11 +574,16 @@ def host_flags(host: RowParams, V: int) -> dict:
     computes for those (rejection.MORE_PROPOSALS when one has p < rejection.P_MORE: four proposals all miss often
     there, and the finish tests the others on a few candidates instead of loops over the row)."""
     thr = threshold_view(host, V) if P_REJECT else host
-    alone = p_alone_rows(host, V)
-    more = bool((alone & (host.top_p < rejection.P_MORE)).any())
     return dict(filters=may_filter(thr, V), histogram=needs_histogram_path(thr, V), lane_only=lane_rows_only(host, V),
-                lane_rows=needs_lane_path(thr, V), reject=P_REJECT and bool(alone.any()),
-                proposals=rejection.MORE_PROPOSALS if more else rejection.PROPOSALS)
+                lane_rows=needs_lane_path(thr, V), reject=P_REJECT and bool(p_alone_rows(host, V).any()),
+                proposals=proposal_count(host, V))
+
+
+def proposal_count(host: RowParams, V: int) -> int:
+    """Proposals a pass draws for top-p-alone rows (host params): rejection.MORE_PROPOSALS when one has
+    p < rejection.P_MORE, else rejection.PROPOSALS (the speculative step's statistics pass follows it too)."""
+    more = bool((p_alone_rows(host, V) & (host.top_p < rejection.P_MORE)).any())
+    return rejection.MORE_PROPOSALS if more else rejection.PROPOSALS
 
 
 def lane_rows_only(params: RowParams, V: int, kmax: int = threshold.KMAX) -> bool:

@@ -19,6 +19,17 @@ prologue cost more than the launches they saved. Session 13 R1 (H200, PDL on, 16
 rotating past the L2, us at 8 / 64 rows): wq_b then the rope launch, GEMM library 10.1 / 11.3, this kernel 13.6 /
 11.7; the rotation in this kernel's epilogue (the tile's even / odd columns split in registers, one launch) 12.9 /
 15.5: deleted.
+Session 15, the attention's projections (engine/attention.py runs them through the GEMM library), H200 R2-R4, 16
+calls in a CUDA graph, weights rotating past the L2, PDL on, us a call (% of 4250 GB/s), the library / this
+kernel's tiles / BN 128 with 8 warps / BN 128 with 4 warps: mid-size wq_b (768 -> 16384) T = 8 8.66-8.67 (68%) /
+12.85 / 9.87-9.92 / 9.48; T = 32 (BK 128) 8.60-8.64 (69%) / - / 8.70-8.72 / 8.32-8.33 (71%); T = 64 9.09-9.24
+(65%) / 9.82-9.84 / 8.31-8.32 (71%) / -; T = 256 12.96-13.00 / 31.50-31.60 / 25.36-25.39 / -; wo_a (4 groups 4096
+-> 512) T = 64 9.38-9.39 (42%) / 10.91-10.93 / 18.77-18.78, T = 256 10.02-10.09 / 25.69-25.73 / 18.92-18.99; wo_b
+(2048 -> 2048) T = 64 6.43-6.46 (31%) / 6.36 / 11.24-11.38, T = 256 6.85-6.92 / 13.83-14.01 / 11.49-11.53; V4.1
+wq_b (1280 -> 32768) T = 32 24.03-24.08 (82%) / - / 25.15-25.20 / 24.38-24.45, T = 64 24.61-24.67 (80%) /
+28.18-28.22 / 24.93-24.94; V4.1 wo_a (8 groups 4096 -> 1024) T = 64 21.02-21.04 / 20.89-20.91 / 21.45-21.47; wo_b
+(8192 -> 5120) T = 64 28.68-28.72 / 29.60-29.64 / 35.65-35.75. Only the mid-size wq_b at 32-64 rows gains (0.3-0.9
+us), not V4.1's wq_b nor 8 or 256 rows: the library stays.
 Cost: G*N*K weight elements read once per BM rows (T <= BM: once), x read G*N/BN times, T*G*N written (split-K:
 plus SPLIT fp32 partial tiles written and read back).
 

@@ -19,7 +19,17 @@ token); the rest of its rows hold -1.
 
 Draws (bonus, residual, and the q fallback of an empty residual) are the two-level segment draws of
 kernels/sampling.py: the bonus is exactly sample_from_logits' draw for that row and position; the residual draw
-runs the same rule on the weights max(q - p, 0), with segment score ln R_c + G_c (RESIDUAL stream).
+runs the same rule on the weights max(q - p, 0), with segment score ln R_c + G_c (RESIDUAL stream). A top-p-alone
+request's bonus follows kernels/rejection.py's rule with its tau known (the threshold path computes it): the
+statistics pass draws its last row's proposals (rejection.PROPOSALS, or all NMAX when the host knows some such
+request has p < rejection.P_MORE: sampling.proposal_count, the plain path's count) and the rule's last draw on
+z >= tau; the accept kernel takes the first proposal with z >= tau, else the last draw. Only with 4 proposals in
+the pass (p >= 0.85: all four miss with chance <= 5e-4) does it draw proposals 4 .. 7 by loops over the row;
+before session 15 it also drew the last draw that way, and every p below 0.85 paid it when the first four missed.
+Session 15 R3 (64 requests x 4 rows, peaked rows, drafts from q with probabilities q: every request draws its
+bonus; .round script beside HEAD in the same run, us): p 0.5 233.4 / 233.5 on two input sets (3 / 2 bonus rows
+missing the first four proposals) against HEAD's 634.6 / 500.2; p 0.9 (no such row) 172.0 against 177.0. Tokens =
+twin on every request. (The rest of those calls is the histogram path's tau for top-p alone on 256 rows.)
 
 Work (Triton path, `_accept_triton`, no host synchronisation, no torch ops on the parameters): four launches
 when the host says no request filters, else first a per-row copy of the filter parameters (and each row's FRESH
@@ -50,7 +60,7 @@ from .sampling import (LANES, LOG2E, NEG_INF, NEG_INF_KEY, SEG, SPEC_SHAPE, RowP
                        lane_score, lane_scores_torch, lanes_view, masked_z_torch, pack_lanes, pass_shape, pick_lane,
                        rejection_draw_torch, row_params, segment_block, may_filter, thresholds_torch)
 from . import rejection
-from .rejection import NMAX, is_p_alone, p_alone_rows, rest_of_rule, store_proposals
+from .rejection import NMAX, is_p_alone, p_alone_rows, store_proposals
 from .threshold import lane_keys, needs_histogram_path, rescaled_mass, thresholds_and_paths
 
 
@@ -197,7 +207,7 @@ def _stats_kernel(logits_ptr, mc_ptr, sc_ptr, pack_ptr, cu_ptr, temp_ptr, seed_p
                   mask_rows_ptr, bitmask_stride, V, n_prog, B, C_FRESH, HAS_MASK: tl.constexpr,
                   HAS_TAU: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr, VEC: tl.constexpr,
                   NB: tl.constexpr, FAST: tl.constexpr, top_k_ptr=None, top_p_ptr=None, NP: tl.constexpr = 1,
-                  solved_ptr=None):
+                  solved_ptr=None, fin_ptr=None, NMAX: tl.constexpr = 8):
     """Program (row, part of a segment; the sampling pass's program shape): the kept max M_c and mass
     S_c = sum exp(z - M_c) of its PL lanes, and one packed candidate: greedy rows the first maximum; the last row
     of a non-greedy request its bonus draw (the lane rule, FRESH key at its position); other rows -inf (unused).
@@ -205,7 +215,7 @@ def _stats_kernel(logits_ptr, mc_ptr, sc_ptr, pack_ptr, cu_ptr, temp_ptr, seed_p
     load more a program on filtered batches); the row's request and parameters are looked up while they are in
     flight (no per-row parameter arrays, no expand launch). Full segments skip the bounds checks. NP > 1: the last
     row of a top-p-alone request stores NP proposals instead (kernels/rejection.py's rule, on the unrestricted z;
-    pack is [R, n_prog, NP]). HAS_TAU (solved_ptr is None without it): rows the top-k merge solved (solved[row],
+    pack is [R, n_prog, NP]) and the rule's last draw (restricted to z >= tau, key NMAX) in fin[row, part]. HAS_TAU (solved_ptr is None without it): rows the top-k merge solved (solved[row],
     threshold.lane_path's stats) already hold their statistics in part 0; their other parts get nothing (max -inf,
     mass 0, no candidate), and their logits are not read again."""
     skip = False
@@ -220,18 +230,19 @@ def _stats_kernel(logits_ptr, mc_ptr, sc_ptr, pack_ptr, cu_ptr, temp_ptr, seed_p
     elif (tl.program_id(1) // (LANES // PL) + 1) * (LANES * LW) <= V:
         _stats_body(logits_ptr, mc_ptr, sc_ptr, pack_ptr, cu_ptr, temp_ptr, seed_ptr, pos_ptr, tau_ptr, bitmask_ptr,
                     mask_rows_ptr, bitmask_stride, V, n_prog, B, C_FRESH, HAS_MASK, HAS_TAU, True, LANES, LW, PL, VEC,
-                    NB, FAST, top_k_ptr, top_p_ptr, NP)
+                    NB, FAST, top_k_ptr, top_p_ptr, NP, fin_ptr, NMAX)
     else:
         _stats_body(logits_ptr, mc_ptr, sc_ptr, pack_ptr, cu_ptr, temp_ptr, seed_ptr, pos_ptr, tau_ptr, bitmask_ptr,
                     mask_rows_ptr, bitmask_stride, V, n_prog, B, C_FRESH, HAS_MASK, HAS_TAU, False, LANES, LW, PL,
-                    VEC, NB, FAST, top_k_ptr, top_p_ptr, NP)
+                    VEC, NB, FAST, top_k_ptr, top_p_ptr, NP, fin_ptr, NMAX)
 
 
 @triton.jit
 def _stats_body(logits_ptr, mc_ptr, sc_ptr, pack_ptr, cu_ptr, temp_ptr, seed_ptr, pos_ptr, tau_ptr, bitmask_ptr,
                 mask_rows_ptr, bitmask_stride, V, n_prog, B, C_FRESH, HAS_MASK: tl.constexpr, HAS_TAU: tl.constexpr,
                 FULL: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr, VEC: tl.constexpr,
-                NB: tl.constexpr, FAST: tl.constexpr, top_k_ptr, top_p_ptr, NP: tl.constexpr):
+                NB: tl.constexpr, FAST: tl.constexpr, top_k_ptr, top_p_ptr, NP: tl.constexpr, fin_ptr,
+                NMAX: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     prog = tl.program_id(1)
     seg = prog // (LANES // PL)
@@ -244,6 +255,9 @@ def _stats_body(logits_ptr, mc_ptr, sc_ptr, pack_ptr, cu_ptr, temp_ptr, seed_ptr
     first = tl.load(cu_ptr + b)
     last = row == tl.load(cu_ptr + b + 1) - 1
     greedy, inv_t = _request_params(temp_ptr, b)
+    alone = False
+    if NP > 1:
+        alone = last & is_p_alone(b, V, temp_ptr, top_k_ptr, top_p_ptr, True)
     z = z * inv_t
     zu = z
     if HAS_TAU:
@@ -256,6 +270,8 @@ def _stats_body(logits_ptr, mc_ptr, sc_ptr, pack_ptr, cu_ptr, temp_ptr, seed_ptr
         keys = lane_keys(ml, start + tl.min(tl.where(z == ml[:, None], pos, LANES * LW), 1))
     elif last:
         key = rng.row_key_tl(tl.load(seed_ptr + b), tl.load(pos_ptr + b) + (row - first), C_FRESH)
+        if alone:      # the bonus draw on z >= tau of a top-p-alone request: the rule's last draw, key NMAX
+            key = rejection.proposal_key_tl(key, tl.full([], NMAX, tl.int32))
         gid = seg * LANES + lane
         sl, kk = lane_pick(w, gid, key, LW)
         keys = lane_keys(lane_score(ml, sl, key, gid, FAST), start + tl.minimum(kk, LW - 1) * LANES + lane)
@@ -267,9 +283,10 @@ def _stats_body(logits_ptr, mc_ptr, sc_ptr, pack_ptr, cu_ptr, temp_ptr, seed_ptr
     tl.store(mc_ptr + o, m)
     tl.store(sc_ptr + o, sm)
     if NP > 1:
-        if last & is_p_alone(b, V, temp_ptr, top_k_ptr, top_p_ptr, True):
+        if alone:
             key = rng.row_key_tl(tl.load(seed_ptr + b), tl.load(pos_ptr + b) + (row - first), C_FRESH)
             store_proposals(zu, lane, pos, start, seg, 1.0, False, key, pack_ptr + o * NP, True, LANES, LW, FAST, NP)
+            tl.store(fin_ptr + o, packed)
         else:
             tl.store(pack_ptr + o * NP, packed)
     else:
@@ -397,13 +414,13 @@ def _accept_kernel(logits_ptr, probs_ptr, drafts_ptr, cu_ptr, seed_ptr, pos_ptr,
                    C_VERIFY, C_RESIDUAL, HAS_MASK: tl.constexpr, HAS_PROBS: tl.constexpr, HAS_TAU: tl.constexpr,
                    NCP: tl.constexpr, NR: tl.constexpr, top_k_ptr=None, top_p_ptr=None, C_FRESH=0,
                    NP: tl.constexpr = 1, NMAX: tl.constexpr = 8, LANES: tl.constexpr = 256, LW: tl.constexpr = 16,
-                   BLOCK: tl.constexpr = 1024, FAST: tl.constexpr = True):
+                   BLOCK: tl.constexpr = 1024, FAST: tl.constexpr = True, fin_ptr=None):
     """Program (request): merge its rows' statistics and run the ratio test of NR rows at a time (all their loads
     in flight together; the rows of a chunk are independent), up to the first rejection; write the accepted
     drafts (-1 on the other rows). A request that needs no residual (all drafts accepted: the bonus draw of its
     last row; greedy: the argmax of its final row) gets its final token here; the others get the residual
     pass's inputs. NP > 1: a top-p-alone request's bonus is its first proposal inside the top-p set
-    (kernels/rejection.py; z >= tau: the tau is known here), the rest of the rule by loops over the row if none."""
+    (kernels/rejection.py; z >= tau: the tau is known here), else the rest of the rule (`_bonus_by_rejection`)."""
     b = tl.program_id(0)
     start = tl.load(cu_ptr + b)
     n = tl.load(cu_ptr + b + 1) - start
@@ -469,8 +486,8 @@ def _accept_kernel(logits_ptr, probs_ptr, drafts_ptr, cu_ptr, seed_ptr, pos_ptr,
         tok = tl.where((best >> 32) > _NEG_INF_KEY, 4294967295 - (best & 4294967295), -1)
         if NP > 1:
             if is_p_alone(b, V, temp_ptr, top_k_ptr, top_p_ptr, True):
-                tok = _bonus_by_rejection(logits_ptr, pack_ptr, tau_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride,
-                                          rows_f.to(tl.int64), V, n_seg, inv_t, tl.load(top_p_ptr + b),
+                tok = _bonus_by_rejection(logits_ptr, pack_ptr, fin_ptr, tau_ptr, bitmask_ptr, mask_rows_ptr,
+                                          bitmask_stride, rows_f.to(tl.int64), V, n_seg, inv_t,
                                           rng.row_key_tl(seed, pos0 + n_acc, C_FRESH), HAS_MASK, NCP, NP, NMAX,
                                           LANES, LW, BLOCK, FAST)
         tl.store(final_ptr + b, tok)
@@ -478,12 +495,14 @@ def _accept_kernel(logits_ptr, probs_ptr, drafts_ptr, cu_ptr, seed_ptr, pos_ptr,
 
 
 @triton.jit
-def _bonus_by_rejection(logits_ptr, pack_ptr, tau_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, rf, V, n_seg, inv_t,
-                        top_p, key, HAS_MASK: tl.constexpr, NCP: tl.constexpr, NP: tl.constexpr,
+def _bonus_by_rejection(logits_ptr, pack_ptr, fin_ptr, tau_ptr, bitmask_ptr, mask_rows_ptr, bitmask_stride, rf, V,
+                        n_seg, inv_t, key, HAS_MASK: tl.constexpr, NCP: tl.constexpr, NP: tl.constexpr,
                         NMAX: tl.constexpr, LANES: tl.constexpr, LW: tl.constexpr, BLOCK: tl.constexpr,
                         FAST: tl.constexpr):
     """The bonus token of a top-p-alone request (its final row rf): the first of the stats pass's NP proposals
-    with z >= tau, else the rest of kernels/rejection.py's rule by loops over the row; -1 if nothing is allowed."""
+    with z >= tau; else proposals NP .. NMAX - 1 by loops over the row (none when the pass drew all NMAX, as it does
+    when the host knows some such request has p < rejection.P_MORE); else the rule's last draw, which the stats
+    pass made too (fin: restricted to z >= tau, key NMAX); -1 if nothing is allowed."""
     tau = tl.load(tau_ptr + rf)
     tok = tl.full([], -2, tl.int64)
     alive = False
@@ -499,8 +518,12 @@ def _bonus_by_rejection(logits_ptr, pack_ptr, tau_ptr, bitmask_ptr, mask_rows_pt
         mrow = -1
         if HAS_MASK:
             mrow = tl.load(mask_rows_ptr + rf)
-        tok = rest_of_rule(logits_ptr, rf, V, inv_t, top_p, key, tau, tau, tau, bitmask_ptr, mrow, bitmask_stride,
-                           HAS_MASK, NP, NMAX, LANES, LW, BLOCK, FAST, True, min(LANES, 32))
+        tok = rejection._more_proposals(logits_ptr, rf, V, inv_t, key, tau, tau, tau, bitmask_ptr, mrow,
+                                        bitmask_stride, HAS_MASK, NP, NMAX, LANES, LW, BLOCK, FAST, True,
+                                        min(LANES, 32))
+    if tok == -2:
+        best = rejection._proposal(fin_ptr, rf, n_seg, 0, 1, NCP)[0]
+        tok = tl.where((best >> 32) > _NEG_INF_KEY, rejection._unpack(best), -1)
     return tok
 
 
@@ -529,7 +552,7 @@ def _finish_residual_kernel(res_ptr, q_ptr, rows_f_ptr, residual_ptr, final_ptr,
 
 
 def _accept_triton(logits, cu_rows, draft_tokens, draft_probs, temperature, top_k, top_p, seed, position, bitmask,
-                   mrows, stages=9, filters=None, histogram=None, shape=None, reject=None):
+                   mrows, stages=9, filters=None, histogram=None, shape=None, reject=None, proposals=None):
     """The whole acceptance step in four launches when the host says no request filters (statistics pass with
     the bonus draws, ratio test, residual pass, residual finish), three more otherwise (per-row filter
     parameters, then the top-k/top-p thresholds: kernels/threshold.py, whose top-k merge also writes its rows'
@@ -538,7 +561,8 @@ def _accept_triton(logits, cu_rows, draft_tokens, draft_probs, temperature, top_
     temperature, top_k, top_p, seed, position: per-request device tensors [B]. shape: the pass's program shape
     (sampling.pass_shape). stages < 9 stops after that many launches (benchmarks time the stages by
     differences; the result is then unfinished). reject=False: the host knows no request is top-p alone (their
-    bonus is drawn by kernels/rejection.py's rule: the stats pass then stores PROPOSALS draws per program)."""
+    bonus is drawn by kernels/rejection.py's rule: the stats pass then stores `proposals` draws per program,
+    default rejection.PROPOSALS, and the rule's last draw)."""
     R, V = logits.shape
     B = cu_rows.numel() - 1
     dev = logits.device
@@ -549,8 +573,9 @@ def _accept_triton(logits, cu_rows, draft_tokens, draft_probs, temperature, top_
     n_prog = triton.cdiv(V, seg) * (lanes // pl)
     mc = torch.empty((R, n_prog), dtype=torch.float32, device=dev)
     sc = torch.empty_like(mc)
-    np_ = rejection.PROPOSALS if has_tau and sampling.P_REJECT and reject is not False else 1
+    np_ = (proposals or rejection.PROPOSALS) if has_tau and sampling.P_REJECT and reject is not False else 1
     pack = torch.empty((R, n_prog, np_), dtype=torch.int64, device=dev)
+    fin = torch.empty((R, n_prog) if np_ > 1 else (1,), dtype=torch.int64, device=dev)
     solved = None                                               # rows whose statistics the top-k merge wrote
     if has_tau:
         solved = torch.empty(R, dtype=torch.int8, device=dev)
@@ -573,8 +598,8 @@ def _accept_triton(logits, cu_rows, draft_tokens, draft_probs, temperature, top_
                   FAST=not INTERPRETING)
     _stats_kernel[(R, n_prog)](logits, mc, sc, pack, cu_rows, temperature, seed, position, tau, bm, mr, stride, V,
                                n_prog, B, rng.stream_constant(rng.FRESH), NB=max(16, triton.next_power_of_2(B)),
-                               top_k_ptr=top_k, top_p_ptr=top_p, NP=np_, solved_ptr=solved, num_warps=warps,
-                               **consts)
+                               top_k_ptr=top_k, top_p_ptr=top_p, NP=np_, solved_ptr=solved, fin_ptr=fin, NMAX=NMAX,
+                               num_warps=warps, **consts)
     if stages < 7:
         return None
     m = torch.empty(R, dtype=torch.float32, device=dev)
@@ -593,7 +618,7 @@ def _accept_triton(logits, cu_rows, draft_tokens, draft_probs, temperature, top_
                          rng.stream_constant(rng.RESIDUAL), HAS_MASK=has_mask, HAS_PROBS=has_probs, HAS_TAU=has_tau,
                          NCP=ncp, NR=8, top_k_ptr=top_k, top_p_ptr=top_p, C_FRESH=rng.stream_constant(rng.FRESH),
                          NP=np_, NMAX=NMAX, LANES=lanes, LW=seg // lanes, BLOCK=min(1024, triton.next_power_of_2(V)),
-                         FAST=not INTERPRETING, num_warps=1)
+                         FAST=not INTERPRETING, fin_ptr=fin, num_warps=1)
     if stages < 8:
         return None
     one = ONE_LAUNCH_RESIDUAL
@@ -646,7 +671,7 @@ def speculative_accept(logits: torch.Tensor, cu_rows: torch.Tensor, draft_tokens
     triton_path = use_triton(logits) if backend == "auto" else backend == "triton"
     if triton_path:
         from .sampling import _per_row
-        reject = None
+        reject = proposals = None
         # device tensors stay where they are (no host copies: the step can be captured in a CUDA graph); the
         # kernels derive 1/T, greedy and the rng keys themselves (no torch ops on the parameters)
         dev = logits.device
@@ -657,11 +682,13 @@ def speculative_accept(logits: torch.Tensor, cu_rows: torch.Tensor, draft_tokens
             filters = may_filter(host, V) if filters is None else filters
             histogram = needs_histogram_path(host, V) if histogram is None else histogram
             reject = bool(p_alone_rows(host, V).any())
+            proposals = sampling.proposal_count(host, V)
         temperature = _per_row(temperature, B, torch.float32, dev, "temperature")
         top_k = _per_row(top_k, B, torch.int64, dev, "top_k")
         top_p = _per_row(top_p, B, torch.float32, dev, "top_p")
         return _accept_triton(logits, cu_rows, draft_tokens, draft_probs, temperature, top_k, top_p, seed, position,
-                              bitmask, mrows, filters=filters, histogram=histogram, reject=reject)
+                              bitmask, mrows, filters=filters, histogram=histogram, reject=reject,
+                              proposals=proposals)
     rows = _rows(cu_rows, R, temperature, top_k, top_p, seed, position)
     tau, m, s, argmax = _stats_torch(logits, rows.params, bitmask, mrows)
     n_acc = _accept_and_finalise(logits, rows, tau, m, s, argmax, draft_tokens, draft_probs, bitmask, mrows, B)

@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 
 from . import rng
-from .backend import INTERPRETING, empty, pdl_kw, pdl_trigger, pdl_wait
+from .backend import INTERPRETING, empty, pdl_kw, pdl_trigger, pdl_wait, sm_count
 
 INV_W = 32.0          # bins per unit of z: a token's mass is known to within a factor e^(1/32) from its bin
 NB = 512              # bins per chunk histogram (the last one collects everything lower): 16 units of z
@@ -1162,6 +1162,11 @@ LANE_SHAPE = (128, 4)  # lane-maxima pass: (lanes per program, warps); R1: top-k
                       # B=64 / 256 vs 38.3 / 92.4 at 256x2, 35.8 / 91.1 at 256x8
 # The merge's all-pairs comparison runs [KP, 32] blocks (JB). Session 9's R2, top-k50 p0.9 flat / peaked, us at
 # B=64; B=256: JB 32 29.4 / 35.3; 74.5 / 75.2, 64 32.3 / 32.2; 75.7 / 78.8, 128 32.3 / 32.5; 82.2 / 80.3.
+# more rows than SMs: the merge's launch options beside MERGE_WARPS (at 16 warps it builds with 94 registers, one
+# program an SM, so 256 rows ran in two waves; capped at 64 registers, 72 B of spills, two fit an SM). Session 15
+# R2, top-k50 p0.9 flat rows at B=256 (sample_from_logits' two launches, 4 input sets rotated, twice each): 56.5 /
+# 56.5 us (55% of copy bandwidth) against 60.4 / 60.7 uncapped (52%); tokens = twin on every row.
+MERGE_WAVE = dict(maxnreg=64)
 MERGE_WARPS = 16      # warps of the lane path's merge (R1: 31.4 / 81.0 us at 16 vs 38.3 / 92.4 at 8; R2: 32 warps
                       # 34.2 / 85.9, 4 warps 67.2 / 102.8; R3: 8 warps at B=256, two programs per SM, 82.7 vs 77.8;
                       # session 10 R2, B=64 flat / peaked, with the draw's sweeps as loops: 8 warps 21.9 / 20.5
@@ -1219,7 +1224,8 @@ def lane_path(logits, params, bitmask, mrows, tau, path, tok, seg, lanes, kmax=K
         NG=ng, LCAP=lcap, KMAX=kmax, KP=KP, JB=32, HB=HB, ROUNDS=LANE_ROUNDS,
         BLOCK=min(block, triton.next_power_of_2(V)), DRAW=draw, LANES=lanes, LW=seg // lanes,
         FAST=not INTERPRETING, UPTO=upto, P_LANES=P_ONLY_LANES if p_lanes is None else p_lanes,
-        GROUPS=GROUP_BOUND, GS=min(GROUP_SIZE, ng), num_warps=MERGE_WARPS, **out, **pdl_kw())
+        GROUPS=GROUP_BOUND, GS=min(GROUP_SIZE, ng), num_warps=MERGE_WARPS,
+        **(MERGE_WAVE if R > sm_count(dev) else {}), **out, **pdl_kw())
 
 
 def needs_histogram_path(params, V: int, kmax: int = KMAX) -> bool | None:

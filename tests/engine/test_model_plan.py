@@ -163,6 +163,14 @@ def test_plan_misuse_is_refused_with_a_clear_error():
         m.cancel(plan)
     with pytest.raises(ValueError, match="no tokens"):
         m.plan_step([StepRows(caches[0], 0)])
+    # (the rows' numbers are checked by numpy over all rows: the first bad row is named)
+    with pytest.raises(ValueError, match="StepChunk 2 with no tokens"):
+        m.plan_step([StepRows(c, 0 if k > 1 else 1) for k, c in enumerate(caches)])
+    with pytest.raises(ValueError, match=r"logit_rows 3 not in 0\.\.2"):
+        m.plan_step([StepRows(caches[0], 1), StepRows(caches[1], 2, 3), StepRows(caches[2], 1, -1)])
+    with pytest.raises(ValueError, match="appears in two chunks"):
+        m.plan_step([StepRows(caches[1], 1), StepRows(caches[1], 1)])
+    assert [c.length for c in caches] == [n + 1 for n in lengths]
     # recent ids set outside forward_step, one the device's Engram hash would read its class map at: refused when
     # planned (the step's own ids are checked at launch)
     caches[0].tokens = torch.tensor([1, m.config.vocab_size])

@@ -238,8 +238,9 @@ def _check_twice(seed, dtype, **kw):
 def test_default_dispatch_at_v4_decode_shapes(N, H):
     """The dispatched launch (default_config) at the models' shapes (V4.1's 64 heads, the mid-size model's 32; D =
     512, 128 window + 512 gathered compressed keys, bf16) against the twin in fp32: the configurations the engine
-    runs (64 heads: two splits merged from registers at 64 rows, one at 200, eight / four stored and merged by
-    the last program at 8 / 33 rows; 32 heads: 16-head programs with two key splits at 64 rows and five at 8,
+    runs (64 heads: two splits merged from registers at 64 rows, one at 200, 16-head programs with five / two
+    splits stored and merged by the last program at 8 / 33 rows; 32 heads: 16-head programs with two key splits
+    at 64 rows and five at 8,
     32-head programs with two splits at 128 rows and one at 256); then the engine's form of each (RoPE inside, the
     window from each row's (first, skip))."""
     gen = torch.Generator().manual_seed(N + H)
@@ -270,6 +271,16 @@ def test_default_config_for_32_heads(N, n_keys, want):
     132 SMs: (block_h, splits) at the mid-size model's 32 heads, D = 512, 128 + 512 keys and the step's short rows."""
     cfg = default_config(N, 32, 512, n_keys)
     assert (cfg["block_h"], cfg["splits"]) == want and cfg["num_warps"] == 4 and cfg["block_k"] == 64
+
+
+@pytest.mark.parametrize("N,want", [(8, (16, 5, 4)), (16, (16, 4, 4)), (33, (16, 2, 4)), (34, (64, 3, 8)),
+                                    (64, (64, 2, 8)), (256, (64, 1, 8))])
+def test_default_config_for_64_heads(N, want):
+    """At V4.1's 64 heads (D = 512, 128 + 512 keys, 132 SMs) few rows take the 16-head programs while every (row,
+    16-head block) has an SM (their docstring's session-15 table), more rows the all-head programs with sms // N
+    key splits: (block_h, splits, num_warps)."""
+    cfg = default_config(N, 64, 512, 640)
+    assert (cfg["block_h"], cfg["splits"], cfg["num_warps"]) == want
 
 
 def test_scale_is_a_run_time_argument():

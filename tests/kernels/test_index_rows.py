@@ -3,6 +3,7 @@
 select layer's chain of kernels launched back to back against the twins. Outputs start poisoned (conftest)."""
 import pytest
 import torch
+import triton
 
 from deepinfer_sg.kernels.decode_attention import sparse_attention_torch, sparse_attention_triton
 from deepinfer_sg.kernels.index_rows import entry_rows_torch, visible_scores_torch, visible_scores_triton
@@ -82,3 +83,34 @@ def test_select_layer_chain_back_to_back():
         out = sparse_attention_triton(d[7], d[8], d[9], d[11], d[10], got_ids, cmp_start=d[3], cmp_count=d[4]).cpu()
         assert torch.equal(got_ids.cpu().sort(1).values, ids.sort(1).values)
         assert torch.allclose(out, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("T,G,block,top,tiles", [(5, 200, 8, 6, None), (3, 77, 4, 3, None), (4, 300, 3, 9, None),
+                                                 (2, 64, 8, 7, None), (9, 300, 8, 9, (64, 128)),
+                                                 (9, 301, 3, 20, (32, 64))])
+def test_candidate_blocks_match_chain(T, G, block, top, tiles, monkeypatch):
+    """The three launches against engine/indexer.py's torch chain (the twin) on masked scores: ties between blocks
+    (rounded scores), rows with nothing visible, a row whose visible prefix ends on a block's end, one seeing
+    everything, rows with fewer visible blocks than `top`; G not a multiple of the block, a block not a power of
+    two; tiles: (entries a block-score program reads, a mask program writes) made small, so that rows span several
+    programs and visible prefixes end on a tile's end, one entry past it, inside, or in the last tile."""
+    from deepinfer_sg.engine.indexer import candidate_block_mask
+    from deepinfer_sg.kernels import index_rows
+    if tiles:
+        monkeypatch.setattr(index_rows, "TILE_SCORES", tiles[0])
+        monkeypatch.setattr(index_rows, "TILE_MASK", tiles[1])
+    gen = torch.Generator().manual_seed(T * G + block + top)
+    s = torch.randn(T, G + 5, generator=gen)[:, 2:G + 2].round()                 # (a column slice)
+    n_vis = torch.randint(0, G + 1, (T,), generator=gen)
+    n_vis[0], n_vis[1] = 0, G
+    n_vis[-1] = 2 * block if T > 2 else n_vis[-1]
+    if tiles:     # prefixes ending on a score tile's end, one past it, one short of it, and on a mask tile's end
+        edge = tiles[0] // triton.next_power_of_2(block) * block
+        n_vis[2:6] = torch.tensor([edge, edge + 1, edge - 1, 2 * edge])
+    visible = torch.arange(G)[None, :] < n_vis[:, None]
+    masked = s.masked_fill(~visible, float("-inf"))
+    want = candidate_block_mask(masked, visible, block, top, masked=True)
+    got = index_rows.candidate_blocks_triton(on_dev(masked), block, top).cpu()
+    assert got.dtype == torch.bool and torch.equal(got, want)
+    # the engine's call (on a GPU it dispatches to the kernels, elsewhere to the chain)
+    assert torch.equal(candidate_block_mask(on_dev(masked), None, block, top, masked=True).cpu(), want)

@@ -86,9 +86,10 @@ def test_kernels_draw_the_twins_tokens_with_fallbacks_and_mixed_rows(proposals, 
     assert bool((q[torch.arange(R)[got >= 0], got[got >= 0]] > 0).all())        # every token in its kept set
 
 
-@pytest.mark.parametrize("proposals,cmax,lc,small", [(8, None, None, None), (8, 256, 16, None), (4, 64, 32, None),
-                                                     (8, None, None, 0)])
-def test_rows_past_the_tested_proposals_draw_from_the_lane_maxima(proposals, cmax, lc, small, monkeypatch):
+@pytest.mark.parametrize("proposals,cmax,lc,small,wave", [(8, None, None, None, False), (8, 256, 16, None, False),
+                                                          (4, 64, 32, None, False), (8, None, None, 0, False),
+                                                          (4, None, None, None, True)])
+def test_rows_past_the_tested_proposals_draw_from_the_lane_maxima(proposals, cmax, lc, small, wave, monkeypatch):
     """Small p (0.05 - 0.4) on flat rows, where many rows miss the four proposals the mass-above pass tests: the
     finish takes them from the tokens above the best missed proposal (gathered from the lanes whose max lies above
     it, the pass's lane maxima): proposals 4 - 7 tested on them (with 4 proposals in the pass: loops over the row
@@ -99,7 +100,10 @@ def test_rows_past_the_tested_proposals_draw_from_the_lane_maxima(proposals, cma
     candidates: the default (OPEN_CMAX 1024 here, OPEN_SMALL 512) takes tau on the small block (no histogram:
     the 187 bisect); small 0 on the 1024 block with the histogram narrowing the 187 (the engine's path at
     V = 129,280: a block of OPEN_SMALL = 1024 with the histogram); cmax 256 (small 128) on both blocks; cmax 64
-    sends both to the row-wide bisection (then the same draw); lc < 64 runs the sweeps over several blocks."""
+    sends both to the row-wide bisection (then the same draw); lc < 64 runs the sweeps over several blocks; wave:
+    the finish with its launch options for more rows than SMs (rejection.FINISH_WAVE, 4 proposals)."""
+    if wave:
+        monkeypatch.setattr(rejection, "sm_count", lambda device: 1)
     if cmax:
         monkeypatch.setattr(rejection, "OPEN_CMAX", cmax)
     if lc:

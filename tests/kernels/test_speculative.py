@@ -152,10 +152,11 @@ def test_fused_path_invalid_drafts_filters_and_masks_together():
     assert bool((a.final_tokens >= 0).all())
 
 
-def _assert_bonus_is_the_plain_sample(logits, B, L, temperature, top_k, top_p, gen):
+def _assert_bonus_is_the_plain_sample(logits, B, L, temperature, top_k, top_p, gen, host_params=False):
     """Drafts sampled from q itself with draft probabilities q are always accepted (u * q(d) < q(d)); the bonus
     token of each request's last row must then be exactly what sample_from_logits draws for that row at position
-    + L (same stream), on both backends."""
+    + L (same stream), on both backends. host_params: the Triton call gets the parameters on the host (it then
+    knows the proposal count: sampling.proposal_count), else on the kernels' device."""
     from deepinfer_sg.kernels import processed_probs, sample_from_logits
     q = processed_probs(logits, temperature, top_k.repeat_interleave(L + 1), top_p.repeat_interleave(L + 1))
     drafts = torch.multinomial(q, 1, generator=gen)[:, 0]
@@ -166,7 +167,7 @@ def _assert_bonus_is_the_plain_sample(logits, B, L, temperature, top_k, top_p, g
     for backend in ("torch", "triton"):
         args = (logits, cu, drafts, q) if backend == "torch" else on_dev((logits, cu, drafts, q))
         kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, position=pos)
-        res = speculative_accept(*args, backend=backend, **(kw if backend == "torch" else on_dev(kw)))
+        res = speculative_accept(*args, backend=backend, **(kw if backend == "torch" or host_params else on_dev(kw)))
         assert res.num_accepted.cpu().tolist() == [L] * B
         assert torch.equal(res.final_tokens.cpu(), want)
 
@@ -179,15 +180,24 @@ def test_bonus_token_is_the_plain_sample_at_that_position():
                                       torch.tensor([1.0, 1.0, 0.8, 0.9, 1.0]), gen)
 
 
-def test_top_p_alone_bonus_follows_the_rejection_rule_with_its_fallback():
+@pytest.mark.parametrize("proposals", [4, 8])
+def test_top_p_alone_bonus_follows_the_rejection_rule_with_its_fallback(proposals, monkeypatch):
     """Top-p-alone requests draw their bonus by kernels/rejection.py's rule (the plain sample's rule), also when p
-    is so small on a flat row that the accept kernel runs the rest of the rule by loops over the row."""
+    is so small on a flat row that every one of the NMAX proposals misses (request 3; checked): the statistics pass
+    drew 8 proposals (the host knows p < P_MORE) or 4 (MORE_PROPOSALS set to 4: the accept kernel loops over the
+    row for proposals 4 .. 7), then the rule's last draw, made by the statistics pass."""
+    from deepinfer_sg.kernels import rejection
+    from deepinfer_sg.kernels.sampling import open_rows_torch
+    monkeypatch.setattr(rejection, "MORE_PROPOSALS", proposals)
     gen = torch.Generator().manual_seed(12)
     vocab, B, L = 600, 4, 2
     logits = torch.randn(B * (L + 1), vocab, generator=gen) * 2
     logits[3 * (L + 1):] = torch.randn(L + 1, vocab, generator=gen) * 0.05      # request 3: flat
-    _assert_bonus_is_the_plain_sample(logits, B, L, 1.0, torch.tensor([0, 0, 9, 0]),
-                                      torch.tensor([0.9, 0.3, 1.0, 0.01]), gen)
+    top_k, top_p = torch.tensor([0, 0, 9, 0]), torch.tensor([0.9, 0.3, 1.0, 0.01])
+    last = torch.arange(1, B + 1) * (L + 1) - 1
+    p = row_params(B, "cpu", 1.0, top_k, top_p, torch.arange(B) * 13 + 2, torch.arange(B) * 50 + 4 + L)
+    assert open_rows_torch(logits[last], p).tolist() == [False, False, False, True]
+    _assert_bonus_is_the_plain_sample(logits, B, L, 1.0, top_k, top_p, gen, host_params=True)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

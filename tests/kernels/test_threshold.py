@@ -4,6 +4,7 @@ path and the bisection fallback."""
 import pytest
 import torch
 
+from deepinfer_sg.kernels import threshold
 from deepinfer_sg.kernels.sampling import masked_z_torch, row_params, sample_torch, sample_triton
 from deepinfer_sg.kernels.threshold import thresholds_and_paths
 from helpers import DEVICE, on_dev, params_on_dev, random_bitmask
@@ -107,12 +108,14 @@ def test_top_p_acts_on_the_renormalised_top_k_set():
     assert kept.sum(1).tolist() != [4, 4, 6, 3]
 
 
-@pytest.mark.parametrize("lane_shape", [None, (128, 4), (256, 8)])
-def test_candidate_path_overflow_ties_and_masks(lane_shape):
+@pytest.mark.parametrize("lane_shape,wave", [(None, False), ((128, 4), False), ((256, 8), False), (None, True)])
+def test_candidate_path_overflow_ties_and_masks(lane_shape, wave, monkeypatch):
     """The lane path (0 < top_k <= kmax) against the definition on its awkward rows: more tied lanes at the bound
     than the merge may gather (the row's exact fallback), a top-k set larger than the all-pairs block (200 tied
     leaders: the bisection), rows whose mask leaves fewer than k lanes alive, and k at the limit; for each program
-    shape of the lane-maxima pass."""
+    shape of the lane-maxima pass, and with the merge's launch options for more rows than SMs (MERGE_WAVE)."""
+    if wave:
+        monkeypatch.setattr(threshold, "sm_count", lambda device: 1)
     gen = torch.Generator().manual_seed(25)
     R, V = 6, 1500
     logits = torch.randn(R, V, generator=gen) * 2
