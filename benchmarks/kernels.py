@@ -154,7 +154,11 @@ def compile_check():
                      slot_pair_ptr="*i64", block_expert_ptr="*i64", win_kv_ptr="*bf16", cmp_kv_ptr="*bf16",
                      win_idx_ptr="*i32", cmp_idx_ptr="*i32", r_ptr="*bf16")
     cases = [case for family in families() for case in family.compile_cases()]
-    for name, fn, extra, consts, warps in cases:
+    for name, fn, extra, consts, warps, *more in cases:
+        # an optional sixth item: build options as the launch sets them (num_stages, ...) and `hinted`, the integer
+        # arguments the real launches specialise as divisible by 16 (Triton does for every int argument that is)
+        opts = dict(more[0]) if more else {}
+        hinted = set(opts.pop("hinted", ()))
         types = dict(ptr_types, **extra)
         params = list(inspect.signature(fn.fn).parameters)
         # constexprs the case leaves at their defaults (e.g. PDL) are built as the launches build them, not typed as
@@ -163,15 +167,16 @@ def compile_check():
                      if "constexpr" in str(v.annotation) and v.default is not inspect.Parameter.empty}, **consts}
         sig = {p: "constexpr" if p in consts else types.get(p, "*fp32" if p.endswith("_ptr") else "i32")
                for p in params}
-        # (integer arguments get no hint here, while real launches specialise those divisible by 16: a build
-        # reported here may spill where the real one does not, e.g. the hc mixes at K = 20480)
-        # real launches specialise pointers that are 16-byte aligned (every torch allocation is); without the same
-        # hint the build would vectorise less and report spills that never happen
-        aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if sig[p].startswith("*")}
+        # real launches specialise pointers that are 16-byte aligned (every torch allocation is) and the integer
+        # arguments divisible by 16; without the same hints the build vectorises less and reports spills that never
+        # happen (integers only where the case names them in `hinted`: e.g. the hc mixes at K = 20480 still build
+        # unhinted)
+        aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
+                   if sig[p].startswith("*") or p in hinted}
         try:
             k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned),
                                target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": warps})
+                               options={"num_warps": warps, **opts})
         except Exception as e:                               # noqa: BLE001
             emit(f"{name:22s} FAILED to build: {type(e).__name__}: {str(e)[:300]}")
             continue

@@ -702,7 +702,11 @@ _SELECT_PTRS = dict(idx_ptr="*i64", val_ptr="*fp32", scores_ptr="*fp32", fin_idx
 
 
 def compile_cases():
-    """(name, kernel, extra pointer types, constexprs, warps) for kernels.py --compile-check."""
+    """(name, kernel, extra pointer types, constexprs, warps[, build options]) for kernels.py --compile-check.
+    The engine forms build as launched: 2 stages, the row counts and strides the step passes divisible by 16
+    (session 15, K2: without them the 16-head form reported 255 registers + 120 B of stack where the launch has 203
+    and none)."""
+    launched = dict(num_stages=2, hinted=("n_win", "n_cmp", "cmp_stride", "H", "per_split", "turn_stride"))
     attn = dict(D=512, BLOCK_H=64, BLOCK_K=64, HAS_CMP=True, IEEE=False, SPLIT=False, BLOCK_S=2, DC=64, UNCHAIN=True,
                 LAZY_SUM=False)
     types = dict(q_ptr="*bf16", out_ptr="*bf16", cnt_ptr="*i32", scr_p_ptr="*bf16")
@@ -720,7 +724,7 @@ def compile_cases():
            dict(types, scr_q_ptr="*bf16", win_idx_ptr="*i64", cmp_idx_ptr="*i64", cmp_start_ptr="*i64",
                 cmp_count_ptr="*i64"),
            dict(attn, BLOCK_H=h, UNCHAIN=h == 64, LAZY_SUM=h == 64, SPLIT=True, OWN=h == 64, PDL=True, ROT=64,
-                WINDOW=True, ENTRIES=True, VISIBLE=vis), 8 if h == 64 else 4)
+                WINDOW=True, ENTRIES=True, VISIBLE=vis), 8 if h == 64 else 4, launched)
           for h, vis in ((16, False), (64, False), (16, True))],
         *[(f"select {stage}{' sorted' if srt else ''}", indexer._topk_select_kernel,
            dict(_SELECT_PTRS, map_ptr="*i64" if mp else "*fp32"),
