@@ -170,7 +170,8 @@ def select_ids(idx_mod, iq, w, keys, start, count, positions, ratio: int, G: int
         ids = _select(masked, k)
     else:
         ids = topk_ids(scores, visible if cand is None else visible & cand, k, triton=False)
-    return ids, None if blocks is None else candidate_block_mask(scores, visible, *blocks)
+    # (the candidate source has no candidates of its own: masked is -inf exactly outside the visible prefix)
+    return ids, None if blocks is None else candidate_block_mask(masked, visible, *blocks, masked=True)
 
 
 def topk_ids(scores: torch.Tensor, allowed: torch.Tensor, k: int, triton: bool | None = None) -> torch.Tensor:

@@ -58,15 +58,17 @@ class TokenRing(SlotRows):
         slots = self.held(caches)
         if slots is not None:
             return slots
+        R = self.ring
+        keep = np.fromiter(map(_KEEP, caches), np.int64, len(caches))
+        if keep.max() > R:     # (checked before anything changes: a refused placement leaves the ring as it was)
+            raise ValueError(f"a cache keeps {int(keep.max())} token ids, more than this ring's {R}")
         slots = self.slots.of_all(caches)
         if max(slots) >= len(self.first):
             self._grow()
             slots = self.slots.of_all(caches)     # (a growth renumbers the slots)
-        objs, R = list(map(self.rows_of, slots)), self.ring
+        objs = list(map(self.rows_of, slots))
         at = np.asarray(slots, dtype=np.int64)
-        keep = self.keep[at] = np.fromiter(map(_KEEP, caches), np.int64, len(caches))
-        if keep.max() > R:
-            raise ValueError(f"a cache keeps {int(keep.max())} token ids, more than this ring's {R}")
+        self.keep[at] = keep
         olds = list(map(_TOKENS, caches))
         moved, rows = [], []
         for k, (c, t, o) in enumerate(zip(caches, olds, objs)):
@@ -89,12 +91,14 @@ class TokenRing(SlotRows):
 
     def advance(self, slots: np.ndarray, ids: torch.Tensor, n: np.ndarray, off: np.ndarray, length: np.ndarray,
                 host: bool = False) -> None:
-        """The caches at `slots` (held) take their n[k] new ids ids[off[k]:off[k] + n[k]] at positions length[k]..:
-        the last min(n, keep) of them written, each then holding min(its count + n, keep) ids. host: the ids are the
-        host's (the step's ids as given on the host: read by numpy when the ring is there too)."""
+        """The caches at `slots` (held) take their n[k] (>= 0) new ids ids[off[k]:off[k] + n[k]] at positions
+        length[k]..: the last min(n, keep) of them written, each then holding min(its count + n, keep) ids. host: the
+        ids are the host's (the step's ids as given on the host: read by numpy when the ring is there too)."""
         R, keep = self.ring, self.keep[slots]
         base, end = slots * R, length + n
-        if ids.shape[0] == len(slots):     # one id each (a decode step): the ids in order, no ragged lists
+        # one id each (a decode step): the ids in order, no ragged lists. (n == 1 checked, not implied by the ids'
+        # count: Model.plan_step refuses n <= 0, but n = [0, 2] has as many ids as slots)
+        if ids.shape[0] == len(slots) and (n == 1).all():
             self._write(base + length % R, ids, None, host)
         else:
             new = np.minimum(n, keep)      # (older ones of a longer chunk would fall out of its ring anyway)

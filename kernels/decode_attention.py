@@ -600,26 +600,26 @@ def default_config(N: int, H: int, D: int, n_keys: int, elem_bytes: int = 2, sms
     splits 21.3 against 34.0-34.1, N=64 with 2 splits 28.7-29.0 against 36.5-36.6, N=128 32-head programs with 2
     splits 42.3-42.5 against 46.4-46.8, N=256 32-head 72.9 against 87.0-87.2; the step's short rows (37 + 20 keys:
     one split) N=64 / 128 / 256 12.1-12.4 / 16.6-16.8 / 26.6-26.7 against 12.6-12.8 / 17.0 / 32.1.
-    V4.1's 64 heads at few rows take the same 16-head programs (session 15 R2, H200, the engine's form: RoPE
-    inside, window rows, entry ids; 128 + 512 keys, us, each timed twice, against the all-head programs with
-    sms // N splits): N=8 16-head S5 18.3-18.4 (S8 18.1-18.2, 32-head S4 25.6) against 33.9; N=16 S4 21.3-21.4
-    (32-head S4 26.2-26.3) against 34.8-35.2; N=32 S2 28.1-28.7 (32-head S2 34.0-34.2) against 39.0-39.1; from
-    N=34 (more (row, 16-head block) pairs than SMs) the all-head programs stay: N=48 40.2-40.4 against 45.0-45.2
-    (16-head S1) / 46.1-46.2 (32-head S2), N=64 41.7-41.8 against 46.7-47.0 / 48.3-48.5 (S2) (R1), N=256 120.5-120.6
-    against 125.1-125.2 (32-head S1). R4 against HEAD's file: N=8 / 32 / 33 33.4 / 38.4 / 39.0 -> 17.6-17.9 /
-    27.9-28.0 / 28.9-29.0."""
+    V4.1's 64 heads at few rows take the same 16-head programs (only 64 heads were measured: more heads keep the
+    all-head programs; session 15 R2, H200, the engine's form: RoPE inside, window rows, entry ids; 128 + 512 keys,
+    us, each timed twice, against the all-head programs with sms // N splits): N=8 16-head S5 18.3-18.4 (S8
+    18.1-18.2, 32-head S4 25.6) against 33.9; N=16 S4 21.3-21.4 (32-head S4 26.2-26.3) against 34.8-35.2; N=32 S2
+    28.1-28.7 (32-head S2 34.0-34.2) against 39.0-39.1; from N=34 (more (row, 16-head block) pairs than SMs) the
+    all-head programs stay: N=48 40.2-40.4 against 45.0-45.2 (16-head S1) / 46.1-46.2 (32-head S2), N=64 41.7-41.8
+    against 46.7-47.0 / 48.3-48.5 (S2) (R1), N=256 120.5-120.6 against 125.1-125.2 (32-head S1). R4 against HEAD's
+    file: N=8 / 32 / 33 33.4 / 38.4 / 39.0 -> 17.6-17.9 / 27.9-28.0 / 28.9-29.0."""
     if elem_bytes * D > 1024:
         return dict(block_h=16, block_k=16, num_warps=4, num_stages=2, splits=1)
     # 16- and 32-head programs of 4 warps run two an SM (84 / 100 KB of shared memory at D = 512); key splits fill
     # those slots, each split at least two key blocks (a short row's split costs more than it saves). 16-head
-    # programs while every (row, 16-head block) has an SM (then they take two splits or more), at any head count;
-    # past that all-head programs at 64 heads, else 32-head programs (each key read once per row) if they fill
-    # the SMs
+    # programs while every (row, 16-head block) has an SM (then they take two splits or more), up to 64 heads
+    # (measured at 32 and 64; more heads keep the all-head programs); past that all-head programs at 64 heads,
+    # else 32-head programs (each key read once per row) if they fill the SMs
     slots, most = 2 * sms, max(1, triton.cdiv(n_keys, 64) // 2)
 
     def splits(block_h: int) -> int:     # key splits that fill the slots, at most `most` and 8
         return max(1, min(8, most, slots // max(N * triton.cdiv(H, block_h), 1)))
-    if N * triton.cdiv(H, 16) > sms:
+    if H > 64 or N * triton.cdiv(H, 16) > sms:
         if H >= 64:
             return dict(block_h=64, block_k=64 if elem_bytes == 2 else 32, num_warps=8, num_stages=2,
                         splits=max(1, min(8, sms // max(N, 1))), unchain=True, lazy_sum=True)

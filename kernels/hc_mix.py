@@ -552,6 +552,11 @@ def _grid(T: int, K: int, block_t: int, split: int, block_k: int) -> tuple:
     return split, min(block_k, split), triton.cdiv(K, split), triton.cdiv(T, block_t)
 
 
+def _partials_at_once(n_split: int, tpw: int) -> int:
+    """Splits' partials a program mixing tpw tokens loads at once per token: <= 8192 partial values at once."""
+    return min(triton.next_power_of_2(n_split), max(1, 256 // tpw))
+
+
 def _split_launch(T: int, K: int, block_t: int, split: int, block_k: int, warps: int, waiters, spc, dev):
     """The launch shape for T tokens over K columns (module docstring; its ticket counters are fetched by
     `_counters` when the launch runs, so a shape asked only for its residency takes none). Waiting is safe for the
@@ -564,7 +569,7 @@ def _split_launch(T: int, K: int, block_t: int, split: int, block_k: int, warps:
     resident = _one_wave(n_tb * n_split, warps, dev)
     nw = min(waiters or block_t, block_t, n_split) if resident else 1
     tpw = triton.next_power_of_2(-(-block_t // nw))
-    spc = spc or min(triton.next_power_of_2(n_split), max(1, 256 // tpw))     # <= 8192 partial values at once
+    spc = spc or _partials_at_once(n_split, tpw)
     return _SplitLaunch(split, block_k, n_split, n_tb, nw, tpw, spc, block_t, warps, resident)
 
 
@@ -1010,7 +1015,7 @@ def _finish_tokens(L: _SplitLaunch) -> tuple:
     waited for the SMs they took (module docstring, session 15)."""
     if L.tpw >= DEFER_GROUP:
         return L.tpw, L.spc
-    return DEFER_GROUP, min(triton.next_power_of_2(L.n_split), max(1, 256 // DEFER_GROUP))
+    return DEFER_GROUP, _partials_at_once(L.n_split, DEFER_GROUP)
 
 
 def _post_mix_launch(T: int, H: int, dev, block_t=None, split=None, block_k=None, num_warps=None, waiters=None,

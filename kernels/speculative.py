@@ -215,9 +215,10 @@ def _stats_kernel(logits_ptr, mc_ptr, sc_ptr, pack_ptr, cu_ptr, temp_ptr, seed_p
     load more a program on filtered batches); the row's request and parameters are looked up while they are in
     flight (no per-row parameter arrays, no expand launch). Full segments skip the bounds checks. NP > 1: the last
     row of a top-p-alone request stores NP proposals instead (kernels/rejection.py's rule, on the unrestricted z;
-    pack is [R, n_prog, NP]) and the rule's last draw (restricted to z >= tau, key NMAX) in fin[row, part]. HAS_TAU (solved_ptr is None without it): rows the top-k merge solved (solved[row],
-    threshold.lane_path's stats) already hold their statistics in part 0; their other parts get nothing (max -inf,
-    mass 0, no candidate), and their logits are not read again."""
+    pack is [R, n_prog, NP]) and the rule's last draw (restricted to z >= tau, key NMAX) in fin[row, part].
+    HAS_TAU (solved_ptr is None without it): rows the top-k merge solved (solved[row], threshold.lane_path's
+    stats) already hold their statistics in part 0; their other parts get nothing (max -inf, mass 0, no
+    candidate), and their logits are not read again."""
     skip = False
     if HAS_TAU:
         skip = tl.load(solved_ptr + tl.program_id(0)) != 0

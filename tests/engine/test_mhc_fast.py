@@ -144,7 +144,7 @@ def test_write_back_reads_out_normalised(T, kernels, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream and the graph capture need CUDA")
-@pytest.mark.parametrize("T", [5, 64])
+@pytest.mark.parametrize("T", [5, 64, 128])
 def test_deferred_mixes_on_the_side_stream(T, monkeypatch):
     """mhc.DEFER_MIXES: each write-back + mixes launch leaves its mixes' tail to a launch on the "mhc" side stream,
     beside the next sub-layer, and the next consumer joins it. A chain as post_attention runs it (the attention
@@ -152,7 +152,8 @@ def test_deferred_mixes_on_the_side_stream(T, monkeypatch):
     and norm, a stand-in layer, the last write-back by hc_post), eagerly and captured in a CUDA graph and
     replayed: nothing left unjoined, the replay the eager chain's bits, and these the tail-inside chain's up to the
     finish's order of the partials' sums (16 tokens a program against the waiters' one: the first write-back and
-    read-out the same bits, its mixes within fp32 rounding, what follows from them within bf16 rounding)."""
+    read-out the same bits, its mixes within fp32 rounding, what follows from them within bf16 rounding); T = 128
+    (DEFER_MAX_T's default) takes 8 finish programs."""
     from deepinfer_sg.engine import mhc
     gen = torch.Generator().manual_seed(40 + T)
     dev = torch.device("cuda")
@@ -160,7 +161,7 @@ def test_deferred_mixes_on_the_side_stream(T, monkeypatch):
     R, post, comb, pre = _write_back_inputs(gen, T, dev)
     w = (torch.randn(H, H, generator=gen) / H ** 0.5).to(torch.bfloat16).to(dev)
 
-    monkeypatch.setattr(hc_mix, "DEFER_MAX_T", 64)        # (both sizes deferred, whatever the kernel's rule)
+    monkeypatch.setattr(hc_mix, "DEFER_MAX_T", T)         # (every size deferred, whatever the default)
     opened = []
 
     def chain():

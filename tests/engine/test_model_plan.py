@@ -110,8 +110,14 @@ def test_a_cancelled_plan_leaves_the_caches_as_they_were(graphs):
 @pytest.mark.parametrize("graphs", [False, True])
 def test_a_plan_that_fails_midway_leaves_the_caches_as_they_were(graphs, monkeypatch):
     """plan_step raising after some compressing layers were planned (their states' rows reserved and token rows
-    changed): the undo log puts every state back, and the next steps equal a model that never saw that plan."""
+    changed): the undo log puts every state back, and the next steps equal a model that never saw that plan. The
+    plan also placed recent ids into the token ring (engine/token_ring.py): a cache's ids set another way moved in
+    and a new cache given a slot; both hold what they held before, the others their ring rows as they were."""
     m, caches, g, ref_m, ref_caches = _twins(7, graphs)
+    for cs in (caches, ref_caches):
+        cs[1].tokens = cs[1].tokens.clone()
+    foreign, fresh = caches[1]._tokens, m.new_cache()
+    ring_rows = [c._tokens for c in caches]
     real = model_mod.compress_step.plan_layer
     calls = {"n": 0}
 
@@ -122,9 +128,11 @@ def test_a_plan_that_fails_midway_leaves_the_caches_as_they_were(graphs, monkeyp
         return real(*a, **k)
     monkeypatch.setattr(model_mod.compress_step, "plan_layer", fails_on_the_last)
     with pytest.raises(RuntimeError, match="planned failure"):
-        m.plan_step([StepRows(c, 1, 1) for c in caches])
+        m.plan_step([StepRows(c, 1, 1) for c in caches + [fresh]])
     assert calls["n"] >= 2, "the failure did not come after some layers were planned"
     monkeypatch.setattr(model_mod.compress_step, "plan_layer", real)
+    assert all(c._tokens is t for c, t in zip(caches, ring_rows)) and caches[1]._tokens is foreign
+    assert fresh._tokens is None and fresh.length == 0
     for b, (x, y) in enumerate(zip(caches, ref_caches)):
         _same(_state(x), _state(y), f"after the failed plan, cache {b}")
     V = m.config.vocab_size

@@ -27,7 +27,12 @@ def _step(ring, caches, hist, held, g, host=True):
     pick = [k for k in range(len(caches)) if torch.randint(0, 4, (1,), generator=g).item()]
     if not pick:
         return
-    n = np.array([1 + (k * 7 + len(hist[k])) % 3 for k in pick], dtype=np.int64)
+    _take(ring, caches, hist, held, pick, [1 + (k * 7 + len(hist[k])) % 3 for k in pick], g, host)
+
+
+def _take(ring, caches, hist, held, pick, n, g, host=True):
+    """caches[pick[j]] take n[j] (>= 0) new random ids in one step (place, then advance), the oracle with them."""
+    n = np.array(n, dtype=np.int64)
     ids = torch.randint(0, 1000, (int(n.sum()),), generator=g)
     step = [caches[k] for k in pick]
     slots = ring.place(step)
@@ -37,6 +42,12 @@ def _step(ring, caches, hist, held, g, host=True):
         hist[k].extend(ids[off[j]:off[j] + n[j]].tolist())
         held[k] = min(held[k] + int(n[j]), caches[k].keep_tokens)
         caches[k].length += int(n[j])
+
+
+def _roll(caches, hist, held, k, cut):
+    caches[k].rollback(cut)
+    del hist[k][len(hist[k]) - cut:]
+    held[k] = max(0, held[k] - cut)
 
 
 def test_steps_rollbacks_foreign_ids_and_growth_keep_every_cache_right():
@@ -53,14 +64,43 @@ def test_steps_rollbacks_foreign_ids_and_growth_keep_every_cache_right():
         _check(caches, hist, held)
         if step % 5 == 2:                                         # roll some back; the next step overwrites
             for k in (0, 4, 7):
-                cut = min(2, held[k], caches[k].length)
-                caches[k].rollback(cut)
-                del hist[k][len(hist[k]) - cut:]
-                held[k] -= cut
+                _roll(caches, hist, held, k, min(2, held[k], caches[k].length))
             _check(caches, hist, held)
     assert len(ring.first) >= 16 and all(type(c._tokens) is ArenaRows for c in caches)
-    with pytest.raises(ValueError, match="keeps 40 token ids"):    # (a ring holds at most R ids a slot)
-        ring.place([SequenceCache([], keep_tokens=40)])
+    # (a ring holds at most R ids a slot: refused before anything changes, with a new cache that would make the
+    # slots grow)
+    before = [x.copy() for x in (ring.first, ring.count, ring.keep)] + [ring.flat.clone(), ring.slots.used]
+    big = [SequenceCache([], keep_tokens=40)] + [SequenceCache([], keep_tokens=4) for _ in range(len(ring.first))]
+    with pytest.raises(ValueError, match="keeps 40 token ids"):
+        ring.place(caches + big)
+    after = [ring.first, ring.count, ring.keep, ring.flat, ring.slots.used]
+    assert all(np.array_equal(x, y) for x, y in zip(before[:3], after[:3]))
+    assert torch.equal(before[3], after[3]) and before[4] == after[4] and all(c._tokens is None for c in big)
+    _check(caches, hist, held)
+
+
+def test_mixed_counts_zero_included_and_rollbacks_then_wrap_around():
+    """Steps whose caches take mixed counts, 0 included (n = [0, 2]: as many ids as caches, not one each), and
+    speculative-style steps (1 + 3 drafted ids, then 0-3 rejected and rolled back) with keep_tokens = R, run until
+    every ring has wrapped around many times."""
+    g = torch.Generator().manual_seed(1)
+    ring = TokenRing(ring_size(16), torch.device("cpu"))
+    assert ring.ring == 16
+    caches = [SequenceCache([], max_rollback=4, keep_tokens=kp) for kp in (16, 5, 16)]
+    hist, held = [[] for _ in caches], [0] * len(caches)
+    for pick, n in (([0, 1], [0, 2]), ([0, 1, 2], [1, 0, 2]), ([1, 2], [2, 0]), ([0, 1, 2], [0, 0, 0]),
+                    ([0, 1, 2], [1, 1, 1]), ([2, 0], [0, 2]), ([0, 1, 2], [20, 7, 0])):
+        _take(ring, caches, hist, held, pick, n, g, host=len(pick) % 2 == 0)
+        _check(caches, hist, held)
+    for step in range(40):
+        _take(ring, caches, hist, held, [0, 1, 2], [4, 4, 4], g, host=step % 2 == 0)
+        _check(caches, hist, held)
+        for k in range(3):
+            _roll(caches, hist, held, k, (step + k) % 4)
+        _check(caches, hist, held)
+        _take(ring, caches, hist, held, [0, 1, 2], [1, 1, 1], g, host=step % 3 == 0)    # (one id each)
+        _check(caches, hist, held)
+    assert min(c.length for c in caches) > 4 * ring.ring
 
 
 def test_a_steady_step_is_held_a_freed_slot_is_reused_and_an_undo_puts_the_old_ids_back():

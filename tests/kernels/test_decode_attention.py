@@ -283,6 +283,14 @@ def test_default_config_for_64_heads(N, want):
     assert (cfg["block_h"], cfg["splits"], cfg["num_warps"]) == want
 
 
+@pytest.mark.parametrize("N", [8, 16])
+def test_default_config_above_64_heads_keeps_all_head_programs(N):
+    """The 16-head rule was measured at 32 and 64 heads only: 128 heads at few rows (8 / 16 rows, 8 x 8 / 16 x 8
+    (row, 16-head block) pairs within 132 SMs) keep the 64-head programs with min(8, sms // N) key splits."""
+    cfg = default_config(N, 128, 512, 640)
+    assert (cfg["block_h"], cfg["splits"], cfg["num_warps"]) == (64, 8, 8) and cfg["unchain"] and cfg["lazy_sum"]
+
+
 def test_scale_is_a_run_time_argument():
     """Two scales through the same compiled kernel (the scale is a plain float argument, not a constexpr) against
     the twin at each."""

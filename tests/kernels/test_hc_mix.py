@@ -480,7 +480,7 @@ def test_read_out_norm_in_the_write_back(form, waiters, H):
 
 @pytest.mark.parametrize("H,norm,one", [(100, False, False), (768, True, False)] if DEVICE == "cuda"
                          else [(100, False, False), (100, False, True)])
-def test_deferred_mixes_match_the_one_launch(H, norm, one):
+def test_deferred_mixes_match_the_one_launch(H, norm, one, monkeypatch):
     """defer: the write-back + mixes launch leaves the mixes to HcMixes.finish (_mix_partials_kernel, run later:
     engine/mhc.py's side stream). Before it the mixes are unwritten (still poisoned); after it R' and x are the
     one launch's bits, and so are the mixes where the finish mixes as many tokens a program as the waiters did,
@@ -488,7 +488,8 @@ def test_deferred_mixes_match_the_one_launch(H, norm, one):
     counters are left zero. H = 768 with the read-out norm (GPU: form 2 with no waiters, every program normalises
     x; 24 splits; waiters of one token each, so two finish programs for the 21 tokens); H = 100 without it (the
     launch stores its partials only). one (the interpreter, whose grids are never resident): the deferred launch
-    shaped for waiters of one token each, as the GPU's resident grids are (its main launch has no waiters)."""
+    shaped for waiters of one token each, as the GPU's resident grids are (its main launch has no waiters). The
+    finish's grid, seen at its launch: two programs for the 21 tokens (16 a program) whatever the waiters."""
     import dataclasses
     from deepinfer_sg.kernels import hc_mix
     inputs, y2, w = _write_back_inputs(60 + H, H)
@@ -501,10 +502,17 @@ def test_deferred_mixes_match_the_one_launch(H, norm, one):
     got_out, got_x, late = hc_mix.hc_post_mix_triton(*args, **kw, launch=L, defer=True)
     assert m.finish is None and late.finish is not None
     assert bool(to_cpu(late.comb).isnan().all())
+    grids, kernel = [], hc_mix._mix_partials_kernel
+
+    class Spy:          # the finish's launch, its grid noted
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+    monkeypatch.setattr(hc_mix, "_mix_partials_kernel", Spy())
     late.finish()
+    assert grids == [(2,)]
     assert torch.equal(to_cpu(got_out), to_cpu(out)) and torch.equal(to_cpu(got_x), to_cpu(x))
-    same = hc_mix._finish_tokens(L)[0] == L.tpw
-    assert same == (L.tpw >= hc_mix.DEFER_GROUP)
+    same = L.tpw == 16          # (waiters of 16 tokens, one a block: the finish mixes as they did)
     for u, v in zip((late.pre, late.post, late.comb), (m.pre, m.post, m.comb)):
         u, v = to_cpu(u), to_cpu(v)
         assert torch.equal(u, v) if same else torch.allclose(u, v, atol=5e-6, rtol=5e-5), (u - v).abs().max()

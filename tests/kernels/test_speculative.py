@@ -6,7 +6,7 @@ import torch
 from deepinfer_sg.kernels import speculative_accept
 from deepinfer_sg.kernels import speculative as spec_mod
 from deepinfer_sg.kernels.sampling import probs_torch, row_params
-from helpers import assert_matches_distribution, bit_allowed, on_dev, params_on_dev, random_bitmask, to_cpu
+from helpers import DEVICE, assert_matches_distribution, bit_allowed, on_dev, params_on_dev, random_bitmask, to_cpu
 
 
 def _batch(gen, vocab, rows_per_req, noise=0.5):
@@ -180,12 +180,16 @@ def test_bonus_token_is_the_plain_sample_at_that_position():
                                       torch.tensor([1.0, 1.0, 0.8, 0.9, 1.0]), gen)
 
 
-@pytest.mark.parametrize("proposals", [4, 8])
-def test_top_p_alone_bonus_follows_the_rejection_rule_with_its_fallback(proposals, monkeypatch):
+@pytest.mark.parametrize("proposals,host_params", [
+    (4, True), (8, True),
+    pytest.param(8, False, marks=pytest.mark.skipif(DEVICE != "cuda", reason="CPU tensors are host values"))])
+def test_top_p_alone_bonus_follows_the_rejection_rule_with_its_fallback(proposals, host_params, monkeypatch):
     """Top-p-alone requests draw their bonus by kernels/rejection.py's rule (the plain sample's rule), also when p
     is so small on a flat row that every one of the NMAX proposals misses (request 3; checked): the statistics pass
-    drew 8 proposals (the host knows p < P_MORE) or 4 (MORE_PROPOSALS set to 4: the accept kernel loops over the
-    row for proposals 4 .. 7), then the rule's last draw, made by the statistics pass."""
+    drew 8 proposals (the host knows p < P_MORE) or 4 (MORE_PROPOSALS set to 4, or the parameters on the GPU,
+    where the host cannot look: rejection.PROPOSALS; the accept kernel loops over the row for proposals 4 .. 7),
+    then the rule's last draw, made by the statistics pass. (On the interpreter's CPU tensors the parameters are
+    host values: the GPU's case only.)"""
     from deepinfer_sg.kernels import rejection
     from deepinfer_sg.kernels.sampling import open_rows_torch
     monkeypatch.setattr(rejection, "MORE_PROPOSALS", proposals)
@@ -197,7 +201,7 @@ def test_top_p_alone_bonus_follows_the_rejection_rule_with_its_fallback(proposal
     last = torch.arange(1, B + 1) * (L + 1) - 1
     p = row_params(B, "cpu", 1.0, top_k, top_p, torch.arange(B) * 13 + 2, torch.arange(B) * 50 + 4 + L)
     assert open_rows_torch(logits[last], p).tolist() == [False, False, False, True]
-    _assert_bonus_is_the_plain_sample(logits, B, L, 1.0, top_k, top_p, gen, host_params=True)
+    _assert_bonus_is_the_plain_sample(logits, B, L, 1.0, top_k, top_p, gen, host_params=host_params)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
