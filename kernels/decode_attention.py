@@ -159,13 +159,10 @@ every 10.0 cycles per warp of which 3.7 wait on L1TEX (the gathers, the P / resc
 scratch, local memory). The launches' local memory (R1, the compiled kernels' own report): 64-head programs spill
 136 B a thread with two splits (208 B one split, 480 B stored multi-split merges), 32-head 4-warp programs
 160-184 B, 16-head 4-warp programs none (200-203 registers); a compile for sm_90 gives the same once it takes the
-launches' 2 stages and their integer hints (benchmarks/kernels.py's check builds at Triton's default 3 stages,
-where the 16-head form reports 255 registers + 120 B). Launch-configuration sweep at 64 heads (R1-R2): the 16-head
-programs of 4 warps win while N x 4 <= 132 (default_config's table: N=8 33.9 -> 18.3, N=16 34.8-35.2 -> 21.3-21.4,
-N=32 39.0 -> 28.1-28.7), the all-head programs from there (N=48 40.2 against 45.0, N=64 41.7 against 46.7, N=256
-120.5 against 125.1 with 32-head programs); N=64 with one split 57.8-58.1. R4, against HEAD's file in the same run:
-N=8 33.4 -> 17.6-17.9 (4% -> 8% of the bytes), N=32 38.4 -> 27.9-28.0 (15% -> 21%), N=33 39.0 -> 28.9-29.0, N=64
-(the same launch) 42.1-42.3 / 41.9-42.1.
+launches' 2 stages and their integer hints (benchmarks/kernels.py's check does since session 15; at Triton's
+default 3 stages and without the hints the 16-head form reported 255 registers + 120 B). The launch-configuration
+sweep at 64 heads and what it changed (16-head programs of 4 warps while N x 4 <= 132): `default_config`'s
+docstring.
 """
 import torch
 import triton

@@ -110,7 +110,7 @@ import triton
 import triton.language as tl
 
 from . import rng, threshold
-from .backend import empty, pdl_kw, pdl_trigger, pdl_wait, sm_count
+from .backend import empty, one_wave, pdl_kw, pdl_trigger, pdl_wait
 from .threshold import (NEG_INF_KEY, _below, _bisect_tau, _draw_lanes, _kept_column, _top_p_cut, exp2_w, lane_block,
                         lane_keys, lane_score, load_z, pack_lanes, row_block_z, segment_pack)
 
@@ -675,7 +675,7 @@ def _reject_finish_kernel(logits_ptr, tok_ptr, dec_ptr, zrow_ptr, pmax_ptr, pmas
 def finish_options(rows: int, np_: int, device) -> dict:
     """The finish's launch options: FINISH_WAVE for more rows than SMs when the pass drew PROPOSALS, else
     FINISH_WARPS warps (one program an SM)."""
-    if np_ == PROPOSALS and rows > sm_count(device):
+    if np_ == PROPOSALS and not one_wave(rows, device):
         return FINISH_WAVE
     return dict(num_warps=FINISH_WARPS)
 

@@ -560,10 +560,12 @@ def sample_triton(logits, params: RowParams, bitmask=None, mask_rows=None, seg: 
     return finish_packed(packed.view(R, n_prog), drawn)
 
 
-def threshold_view(params: RowParams, V: int) -> RowParams:
-    """params with top-p switched off on top-p-alone rows (drawn by rejection, kernels/rejection.py, not by tau):
-    what the threshold path and the host's filter checks see. Torch ops on the params' device."""
-    top_p_thr = torch.where(p_alone_rows(params, V), torch.ones_like(params.top_p), params.top_p)
+def threshold_view(params: RowParams, V: int, alone: torch.Tensor | None = None) -> RowParams:
+    """params with top-p switched off on top-p-alone rows (drawn by rejection, kernels/rejection.py, not by tau;
+    alone: their p_alone_rows when the caller has it): what the threshold path and the host's filter checks see.
+    Torch ops on the params' device."""
+    alone = p_alone_rows(params, V) if alone is None else alone
+    top_p_thr = torch.where(alone, torch.ones_like(params.top_p), params.top_p)
     return RowParams(params.inv_temperature, params.greedy, params.top_k, top_p_thr, params.keys)
 
 
@@ -573,16 +575,19 @@ def host_flags(host: RowParams, V: int) -> dict:
     whether every row does (lane_only), whether any row is top-p alone (reject), and how many proposals the pass
     computes for those (rejection.MORE_PROPOSALS when one has p < rejection.P_MORE: four proposals all miss often
     there, and the finish tests the others on a few candidates instead of loops over the row)."""
-    thr = threshold_view(host, V) if P_REJECT else host
+    alone = p_alone_rows(host, V)
+    thr = threshold_view(host, V, alone) if P_REJECT else host
     return dict(filters=may_filter(thr, V), histogram=needs_histogram_path(thr, V), lane_only=lane_rows_only(host, V),
-                lane_rows=needs_lane_path(thr, V), reject=P_REJECT and bool(p_alone_rows(host, V).any()),
-                proposals=proposal_count(host, V))
+                lane_rows=needs_lane_path(thr, V), reject=P_REJECT and bool(alone.any()),
+                proposals=proposal_count(host, V, alone))
 
 
-def proposal_count(host: RowParams, V: int) -> int:
-    """Proposals a pass draws for top-p-alone rows (host params): rejection.MORE_PROPOSALS when one has
-    p < rejection.P_MORE, else rejection.PROPOSALS (the speculative step's statistics pass follows it too)."""
-    more = bool((p_alone_rows(host, V) & (host.top_p < rejection.P_MORE)).any())
+def proposal_count(host: RowParams, V: int, alone: torch.Tensor | None = None) -> int:
+    """Proposals a pass draws for top-p-alone rows (host params; alone: their p_alone_rows when the caller has
+    it): rejection.MORE_PROPOSALS when one has p < rejection.P_MORE, else rejection.PROPOSALS (the speculative
+    step's statistics pass follows it too)."""
+    alone = p_alone_rows(host, V) if alone is None else alone
+    more = bool((alone & (host.top_p < rejection.P_MORE)).any())
     return rejection.MORE_PROPOSALS if more else rejection.PROPOSALS
 
 

@@ -682,8 +682,9 @@ def speculative_accept(logits: torch.Tensor, cu_rows: torch.Tensor, draft_tokens
             host = row_params(B, "cpu", temperature, top_k, top_p, 0, 0)        # validates on the host
             filters = may_filter(host, V) if filters is None else filters
             histogram = needs_histogram_path(host, V) if histogram is None else histogram
-            reject = bool(p_alone_rows(host, V).any())
-            proposals = sampling.proposal_count(host, V)
+            alone = p_alone_rows(host, V)
+            reject = bool(alone.any())
+            proposals = sampling.proposal_count(host, V, alone)
         temperature = _per_row(temperature, B, torch.float32, dev, "temperature")
         top_k = _per_row(top_k, B, torch.int64, dev, "top_k")
         top_p = _per_row(top_p, B, torch.float32, dev, "top_p")

@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 
 from . import rng
-from .backend import INTERPRETING, empty, pdl_kw, pdl_trigger, pdl_wait, sm_count
+from .backend import INTERPRETING, empty, one_wave, pdl_kw, pdl_trigger, pdl_wait
 
 INV_W = 32.0          # bins per unit of z: a token's mass is known to within a factor e^(1/32) from its bin
 NB = 512              # bins per chunk histogram (the last one collects everything lower): 16 units of z
@@ -1225,7 +1225,7 @@ def lane_path(logits, params, bitmask, mrows, tau, path, tok, seg, lanes, kmax=K
         BLOCK=min(block, triton.next_power_of_2(V)), DRAW=draw, LANES=lanes, LW=seg // lanes,
         FAST=not INTERPRETING, UPTO=upto, P_LANES=P_ONLY_LANES if p_lanes is None else p_lanes,
         GROUPS=GROUP_BOUND, GS=min(GROUP_SIZE, ng), num_warps=MERGE_WARPS,
-        **(MERGE_WAVE if R > sm_count(dev) else {}), **out, **pdl_kw())
+        **({} if one_wave(R, dev) else MERGE_WAVE), **out, **pdl_kw())
 
 
 def needs_histogram_path(params, V: int, kmax: int = KMAX) -> bool | None:

@@ -512,7 +512,7 @@ def test_deferred_mixes_match_the_one_launch(H, norm, one, monkeypatch):
     late.finish()
     assert grids == [(2,)]
     assert torch.equal(to_cpu(got_out), to_cpu(out)) and torch.equal(to_cpu(got_x), to_cpu(x))
-    same = L.tpw == 16          # (waiters of 16 tokens, one a block: the finish mixes as they did)
+    same = hc_mix._finish_tokens(L) == (L.tpw, L.spc)     # the finish mixes as the waiters did: the same bits
     for u, v in zip((late.pre, late.post, late.comb), (m.pre, m.post, m.comb)):
         u, v = to_cpu(u), to_cpu(v)
         assert torch.equal(u, v) if same else torch.allclose(u, v, atol=5e-6, rtol=5e-5), (u - v).abs().max()

@@ -103,7 +103,7 @@ def test_rows_past_the_tested_proposals_draw_from_the_lane_maxima(proposals, cma
     sends both to the row-wide bisection (then the same draw); lc < 64 runs the sweeps over several blocks; wave:
     the finish with its launch options for more rows than SMs (rejection.FINISH_WAVE, 4 proposals)."""
     if wave:
-        monkeypatch.setattr(rejection, "sm_count", lambda device: 1)
+        monkeypatch.setattr(rejection, "one_wave", lambda programs, device: programs <= 1)
     if cmax:
         monkeypatch.setattr(rejection, "OPEN_CMAX", cmax)
     if lc:

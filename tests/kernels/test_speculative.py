@@ -152,6 +152,11 @@ def test_fused_path_invalid_drafts_filters_and_masks_together():
     assert bool((a.final_tokens >= 0).all())
 
 
+def _seeds_positions(B):
+    """The bonus tests' per-request seeds and first positions."""
+    return torch.arange(B) * 13 + 2, torch.arange(B) * 50 + 4
+
+
 def _assert_bonus_is_the_plain_sample(logits, B, L, temperature, top_k, top_p, gen, host_params=False):
     """Drafts sampled from q itself with draft probabilities q are always accepted (u * q(d) < q(d)); the bonus
     token of each request's last row must then be exactly what sample_from_logits draws for that row at position
@@ -161,7 +166,7 @@ def _assert_bonus_is_the_plain_sample(logits, B, L, temperature, top_k, top_p, g
     q = processed_probs(logits, temperature, top_k.repeat_interleave(L + 1), top_p.repeat_interleave(L + 1))
     drafts = torch.multinomial(q, 1, generator=gen)[:, 0]
     cu = torch.arange(B + 1) * (L + 1)
-    seed, pos = torch.arange(B) * 13 + 2, torch.arange(B) * 50 + 4
+    seed, pos = _seeds_positions(B)
     last = cu[1:] - 1
     want = sample_from_logits(logits[last].contiguous(), temperature, top_k, top_p, seed, pos + L)
     for backend in ("torch", "triton"):
@@ -199,7 +204,8 @@ def test_top_p_alone_bonus_follows_the_rejection_rule_with_its_fallback(proposal
     logits[3 * (L + 1):] = torch.randn(L + 1, vocab, generator=gen) * 0.05      # request 3: flat
     top_k, top_p = torch.tensor([0, 0, 9, 0]), torch.tensor([0.9, 0.3, 1.0, 0.01])
     last = torch.arange(1, B + 1) * (L + 1) - 1
-    p = row_params(B, "cpu", 1.0, top_k, top_p, torch.arange(B) * 13 + 2, torch.arange(B) * 50 + 4 + L)
+    seed, pos = _seeds_positions(B)
+    p = row_params(B, "cpu", 1.0, top_k, top_p, seed, pos + L)
     assert open_rows_torch(logits[last], p).tolist() == [False, False, False, True]
     _assert_bonus_is_the_plain_sample(logits, B, L, 1.0, top_k, top_p, gen, host_params=host_params)
 

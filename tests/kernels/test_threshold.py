@@ -115,7 +115,7 @@ def test_candidate_path_overflow_ties_and_masks(lane_shape, wave, monkeypatch):
     leaders: the bisection), rows whose mask leaves fewer than k lanes alive, and k at the limit; for each program
     shape of the lane-maxima pass, and with the merge's launch options for more rows than SMs (MERGE_WAVE)."""
     if wave:
-        monkeypatch.setattr(threshold, "sm_count", lambda device: 1)
+        monkeypatch.setattr(threshold, "one_wave", lambda programs, device: programs <= 1)
     gen = torch.Generator().manual_seed(25)
     R, V = 6, 1500
     logits = torch.randn(R, V, generator=gen) * 2
