@@ -114,7 +114,8 @@ class SlotRows:
     """Per-slot rows whose numbers live in arrays (`first`: a slot's first row in `flat`, `count`: its rows, plus a
     subclass's own): each owner holds its slot's cache.ArenaRows in its attribute `key` (one object per slot,
     renumbered with it by a growth), and `held` checks that a step's owners still do (RowArena, token_ring's
-    TokenRing). A subclass sets flat, ring, first, count, key, _get, _rows and _held."""
+    TokenRing). A subclass sets flat, ring, first, count, key, _get, _rows and _held and has
+    `_grow(slots, ...)` (`slots_for`)."""
 
     def rows_of(self, slot: int) -> ArenaRows:
         """The slot's ArenaRows (one object per slot, renumbered with it by a growth)."""
@@ -127,6 +128,28 @@ class SlotRows:
         """Each owner's slot (int64) when the owners are those of the last `hold`, in its order, and each still
         holds its slot's ArenaRows (C-level identity checks, no Python per owner); else None."""
         return _held(self._held, self._get, owners)
+
+    def slots_for(self, owners: list, *size) -> list[int]:
+        """Each owner's slot, grown first where the slots (or the subclass's `size`: RowArena's rows a slot) do
+        not fit (`_grow(slots, *size)` -> whether it grew)."""
+        slots = self.slots.of_all(owners)
+        if self._grow(max(slots) + 1, *size):
+            slots = self.slots.of_all(owners)  # (a growth renumbers the slots)
+        return slots
+
+    def hold(self, owners: list, slots: list, first=None, count=None, log: list | None = None) -> np.ndarray:
+        """Point each owner at its slot's ArenaRows, with (first, count) rows when given (the rows already in
+        place; else the caller sets them: RowArena.update, TokenRing.place), the old attribute values logged
+        (`undo`). -> the slots (int64)."""
+        objs = list(map(self.rows_of, slots))
+        at = np.asarray(slots, dtype=np.int64)
+        if count is not None:
+            self.first[at], self.count[at] = first, count
+        if log is not None:
+            log.append((owners, self.key, list(map(self._get, owners))))
+        set_each(owners, self.key, objs)
+        self._held = (objs, at)
+        return at
 
     def _renumber(self, moves: list, slots: int, cap: int, new_cap: int, extra: tuple = ()) -> tuple:
         """After a growth to `slots` slots of `new_cap` rows (from `cap`): the objects and per-slot arrays moved
@@ -231,27 +254,6 @@ class RowArena(SlotRows):
         if self.on_grow is not None and S * C:      # (nothing can have read an empty arena)
             self.on_grow()
         return True
-
-    def slots_for(self, states: list, rows: int) -> list[int]:
-        """Each state's slot, the arena grown first where the slots or `rows` rows a slot do not fit."""
-        slots = self.slots.of_all(states)
-        if self._grow(max(slots) + 1, rows):
-            slots = self.slots.of_all(states)  # (a growth renumbers the slots)
-        return slots
-
-    def hold(self, states: list, slots: list, first=None, count=None, log: list | None = None) -> np.ndarray:
-        """Point each state at its slot's ArenaRows, with (first, count) rows when given (the rows already in
-        place; else the caller's `update` sets them), the old attribute values logged (`undo`). -> the slots
-        (int64)."""
-        objs = list(map(self.rows_of, slots))
-        at = np.asarray(slots, dtype=np.int64)
-        if count is not None:
-            self.first[at], self.count[at] = first, count
-        if log is not None:
-            log.append((states, self.key, list(map(self._get, states))))
-        set_each(states, self.key, objs)
-        self._held = (objs, at)
-        return at
 
     def update(self, states: list, slots: np.ndarray, count: np.ndarray, first=None, log: list | None = None) -> None:
         """The states (at `slots`, holding their ArenaRows: `held`) now hold `count` rows (from `first`, when

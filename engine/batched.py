@@ -66,12 +66,10 @@ class Deferred:
 @dataclass
 class BatchPlan:
     """Host-side layout of one step's rows plus per-step caches of index tensors and pools."""
-    starts: list[int]                 # per sequence: position of its first new row
-    offs: list[int]                   # per sequence: offset of its rows in the flat batch
-    ns: list[int]                     # per sequence: number of new rows
-    arrays: tuple                     # (ns, offs, starts) as int64 arrays (the host's numpy work of each layer)
+    arrays: tuple                     # per sequence (ns: new rows, offs: their offset in the flat batch, starts:
+                                      # the position of its first new row) as int64 arrays
     row_index: np.ndarray             # per row: its sequence (int64)
-    positions: object                 # [T] on the device (a Deferred until the step's upload, host ids)
+    positions: object = None          # [T] on the device (a Deferred until the step's upload, host ids)
     rect_lo: list[int] | None = None  # YOCO mask mode: decoder windows start no earlier than this
     device: torch.device | None = None
     windows: dict = field(default_factory=dict)   # (past lengths, decoder) -> window_index rows [T, 2]
@@ -98,10 +96,11 @@ class BatchPlan:
     deferred: int = 0                             # Deferred handles made so far
     flushes: int = 0                              # uploads laid out so far
 
-    @property
+    @cached_property
     def spans(self) -> list[tuple[int, int, int]]:
-        """(start position, row offset, rows) per sequence (the compressors' input layout)."""
-        return list(zip(self.starts, self.offs, self.ns))
+        """(start position, row offset, rows) per sequence (the compressors' input layout: the eager path's)."""
+        ns, offs, starts = self.arrays
+        return list(zip(starts.tolist(), offs.tolist(), ns.tolist()))
 
     def defer(self, arr) -> Deferred:
         """A host int64 array (numpy / list) for the step's next upload."""
@@ -183,8 +182,8 @@ class BatchPlan:
 def make_plan(ns: np.ndarray, offs: np.ndarray, starts: np.ndarray, rect_lo: list | None, device) -> BatchPlan:
     """The plan of a step's sequences from their rows, offsets and start positions (int64 arrays: kept as the
     plan's `arrays`) and YOCO's rect_lo (None: off); positions come with the step's upload."""
-    return BatchPlan(starts.tolist(), offs.tolist(), ns.tolist(), (ns, offs, starts),
-                     np.repeat(np.arange(len(ns), dtype=np.int64), ns), None, rect_lo, device=torch.device(device))
+    return BatchPlan((ns, offs, starts), np.repeat(np.arange(len(ns), dtype=np.int64), ns), rect_lo=rect_lo,
+                     device=torch.device(device))
 
 
 def usable(model, chunks_rows: np.ndarray) -> bool:

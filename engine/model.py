@@ -59,7 +59,7 @@ from .moe import MoE
 from .norm import RMSNorm
 from .rope import apply_rope, inv_freq, rope_cos_sin
 from .step_graphs import SegmentGraphs, wait_done
-from .token_ring import ring_size, token_ring
+from .token_ring import ring_for
 from .transfer import made_once, ragged_arange, to_device, to_device_many
 
 # parameters kept in fp32 whatever the model dtype (DeepSeek ships them in F32)
@@ -174,13 +174,10 @@ class StepContext:
 
 # what plan_step reads of each StepRows and cache
 _CACHE, _ROWS, _LOGIT_ROWS, _LENGTH = map(operator.attrgetter, ("cache", "n", "logit_rows", "length"))
-# a cache's recent ids (a tuple or cache.ArenaRows) and how many it keeps
-_TOKEN_ROWS = operator.attrgetter("_tokens")
-_KEEP = operator.attrgetter("keep_tokens")
 
 
 def _counts(ctx: "StepContext") -> tuple:
-    """(rows, offset, start position) of each of the step's sequences, int64 arrays (the batched plan's lists when
+    """(rows, offset, start position) of each of the step's sequences, int64 arrays (the batched plan's `arrays` when
     there is one)."""
     if ctx.plan is not None:
         return ctx.plan.arrays
@@ -783,7 +780,7 @@ class Model(nn.Module):
                     eng.hash_consts(bp.device)
                     ctx.engram_rows[i] = src
                 else:     # (the caches' recent tokens on the device: row ids hashed on the host at launch, a sync)
-                    ctx.engram_ids[i] = bp.defer(np.zeros((len(bp.row_index), eng.spec.rows_per_token), dtype=np.int64))
+                    ctx.engram_ids[i] = bp.defer(np.zeros((plan.total, eng.spec.rows_per_token), dtype=np.int64))
         ctx.compress = {i: compress_step.plan_layer(self, layers[i].attn, ctx, bp, plan.saved)
                         for i in compress_step.graph_layers(self)}
         every_row = plan.every_row
@@ -1030,7 +1027,7 @@ class Model(nn.Module):
         N = int(self.config.engram.get("max_ngram_size", 3))
         ns, off, starts = _counts(ctx)
         T = int(ns.sum())
-        ring, slots = self._token_ring(ctx.caches, log=log)
+        ring, slots = ring_for(self, ctx.caches, log=log)
         R, pad = ring.ring, T + ring.flat.shape[0]
         # per row r of sequence q (j = r - off_q) and k steps back (position starts_q + j - k): a new token of this
         # step (j >= k), a held one (m_q + j >= k: in the ring at slot_q * R + position % R), or before the
@@ -1050,22 +1047,6 @@ class Model(nn.Module):
             return ctx.host_ids       # (no device ids yet: a device ring's ids come to the host)
         return ctx.token_ids
 
-    def _token_ring(self, caches: list, device=None, log: list | None = None) -> tuple:
-        """(the token ring holding the caches' recent ids, their slots in it): the ring of the last step when it
-        still holds them all (one identity check, TokenRing.held) and is on `device` (when given); else they are
-        placed into the model's ring of that device (default: the device of a cache's ids that are not on the host,
-        else the host) sized for the largest keep_tokens (TokenRing.place; log: an undo log)."""
-        ring = self.__dict__.get("_tokens_in")
-        if ring is not None and (device is None or ring.flat.device == torch.device(device)):
-            slots = ring.held(caches)
-            if slots is not None:
-                return ring, slots
-        if device is None:
-            device = next((t[0].device for t in map(_TOKEN_ROWS, caches) if t is not None
-                           and t[0].device.type != "cpu"), torch.device("cpu"))
-        ring = self._tokens_in = token_ring(self, device, ring_size(max(map(_KEEP, caches))))
-        return ring, ring.place(caches, log)
-
     def _advance(self, ctx: StepContext) -> None:
         """Advance the step's sequences: cache.tokens += this step's ids (the last keep_tokens kept) in the token
         ring (engine/token_ring.py: a steady step writes the new ids in place and the ring's per-slot arrays; on the
@@ -1073,10 +1054,10 @@ class Model(nn.Module):
         cache.set_each; the rollback floor follows the length by itself, SequenceCache.rollback)."""
         caches = ctx.caches
         n, off, start = _counts(ctx)
-        ring, slots = self._token_ring(caches)
+        ring, slots = ring_for(self, caches)
         ids = self._token_source(ctx, ring.flat.device.type == "cpu")
         if ids.device != ring.flat.device:       # (device ids, the ring on the host: the ids move to the device)
-            ring, slots = self._token_ring(caches, ids.device)
+            ring, slots = ring_for(self, caches, ids.device)
         ring.advance(slots, ids, n, off, start, host=ids is ctx.host_ids)
         set_each(caches, "length", (start + n).tolist())
 

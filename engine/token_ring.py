@@ -23,10 +23,10 @@ import numpy as np
 import torch
 
 from .arena import MIN_SLOTS, Slots, SlotRows, _pow2_at_least
-from .cache import set_each
 from .transfer import ragged_arange, to_device_many
 
 MIN_RING = 16
+# a cache's recent ids (a tuple or cache.ArenaRows) and how many it keeps
 _TOKENS = operator.attrgetter("_tokens")
 _KEEP = operator.attrgetter("keep_tokens")
 
@@ -62,32 +62,22 @@ class TokenRing(SlotRows):
         keep = np.fromiter(map(_KEEP, caches), np.int64, len(caches))
         if keep.max() > R:     # (checked before anything changes: a refused placement leaves the ring as it was)
             raise ValueError(f"a cache keeps {int(keep.max())} token ids, more than this ring's {R}")
-        slots = self.slots.of_all(caches)
-        if max(slots) >= len(self.first):
-            self._grow()
-            slots = self.slots.of_all(caches)     # (a growth renumbers the slots)
-        objs = list(map(self.rows_of, slots))
-        at = np.asarray(slots, dtype=np.int64)
-        self.keep[at] = keep
-        olds = list(map(_TOKENS, caches))
+        slots = self.slots_for(caches)
+        self.keep[slots] = keep
         moved, rows = [], []
-        for k, (c, t, o) in enumerate(zip(caches, olds, objs)):
-            if t is o:
+        for c, t, s in zip(caches, map(_TOKENS, caches), slots):
+            if t is self.rows_of(s):
                 continue
             ids = c.tokens if t is not None else None
             m = 0 if ids is None else min(ids.shape[0], R)
             if m:
                 moved.append(ids[ids.shape[0] - m:])
-                rows.append(at[k] * R + np.arange(c.length - m, c.length) % R)
-            self.count[at[k]] = m
-            self.first[at[k]] = at[k] * R + (c.length - m) % R
+                rows.append(s * R + np.arange(c.length - m, c.length) % R)
+            self.count[s] = m
+            self.first[s] = s * R + (c.length - m) % R
         if moved:
             self._write(np.concatenate(rows), torch.cat([t.to(self.flat.device) for t in moved]))
-        if log is not None:
-            log.append((caches, "_tokens", olds))
-        set_each(caches, "_tokens", objs)
-        self._held = (objs, at)
-        return at
+        return self.hold(caches, slots, log=log)
 
     def advance(self, slots: np.ndarray, ids: torch.Tensor, n: np.ndarray, off: np.ndarray, length: np.ndarray,
                 host: bool = False) -> None:
@@ -121,10 +111,12 @@ class TokenRing(SlotRows):
         values = values.to(flat.device)
         flat[parts[0]] = values if pick is None else values[parts[1]]
 
-    def _grow(self) -> None:
-        """A new ring with the live slots renumbered 0..n-1 (free ones dropped), slots a power of two >= twice the
-        live ones; copy, renumber the slots' objects."""
+    def _grow(self, slots: int) -> bool:
+        """Make room for `slots` slots: a new ring with the live slots renumbered 0..n-1 (free ones dropped), slots
+        a power of two >= twice the live ones; copy, renumber the slots' objects. -> whether it grew."""
         R, S = self.ring, len(self.first)
+        if slots <= S:
+            return False
         moves = self.slots.compact()
         S2 = _pow2_at_least(2 * len(moves), MIN_SLOTS)
         old = self.flat.view(S, R)
@@ -135,6 +127,7 @@ class TokenRing(SlotRows):
             data[:len(src)] = old[torch.tensor(src, device=old.device)]
         self._rows, self.first, self.count, self.keep = self._renumber(moves, S2, R, R, (self.keep,))
         self.flat, self._held = data.view(-1), None
+        return True
 
 
 def token_ring(model, device: torch.device, ring: int) -> TokenRing:
@@ -145,3 +138,20 @@ def token_ring(model, device: torch.device, ring: int) -> TokenRing:
     if got is None:
         got = rings[key] = TokenRing(ring, key[0])
     return got
+
+
+def ring_for(model, caches: list, device=None, log: list | None = None) -> tuple:
+    """(the token ring holding the caches' recent ids, their slots in it): the model's ring of its last step when it
+    still holds them all (one identity check, TokenRing.held) and is on `device` (when given); else they are placed
+    into the model's ring of that device (default: the device of a cache's ids that are not on the host, else the
+    host) sized for the largest keep_tokens (TokenRing.place; log: an undo log)."""
+    ring = model.__dict__.get("_tokens_in")
+    if ring is not None and (device is None or ring.flat.device == torch.device(device)):
+        slots = ring.held(caches)
+        if slots is not None:
+            return ring, slots
+    if device is None:
+        device = next((t[0].device for t in map(_TOKENS, caches) if t is not None
+                       and t[0].device.type != "cpu"), torch.device("cpu"))
+    ring = model._tokens_in = token_ring(model, device, ring_size(max(map(_KEEP, caches))))
+    return ring, ring.place(caches, log)
