@@ -223,6 +223,16 @@ FP4 decode, wrong results): mid-size T = 64 87.9-88.9 / 89.8-90.4 / 84.3-85.0, T
 / 104.3-110.3, V4.1 T = 64 1389-1460 / 1313 / 1248-1250 (kernels/moe.py's W4_TILES notes have the SASS counts).
 Gate/up capped at 128 registers at mid-size T = 64 / 32 / 16 (R4; 4 programs an SM, one wave): 87.4-88.5 /
 85.9-86.9 / 73.6-73.8 -> 93.9-95.1 / 93.0-93.9 / 85.1-85.7, not taken.
+
+Session 16, routed experts (K3; .round scripts, HEAD's kernels in the same run, 20-call CUDA graphs, us): the packed
+FP4 gate/up launched alone at mid-size T = 64 with the pairs dealt over N experts steps at 396 programs (3 an SM):
+384 programs 39.1-40.3, 400 programs 53.0-53.7, 512 54.6-55.7; from 192 to 384 programs it stays at 38-40. A trace
+of the programs (R3: %smid, %globaltimer) says why: three programs on an SM take 35 us together (~11.7 us each), a
+program alone 19-20 us (latency-bound), and at T = 64 the 116 programs past the first 396 run alone: ~10 us over an
+even spread of the work (kernels/moe.py's W4_TILES notes: a stream-K walk is the lead). Measured and deleted
+(kernels/moe.py's W4_TILES notes have every row): split-K gate/up with the partials summed by a SwiGLU launch (T =
+64: 93.8-93.9 against 87.4-88.0) or by the down kernel's prologue (115.7-115.8), 64-row gate/up or down tiles,
+256-row down tiles, a persistent grid (98.3-99.0 against 88.4-88.5) and mma.sync builds (161.3-165.8).
 """
 import math
 import os

@@ -237,6 +237,19 @@ H200 numbers (torch 2.11 / Triton 3.6; copy 4,250-4,275 GB/s; us, fraction of co
   session 15 R3, the speculative step's top-p-alone bonus (sweep part spec_bonus's inputs: 64 requests x 4 rows,
   peaked, every draft accepted), us: p 0.5 233.4 / 233.5 (8 proposals in the statistics pass and its last draw; 3 /
   2 bonus rows missing the first four) against HEAD's 634.6 / 500.2 (loops over those rows); p 0.9 172.0 / 177.0
+  session 16 R1-R3 (2026-12-01; copy 4,205-4,250 GB/s; .round scripts timing sample_triton, 4 input sets rotated,
+  HEAD's kernels in the same run, variants alternating over three passes; tokens = twin on every row), us:
+    R2, the pass in sub-blocks (kernels/sampling.py beside PASS_SHAPE; 256 lanes a program, x1 / x2 lanes side by
+    side): T=0.7 + random 50% masks B=64 256x2x1 14.00 / 13.97 / 13.93 against HEAD 13.39 / 14.55 / 14.42 (the first
+                            pass ran in a faster state of the card: 58% -> 58-59% of copy bandwidth in the later
+                            passes' terms, 14.5 -> 13.95); B=256 38.66 / 38.75 / 38.63 against 41.12 / 41.08 / 41.07
+                            (79% -> 84%); the engine's mask form (every 4th row unmasked) B=64 12.68 / 12.71 / 12.70
+                            against 13.12 / 13.10 / 13.10 (61% -> 64%); T=1 B=256 256x2x2 33.98 / 34.06 / 33.78
+                            against 34.48 / 34.42 / 34.48 (91% -> 93%); T=1 B=64 (unchanged shape) 11.08 / 11.00 /
+                            11.06 against 11.14 / 11.06 / 11.17
+    R1, words unpredicated     T=0.7 + mask B=256 (128x4) 39.50 / 39.65 against 40.36 / 40.74; the engine's form
+    + ln S_g by lg2.approx     B=64 12.89 / 12.91 against 13.04 / 13.00; T=1 B=64 10.82 / 10.86 against 10.98 /
+                            10.93
 """
 import os
 
@@ -837,6 +850,12 @@ def compile_cases():
         ("sample segment +mask v4", sampling._segment_kernel, seg_types, dict(HAS_MASK=True, HAS_TAU=True,
                                                                               LANES=256, LW=16, PL=256, VEC=4,
                                                                               FAST=True, **seg_flags), 2),
+        ("sample segment +mask sub4", sampling._segment_kernel, seg_types,
+         dict(HAS_MASK=True, HAS_TAU=False, LANES=256, LW=16, PL=256, VEC=1, FAST=True, SUBS=4, PDL=True,
+              **seg_flags), 2),
+        ("sample segment sub2 v2", sampling._segment_kernel, seg_types,
+         dict(HAS_MASK=False, HAS_TAU=False, LANES=256, LW=16, PL=256, VEC=2, FAST=True, SUBS=2, PDL=True,
+              **seg_flags), 2),
         ("sample segment np4", sampling._segment_kernel, seg_types,
          dict(HAS_MASK=False, HAS_TAU=False, LANES=256, LW=16, PL=128, VEC=2, FAST=True, DONE=False, MASK_FIRST=False,
               NP=4, REJECT=True, HOT=True, NPR=4), 2),

@@ -125,6 +125,29 @@ the timed steps. With torch.Events for the copies (step_graphs.copy_event, R3) t
 (R1-R2 0.08-0.11). The launch until the segments (0.18-0.19 ms at 256): 81 us to its ids check, 19 in wait_done's
 event query, the segments entered at 190.
 
+Session 16, the launch until the step's graph runs (H200, same command at batch 64; one process a round, paths
+ahead / "base" (HEAD's model, batched and step_graphs loaded as a second package, .round/data/E/ab.py) / "probe"
+(host clocks inside launch) / control; both rounds in a slow phase of the host: plan 3.0-3.4 ms where session 15 R3
+measured 1.65-1.77). The step ends with the device and its period is the launch until the graph runs plus the graphs
+as run: the host's work after the graph run and the plan overlap the device. R1 probe (the engine as at HEAD): the
+graph launched 405 us after launch's call (ids checked at 82-188 us, the segments' loop entered at 233,
+`_run_segment` at 249, SegmentGraphs.run at 350), its cudaGraphLaunch then held the host 69 us; the events around
+the graph run were recorded with torch.cuda.Event.record(), which asks torch.cuda.current_stream() first (25-38 us
+in session 15's probe, not the engine's): now on the stream fetched once. The step's first graph replayed as
+prepared by plan_step (Model._prepare_first, SegmentGraphs.prepare: launch writes the ids into their host buffer and
+replays it, the inputs' resolving and identity check done at plan time), R2: before the graph run 0.28-0.29 ms
+against base's 0.39, the graph runs as timed by the device 3.79 against 3.84, after the graph run 0.58-0.60 against
+0.68 (the layers that select, batched.select_layers, known once), step 4.34 / control 4.39 against base 4.56 ms
+(37.5% of the roofline against 35.7%); base's logits equal bit for bit. A fixed Python loop timed around the launch
+(probe) took 86 us before it, 78 after it and 83 after the plan: no slower start after the wait for the device, the
+host was slow throughout. With the prepared replay "of it to the segments" (the segments' loop entered) comes after
+the graph run. R3 (the final code, batch 8, paths ahead / base / "lines" (a line tracer on launch) / control): step
+3.22 / control 3.24 against base 3.33 ms (34.8% of the roofline against 33.4%), before the graph run 0.13 against
+0.19 ms, the graph runs as timed by the device 3.05-3.07 against 3.10 (back to back 3.02-3.03), after the graph run
+0.33-0.34 against 0.41; base's logits equal bit for bit. What is left before the graph run (R3's tracer, its own
+cost in each line): the plan's state set through nn.Module.__setattr__ 28 us, the ids' range check 34, the model's
+device 12, the graph launch 31 inside a replay_ready of 66.
+
 `--profile` then looks at where one fast decode step's time goes, per batch size (fresh caches, after warm-up;
 every batch's host-clock and cProfile measurements first, then the torch.profiler ones: once CUPTI is attached it
 stays, and a CUDA-graph launch then costs the host ~0.3-1 ms instead of ~0.01-0.04, which made the step's one
@@ -300,19 +323,26 @@ def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, wa
         keys = []      # the segments the last step ran (graphs_back_to_back replays them)
         # events around the step's graph runs (CUDA): the device time of the step as it ran, its launch latency in it
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if dev.type == "cuda" else None
+        # (recorded on this stream, fetched once: Event.record() alone asks torch.cuda.current_stream(), 25-38 us of
+        # the host's launch before the graph run in session 15's probe, which the engine itself does not spend)
+        stream = torch.cuda.current_stream() if ev is not None else None
         graph_ms = []
 
-        def run(*a, **k):
-            if ev is not None and not marks:
-                ev[0].record()
-            t = time.perf_counter()
-            out = real_run(*a, **k)
-            marks.append((t, time.perf_counter()))
-            if ev is not None:
-                ev[1].record()
-            keys.append(run_key(a[0], k.get("pre")))     # (the key SegmentGraphs.run keeps it under)
-            return out
-        g.run = run
+        def timed(real, key_of):
+            def call(*a, **k):
+                if ev is not None and not marks:
+                    ev[0].record(stream)
+                t = time.perf_counter()
+                out = real(*a, **k)
+                marks.append((t, time.perf_counter()))
+                if ev is not None:
+                    ev[1].record(stream)
+                keys.append(key_of(*a, **k))     # (the key SegmentGraphs keeps the segment under)
+                return out
+            return call
+        g.run = timed(real_run, lambda key, *a, pre=None: run_key(key, pre))
+        if hasattr(g, "replay_ready"):      # (a graph replay prepared at plan time: SegmentGraphs.prepare)
+            g.replay_ready = timed(g.replay_ready, lambda ready: ready.key)
         real_layers = model._layers_fast
         entered = []   # when launch reaches the segments (its checks and id handling done)
 
@@ -386,6 +416,7 @@ def decode_run(model, caches, toks_per_step, dev, counter, dense, per_expert, wa
     if ahead:
         decode_run.replay_ms = graphs_back_to_back(model, sum(r.n for r in rows), dev, keys)
         del model._graphs.run, model._layers_fast
+        model._graphs.__dict__.pop("replay_ready", None)
         restore()
         n = max(1, len(toks_per_step) - warmup)
         decode_run.launch_parts = {k: v / n for k, v in parts_ms.items()}

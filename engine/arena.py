@@ -102,6 +102,15 @@ class Slots:
         return moves
 
 
+def live_slots(moves: list, slots: int, device) -> tuple:
+    """After Slots.compact (`moves`, old slot -> new slot in order) of a storage of `slots` slots: (how many live slots
+    it held, their index in the old storage in the new order: a slice when they are its first ones, one block copy,
+    else a device tensor) for the growths' copy `new[:n] = old[index]` (along the slot dimension)."""
+    src = [a for a, _, _ in moves if a < slots]
+    n = len(src)
+    return n, slice(0, n) if src == list(range(n)) else torch.tensor(src, device=device)
+
+
 def _held(last: tuple | None, get, items: list) -> np.ndarray | None:
     """The slots of the last `hold` (last = (objects, slots int64)) when `get` of each item is, in order, the object
     held then (C-level identity checks, no Python per item); else None."""
@@ -240,11 +249,8 @@ class RowArena(SlotRows):
             store = torch.zeros((S2 * C2 + 1, W), dtype=old_data.dtype, device=old_data.device)
             data = store[:S2 * C2].view(S2, C2, W)
             if moves and S * C:
-                src = [a for a, _, _ in moves if a < S]
-                if src == list(range(len(src))):      # nothing freed below the live slots: one block copy
-                    data[:len(src), :C] = old_data[:len(src)]
-                else:
-                    data[:len(src), :C] = old_data[torch.tensor(src, device=old_data.device)]
+                n, live = live_slots(moves, S, old_data.device)
+                data[:n, :C] = old_data[live]
             self.data, self.flat = data, store
         # (only ArenaRows ever point into an arena: `hold` gives a state its slot's object, and nothing makes a
         # plain tuple of an arena's storage (a deep copy's tuple is of a copy, `place` keeps its tuples to itself),
@@ -413,11 +419,9 @@ class WindowSlab:
         with torch.inference_mode(False):
             S2 = _pow2_at_least(len(moves), MIN_SLOTS)
             self.data = torch.zeros((L, S2, C, D), dtype=old.dtype, device=old.device)
-            src = [a for a, _, _ in moves if a < S]
-            if src == list(range(len(src))):
-                self.data[:, :len(src)] = old[:, :len(src)]
-            elif src:
-                self.data[:, :len(src)] = old[:, torch.tensor(src, device=old.device)]
+            n, live = live_slots(moves, S, old.device)
+            if n:
+                self.data[:, :n] = old[:, live]
         lo, hi = np.zeros(S2, dtype=np.int64), np.zeros(S2, dtype=np.int64)
         for a, b, cache in moves:
             st = cache.windows

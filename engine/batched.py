@@ -63,11 +63,18 @@ class Deferred:
     shape: tuple
 
 
+class SeqArrays(NamedTuple):
+    """Per sequence of a step, int64 arrays (as Model's _Seq names them): its new rows, their offset in the flat
+    batch, the position of its first new row."""
+    n: np.ndarray
+    off: np.ndarray
+    start: np.ndarray
+
+
 @dataclass
 class BatchPlan:
     """Host-side layout of one step's rows plus per-step caches of index tensors and pools."""
-    arrays: tuple                     # per sequence (ns: new rows, offs: their offset in the flat batch, starts:
-                                      # the position of its first new row) as int64 arrays
+    arrays: SeqArrays                 # per sequence: new rows, their offset, first position
     row_index: np.ndarray             # per row: its sequence (int64)
     positions: object = None          # [T] on the device (a Deferred until the step's upload, host ids)
     rect_lo: list[int] | None = None  # YOCO mask mode: decoder windows start no earlier than this
@@ -182,7 +189,7 @@ class BatchPlan:
 def make_plan(ns: np.ndarray, offs: np.ndarray, starts: np.ndarray, rect_lo: list | None, device) -> BatchPlan:
     """The plan of a step's sequences from their rows, offsets and start positions (int64 arrays: kept as the
     plan's `arrays`) and YOCO's rect_lo (None: off); positions come with the step's upload."""
-    return BatchPlan((ns, offs, starts), np.repeat(np.arange(len(ns), dtype=np.int64), ns), rect_lo=rect_lo,
+    return BatchPlan(SeqArrays(ns, offs, starts), np.repeat(np.arange(len(ns), dtype=np.int64), ns), rect_lo=rect_lo,
                      device=torch.device(device))
 
 
@@ -207,7 +214,7 @@ def window_index(plan: BatchPlan, past_lens, W: int, decoder: bool) -> Deferred:
     if key in plan.windows:
         return plan.windows[key]
     cap = plan.win_all.shape[2]
-    starts = plan.arrays[2]
+    starts = plan.arrays.start
     base = np.asarray(plan.win_slot, dtype=np.int64) * cap + np.asarray(plan.win_end, dtype=np.int64) - starts
     lo = starts - np.asarray(plan.win_m if past_lens is None else past_lens, dtype=np.int64)
     if decoder:
@@ -231,13 +238,13 @@ def prepare_windows(model, ctx, plan: BatchPlan, like: torch.Tensor) -> None:
     held = slab.held(caches)
     if held is not None:
         lo, hi = slab.lo[held], slab.hi[held]
-        for k in np.flatnonzero(hi + plan.arrays[0] > cap).tolist():   # (rare: see below)
+        for k in np.flatnonzero(hi + plan.arrays.n > cap).tolist():   # (rare: see below)
             slot, m = int(held[k]), int(hi[k] - lo[k])
             data[:, slot, :m] = data[:, slot, lo[k]:hi[k]].clone()
             lo[k], hi[k] = slab.lo[slot], slab.hi[slot] = 0, m
         plan.win_all, plan.win_slot, plan.win_end, plan.win_m = data, held, hi, hi - lo
         plan.win_lens, plan.win_uniform, plan.win_held = [None] * len(caches), True, True
-        plan.win_new_rows = plan.defer(ragged_arange(held * cap + hi, plan.arrays[0]))
+        plan.win_new_rows = plan.defer(ragged_arange(held * cap + hi, plan.arrays.n))
         return
     ends, ms, lens = [], [], []
     slots = slab.slots_for(caches)     # (may grow the slab: read slab.data after this)
@@ -269,7 +276,7 @@ def prepare_windows(model, ctx, plan: BatchPlan, like: torch.Tensor) -> None:
     plan.win_all, plan.win_slot, plan.win_end, plan.win_m, plan.win_lens = data, slots, ends, ms, lens
     plan.win_uniform = all(ls is None for ls in lens)
     first = np.asarray(slots, dtype=np.int64) * cap + np.asarray(ends, dtype=np.int64)
-    plan.win_new_rows = plan.defer(ragged_arange(first, plan.arrays[0]))    # (row j of sequence s: first[s] + j)
+    plan.win_new_rows = plan.defer(ragged_arange(first, plan.arrays.n))    # (row j of sequence s: first[s] + j)
 
 
 _POOL_STATES = {   # pool kind -> (the arena's part name, the row attribute, the state holding it)
@@ -474,16 +481,29 @@ def grows(attn) -> bool:
     return hasattr(attn, "compressor") or (idx is not None and (hasattr(idx, "compressor") or hasattr(idx, "wk")))
 
 
+def _structural(model, name: str, make):
+    """make(model), kept in the model's attribute `name` while model.layers is the same object (a fact fixed by the
+    model's structure, asked on every step's host path: computed once)."""
+    got = model.__dict__.get(name)
+    if got is None or got[0] is not model.layers:
+        got = model.__dict__[name] = (model.layers, make(model))
+    return got[1]
+
+
 def eager_layers(model) -> list[int]:
     """Layers whose cache updates run eagerly between graph segments (those compress_step cannot run inside the
     graph: V4's overlapping compressors and index compressors). V4.1: none (its graph is cut only before Engram
     layers: `engram_splits`)."""
-    got = model.__dict__.get("_eager_layers")
-    if got is None or got[0] is not model.layers:        # (fixed by the model's structure: computed once)
-        graph = set(compress_step.graph_layers(model))
-        got = model.__dict__["_eager_layers"] = (
-            model.layers, [i for i, blk in enumerate(model.layers) if i not in graph and grows(blk.attn)])
-    return got[1]
+    def make(m):
+        graph = set(compress_step.graph_layers(m))
+        return [i for i, blk in enumerate(m.layers) if i not in graph and grows(blk.attn)]
+    return _structural(model, "_eager_layers", make)
+
+
+def select_layers(model) -> frozenset:
+    """The layers whose attention selects its own entries (`core_kind` "select": a segment returns their ids)."""
+    return _structural(model, "_select_layers",
+                       lambda m: frozenset(i for i, blk in enumerate(m.layers) if core_kind(blk.attn) == "select"))
 
 
 # a segment that starts or ends between two layers (not inside one): `span`'s prev_e / next_e
@@ -502,13 +522,9 @@ class Handoff(NamedTuple):
 
 
 def engram_layers(model) -> list[int]:
-    """The layers with an Engram module (fixed by the model's structure: computed once; asked on every step's
-    host path, where a hasattr per layer costs a failed nn.Module attribute lookup each)."""
-    got = model.__dict__.get("_engram_layers")
-    if got is None or got[0] is not model.layers:
-        got = model.__dict__["_engram_layers"] = (
-            model.layers, [i for i, blk in enumerate(model.layers) if hasattr(blk, "engram")])
-    return got[1]
+    """The layers with an Engram module (a hasattr per layer would cost a failed nn.Module attribute lookup each)."""
+    return _structural(model, "_engram_layers",
+                       lambda m: [i for i, blk in enumerate(m.layers) if hasattr(blk, "engram")])
 
 
 def engram_on_device(model) -> list[int]:
@@ -591,7 +607,7 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
     feats = []
     first = 0 if prev_e is None or prev_e == BOUNDARY else 1
     engram_in = {k: _engram_input(per[n * k], token_ids) for k in range(first, first + len(full))}
-    ahead = _engram_ahead(model, full, first, engram_in, token_ids)
+    ahead = _engram_ahead(model, full, engram_in, token_ids)
     if prev_e is None:
         R, a = model.embed_streams(token_ids, reuse=True)
         x = None
@@ -637,16 +653,15 @@ def span(model, prev_e, full, next_e, every_row, meta, R, pre, post, comb, q, kv
     return (*out, *tail)
 
 
-def _engram_ahead(model, full, first: int, engram_in: dict, token_ids) -> dict:
-    """The Engram rows of the segment's layers that the device reads from the windows (a window source input:
-    engram_in, each layer's `_engram_input` by its index k in the segment), read on a lane of their own
+def _engram_ahead(model, full, engram_in: dict, token_ids) -> dict:
+    """The Engram rows of the segment's layers `full` that the device reads from the windows (a window source input:
+    engram_in, each layer's `_engram_input` by its index k in the segment, in order), read on a lane of their own
     (engine/streams.py) as the segment starts, so that their reads over PCIe overlap the layers before them instead
     of stalling the layer that needs them: {k: (rows, event after them, the lane)} ({} on the CPU: the layers read
     them in turn)."""
     got = {}
     lane = None
-    for k, j in enumerate(full, start=first):
-        e = engram_in[k]
+    for (k, e), j in zip(engram_in.items(), full):
         if not isinstance(e, WindowSource):
             continue
         if lane is None:
@@ -755,7 +770,7 @@ def commit_windows(model, ctx, plan: BatchPlan) -> None:
     keep = model.config.sliding_window - 1 + model.max_rollback
     slab, win = plan.win_slab, plan.win_all
     if plan.win_held:
-        end = plan.win_end + plan.arrays[0]
+        end = plan.win_end + plan.arrays.n
         slab.lo[plan.win_slot] = np.maximum(slab.lo[plan.win_slot], end - keep)
         slab.hi[plan.win_slot] = end
         return

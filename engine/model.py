@@ -165,6 +165,8 @@ class StepContext:
     ids_host: tuple | None = None              # graph steps: SegmentGraphs.ids_buffers (the ids' own buffers)
     ids_copy: bool = False                     # the first segment still has to copy the ids in (launch sets it)
     engram_ids: dict = field(default_factory=dict)    # fast path: engram layer -> its row ids' upload slot, to fill
+    ready: object = None                       # graph steps: the first graph's replay prepared by plan_step
+    ready_out: tuple | None = None             # its outputs, once launch replayed it
 
     @functools.cached_property
     def caches(self) -> list:
@@ -177,12 +179,13 @@ _CACHE, _ROWS, _LOGIT_ROWS, _LENGTH = map(operator.attrgetter, ("cache", "n", "l
 
 
 def _counts(ctx: "StepContext") -> tuple:
-    """(rows, offset, start position) of each of the step's sequences, int64 arrays (the batched plan's `arrays` when
+    """The step's sequences' rows, offsets and start positions (batched.SeqArrays: the batched plan's `arrays` when
     there is one)."""
     if ctx.plan is not None:
         return ctx.plan.arrays
     seqs = ctx.seqs
-    return tuple(np.fromiter([getattr(s, k) for s in seqs], np.int64, len(seqs)) for k in ("n", "off", "start"))
+    return batched.SeqArrays(*(np.fromiter([getattr(s, k) for s in seqs], np.int64, len(seqs))
+                               for k in batched.SeqArrays._fields))
 
 
 def _on_host(t: torch.Tensor) -> bool:
@@ -581,6 +584,7 @@ class Model(nn.Module):
                 # (the upload now, behind the step the device runs: stream order keeps that step's reads of the
                 # same buffer first; row ids hashed at launch, ctx.engram_ids, keep it for the launch)
                 ctx.plan.send()
+                ctx.ready = self._prepare_first(ctx, plan)
         except BaseException:
             if plan.saved:
                 undo_log(plan.saved)
@@ -588,6 +592,22 @@ class Model(nn.Module):
             self._graphs.abort_step()
             raise
         return plan
+
+    def _prepare_first(self, ctx: StepContext, plan: "StepPlan"):
+        """The step's first graph, its replay prepared now (SegmentGraphs.prepare: a replay step whose inputs are all
+        the captured objects, the steady decode step), so that launch replays it right after writing the token ids
+        into their host buffer, before the rest of its host work; None otherwise. Session 16 (mid-size V4.1, batch
+        64, H200, a slow phase of the host; benchmarks/model_forward.py): the graph launched 405 us after launch's
+        call, 155 of them after `_run_segment` was entered (R1: resolving and passing the ~450 inputs, the key, the
+        inputs' identity check); prepared, launch until the graph run 0.28-0.29 ms against 0.39 and the step 4.34 /
+        4.39 against 4.56 ms in the same process (R2); at batch 8 0.13 against 0.19 ms, step 3.22 / 3.24 against
+        3.33 (R3)."""
+        seg = plan.segments[0] if plan.segments else None
+        if seg is None or seg.late:
+            return None
+        host, dev, _ = ctx.ids_host
+        # (the inputs `_run_segment` passes: the first segment's empty layer chain, the ids, its args)
+        return ctx.graphs.prepare(seg.key, [None] * 8 + [ctx.graph_ids, *seg.args], pre=(dev, host))
 
     def cancel(self, plan: "StepPlan") -> None:
         """Forget a planned step that will not be launched: the caches are as before `plan_step` (the rows it moved
@@ -673,6 +693,10 @@ class Model(nn.Module):
         every_row = plan.every_row
         logits = None
         try:
+            if ctx.ready is not None and ctx.ids_copy:
+                # (the first graph, prepared by plan_step: launched now that its ids are in their host buffer; the
+                # host work before it ran at plan time, the rest of the launch's runs while the device computes)
+                ctx.ready_out = self._graphs.replay_ready(ctx.ready)
             if ctx.plan is not None:
                 hfin, logits = self._layers_fast(ctx, every_row, plan.segments, bool(plan.splits))
             else:
@@ -852,13 +876,15 @@ class Model(nn.Module):
     def _run_and_record(self, ctx: StepContext, seg: "_Segment", chain: list) -> tuple:
         """Read the segment's Engram rows, run it, record what its layers report (DSpark features, selections,
         candidate blocks) -> its head outputs."""
-        self._engram_rows(ctx, [j for _, j in seg.late])
+        if seg.late or ctx.engram_ids:     # (nothing to look up: V4.1's step with the device reading its rows)
+            self._engram_rows(ctx, [j for _, j in seg.late])
         outs = self._run_segment(ctx, seg, chain)
         head, tail = outs[:len(outs) - 3 * len(seg.cores)], outs[len(outs) - 3 * len(seg.cores):]
+        select = batched.select_layers(self)
         for j, (feat, ids, cand) in zip(seg.cores, zip(tail[0::3], tail[1::3], tail[2::3])):
             if feat is not None:
                 ctx.captures[j] = feat
-            if batched.core_kind(self.layers[j].attn) == "select":
+            if j in select:
                 ctx.plan.topk[j] = ids
             if cand is not None:
                 ctx.plan.cand[j] = cand
@@ -976,7 +1002,8 @@ class Model(nn.Module):
             return g.run(key, seg.fn, *chain, ctx.graph_ids, *args)
         host, dev, done = ctx.ids_host
         ctx.ids_copy, ctx.token_ids = False, dev
-        out = g.run(key, seg.fn, *chain, ctx.graph_ids, *args, pre=(dev, host))
+        out = ctx.ready_out if ctx.ready_out is not None else g.run(key, seg.fn, *chain, ctx.graph_ids, *args,
+                                                                    pre=(dev, host))
         if done is not None:     # (the next launch waits for it before writing `host` again: long passed)
             done.record()
         return out
@@ -1021,14 +1048,16 @@ class Model(nn.Module):
         return src[to_device(torch.from_numpy(idx), ids.device)]
 
     def _windows_prep(self, ctx: StepContext, log: list | None = None) -> tuple:
-        """(index [T, N] int64 NumPy into [this step's ids, tail], tail = a copy of the token ring that holds the
-        caches' recent ids (engine/token_ring.py; placed there first when it does not: `log`, an undo log, gets
-        that) and a -1): the token-independent part of `_token_windows`."""
+        """(index [T, N] int64 NumPy into [this step's ids, tail], tail = the token ring's storage (the caches' recent
+        ids, engine/token_ring.py: placed there first when it does not hold them, `log` an undo log that gets that;
+        then a -1, where ids before a sequence's start or beyond its kept ones point): the token-independent part of
+        `_token_windows`. (The launch reads the ring as this plan left it: nothing writes it in between, its growth
+        makes a new storage.)"""
         N = int(self.config.engram.get("max_ngram_size", 3))
         ns, off, starts = _counts(ctx)
         T = int(ns.sum())
         ring, slots = ring_for(self, ctx.caches, log=log)
-        R, pad = ring.ring, T + ring.flat.shape[0]
+        R, pad = ring.ring, T + ring.flat.shape[0] - 1
         # per row r of sequence q (j = r - off_q) and k steps back (position starts_q + j - k): a new token of this
         # step (j >= k), a held one (m_q + j >= k: in the ring at slot_q * R + position % R), or before the
         # sequence start / beyond the kept ids (pad); numpy over [T, N]
@@ -1036,7 +1065,7 @@ class Model(nn.Module):
         j = np.arange(T, dtype=np.int64)[:, None] - off
         k = np.arange(N, dtype=np.int64)[None, :]
         idx = np.where(j >= k, off + j - k, np.where(m + j >= k, T + base + (start + j - k) % R, pad))
-        return idx, torch.cat([ring.flat, torch.full((1,), -1, dtype=torch.long, device=ring.flat.device)])
+        return idx, ring.flat
 
     @staticmethod
     def _token_source(ctx: StepContext, on_host: bool) -> torch.Tensor:

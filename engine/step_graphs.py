@@ -31,7 +31,11 @@ Contract:
   * weights and fixed tensors must not move after capture: `reset()` drops every graph (the model calls it from
     `set_dtype`, the slab and arenas when they grow).
 Cost: capture ~ one eager step plus a device sync per segment, once per T (measured by benchmarks/model_forward.py:
-its warm-up steps); replay: one graph launch per segment plus one copy per non-chained input.
+its warm-up steps); replay: one graph launch per segment plus one copy per non-chained input. The launch of the
+mid-size step's one graph holds the host 38-72 us (session 16 R1, H200, batch 64), and the step's graphs as run
+take 0.11 ms longer than replayed back to back. Measured and deleted (R1, same process, batch 64): the step cut
+before its first Engram layer, so that the device starts on a one-layer graph while the host launches the rest:
+the graphs as run 3.82 ms against 3.82-3.84 uncut, the step 4.30 against 4.25-4.45 (a slow phase of the host).
 
 `emulate=True` (tests, any device): a "graph" is the function itself re-run on the captured input buffers, its
 results copied into the captured output buffers, so the same buffer discipline (inputs copied in, outputs
@@ -39,6 +43,7 @@ overwritten by every replay) can be checked on the CPU.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -65,6 +70,13 @@ class _Size:
     fixed_now: dict = field(default_factory=dict)   # id -> tensor `fixed()` this step (folded into static at capture)
     ids: tuple | None = None                        # (host, device, event) buffers of the token ids (`ids_buffers`)
     complete: bool = False
+
+
+@dataclass
+class Ready:
+    """A captured segment whose replay a step prepared (SegmentGraphs.prepare): its key (run_key's) and segment."""
+    key: tuple
+    seg: _Segment
 
 
 class _Pinned:
@@ -339,6 +351,25 @@ class SegmentGraphs:
         return t
 
     # ------------------------------------------------------------------------------------------ segments
+    def prepare(self, key, inputs: list, pre: tuple | None = None) -> "Ready | None":
+        """In a replay step, the captured segment that `run(key, fn, *inputs, pre=pre)` would replay when every input
+        is the object it captured (nothing to copy in: the steady decode step), for `replay_ready` to launch with no
+        other host work; else None (then `run` it). Model.plan_step prepares the step's first graph so, and its
+        launch replays it as soon as the token ids are in their host buffer."""
+        size = self._cur
+        if size is None or self.mode != "replay":
+            return None
+        key = run_key(key, pre)
+        seg = size.segments.get(key)
+        if seg is None or len(seg.inputs) != len(inputs) or not all(map(operator.is_, seg.inputs, inputs)):
+            return None
+        return Ready(key, seg)
+
+    def replay_ready(self, ready: "Ready") -> tuple:
+        """Replay a segment `prepare` found (in the same step) -> its outputs (`run`'s)."""
+        ready.seg.graph.replay()
+        return ready.seg.outputs
+
     def run(self, key, fn: Callable[..., tuple], *inputs, pre: tuple | None = None) -> tuple:
         """fn(*inputs) -> tuple of tensors (or None), eagerly, by capture + replay, or by replay (this step's
         mode). Same values in every mode. pre: (dst, src) copied at the segment's start, inside its graph (the
@@ -356,7 +387,9 @@ class SegmentGraphs:
         if seg is None:      # (also in a replay step: a segment key this size never saw, e.g. a new index bucket)
             seg = size.segments[key] = self._capture(size, fn, inputs)
             self.captures += 1
-        else:   # (a step passes ~500 inputs, most read in place: this loop is on every step's host path)
+        elif not all(map(operator.is_, seg.inputs, inputs)):
+            # (a step passes ~500 inputs, under graphs all of them the captured objects as a rule: checked at C level
+            # above; this loop is for the others)
             for have, given in zip(seg.inputs, inputs):
                 if have is given:
                     continue

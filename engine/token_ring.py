@@ -22,7 +22,7 @@ import operator
 import numpy as np
 import torch
 
-from .arena import MIN_SLOTS, Slots, SlotRows, _pow2_at_least
+from .arena import MIN_SLOTS, Slots, SlotRows, _pow2_at_least, live_slots
 from .transfer import ragged_arange, to_device_many
 
 MIN_RING = 16
@@ -40,8 +40,10 @@ class TokenRing(SlotRows):
     def __init__(self, ring: int, device: torch.device):
         self.ring = ring
         self.key, self._get = "_tokens", _TOKENS
+        # flat [slots * R + 1]: every slot's ring, then a -1 (the Engram windows' index points there for ids before a
+        # sequence's start or beyond its kept ones, Model._windows_prep: no copy of the ring with a -1 each step)
         with torch.inference_mode(False):     # (written in place in and out of inference_mode)
-            self.flat = torch.zeros(0, dtype=torch.long, device=device)
+            self.flat = torch.full((1,), -1, dtype=torch.long, device=device)
         self.slots = Slots()
         # per slot: its first id's row in flat, how many it holds, and how many its cache keeps (keep_tokens, read
         # when the cache is placed)
@@ -56,8 +58,10 @@ class TokenRing(SlotRows):
         elsewhere read through cache.tokens and written into its slot at their positions: one write for all) and
         its keep_tokens (<= R) in `keep`. log: an undo log (arena.undo) that gets the caches' old `_tokens`."""
         slots = self.held(caches)
-        if slots is not None:
-            return slots
+        return slots if slots is not None else self._move_in(caches, log)
+
+    def _move_in(self, caches: list, log: list | None) -> np.ndarray:
+        """`place` for caches that are not all held (the slow path)."""
         R = self.ring
         keep = np.fromiter(map(_KEEP, caches), np.int64, len(caches))
         if keep.max() > R:     # (checked before anything changes: a refused placement leaves the ring as it was)
@@ -119,14 +123,15 @@ class TokenRing(SlotRows):
             return False
         moves = self.slots.compact()
         S2 = _pow2_at_least(2 * len(moves), MIN_SLOTS)
-        old = self.flat.view(S, R)
+        old = self.flat[:S * R].view(S, R)
         with torch.inference_mode(False):
-            data = torch.zeros((S2, R), dtype=torch.long, device=self.flat.device)
-        src = [a for a, _, _ in moves if a < S]
-        if src:
-            data[:len(src)] = old[torch.tensor(src, device=old.device)]
+            flat = torch.zeros(S2 * R + 1, dtype=torch.long, device=self.flat.device)
+        flat[-1] = -1
+        n, live = live_slots(moves, S, old.device)
+        if n:
+            flat[:S2 * R].view(S2, R)[:n] = old[live]
         self._rows, self.first, self.count, self.keep = self._renumber(moves, S2, R, R, (self.keep,))
-        self.flat, self._held = data.view(-1), None
+        self.flat, self._held = flat, None
         return True
 
 
@@ -145,13 +150,15 @@ def ring_for(model, caches: list, device=None, log: list | None = None) -> tuple
     still holds them all (one identity check, TokenRing.held) and is on `device` (when given); else they are placed
     into the model's ring of that device (default: the device of a cache's ids that are not on the host, else the
     host) sized for the largest keep_tokens (TokenRing.place; log: an undo log)."""
-    ring = model.__dict__.get("_tokens_in")
-    if ring is not None and (device is None or ring.flat.device == torch.device(device)):
-        slots = ring.held(caches)
+    last = model.__dict__.get("_tokens_in")
+    checked = last is not None and (device is None or last.flat.device == torch.device(device))
+    if checked:
+        slots = last.held(caches)
         if slots is not None:
-            return ring, slots
+            return last, slots
     if device is None:
         device = next((t[0].device for t in map(_TOKENS, caches) if t is not None
                        and t[0].device.type != "cpu"), torch.device("cpu"))
     ring = model._tokens_in = token_ring(model, device, ring_size(max(map(_KEEP, caches))))
-    return ring, ring.place(caches, log)
+    # (the held check just failed for this ring: not asked again)
+    return ring, ring._move_in(caches, log) if checked and ring is last else ring.place(caches, log)

@@ -163,6 +163,17 @@ launches' 2 stages and their integer hints (benchmarks/kernels.py's check does s
 default 3 stages and without the hints the 16-head form reported 255 registers + 120 B). The launch-configuration
 sweep at 64 heads and what it changed (16-head programs of 4 warps while N x 4 <= 132): `default_config`'s
 docstring.
+Session 16 (R1, a round script against this file in the same run; window rows + entry ids without RoPE, 128 + 512
+keys, us, HEAD timed twice). Measured and removed: the scores and P@V in two launches (no [heads, D] accumulator
+beside Q K^T, no rescale, no cross-warpgroup reduction in the P@V loop): a score launch writing each 64-key block's
+fp32 scores with its max and sum for all 64 heads (programs of 1-5 blocks a row), then a P@V launch of (row, d_v
+tile) programs taking the row's softmax from the block stats: 64 heads N=64 49.6 (score programs of 5 blocks, d_v
+tiles of 128, 4 warps) / 57.0 / 60.3 (1 block) / 79.1 (d_v 64) against 37.8-38.2, N=256 200.4-267.4 against
+109.7-109.8, N=8 22.7-35.1 against 16.8; 32 heads N=64 43.9-49.5 against 28.1. Alone, the score launch (1-block
+programs) takes 35.2 / 138.9 at N=64 / 256 and the P@V launch 26.1 / 106.1: each is as latency-bound per gathered
+key block as the one kernel (the P@V launch reads the keys again, the score launch reloads q per block). One
+pipeline stage instead of two: 43.3 / 138.9 / 19.1 at N=64 / 256 / 8, 37.1 at 32 heads N=64. Known from session 4:
+D split over two programs (58.6-91.7 at N=64).
 """
 import torch
 import triton

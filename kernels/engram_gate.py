@@ -20,9 +20,27 @@ R2 on the H200) and cut the step's CUDA graph in three; read by the device from 
 the step and the host only uploads the windows.
 Cost: unpack N (W + W/32) bytes read, N W written; gate 2 T M H + T (M+1) H elements read, T M H written; one
 program per table row / per (token, stream). hashed_rows: T (N-1) H rows of W + W/32 bytes read over PCIe (the
-table in pinned host memory), one program per token and HASH_ROWS_BLOCK rows: latency-bound, the mid-size step's
-graphs took 0.27 ms longer at batch 256 (7.75 against 7.48 ms for the same step with the rows uploaded by the host:
-~3.2 MB at ~12 GB/s), no longer at batch 8 / 64 (4.08 / 5.16 against 4.09 / 5.15), session 10 R2.
+table in pinned host memory), one program per token and HASH_ROWS_HOST_BLOCK rows (HASH_ROWS_BLOCK from a table in
+device memory). Session 10 R2 (8 rows a program): the mid-size step's graphs took 0.27 ms longer at batch 256 (7.75
+against 7.48 ms for the same step with the rows uploaded by the host: ~3.2 MB at ~12 GB/s), no longer at batch 8 /
+64 (4.08 / 5.16 against 4.09 / 5.15).
+Where hashed_rows' time goes (session 16, K4 on the H200, .round scripts: the mid-size / V4.1 Engram geometry, N = 4,
+8 heads, W = 256, so 24 rows of 264 B a token, from a table of 4.8M rows (1.27 GB, one mid-size layer's); 16 calls
+in a CUDA graph, PDL on; us a call, rows cold: ids re-drawn before every replay). R1, 8 rows a program, T = 8 / 64 /
+256: from pinned host memory 8.86-9.55 / 23.29-23.40 / 64.52-65.02 (warm, the same ids again: 6.88-7.20 /
+14.97-15.09 / 64.57-64.83); the same kernel on a device-memory copy of the table 4.18 / 5.03 / 6.94. So the hash
+costs a few us and the rest is the rows' trip over PCIe. The copy engine moves as many bytes, contiguous, from pinned
+to device memory (R2, 16 copies in a graph) in 4.07 / 11.71 / 36.38 us (12.5 / 34.6 / 44.6 GB/s; 55.3 GB/s for
+256 MB). R3: 2 rows a program (HASH_ROWS_HOST_BLOCK) 6.14 / 16.87 / 51.69 against 8.09-8.29 / 22.27-23.54 /
+66.13-66.74 with 8, i.e. 69% / 70% of the copy engine's time for the bytes at T = 64 / 256 (why more, smaller
+programs read faster over PCIe is not established); 1 row 6.27 / 17.84 / 52.58 (at 2 warps 6.10 / 16.81 / 51.43).
+On a device table 1 row loses (3.39 / 5.87 / 16.87 against 4.30 / 4.61 / 6.58 with 8), so a device table keeps 8
+(HASH_ROWS_BLOCK). Measured and deleted (R1, 8 rows a program, cold): each row's scale bytes loaded once a 32-value
+group ([rows, groups, 32] tiles; each thread loads 16 scale bytes one by one now) 9.27 / 23.05 / 65.92; the table
+interleaved [rows, W + G] (one read a row, but its 264-byte stride allows only byte loads) 8.01 / 21.94 / 70.52;
+32 rows a program 7.94 / 22.28 / 84.14. A table that fits in device memory (the mid-size model's two, 2.5 GB) is
+the cut: 4-7 us whatever T (engine/engram.py's EngramTable.device_arrays decides where the rows live; this kernel
+reads wherever its pointers point).
 PDL (backend.pdl_kw: each kernel waits before its first read of the step's data and its first store; the hash's
 primes / offsets, uploaded once, are read before the wait; the gate's weight after it, since engram.py makes that
 product with a torch launch on first use and after a weight change): session 12 R2 (the gate then read its weight
@@ -45,8 +63,11 @@ from .backend import check, empty, pdl_kw, pdl_wait, use_triton
 GROUP = 32      # values per UE8M0 scale byte
 # table rows per program of the hashed read (a token's (N-1) x heads rows in a few programs). 32 (one program per
 # token of the mid-size model) measured the same, session 10 R3: graphs back to back 7.81 / 5.12 ms at batch 256 / 64
-# against 7.80-7.83 / 5.13-5.15 with 8
+# against 7.80-7.83 / 5.13-5.15 with 8. For a table in device memory.
 HASH_ROWS_BLOCK = 8
+# The same for a table in (pinned) host memory, its rows read over PCIe: 2 rows a program take 22-28% less time
+# than 8 (module docstring, session 16 R3).
+HASH_ROWS_HOST_BLOCK = 2
 
 
 def unpack_rows_torch(packed: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -231,7 +252,7 @@ def hashed_rows_triton(src: torch.Tensor, ids: torch.Tensor, consts: tuple, pad:
     _check_table(weight, scale, "hashed_rows")
     out = empty((T, J, W), dtype, ids.device)
     if T and J:
-        BLOCK_J = min(HASH_ROWS_BLOCK, triton.next_power_of_2(J))
+        BLOCK_J = min(HASH_ROWS_BLOCK if weight.is_cuda else HASH_ROWS_HOST_BLOCK, triton.next_power_of_2(J))
         _hash_kernel[(T, triton.cdiv(J, BLOCK_J))](src.contiguous(), ids.contiguous(), T, classes, mult, prime,
                                                   offset, int(pad), weight, scale, out, W, scale.shape[1], J, N=N,
                                                   H=J // (N - 1), BLOCK_J=BLOCK_J, BLOCK_W=triton.next_power_of_2(W),

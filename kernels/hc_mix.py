@@ -72,6 +72,14 @@ rounding of the tail-inside ones; the same bits where the waiters mixed 16 token
 Measured and deleted (R2): the 16 tokens' partials added token by token in the waiters' shape, to keep their bits
 (the loop of 16 [1, SPC, NZP] sums): 50 us a finish, longer than the sub-layer beside it (a chain 163-201 us
 against 57-91), and still not the waiters' bits on the GPU.
+Session 16, measured and deleted (K4 R2, H200, the MoE write-back with y2 and the read-out norm at H = 2048, 64
+input sets rotating so fn comes cold as in a step, 64 calls in a CUDA graph, us a call, off / on twice): each
+write-back program asking L1 for its fn columns of all four streams before the PDL wait (prefetch.global.L1, four
+hints a thread; the stream loop's fn loads, one stream after another, would then hit L1): deferred T = 8
+5.98-6.00 / 7.70-8.00, T = 64 7.69-7.70 / 7.90-7.93; T = 256 (tail inside) 17.66-17.77 / 22.05-22.08. At T = 64
+the launch moves ~4.1 MB (R, R', y, y2, x and fn's 1.2 MB of bf16 parts): ~1.0 us at copy bandwidth, 12% of the
+7.7 us; at T = 8 ~1.2 MB (fp32 fn) against 6.0 us: both latency chains (the wait, the loads, four streams' fn
+tiles and products in turn, the stores, the read-out norm's wait for its token block's partial sums).
 """
 import weakref
 from dataclasses import dataclass

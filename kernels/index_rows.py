@@ -23,7 +23,18 @@
   mask, 38.8 / 66.9 / 107.7); this form (the block scores' count per tile instead of a per-block gather of the next
   entry, 8 warps; mask tiles of 32k entries, each reading the row's winners once) 12.7-13.3 / 28.6 / 51.8-51.9
   against 14.1 / 37.6 / 69.2-69.3 for the scatter above (R3; block scores alone 3.6 / 6.7 / 15.5, mask alone 5.7 /
-  6.2 / 10.3 = 96% of copy bandwidth at G = 131,072): 7.3x / 9.2x / 8.3x the chain.
+  6.2 / 10.3 = 96% of copy bandwidth at G = 131,072): 7.3x / 9.2x / 8.3x the chain. Measured and removed
+  (session 16 R2, against copies of the session-15 files in the same run; the candidate source layer's engine form,
+  N=64, Hi=64, Di=128, G = 16,392, visible prefixes G/2..G): the block maxima and the visible counts made by the
+  index score kernel (each 128-entry score block reshaped to its blocks of 8 and maxed, the forced block at -inf;
+  this module's first launch skipped): scores + mask 149.4-150.5 -> 167.9-169.0 us (the score kernel 134.9 ->
+  157.1; this module's launches 12.8 (three) -> 9.5 (two)); the same masks and scores.
+  Session 16 R3 (the pieces alone, each timed once; G = 131,072 / 65,536 / 16,392, the three launches 50.7-51.9 /
+  27.0 / 13.3-13.4 us): the block scores at 4,096 entries and 4 warps a program 13.2 / 6.5 / 3.1 us (60% / 61% /
+  32% of copy bandwidth) against 15.4 / 6.8 / 3.6 at 8,192 and 8 warps (4,096 w8 13.5 / 6.7 / 3.1, 8,192 w4 14.0 /
+  6.6 / 3.8, 8,192 w16 15.6 / 7.1 / 3.6, 16,384 w8 19.0 / 8.0 / 4.3, 32,768 w16 17.7 / 7.3 / 7.1): now the default.
+  The select of the 2,047 best blocks in one chunk a row (its default) 24.4 / 13.0 / 4.3; 2 chunks 24.1 / 27.3 /
+  11.0, 4 chunks 41.5 / 31.9 / 11.0, 8 chunks 35.0 / 30.9 / 11.0.
 * `entry_rows_torch`: selected entry ids [T, w] (-1 = none; ids past the row's count dropped) -> rows of the kv
   pool start + id, -1 padded to `width` columns: the attention twin's reading of entry ids (its kernel makes the
   rows in its gather, kernels/decode_attention.py's cmp_start / cmp_count).
@@ -155,7 +166,7 @@ def _block_mask_kernel(lim_ptr, ids_ptr, out_ptr, G, block, ids_stride, k, TB: t
              & (gp < lim))
 
 
-TILE_SCORES = 8192       # entries a block-score program reads (fp32)
+TILE_SCORES = 4096       # entries a block-score program reads (fp32; 4 warps: the module docstring)
 TILE_MASK = 32768        # entries a mask program writes (bool; each reads the row's winner ids once)
 
 
@@ -173,7 +184,7 @@ def candidate_blocks_triton(masked: torch.Tensor, block: int, top: int) -> torch
     lim = empty((T,), torch.int32, masked.device)
     tb = max(1, min(triton.next_power_of_2(nb), TILE_SCORES // bp))
     _block_scores_kernel[(T, triton.cdiv(nb, tb))](masked, bs, lim, G, nb, block, masked.stride(0), TB=tb, BP=bp,
-                                                   num_warps=8, **pdl_kw())
+                                                   num_warps=4, **pdl_kw())
     ids, _ = topk_select_triton(bs, top - 1, sorted=False)
     out = empty((T, G), torch.bool, masked.device)
     tb = max(1, min(triton.next_power_of_2(nb), TILE_MASK // bp))

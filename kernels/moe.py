@@ -665,6 +665,34 @@ PREFETCH_SHIFTED = True
 # mid-size chain): gate/up capped at 128 registers (4 programs an SM, so the ~512 gate/up programs of T = 16-64 fit
 # one wave instead of 1.3; 136 B of spills) T = 64 / 32 / 16 87.4-88.5 / 85.9-86.9 / 73.6-73.8 -> 93.9-95.1 /
 # 93.0-93.9 / 85.1-85.7.
+# Session 16 (mid-size, us; HEAD's launches alone, 20 calls in a CUDA graph, two input sets, R1 / R2): the gate/up
+# time steps with the programs an SM must run, not with the grid's waves as such. T = 64 with the 384 pairs dealt
+# evenly over N experts (one 16-row block each, N x 8 programs of 128 rows; 3 programs an SM fit: 396 slots):
+# 192 / 320 / 384 programs 37.9-38.2 / 38.7-39.1 / 39.1-40.3 us, 400 / 448 / 512 53.0-53.7 / 53.9-54.6 / 54.6-55.7
+# (down, 4 an SM: 384 / 768 / 1024 programs 16.4 / 25.4-26.2 / 29.5-30.4); T = 256 (8 warps, 2 an SM): 384 / 512 /
+# 528 programs 52.3 / 63.5 / 63.5-64.7, down 34.5 / 43.1 / 43.2-43.8. R3, a copy storing each program's %smid
+# and %globaltimer at its start and end (no PDL): at T = 64 (512 programs) 114 SMs ran 4, 17 ran 3 and one 5; the
+# first 396 ran three to an SM for 35.1 us on average, the 116 left alone for 20.4; over 24 experts (192 programs)
+# the scheduler left 21 SMs empty and gave 21 three: one alone 19.1 us, two together 25.4, three 32.0. So a program
+# costs its SM ~11.7 us with three resident but 19-20 alone (latency-bound; ncu, R3, three resident: ALU pipe 52%,
+# wgmma 9%, SM throughput 51%), and T = 64's tail of lone programs costs ~10 us against an even spread of the work
+# (512 x 11.7 / 132 = 45 us against 55). T = 16 (384 programs, 2-3 an SM) and T = 256 (528: 4 an SM, 2 at a time)
+# are balanced. The lead for T = 32-64: a stream-K walk (396 resident programs, each 1/396 of the K steps of all
+# tiles; a tile cut between two programs summed in a fixed order by the one that ends it, its other piece done first).
+# Measured and deleted (the chain, us a call, HEAD in the same run), R1: gate/up split over H in 2 / 4 slices (grid
+# blocks x F tiles x slices, a constant slice length, fp32 partials [slices, 2, slots, F] summed in slice order and
+# put through the SwiGLU by a launch of their own: bit-deterministic) T = 16 / 64 / 256 77.5-78.3 / 93.8-93.9 /
+# 134.6-135.0 (4 slices, T = 64: 106.0-106.7) against 72.7-73.1 / 87.4-88.0 / 114.6-115.1; the partials summed and
+# activated in the down kernel's prologue instead (no extra launch, but each of a block's 16 H tiles re-reads 8x the
+# activation bytes; 64 B of spills at the 128-register cap) 94.7-94.9 / 115.7-115.8 / 241.3-242.3; launched alone
+# at T = 64, gate/up tiles of 64 rows (1024 programs, 2.6 waves) 56.8-57.1 against 54.6-54.9, down tiles of 64 rows
+# (2048 programs) 35.1-35.4 and of 256 rows at 8 warps (512) 30.7 against 29.5-29.6. R2: a persistent grid (3 / 4
+# programs an SM walking the used blocks' tiles, blocks fastest; Triton's loop flattening did not apply to this nest)
+# T = 64 98.3-99.0 against 88.4-88.5, T = 256 (2 an SM) 140.6-140.7 against 115.8-116.2: the hardware's block
+# scheduler already hands the tail to the SMs that free up, and a static walk gives some programs two tiles on
+# crowded SMs; the kernels built with mma.sync instead of wgmma (Triton's DISABLE_MMA_V3; 64 HMMA a step, the
+# activations through shared memory, 2072 SASS instructions against 1560) T = 16 / 64 / 256 139.9 / 161.3-165.8 /
+# 278.0-278.3 against 73.9-74.0 / 88.4-88.5 / 115.8-116.2.
 W4_TILES = dict(block_n=128, block_k=128, num_warps=4, num_stages=3, maxnreg=(168, 128))
 
 

@@ -23,8 +23,8 @@ P(v) = e^z_v / sum over kept = q_v, up to fp32 rounding of the running sums (~1e
 23-bit uniforms (a token with less than ~2**-23 of its lane's mass is drawn at a rate rounded to that grain;
 plain per-token Gumbel-max with 23-bit uniforms has the same grain: its noise is capped at 16.6). The twins
 compute the same function with the same formulas; the kernels round some sums in another order and use the
-hardware log2 for the per-lane noise (~1e-5 absolute), so a token can differ from the twin's only on near-ties
-(~1e-5 of rows).
+hardware log2 for the per-lane noise and ln S_g (~1e-5 absolute), so a token can differ from the twin's only on
+near-ties (~1e-5 of rows).
 RNG quality argument: u_g and G_g are counter-based (kernels/rng.py; key from seed, position and stream FRESH,
 ids 2**30 + g and 2**30 + 2**29 + g, apart from any token id), so a draw is a pure function of (seed, position,
 q) whatever the batch. Each is the top 23 bits of lowbias32 (a bijective 32-bit mixer with near-ideal avalanche)
@@ -39,10 +39,11 @@ and per program ONE block reduction (the packed best lane: score and token id). 
 instructions) made the pass arithmetic-bound.
 Greedy rows (T <= 0): per lane the first maximum, then the highest score / lowest id across lanes.
 The Triton path is one program per (row, PL lanes of a segment) with its [PL, 16] block in registers (a thread
-holds PL / (32 * warps) lanes side by side: 16-byte loads at 4; `pass_shape`), each writing one packed int64
-(ordered score bits, then the complement of the token id, so an integer max picks the highest score and then the
-lowest id), and `_finish_kernel` takes each row's max: two launches. Masked rows load each bitmask word once per
-thread and k for the lanes a thread holds side by side (`threshold._load_words`), not once per token.
+holds lanes side by side: 16-byte loads at 4; more lanes than that in sub-blocks, one after the other; `pass_shape`),
+each writing one packed int64 (ordered score bits, then the complement of the token id, so an integer max picks the
+highest score and then the lowest id), and `_finish_kernel` takes each row's max: two launches. Masked rows load
+each bitmask word once per thread and k for the lanes a thread holds side by side (`threshold._load_words`), not
+once per token.
 Top-p alone (sampled rows, top-k off, p < 1) is drawn by rejection (kernels/rejection.py, P_REJECT): the first
 of up to NMAX proposals from the unrestricted softmax (proposal 0: the plain draw above) inside the top-p set,
 else the draw restricted to it on an independent key. Same law q, other tokens for a seed than the tau-first rule
@@ -73,7 +74,7 @@ from . import rejection, rng, threshold
 from .backend import INTERPRETING, check, empty, pdl_kw, pdl_trigger, pdl_wait, use_triton
 from .rejection import is_p_alone, p_alone_rows, proposal_keys, store_proposals
 from .threshold import (_below, _ordered, exp2_w, lane_block, lane_pick, lane_score, needs_histogram_path,
-                        needs_lane_path, pack_lanes, segment_pack, thresholds_and_paths)
+                        needs_lane_path, pack_lanes, segment_keys, thresholds_and_paths)
 
 NEG_INF = float("-inf")
 
@@ -320,14 +321,24 @@ def _segment_body(logits_ptr, packed_ptr, tau_ptr, row, prog, n_prog, inv_t, gre
                   bitmask_stride, V, HAS_MASK: tl.constexpr, HAS_TAU: tl.constexpr, FULL: tl.constexpr,
                   LANES: tl.constexpr, LW: tl.constexpr, PL: tl.constexpr, VEC: tl.constexpr, FAST: tl.constexpr,
                   MASK_FIRST: tl.constexpr, NP: tl.constexpr, REJECT: tl.constexpr, pmax_ptr, pmass_ptr, lane_ptr,
-                  n_lanes, alone, HOT: tl.constexpr, NPR: tl.constexpr):
+                  n_lanes, alone, HOT: tl.constexpr, NPR: tl.constexpr, SUBS: tl.constexpr):
     seg = prog // (LANES // PL)
+    # SUBS sub-blocks of PL // SUBS lanes one after the other (a thread's lanes PL // SUBS apart): each lane's key
+    # in-thread, one block reduction for all (REJECT: SUBS is 1). Measured and deleted (R3): the greedy branch
+    # taken once outside the sub-blocks (so no branch between them): the logits loads then waited for the greedy
+    # flag's load (numbers beside PASS_SHAPE)
+    sub = prog % (LANES // PL) * SUBS
     start, lane, pos, x = segment_block(logits_ptr, tau_ptr, bitmask_ptr, row, seg, inv_t, mrow, bitmask_stride, V,
-                                       HAS_MASK, HAS_TAU, FULL, LANES, LW, PL, prog % (LANES // PL), VEC, FAST,
-                                       MASK_FIRST)
+                                       HAS_MASK, HAS_TAU, FULL, LANES, LW, PL // SUBS, sub, VEC, FAST, MASK_FIRST)
     if not REJECT:
-        packed = segment_pack(x, lane, pos, start, seg, inv_t, greedy, key, HAS_TAU, LANES, LW, FAST)
-        tl.store(packed_ptr + row * n_prog + prog, packed)
+        keys = segment_keys(x, lane, pos, start, seg, inv_t, greedy, key, HAS_TAU, LANES, LW, FAST)
+        for h in tl.static_range(1, SUBS):
+            start, lane, pos, x = segment_block(logits_ptr, tau_ptr, bitmask_ptr, row, seg, inv_t, mrow,
+                                               bitmask_stride, V, HAS_MASK, HAS_TAU, FULL, LANES, LW, PL // SUBS,
+                                               sub + h, VEC, FAST, MASK_FIRST)
+            keys = tl.maximum(keys, segment_keys(x, lane, pos, start, seg, inv_t, greedy, key, HAS_TAU, LANES, LW,
+                                                 FAST))
+        tl.store(packed_ptr + row * n_prog + prog, tl.max(keys, 0))
     else:
         # top-p-alone rows by rejection (kernels/rejection.py): NP proposals, and the program's max z for the row max
         o = row * n_prog + prog
@@ -347,7 +358,7 @@ def _segment_kernel(logits_ptr, packed_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys
                     MASK_FIRST: tl.constexpr = False, NP: tl.constexpr = 1, REJECT: tl.constexpr = False,
                     pmax_ptr=None, pmass_ptr=None, lane_ptr=None, n_lanes=0,
                     top_k_ptr=None, top_p_ptr=None, HOT: tl.constexpr = False, NPR: tl.constexpr = 1,
-                    PDL: tl.constexpr = False):
+                    PDL: tl.constexpr = False, SUBS: tl.constexpr = 1):
     """Program (row, part): PL lanes of one segment (LANES // PL parts per segment) as [PL, LW] in registers (lane
     l: tokens start + k * LANES + l, held by one thread). Every lane computes in-thread its max, weights, running
     sum and inverse-CDF candidate, then its score M_g + ln S_g + G_g (greedy rows: max z and its first id); one
@@ -377,11 +388,11 @@ def _segment_kernel(logits_ptr, packed_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys
     if (prog // (LANES // PL) + 1) * (LANES * LW) <= V:
         _segment_body(logits_ptr, packed_ptr, tau_ptr, row, prog, n_prog, inv_t, greedy, key, bitmask_ptr, mrow,
                       bitmask_stride, V, HAS_MASK, HAS_TAU, True, LANES, LW, PL, VEC, FAST, MASK_FIRST, NP, REJECT,
-                      pmax_ptr, pmass_ptr, lane_ptr, n_lanes, alone, HOT, NPR)
+                      pmax_ptr, pmass_ptr, lane_ptr, n_lanes, alone, HOT, NPR, SUBS)
     else:
         _segment_body(logits_ptr, packed_ptr, tau_ptr, row, prog, n_prog, inv_t, greedy, key, bitmask_ptr, mrow,
                       bitmask_stride, V, HAS_MASK, HAS_TAU, False, LANES, LW, PL, VEC, FAST, MASK_FIRST, NP,
-                      REJECT, pmax_ptr, pmass_ptr, lane_ptr, n_lanes, alone, HOT, NPR)
+                      REJECT, pmax_ptr, pmass_ptr, lane_ptr, n_lanes, alone, HOT, NPR, SUBS)
 
 
 @triton.jit
@@ -467,25 +478,55 @@ def may_filter(params: RowParams, V: int) -> bool:
 # own row's mask words beside its logits and reading mask_rows after them (reloading when it names another row):
 # B=64 13.1 / 13.2 against 13.1 / 13.2, the engine's form (every 4th row unmasked, -1) 12.3 / 12.2 against 12.6 /
 # 12.6, B=256 40.2 / 41.9 against 42.0 / 42.2 and 41.7 / 41.8 against 41.6 / 40.8: the round trip is hidden.
-PASS_SHAPE = (256, 2)           # unmasked rows from 128 rows (below: SMALL_SHAPE)
+# Session 16: a program's lanes may exceed its threads x lanes side by side (a third shape entry): it takes them
+# in sub-blocks (`_segment_body`), each lane's key kept in-thread, one block reduction for all, so a program's
+# fixed work (row parameters, addresses, the reduction, the store) is shared by more tokens. SASS (sm_90, the
+# masked full-segment sampled path, per token): 64x2 25.2 (HEAD), 256x2 in four sub-blocks 15.5; with the words
+# loaded unpredicated and ln S_g by the hardware log2 (threshold.py) 64x2 23.1. R2 (H200, HEAD in the same run,
+# three alternating passes, us; every token equal to the twin's): T=0.7 + random 50% masks B=64: HEAD 64x2
+# 13.39 / 14.55 / 14.42, 64x2 13.44 / 14.69 / 14.78, 128x2x1 13.80 / 13.82 / 13.90, 256x2x1 14.00 / 13.97 /
+# 13.93, 256x1x1 14.98 / 14.95 / 14.90, 256x4x1 13.88 / 13.86 / 13.78 (the first pass's HEAD and 64x2 ran in
+# a faster state of the card; the later passes agree); B=256: HEAD 128x4 41.12 / 41.08 / 41.07, 128x4 40.68 /
+# 40.61 / 40.48, 256x4x1 39.22 / 39.24 / 39.05, 256x2x1 38.66 / 38.75 / 38.63; the engine's form (every 4th row
+# unmasked) B=64 HEAD 13.12 / 13.10 / 13.10, 256x2x1 12.68 / 12.71 / 12.70; T=1 B=64 HEAD 128x2 11.14 / 11.06 /
+# 11.17, 128x2 11.08 / 11.00 / 11.06, 256x2x2 11.08 / 11.15 / 11.17, 256x1x2 11.57 / 11.64 / 11.61; B=256 HEAD
+# 256x2 34.48 / 34.42 / 34.48, 256x2 34.29 / 34.24 / 34.11, 256x2x2 33.98 / 34.06 / 33.78. Fewer instructions
+# a token bought less than their count: the pass is not issue-bound. Masked rows take 256x2x1 at every batch (the
+# one shape measured on all three masked cases). Deleted after R3 (compiled tests beside it, HEAD in the same run):
+# the greedy branch outside the sub-blocks (its loads behind the greedy flag's), T=0.7 + mask B=64 256x2x1 14.14 /
+# 14.14 / 14.18, 256x4x1 14.16 / 14.23 / 14.74 against HEAD 13.56 / 14.73 / 14.58; B=256 256x2x1 40.35 / 39.66 /
+# 39.67, 256x4x1 42.22 / 42.21 / 42.09 against 40.27 / 40.48 / 41.20; engine form B=64 256x4x1 13.23 / 13.29 /
+# 13.25 against 12.84 / 12.86 / 12.90; T=1 B=64 128x2 10.98 / 10.93 / 10.93 against 10.70 / 10.66 / 10.63.
+PASS_SHAPE = (256, 2, 2)        # unmasked rows from 128 rows (below: SMALL_SHAPE)
 SMALL_SHAPE = (128, 2)
-MASKED_SHAPE = (128, 4)         # masked rows from 128 rows (below: MASKED_SMALL_SHAPE)
-MASKED_SMALL_SHAPE = (64, 2)
+MASKED_SHAPE = (256, 2, 1)      # masked rows from 128 rows (below: MASKED_SMALL_SHAPE)
+MASKED_SMALL_SHAPE = (256, 2, 1)
+# the rejection pass (top-p-alone rows' proposals, kernels/rejection.py) keeps one sub-block a program and session
+# 15's shapes: masked below 128 rows / from 128, unmasked below / from
+REJECT_SHAPES = ((64, 2), (128, 4), (128, 2), (256, 2))
 MASK_FIRST = False              # masked rows: mask words first, then only allowed tokens' logits (one lane/thread)
 P_REJECT = True                 # top-p-alone rows by rejection (kernels/rejection.py); False: tau first (session 6)
 SPEC_SHAPE = (256, 2)           # the speculative statistics / residual passes: 50.5 us vs 55.1 at 256x8 (R1)
 
 
-def pass_shape(lanes: int, shape=None, masked: bool = False, rows: int = 0) -> tuple[int, int, int]:
-    """(lanes per program, warps, lanes per thread) for a rule with `lanes` lanes per segment: `shape`, else the
-    measured defaults above (below 128 rows SMALL_SHAPE / MASKED_SMALL_SHAPE, from there PASS_SHAPE /
-    MASKED_SHAPE)."""
+def pass_shape(lanes: int, shape=None, masked: bool = False, rows: int = 0,
+               reject: bool = False) -> tuple[int, int, int]:
+    """(lanes per program, warps, lanes per thread side by side) for a rule with `lanes` lanes per segment: `shape`
+    ((lanes per program, warps) or (lanes per program, warps, lanes per thread side by side)), else the measured
+    defaults above (below 128 rows SMALL_SHAPE / MASKED_SMALL_SHAPE, from there PASS_SHAPE / MASKED_SHAPE; reject:
+    REJECT_SHAPES). A program holding more lanes than its threads x lanes side by side takes them in sub-blocks
+    (`sub_blocks`)."""
     small = rows < 128
-    pl, warps = shape or ((MASKED_SMALL_SHAPE if small else MASKED_SHAPE) if masked else
-                          SMALL_SHAPE if small else PASS_SHAPE)
+    defaults = REJECT_SHAPES if reject else (MASKED_SMALL_SHAPE, MASKED_SHAPE, SMALL_SHAPE, PASS_SHAPE)
+    pl, warps, *side = shape or defaults[(0 if small else 1) if masked else (2 if small else 3)]
     pl = min(pl, lanes)
     warps = max(1, min(warps, pl // 32))
-    return pl, warps, max(1, pl // (32 * warps))
+    return pl, warps, max(1, min(side[0], pl // (32 * warps)) if side else pl // (32 * warps))
+
+
+def sub_blocks(pl: int, warps: int, vec: int) -> int:
+    """Sub-blocks of a pass program (`pass_shape`'s triple): its lanes over its threads x lanes side by side."""
+    return max(1, pl // (32 * warps * vec))
 
 
 def sample_triton(logits, params: RowParams, bitmask=None, mask_rows=None, seg: int = SEG, lanes: int = LANES,
@@ -533,7 +574,10 @@ def sample_triton(logits, params: RowParams, bitmask=None, mask_rows=None, seg: 
         tau = thresholds_and_paths(logits, thr, bitmask, mrows, histogram=histogram, lane_rows=lane_rows)[0]
     else:
         tau = logits
-    pl, warps, vec = pass_shape(lanes, shape, has_mask, R)
+    pl, warps, vec = pass_shape(lanes, shape, has_mask, R, rejecting)
+    subs = 1 if rejecting else sub_blocks(pl, warps, vec)
+    if rejecting:                       # the proposals' pass takes one sub-block a program (a shape given with more)
+        pl = min(pl, 32 * warps * vec)
     n_prog = triton.cdiv(V, seg) * (lanes // pl)
     packed = empty((R, n_prog, np_), torch.int64, logits.device)
     pmax = torch.empty((R, n_prog), dtype=torch.float32, device=logits.device) if rejecting else None
@@ -553,7 +597,7 @@ def sample_triton(logits, params: RowParams, bitmask=None, mask_rows=None, seg: 
         REJECT=rejecting, pmax_ptr=pmax, pmass_ptr=pmass,
         lane_ptr=lane_max if lane_max is not None else pmax, n_lanes=n_l,
         top_k_ptr=params.top_k, top_p_ptr=params.top_p, HOT=lane_max is not None, NPR=triton.next_power_of_2(np_),
-        num_warps=warps, **pdl_kw())
+        SUBS=subs, num_warps=warps, **pdl_kw())
     if rejecting:
         return rejection.reject_finish(logits, params, bitmask, mrows, packed, pmax, pmass, lane_max, drawn, seg,
                                        lanes, np_, INTERPRETING, tau if has_tau else None)
@@ -607,6 +651,8 @@ def check_logits_and_mask(logits, bitmask, mask_rows=None):
         check(32 * bitmask.shape[1] >= logits.shape[1],
               f"bitmask covers {32 * bitmask.shape[1]} tokens but logits have {logits.shape[1]} columns")
         check(bitmask.device == logits.device, f"bitmask on {bitmask.device}, logits on {logits.device}")
+        # (the kernels read an unmasked row's words from row 0 and set them all: threshold._dense_block)
+        check(bitmask.shape[0] >= 1, "bitmask must have at least one row (pass None for no mask)")
         if mask_rows is None:
             check(bitmask.shape[0] >= logits.shape[0],
                   f"bitmask has {bitmask.shape[0]} rows for {logits.shape[0]} logits rows and no mask_rows")

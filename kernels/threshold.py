@@ -287,7 +287,14 @@ def _dense_block(ptrs, bitmask_ptr, lane, k, pos, start, V, mrow, bitmask_stride
         # token start + pos sits in word (start + pos) // 32 at bit pos % 32 (start, LANES multiples of 32);
         # the offsets keep dim 0 first in contiguity so that the words load takes the logits' layout
         woff = (start + k[None, :] * LANES) // 32 + lane[:, None] // 32
-        if FULL:
+        if FULL and VEC == 1:
+            # one lane per thread: every token loads its word unpredicated (from row 0 for an unmasked row, whose
+            # words the OR sets to all ones): a predicated load needs its default moved in first, one more
+            # instruction per token (the bit test takes the OR in its LOP3). Session 16 R1 (H200, B=256, T=0.7 +
+            # random masks, 128x4, with ln S_g by the hardware log2, HEAD in the same run, us): 39.50 / 39.65
+            # against 40.36 / 40.74; B=64 at 64x2 no change (13.41 / 14.70 against 13.40 / 14.61)
+            words = tl.load(bitmask_ptr + tl.maximum(mrow, 0) * bitmask_stride + woff) | tl.where(mrow >= 0, 0, -1)
+        elif FULL:
             words = _load_words(bitmask_ptr + mrow * bitmask_stride, woff, mrow >= 0, VEC, FAST)
         else:
             words = tl.load(bitmask_ptr + mrow * bitmask_stride + woff, mask=(mrow >= 0) & (pos < V - start),
@@ -676,9 +683,14 @@ def lane_pick(w, gid, key, LW: tl.constexpr):
 
 @triton.jit
 def lane_score(m, s, key, gid, FAST: tl.constexpr):
-    """M_g + ln S_g + G_g per lane (G_ID + g), -inf for an empty lane."""
+    """M_g + ln S_g + G_g per lane (G_ID + g), -inf for an empty lane. FAST (GPUs): ln S_g by the hardware log2
+    as the Gumbel noise's logs (rng._log2: ~2**-22 relative; the accurate log is ~20 instructions a lane)."""
     g = rng.gumbel_tl(key, gid + 1610612736, FAST)                          # G_ID + g
-    return tl.where(s > 0, m + tl.log(tl.maximum(s, 1e-30)) + g, float("-inf"))
+    if FAST:
+        ln_s = rng._log2(tl.maximum(s, 1e-30), FAST) * 0.6931471805599453
+    else:
+        ln_s = tl.log(tl.maximum(s, 1e-30))
+    return tl.where(s > 0, m + ln_s + g, float("-inf"))
 
 
 @triton.jit
@@ -705,14 +717,14 @@ def pack_lanes(score, token):
 
 
 @triton.jit
-def segment_pack(x, lane, pos, start, seg, inv_t, greedy, key, HAS_TAU: tl.constexpr, LANES: tl.constexpr,
+def segment_keys(x, lane, pos, start, seg, inv_t, greedy, key, HAS_TAU: tl.constexpr, LANES: tl.constexpr,
                  LW: tl.constexpr, FAST: tl.constexpr):
-    """The packed best lane of a block x [lanes, LW] of kept logits (`segment_block`: lane, pos from the segment's
-    start): greedy rows the first maximum, others the lane draw (module docstring)."""
+    """Each lane's packed key (`lane_keys`) of a block x [lanes, LW] of kept logits (`segment_block`: lane, pos from
+    the segment's start): greedy rows the lane's first maximum, others the lane draw (module docstring)."""
     xm = tl.max(x, 1)                                       # per lane, in-thread
     if greedy:
         first = tl.min(tl.where(x == xm[:, None], pos, LANES * LW), 1)
-        packed = pack_lanes(xm, start + first)
+        keys = lane_keys(xm, start + first)
     else:
         # weights exp(z - M_g) = 2^(x * c - M_g * log2 e), c = log2(e) / T (log2 e when x is z already)
         c = 1.4426950408889634
@@ -723,8 +735,15 @@ def segment_pack(x, lane, pos, start, seg, inv_t, greedy, key, HAS_TAU: tl.const
         ref = tl.where(m > float("-inf"), m, 0.0) * 1.4426950408889634
         gid = seg * LANES + lane
         s, kk = lane_pick(exp2_w(x * c - ref[:, None], FAST), gid, key, LW)
-        packed = pack_lanes(lane_score(m, s, key, gid, FAST), start + tl.minimum(kk, LW - 1) * LANES + lane)
-    return packed
+        keys = lane_keys(lane_score(m, s, key, gid, FAST), start + tl.minimum(kk, LW - 1) * LANES + lane)
+    return keys
+
+
+@triton.jit
+def segment_pack(x, lane, pos, start, seg, inv_t, greedy, key, HAS_TAU: tl.constexpr, LANES: tl.constexpr,
+                 LW: tl.constexpr, FAST: tl.constexpr):
+    """The packed best lane of a block (`segment_keys`): one block reduction."""
+    return tl.max(segment_keys(x, lane, pos, start, seg, inv_t, greedy, key, HAS_TAU, LANES, LW, FAST), 0)
 
 
 @triton.jit

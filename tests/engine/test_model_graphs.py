@@ -51,6 +51,14 @@ def _state(cache) -> list:
     return out
 
 
+def _on_launch(monkeypatch, note):
+    """note(graphs, key) at every segment launch: SegmentGraphs.run, and replay_ready (the first graph of a steady
+    step, prepared at plan time: SegmentGraphs.prepare; its key is run's with the ids' copy, step_graphs.run_key)."""
+    real_run, real_ready = SegmentGraphs.run, SegmentGraphs.replay_ready
+    monkeypatch.setattr(SegmentGraphs, "run", lambda gr, key, *a, **k: note(gr, key) or real_run(gr, key, *a, **k))
+    monkeypatch.setattr(SegmentGraphs, "replay_ready", lambda gr, r: note(gr, r.key) or real_ready(gr, r))
+
+
 def _same(a, b, what):
     assert len(a) == len(b), what
     for k, (x, y) in enumerate(zip(a, b)):
@@ -208,7 +216,7 @@ def test_a_v41_decode_step_is_one_graph_and_one_upload_of_its_index_lists(monkey
     from deepinfer_sg.engine import transfer
     m, vocab, g, caches = _prefilled("v41", 4, SegmentGraphs(emulate=True, warm=1))
     counts = {"run": 0, "layout": 0, "uploads": 0, "stage": 0}
-    real_run, real_layout, real_stage = SegmentGraphs.run, batched.BatchPlan.layout, SegmentGraphs.stage
+    real_layout, real_stage = batched.BatchPlan.layout, SegmentGraphs.stage
     real_many = transfer.to_device_many
 
     def count(name, real):
@@ -216,7 +224,7 @@ def test_a_v41_decode_step_is_one_graph_and_one_upload_of_its_index_lists(monkey
             counts[name] += 1
             return real(*a, **k)
         return f
-    monkeypatch.setattr(SegmentGraphs, "run", count("run", real_run))
+    _on_launch(monkeypatch, lambda *a: counts.__setitem__("run", counts["run"] + 1))
     monkeypatch.setattr(batched.BatchPlan, "layout",     # (layouts that lay something out)
                         lambda plan, *a: (counts.__setitem__("layout", counts["layout"] + bool(plan.pending)),
                                           real_layout(plan, *a))[1])
@@ -248,8 +256,8 @@ def test_a_v41_step_reads_each_engram_layers_rows_after_launching_the_segments_b
     ref = copy.deepcopy(m)
     ref.fast_decode = False
     events = []
-    real_run, real_read = SegmentGraphs.run, Engram.packed_values
-    monkeypatch.setattr(SegmentGraphs, "run", lambda g, key, *a: events.append(("run", key[2])) or real_run(g, key, *a))
+    real_read = Engram.packed_values
+    _on_launch(monkeypatch, lambda g, key: events.append(("run", key[2])))
     monkeypatch.setattr(Engram, "packed_values",
                         lambda e, *a, **k: events.append(("read", e.layer_id)) or real_read(e, *a, **k))
     g = torch.Generator().manual_seed(8)
@@ -288,9 +296,7 @@ def test_a_v41_step_whose_engram_rows_the_device_reads_is_one_segment_with_the_h
         x._graphs = SegmentGraphs(emulate=True, warm=1)
         x.forward_step([StepChunk(c, p, 1) for c, p in zip(cs, prompts)])     # (the reference path: host reads)
     runs, captured = [], []
-    real_run = SegmentGraphs.run
-    monkeypatch.setattr(SegmentGraphs, "run", lambda gr, key, *a, **k: runs.append(gr is m._graphs)
-                        or real_run(gr, key, *a, **k))
+    _on_launch(monkeypatch, lambda gr, key: runs.append(gr is m._graphs))
     for step in range(7):
         if step == 4:     # (a rollback shortens the caches' recent tokens: the windows' shapes must not change)
             for c in caches + host_caches:
@@ -467,3 +473,24 @@ def test_deferred_mixes_are_joined_before_a_segment_returns_and_dropped_when_a_s
     with pytest.raises(RuntimeError, match="stand-in failure"):
         m.forward_step([StepChunk(c, torch.randint(0, vocab, (1,), generator=g), 1) for c in caches])
     assert not mhc._PENDING and joined[-1] is made[-1]
+
+
+def test_a_steady_replay_step_launches_its_first_graph_as_prepared_at_plan_time(monkeypatch):
+    """A replay step whose first graph's inputs are the captured objects (steady decode rows) has that graph's replay
+    prepared by plan_step (SegmentGraphs.prepare), and launch replays it before the rest of its host work (before
+    the segments' loop, Model._layers_fast); eager and capture steps run it through SegmentGraphs.run. The values
+    are checked against eager steps by the tests above (emulated replays)."""
+    from deepinfer_sg.engine.model import Model
+    m, vocab, g, caches = _prefilled("v41", 12, SegmentGraphs(emulate=True, warm=1))
+    events = []
+    real_ready, real_run, real_layers = SegmentGraphs.replay_ready, SegmentGraphs.run, Model._layers_fast
+    monkeypatch.setattr(SegmentGraphs, "replay_ready", lambda gr, r: events.append("ready") or real_ready(gr, r))
+    monkeypatch.setattr(SegmentGraphs, "run", lambda gr, *a, **k: events.append("run") or real_run(gr, *a, **k))
+    monkeypatch.setattr(Model, "_layers_fast", lambda *a: events.append("segments") or real_layers(*a))
+    steps = []
+    for step in range(4):
+        events.clear()
+        m.forward_step([StepChunk(c, torch.randint(0, vocab, (1,), generator=g), 1) for c in caches])
+        steps.append(list(events))
+    assert steps[:2] == [["segments", "run"]] * 2            # eager, capture
+    assert steps[2:] == [["ready", "segments"]] * 2          # replays: launched before the segments' loop

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from deepinfer_sg.kernels import engram_gate
 from deepinfer_sg.kernels.engram_gate import (engram_gate_torch, engram_gate_triton, gather_rows_torch,
                                               gather_rows_triton, hashed_rows_torch, hashed_rows_triton,
                                               unpack_rows_torch, unpack_rows_triton)
@@ -68,11 +69,15 @@ def test_triton_gather_matches_twin(width, dtype):
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
+@pytest.mark.parametrize("block", [1, 2, 8])
 @pytest.mark.parametrize("T,N,H,width", [(5, 4, 3, 64), (2, 3, 8, 96), (1, 2, 1, 32)])
-def test_triton_hash_matches_twin(T, N, H, width):
+def test_triton_hash_matches_twin(T, N, H, width, block, monkeypatch):
     """Windows hashed, read and decoded in one launch equal the twin (ids from this step and from the tail, negative
     ids hashed as the pad, large multipliers: the int64 products and xors of engine/engram.py's hash); the twin's
-    rows equal the hash written out per token and row in Python integers."""
+    rows equal the hash written out per token and row in Python integers. At 1, 2 and 8 table rows a program, the
+    table in host memory (pinned when compiled) and, compiled, in device memory."""
+    monkeypatch.setattr(engram_gate, "HASH_ROWS_HOST_BLOCK", block)
+    monkeypatch.setattr(engram_gate, "HASH_ROWS_BLOCK", block)
     g = torch.Generator().manual_seed(T * 100 + N)
     V = 50
     classes = torch.randint(0, 40, (V,), generator=g)
@@ -99,10 +104,12 @@ def test_triton_hash_matches_twin(T, N, H, width):
                 by_hand = unpack_rows_torch(p[row], width, torch.float32)
                 assert torch.equal(want[t, j].nan_to_num(), by_hand.nan_to_num())
     dev = [on_dev(x) for x in (src, ids, *consts)]
-    tw, ts = (weight.pin_memory(), scale.pin_memory()) if dev[0].is_cuda else (weight, scale)
-    got = to_cpu(hashed_rows_triton(dev[0], dev[1], tuple(dev[2:]), 3, tw, ts, torch.float32))
-    assert got.shape == want.shape == (T, (N - 1) * H, width)
-    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    tables = ([(weight.pin_memory(), scale.pin_memory()), (on_dev(weight), on_dev(scale))] if dev[0].is_cuda
+              else [(weight, scale)])
+    for tw, ts in tables:
+        got = to_cpu(hashed_rows_triton(dev[0], dev[1], tuple(dev[2:]), 3, tw, ts, torch.float32))
+        assert got.shape == want.shape == (T, (N - 1) * H, width)
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
 def _gate_by_hand(R, kv, w, eps):

@@ -129,13 +129,15 @@ def test_triton_matches_twin_mixed_rows(vocab):
 
 
 @pytest.mark.parametrize("vocab", [9000, 8720])
-@pytest.mark.parametrize("shape", [None, (256, 2), (128, 1), (64, 1), (256, 8), (64, 2), (128, 4)])
+@pytest.mark.parametrize("shape", [None, (256, 2), (128, 1), (64, 1), (256, 8), (64, 2), (128, 4), (128, 2, 1),
+                                   (256, 2, 1), (256, 1, 1), (256, 1, 2), (256, 2, 2)])
 def test_pass_shapes_draw_the_twins_tokens(shape, vocab):
     """Every program shape of the pass (lanes per program, warps: 4, 2 or 1 lanes per thread side by side, mask
-    words loaded once per thread and k) draws the twin's tokens on masked, greedy, hot and cold rows with a
-    partial last segment. Both vocabularies matter on a GPU: 8,720 (a multiple of 16) gets vectorised logits loads
-    and so a layout with a thread's lanes side by side; 9,000 does not (a thread's lanes 64 apart, in other mask
-    words): the packed mask-word load must be right in both (session 4's was not in the second)."""
+    words loaded once per thread and k; a third entry: lanes side by side, the rest in sub-blocks) draws the twin's
+    tokens on masked, greedy, hot and cold rows with a partial last segment. Both vocabularies matter on a GPU:
+    8,720 (a multiple of 16) gets vectorised logits loads and so a layout with a thread's lanes side by side; 9,000
+    does not (a thread's lanes 64 apart, in other mask words): the packed mask-word load must be right in both
+    (session 4's was not in the second)."""
     gen = torch.Generator().manual_seed(14)
     R = 7
     logits = torch.randn(R, vocab, generator=gen) * 3
