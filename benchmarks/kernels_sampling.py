@@ -483,7 +483,7 @@ def sweep_pdl(bw, l2, batches=None):
 def sweep_plain(bw, l2):
     """Plain rows at B=64, to see what a grammar mask costs (T=0.7 + random 50% masks sits at 59% of the copy
     bandwidth against 66-71% for T=1): T=1 and T=0.7 without a mask at the unmasked default shape and at the
-    masked one (64 lanes x 2 warps: one lane per thread, 4-byte loads), a mask of all ones (every word loaded,
+    masked one (`MASKED_SMALL_SHAPE`: one lane per thread, 4-byte loads, in sub-blocks), a mask of all ones (every word loaded,
     every token kept), random masks at several program shapes (lanes x warps: 2 or 4 lanes per thread take the
     packed word loads), grammar-like masks (2% allowed in runs of 512) dense and MASK_FIRST; T=1 is timed at the
     start and at the end (run-to-run spread); B=256: T=1 and T=0.7 + mask."""
@@ -758,7 +758,7 @@ def sweep_shapes(bw, l2):
             run = lambda s: sampling.sample_triton(s[0], p, s[1], filters=False, shape=shape, mask_first=first)  # noqa
             same = float((run((x, m)) == want).float().mean())
             t = time_ms(lambda: run(nxt()))
-            row("  sweep pass shape", f"B={B} {'T=0.7 +mask' if masked else 'T=1'} {shape[0]}x{shape[1]}"
+            row("  sweep pass shape", f"B={B} {'T=0.7 +mask' if masked else 'T=1'} {'x'.join(map(str, shape))}"
                 f"{' mask first' if first else ''}", t, None, B * V * 4 + (B * W * 4 if masked else 0), bw,
                 f"tokens = twin {same:.1%}")
     # grammar-like masks: 2% of the vocabulary allowed, in runs of 512 tokens (whole sectors banned)

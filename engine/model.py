@@ -74,6 +74,7 @@ def _quant():
 
 # compress_step inputs that are arenas (fixed addresses, written in place by the graph), not per-step indices
 _FIXED_COMPRESS = ("ring_kv", "ring_g", "ent", "lat", "ik")
+EMPTY_CHAIN = (None,) * 8      # the layer chain a step's first segment starts from (Model._layers_fast)
 
 # linears whose weights are FP8 / FP4 in the real checkpoint: their inputs are quantized to FP8 per 32 at run time
 _ACT_QUANT_LINEARS = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]"
@@ -163,10 +164,11 @@ class StepContext:
     host_ids: torch.Tensor | None = None       # the token ids on the host, when they were given there
     window_prep: tuple | None = None           # fast path, Engram: `_windows_prep` made at plan time
     ids_host: tuple | None = None              # graph steps: SegmentGraphs.ids_buffers (the ids' own buffers)
-    ids_copy: bool = False                     # the first segment still has to copy the ids in (launch sets it)
+    ids_copy: bool = False                     # the first segment still has to copy the ids in, or record their
+                                               # buffer's event (launch sets it)
     engram_ids: dict = field(default_factory=dict)    # fast path: engram layer -> its row ids' upload slot, to fill
     ready: object = None                       # graph steps: the first graph's replay prepared by plan_step
-    ready_out: tuple | None = None             # its outputs, once launch replayed it
+    ready_out: tuple | None = None             # its outputs, once launch replayed it (until _run_segment took them)
 
     @functools.cached_property
     def caches(self) -> list:
@@ -607,7 +609,7 @@ class Model(nn.Module):
             return None
         host, dev, _ = ctx.ids_host
         # (the inputs `_run_segment` passes: the first segment's empty layer chain, the ids, its args)
-        return ctx.graphs.prepare(seg.key, [None] * 8 + [ctx.graph_ids, *seg.args], pre=(dev, host))
+        return ctx.graphs.prepare(seg.key, [*EMPTY_CHAIN, ctx.graph_ids, *seg.args], pre=(dev, host))
 
     def cancel(self, plan: "StepPlan") -> None:
         """Forget a planned step that will not be launched: the caches are as before `plan_step` (the rows it moved
@@ -697,6 +699,8 @@ class Model(nn.Module):
                 # (the first graph, prepared by plan_step: launched now that its ids are in their host buffer; the
                 # host work before it ran at plan time, the rest of the launch's runs while the device computes)
                 ctx.ready_out = self._graphs.replay_ready(ctx.ready)
+                if ctx.ready_out is not None:
+                    self._ids_copied(ctx)
             if ctx.plan is not None:
                 hfin, logits = self._layers_fast(ctx, every_row, plan.segments, bool(plan.splits))
             else:
@@ -840,7 +844,7 @@ class Model(nn.Module):
         g = ctx.graphs
         plan = ctx.plan
         layers = self.layers
-        chain = [None] * 8          # R, pre, post, comb, q, kv, iq, w of the layer updated last (or a Handoff)
+        chain = list(EMPTY_CHAIN)   # R, pre, post, comb, q, kv, iq, w of the layer updated last (or a Handoff)
         if split:      # V4.1: every segment prepared, cut between layers
             for k, seg in enumerate(ready):
                 head = self._run_and_record(ctx, seg, chain)
@@ -983,8 +987,8 @@ class Model(nn.Module):
         return _Segment(cores, args, late, key, fn, shapes)
 
     def _run_segment(self, ctx: StepContext, seg: "_Segment", chain: list) -> tuple:
-        """Send the step's laid-out upload, fill the segment's Engram rows the host looked up, run it
-        (ctx.graphs)."""
+        """Send the step's laid-out upload, fill the segment's Engram rows the host looked up, run it (ctx.graphs);
+        the step's first segment, when launch already replayed it as prepared (ctx.ready_out): its outputs."""
         g, plan = ctx.graphs, ctx.plan
         plan.send()
         if isinstance(plan.positions, batched.Deferred):     # positions (and host ids) came with the upload
@@ -998,15 +1002,25 @@ class Model(nn.Module):
                 e = args[at] = plan.resolve(ctx.engram_rows.get(j))
                 shapes[at] = None if e is None else tuple(e.shape)
             key = key + (tuple(shapes),)
+        if ctx.ready_out is not None:
+            out, ctx.ready_out = ctx.ready_out, None
+            return out
         if not ctx.ids_copy:
             return g.run(key, seg.fn, *chain, ctx.graph_ids, *args)
-        host, dev, done = ctx.ids_host
-        ctx.ids_copy, ctx.token_ids = False, dev
-        out = ctx.ready_out if ctx.ready_out is not None else g.run(key, seg.fn, *chain, ctx.graph_ids, *args,
-                                                                    pre=(dev, host))
-        if done is not None:     # (the next launch waits for it before writing `host` again: long passed)
-            done.record()
+        host, dev, _ = ctx.ids_host
+        out = g.run(key, seg.fn, *chain, ctx.graph_ids, *args, pre=(dev, host))
+        self._ids_copied(ctx)
         return out
+
+    @staticmethod
+    def _ids_copied(ctx: StepContext) -> None:
+        """The first graph (its copy of the ids from their host buffer) is queued: the ids live on the device from
+        now, and the buffer's event is recorded right behind the copy (the next launch waits for it before writing
+        the buffer again: long passed by then)."""
+        _, dev, done = ctx.ids_host
+        ctx.ids_copy, ctx.token_ids = False, dev
+        if done is not None:
+            done.record()
 
     def _compact_layer(self, block: Block, R: torch.Tensor, a, ctx: StepContext):
         """The first decoder layer in YOCO `compact` mode: its compressed KV and index keys are built from every

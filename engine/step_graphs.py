@@ -74,9 +74,11 @@ class _Size:
 
 @dataclass
 class Ready:
-    """A captured segment whose replay a step prepared (SegmentGraphs.prepare): its key (run_key's) and segment."""
+    """A captured segment whose replay a step prepared (SegmentGraphs.prepare): its key (run_key's), segment, and the
+    graphs' generation then (a reset() since retires the segment: replay_ready refuses it)."""
     key: tuple
     seg: _Segment
+    generation: int
 
 
 class _Pinned:
@@ -363,10 +365,13 @@ class SegmentGraphs:
         seg = size.segments.get(key)
         if seg is None or len(seg.inputs) != len(inputs) or not all(map(operator.is_, seg.inputs, inputs)):
             return None
-        return Ready(key, seg)
+        return Ready(key, seg, self.generation)
 
-    def replay_ready(self, ready: "Ready") -> tuple:
-        """Replay a segment `prepare` found (in the same step) -> its outputs (`run`'s)."""
+    def replay_ready(self, ready: "Ready") -> tuple | None:
+        """Replay a segment `prepare` found (in the same step) -> its outputs (`run`'s); None, replaying nothing, when
+        the graphs were reset since (weights moved, a switch changed the kernels: the caller `run`s it instead)."""
+        if ready.generation != self.generation:
+            return None
         ready.seg.graph.replay()
         return ready.seg.outputs
 

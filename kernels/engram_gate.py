@@ -39,8 +39,8 @@ On a device table 1 row loses (3.39 / 5.87 / 16.87 against 4.30 / 4.61 / 6.58 wi
 group ([rows, groups, 32] tiles; each thread loads 16 scale bytes one by one now) 9.27 / 23.05 / 65.92; the table
 interleaved [rows, W + G] (one read a row, but its 264-byte stride allows only byte loads) 8.01 / 21.94 / 70.52;
 32 rows a program 7.94 / 22.28 / 84.14. A table that fits in device memory (the mid-size model's two, 2.5 GB) is
-the cut: 4-7 us whatever T (engine/engram.py's EngramTable.device_arrays decides where the rows live; this kernel
-reads wherever its pointers point).
+the cut: 4-7 us whatever T (not taken: EngramTable.device_arrays pins in-memory tables in host memory on CUDA, so
+the engine runs HASH_ROWS_HOST_BLOCK; this kernel reads wherever its pointers point).
 PDL (backend.pdl_kw: each kernel waits before its first read of the step's data and its first store; the hash's
 primes / offsets, uploaded once, are read before the wait; the gate's weight after it, since engram.py makes that
 product with a torch launch on first use and after a weight change): session 12 R2 (the gate then read its weight

@@ -73,8 +73,7 @@ import triton.language as tl
 from . import rejection, rng, threshold
 from .backend import INTERPRETING, check, empty, pdl_kw, pdl_trigger, pdl_wait, use_triton
 from .rejection import is_p_alone, p_alone_rows, proposal_keys, store_proposals
-from .threshold import (_below, _ordered, exp2_w, lane_block, lane_pick, lane_score, needs_histogram_path,
-                        needs_lane_path, pack_lanes, segment_keys, thresholds_and_paths)
+from .threshold import lane_block, needs_histogram_path, needs_lane_path, segment_keys, thresholds_and_paths
 
 NEG_INF = float("-inf")
 
@@ -359,8 +358,8 @@ def _segment_kernel(logits_ptr, packed_ptr, inv_t_ptr, greedy_ptr, tau_ptr, keys
                     pmax_ptr=None, pmass_ptr=None, lane_ptr=None, n_lanes=0,
                     top_k_ptr=None, top_p_ptr=None, HOT: tl.constexpr = False, NPR: tl.constexpr = 1,
                     PDL: tl.constexpr = False, SUBS: tl.constexpr = 1):
-    """Program (row, part): PL lanes of one segment (LANES // PL parts per segment) as [PL, LW] in registers (lane
-    l: tokens start + k * LANES + l, held by one thread). Every lane computes in-thread its max, weights, running
+    """Program (row, part): PL lanes of one segment (LANES // PL parts per segment), [PL / SUBS, LW] in registers at
+    a time, SUBS sub-blocks one after the other (lane l: tokens start + k * LANES + l, held by one thread). Every lane computes in-thread its max, weights, running
     sum and inverse-CDF candidate, then its score M_g + ln S_g + G_g (greedy rows: max z and its first id); one
     block reduction packs the part's best lane.
     DONE: rows whose done entry is not -2 are drawn by the finish (from the top-k merge's kept set): their
@@ -536,8 +535,9 @@ def sample_triton(logits, params: RowParams, bitmask=None, mask_rows=None, seg: 
     """Two launches (+ the threshold launches when rows may filter: kernels/threshold.py): the pass, one program
     per (row, PL lanes of a segment), then a per-row finish. seg, lanes: segment size and lanes per segment
     (powers of two, lanes a multiple of 32 when a bitmask is given; other values than SEG, LANES draw other tokens
-    than the default rule: for benchmarks and tests on small vocabularies). shape: (lanes per program, warps),
-    default `pass_shape`'s; a thread holds lanes / (32 * warps) lanes side by side (16-byte loads at 4).
+    than the default rule: for benchmarks and tests on small vocabularies). shape: (lanes per program, warps[,
+    lanes side by side]), default `pass_shape`'s; a thread holds that many lanes at a time (16-byte loads at 4) and
+    works through lanes / (32 * warps * side by side) sub-blocks of them (`sub_blocks`).
     draw (default): the top-k merge draws its rows' tokens (threshold.lane_path: the same rule on the lanes that
     hold kept tokens) and the pass skips them; lane_only (the host knows every row is a sampled row with
     0 < top_k <= threshold.KMAX, as sample_from_logits does): the pass and the finish do not run at all (two
@@ -652,7 +652,8 @@ def check_logits_and_mask(logits, bitmask, mask_rows=None):
               f"bitmask covers {32 * bitmask.shape[1]} tokens but logits have {logits.shape[1]} columns")
         check(bitmask.device == logits.device, f"bitmask on {bitmask.device}, logits on {logits.device}")
         # (the kernels read an unmasked row's words from row 0 and set them all: threshold._dense_block)
-        check(bitmask.shape[0] >= 1, "bitmask must have at least one row (pass None for no mask)")
+        check(bitmask.shape[0] >= 1 or logits.shape[0] == 0,
+              "bitmask must have at least one row (pass None for no mask)")
         if mask_rows is None:
             check(bitmask.shape[0] >= logits.shape[0],
                   f"bitmask has {bitmask.shape[0]} rows for {logits.shape[0]} logits rows and no mask_rows")

@@ -55,13 +55,13 @@ import triton.language as tl
 from . import rng, sampling
 from .backend import INTERPRETING, check, empty, use_triton
 from .sampling import (LANES, LOG2E, NEG_INF, NEG_INF_KEY, SEG, SPEC_SHAPE, RowParams, check_logits_and_mask,
-                       one_launch_workspace,
-                       default_mask_rows, exp2_w, kept_z_torch, lane_draw_torch, lane_gumbel_torch, lane_pick,
-                       lane_score, lane_scores_torch, lanes_view, masked_z_torch, pack_lanes, pass_shape, pick_lane,
-                       rejection_draw_torch, row_params, segment_block, may_filter, thresholds_torch)
+                       default_mask_rows, kept_z_torch, lane_draw_torch, lane_gumbel_torch, lane_scores_torch,
+                       lanes_view, masked_z_torch, may_filter, one_launch_workspace, pass_shape, pick_lane,
+                       rejection_draw_torch, row_params, segment_block, thresholds_torch)
 from . import rejection
 from .rejection import NMAX, is_p_alone, p_alone_rows, store_proposals
-from .threshold import lane_keys, needs_histogram_path, rescaled_mass, thresholds_and_paths
+from .threshold import (exp2_w, lane_keys, lane_pick, lane_score, needs_histogram_path, pack_lanes, rescaled_mass,
+                        thresholds_and_paths)
 
 
 _NEG_INF_KEY = tl.constexpr(NEG_INF_KEY)

@@ -684,7 +684,8 @@ def lane_pick(w, gid, key, LW: tl.constexpr):
 @triton.jit
 def lane_score(m, s, key, gid, FAST: tl.constexpr):
     """M_g + ln S_g + G_g per lane (G_ID + g), -inf for an empty lane. FAST (GPUs): ln S_g by the hardware log2
-    as the Gumbel noise's logs (rng._log2: ~2**-22 relative; the accurate log is ~20 instructions a lane)."""
+    as the Gumbel noise's logs (rng._log2: ~2**-22 absolute in log2 for S_g >= ~1, as here; the accurate log is ~20
+    instructions a lane)."""
     g = rng.gumbel_tl(key, gid + 1610612736, FAST)                          # G_ID + g
     if FAST:
         ln_s = rng._log2(tl.maximum(s, 1e-30), FAST) * 0.6931471805599453

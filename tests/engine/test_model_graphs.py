@@ -494,3 +494,35 @@ def test_a_steady_replay_step_launches_its_first_graph_as_prepared_at_plan_time(
         steps.append(list(events))
     assert steps[:2] == [["segments", "run"]] * 2            # eager, capture
     assert steps[2:] == [["ready", "segments"]] * 2          # replays: launched before the segments' loop
+
+
+@pytest.mark.parametrize("between", ["reset", "device ids"])
+def test_a_prepared_first_graph_is_not_replayed_when_the_launch_cannot_use_it(between, monkeypatch):
+    """A steady step's first graph is prepared at plan time; launch must not replay it when the graphs were reset in
+    between (weights moved, a switch changed the kernels: replay_ready answers None, the retired graph stays
+    unplayed) or when the ids come on the device (the graph's copy would overwrite them with the stale host
+    buffer): the first segment goes through SegmentGraphs.run and the logits equal an eager copy's."""
+    from deepinfer_sg.engine import model as model_module
+    from deepinfer_sg.engine.model import StepRows
+    m, vocab, g, caches, eager, m_eager = _prefilled_with_eager_twin("v41", 13)
+    m._graphs = SegmentGraphs(emulate=True, warm=1)
+    replayed, ran = [], []
+    real_ready, real_run, real_on_host = SegmentGraphs.replay_ready, SegmentGraphs.run, model_module._on_host
+    monkeypatch.setattr(SegmentGraphs, "replay_ready", lambda gr, r: replayed.append(real_ready(gr, r)) or replayed[-1])
+    monkeypatch.setattr(SegmentGraphs, "run", lambda gr, *a, **k: ran.append(1) or real_run(gr, *a, **k))
+    for step in range(4):          # eager, capture, replay (prepared), then the case
+        ids = torch.randint(0, vocab, (len(caches),), generator=g)
+        plan = m.plan_step([StepRows(c, 1, 1) for c in caches])
+        replayed.clear(), ran.clear()
+        if step == 3:
+            assert plan.ctx.ready is not None
+            if between == "reset":
+                m.reset_graphs()
+            else:
+                monkeypatch.setattr(model_module, "_on_host", lambda t: real_on_host(t) and t is not ids)
+        out = m.launch(plan, ids)
+        want = m_eager.forward_step([StepChunk(c, ids[i:i + 1], 1) for i, c in enumerate(eager)])
+        assert torch.equal(out.logits, want.logits), f"step {step}"
+        if step == 2:
+            assert len(replayed) == 1 and replayed[0] is not None
+    assert replayed == ([None] if between == "reset" else []) and ran

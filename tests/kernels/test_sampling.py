@@ -137,12 +137,13 @@ def test_pass_shapes_draw_the_twins_tokens(shape, vocab):
     tokens on masked, greedy, hot and cold rows with a partial last segment. Both vocabularies matter on a GPU:
     8,720 (a multiple of 16) gets vectorised logits loads and so a layout with a thread's lanes side by side; 9,000
     does not (a thread's lanes 64 apart, in other mask words): the packed mask-word load must be right in both
-    (session 4's was not in the second)."""
+    (session 4's was not in the second). Rows 2 and 4 are unmasked in a masked batch (greedy and sampled: full
+    segments read row 0's words and set them all, threshold._dense_block); the same rows without any mask too."""
     gen = torch.Generator().manual_seed(14)
     R = 7
     logits = torch.randn(R, vocab, generator=gen) * 3
     bm = random_bitmask(R, vocab, gen, density=0.7)
-    mrows = torch.tensor([0, 1, -1, 3, 4, 5, 6])
+    mrows = torch.tensor([0, 1, -1, 3, -1, 5, 6])
     p = row_params(R, "cpu", torch.tensor([1.0, 0.5, 0.0, 1.0, 2.0, 0.0, 0.7]), 0, 1.0, seed=torch.arange(R),
                    position=3)
     want = sample_torch(logits, p, bm, mrows)
@@ -151,6 +152,8 @@ def test_pass_shapes_draw_the_twins_tokens(shape, vocab):
     for r in range(R):
         if int(mrows[r]) >= 0:
             assert bit_allowed(bm, int(mrows[r]), int(want[r]))
+    unmasked = sample_triton(on_dev(logits), params_on_dev(p), shape=shape)
+    assert torch.equal(unmasked.cpu(), sample_torch(logits, p))
 
 
 @pytest.mark.parametrize("shape", [None, (128, 1)])
@@ -214,6 +217,8 @@ def test_row_with_nothing_allowed_gives_minus_one_and_bad_params_raise():
         sample_from_logits(logits, 1.0, 0, 0.0, 0, 0)
     with pytest.raises(ValueError, match="temperature"):
         sample_from_logits(logits, torch.tensor([1.0, 2.0, 3.0]), 0, 1.0, 0, 0)
+    with pytest.raises(ValueError, match="at least one row"):       # unmasked rows read row 0's words
+        sample_from_logits(logits, 1.0, 0, 1.0, 0, 0, bm[:0], torch.tensor([-1, -1]))
 
 
 def test_rng_row_keys_kernel_and_extremes():
